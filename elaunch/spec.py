@@ -1,0 +1,180 @@
+"""The launcher's vocabulary: WorkerSpec, Worker, WorkerGroup, WorkerState, RunResult.
+
+This module must not depend on any non-stdlib module (nor on torch): the CLI,
+the agent and the process supervisor all share it, and ``import elaunch.agent``
+must stay light.
+
+The names mirror ``torch.distributed.elastic.agent.server.api``; the shapes are
+simplified where torch carries fields that only its own plumbing needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+#: Placeholder substituted in worker arguments with the worker's local rank,
+#: the same macro torchrun substitutes (``torch.distributed.elastic.utils.macros``).
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+class WorkerState(str, enum.Enum):
+    """State of a WorkerGroup, as torch's ``WorkerState``.
+
+    INIT: created, not started. HEALTHY: all workers running. UNHEALTHY: running
+    but reported unwell (unused by the local agent, kept for parity). STOPPED:
+    stopped by the agent (membership change, signal). SUCCEEDED: every worker
+    exited 0. FAILED: at least one worker exited non-zero or was killed.
+    UNKNOWN: the agent could not tell (an error in the agent itself).
+    """
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+#: States in which worker processes exist and must be watched.
+RUNNING_STATES = frozenset({WorkerState.HEALTHY, WorkerState.UNHEALTHY})
+#: States after which the agent loop ends (no restart follows).
+TERMINAL_STATES = frozenset({WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNKNOWN})
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What to run on this node: the same for every round.
+
+    Mirrors ``torch.distributed.elastic.agent.server.WorkerSpec``; the
+    rendezvous handler is given to the agent separately rather than carried here.
+
+    Attributes:
+        role: role name of the workers (``--role``), ``ROLE_NAME`` in their env.
+        local_world_size: number of workers on this node (``--nproc-per-node``), >= 1.
+        cmd: argv of one worker, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
+            Occurrences of ``${local_rank}`` are replaced per worker.
+        max_restarts: failed-group restarts allowed before the agent gives up (>= 0).
+        monitor_interval: seconds between the agent's checks of the rendezvous for
+            waiting nodes (workers' exits wake the agent at once regardless).
+        master_addr: fixed MASTER_ADDR for the workers, or None to take the one the
+            rendezvous publishes.
+        master_port: fixed MASTER_PORT, or None to take the rendezvous' one.
+        local_addr: this node's address as other nodes reach it, or None for the FQDN.
+    """
+
+    role: str
+    local_world_size: int
+    cmd: tuple[str, ...]
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+
+    def worker_cmd(self, local_rank: int) -> list[str]:
+        """Return the argv of the worker with ``local_rank``, macros substituted."""
+        return [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in self.cmd]
+
+
+@dataclass
+class Worker:
+    """One worker process of a group: its ranks and, once started, its pid.
+
+    Attributes:
+        local_rank: index on this node, 0 .. local_world_size-1 (``LOCAL_RANK``).
+        global_rank: rank in the whole job (``RANK``).
+        role_rank: rank among workers of the same role (``ROLE_RANK``).
+        world_size: workers in the whole job (``WORLD_SIZE``).
+        role_world_size: workers of this role in the job (``ROLE_WORLD_SIZE``).
+        pid: process id once started, else None.
+    """
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    pid: int | None = None
+
+
+@dataclass
+class WorkerGroup:
+    """The workers of one node for one rendezvous round.
+
+    Attributes:
+        spec: the WorkerSpec they run.
+        workers: one Worker per local rank, in local-rank order.
+        state: the group's WorkerState.
+        round: the rendezvous round the group belongs to (>= 0).
+        group_rank: this node's rank among the nodes (``GROUP_RANK``).
+        group_world_size: number of nodes in the round (``GROUP_WORLD_SIZE``).
+        master_addr, master_port: the workers' store (``MASTER_ADDR``/``MASTER_PORT``).
+    """
+
+    spec: WorkerSpec
+    workers: list[Worker] = field(default_factory=list)
+    state: WorkerState = WorkerState.INIT
+    round: int = -1
+    group_rank: int = -1
+    group_world_size: int = -1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessFailure:
+    """How one worker failed.
+
+    Attributes:
+        local_rank, global_rank: the worker's ranks (global_rank -1 if unknown).
+        pid: its process id.
+        exitcode: its exit status; negative for death by signal (``-signum``), as
+            ``subprocess`` and torch report it.
+        timestamp: when the agent saw the exit, seconds since the epoch (float).
+        hostname: this node's name, for the summary.
+        error_file: path of its TORCHELASTIC_ERROR_FILE.
+        error_data: the parsed error file (torch's JSON shape) or None if it wrote none.
+        stderr_tail: the last lines of its stderr log, when redirected, else "".
+    """
+
+    local_rank: int
+    global_rank: int
+    pid: int
+    exitcode: int
+    timestamp: float
+    hostname: str = ""
+    error_file: str = ""
+    error_data: dict | None = None
+    stderr_tail: str = ""
+
+    @property
+    def signal_name(self) -> str:
+        """Name of the killing signal (``"SIGKILL"``) or ``""`` for a normal exit."""
+        if self.exitcode >= 0:
+            return ""
+        import signal
+
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+
+@dataclass
+class RunResult:
+    """Outcome of ``ElasticAgent.run()``.
+
+    Attributes:
+        state: SUCCEEDED or FAILED (UNKNOWN if the agent itself broke).
+        failures: the failed workers of the last round, keyed by global rank.
+        restarts: failed-group restarts used.
+    """
+
+    state: WorkerState
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    restarts: int = 0
+
+    def is_failed(self) -> bool:
+        return self.state is not WorkerState.SUCCEEDED

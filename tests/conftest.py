@@ -1,0 +1,80 @@
+"""Shared fixtures: every test must leave no process behind.
+
+The autouse ``no_leftover_processes`` fixture snapshots this pytest process's
+descendants before a test and, after it, waits (with a deadline) for every new
+one to be gone. Survivors are killed and the test fails, naming them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate()`` until truthy or ``timeout`` seconds pass; return its value.
+
+    Raises:
+        AssertionError: the deadline passed; the message names ``what``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _descendants() -> dict[int, str]:
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out[p.pid] = " ".join(p.cmdline())[:200]
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    before = set(_descendants())
+    yield
+    def leftovers():
+        return {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    deadline = time.monotonic() + 10.0
+    left = leftovers()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = leftovers()
+    if left:
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"test left processes behind: {left}")
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """An environment without torchrun/elaunch variables leaking in from outside."""
+    for key in list(os.environ):
+        if key.startswith(("PET_", "TORCHELASTIC_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
+            monkeypatch.delenv(key, raising=False)
+    return os.environ
