@@ -1,0 +1,432 @@
+"""LaunchConfig: everything one ``elaunch`` invocation runs with, validated and resolved.
+
+Stdlib only: torch is imported lazily, and only by ``_device_count`` when
+``--nproc-per-node`` is ``gpu``, ``xpu`` or ``auto``. This is the one place where
+the launcher reads the environment (``OMP_NUM_THREADS``, ``PYTHON_EXEC``,
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``,
+``PATH``); the mapping is passed in explicitly so tests need no monkeypatching.
+
+Mirrors ``torch.distributed.run.config_from_args`` and ``run`` (standalone and
+single-node static rewriting, static endpoint defaults, worker argv).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Rendezvous backends a user may name with ``--rdzv-backend``.
+KNOWN_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")
+#: Backends whose endpoint may be a comma-separated list (and carry http(s)://).
+ETCD_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
+#: elaunch's internal, torch-free single-node backend (``--standalone``).
+STANDALONE_BACKEND = "standalone"
+STANDALONE_ENDPOINT = "127.0.0.1:0"
+#: ``--master-port`` default for static rendezvous, as torchrun.
+DEFAULT_MASTER_PORT = 29500
+#: Seconds between SIGTERM and SIGKILL when the env and flag say nothing.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+START_METHODS = ("spawn", "fork", "forkserver")
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+_HOST_RE = re.compile(r"^[\w.-]+$")
+_IPV6_RE = re.compile(r"^[0-9A-Za-z:.%_-]+$")
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message names the flag (or env var) and the bad value.
+
+    The CLI prints it as one line ``elaunch: error: <message>`` and exits 2.
+    """
+
+
+def _std_none() -> Any:
+    from elaunch.procs.std import Std
+
+    return Std.NONE
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch, validated: mirrors torch's ``LaunchConfig`` plus the worker argv.
+
+    Attributes:
+        min_nodes, max_nodes: bounds on the number of nodes (``--nnodes``), 1 <= min <= max.
+        nproc_per_node: workers on this node, >= 1 (``cpu``/``gpu``/``auto`` resolved).
+        run_id: job id (``--rdzv-id``; a fresh uuid4 for standalone).
+        role: the workers' role (``--role``).
+        rdzv_backend: ``static``, ``c10d``, ``etcd``, ``etcd-v2``, ``etcd-v3`` or the
+            internal ``standalone`` (``--standalone``, and single-node static defaults).
+        rdzv_endpoint: ``host[:port]`` ("" for none); static: ``master_addr:master_port``;
+            standalone: ``127.0.0.1:0`` (port picked at bind time).
+        rdzv_configs: ``--rdzv-conf`` entries; static adds ``rank`` = str(node_rank).
+        max_restarts: failed-group restarts allowed, >= 0.
+        monitor_interval: seconds between agent checks, > 0.
+        start_method: ``spawn``, ``fork`` or ``forkserver`` (kept for parity; elaunch
+            workers are always separate ``exec``-ed processes).
+        log_dir: base directory for worker logs, or None for a temporary one.
+        redirects, tee: ``elaunch.procs.std.Std`` or ``{local_rank: Std}`` (``-r``/``-t``).
+        local_ranks_filter: local ranks whose output reaches the console, None for all.
+        node_rank: this node's rank for static rendezvous (``--node-rank``).
+        master_addr, master_port: the static rendezvous' store (``MASTER_ADDR``/
+            ``MASTER_PORT`` of the workers); None for other backends, whose
+            rendezvous publishes them.
+        local_addr: this node's address as others reach it, None for the FQDN.
+        shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
+        signals_to_handle: signal names the agent forwards to workers (``"SIGTERM"``, ...).
+        event_log_handler: torch event handler name (``--event-log-handler``).
+        logs_specs: ``torchrun.logs_specs`` entry-point name, or None for the default.
+        virtual_local_rank: set LOCAL_RANK=0 for every worker (``--virtual-local-rank``).
+        numa_binding: NUMA affinity mode name, or None.
+        duplicate_stdout_filters, duplicate_stderr_filters: substrings selecting lines
+            duplicated to a separate file.
+        log_line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` or None.
+        omp_num_threads: 1 when nproc_per_node > 1 and ``OMP_NUM_THREADS`` is unset,
+            else None (the workers then inherit the environment's value).
+        cmd: the worker argv, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
+        standalone: True when the user asked for ``--standalone``.
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    run_id: str = "none"
+    role: str = "default"
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_dir: str | None = None
+    redirects: Any = field(default_factory=_std_none)
+    tee: Any = field(default_factory=_std_none)
+    local_ranks_filter: frozenset[int] | None = None
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
+    event_log_handler: str = "null"
+    logs_specs: str | None = None
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    log_line_prefix_template: str | None = None
+    omp_num_threads: int | None = None
+    cmd: tuple[str, ...] = ()
+    standalone: bool = False
+
+
+def _device_count(kind: str) -> int:
+    """Return how many devices of ``kind`` this host has (0 when unavailable).
+
+    Args:
+        kind: ``cpu`` (CPUs this process may run on), ``gpu`` (CUDA), ``xpu`` or
+            ``accelerator`` (torch's current accelerator, whatever its type).
+
+    torch is imported here, lazily, and only for the device kinds.
+    """
+    if kind == "cpu":
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    import torch
+
+    if kind == "gpu":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "xpu":
+        return torch.xpu.device_count() if torch.xpu.is_available() else 0
+    if kind == "accelerator":
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available():
+            return acc.device_count()
+        return 0
+    raise ValueError(f"unknown device kind {kind!r}")
+
+
+def resolve_nproc(spec: int | str, label: str = "--nproc-per-node") -> int:
+    """Turn an ``--nproc-per-node`` value into a worker count (torch ``determine_local_world_size``).
+
+    Args:
+        spec: an int >= 1, or ``cpu``, ``gpu``, ``xpu``, ``auto`` (accelerators if
+            any, else CPUs).
+        label: the flag or env var named in errors.
+
+    Raises:
+        ConfigError: unknown keyword, or no device of the requested kind.
+    """
+    if isinstance(spec, int):
+        if spec < 1:
+            raise ConfigError(f"{label}={spec}: must be >= 1")
+        return spec
+    if spec == "cpu":
+        return max(1, _device_count("cpu"))
+    if spec in ("gpu", "xpu"):
+        count = _device_count(spec)
+        if count < 1:
+            kind = "CUDA" if spec == "gpu" else "XPU"
+            raise ConfigError(f"{label}={spec}: no {kind} device is available")
+        return count
+    if spec == "auto":
+        count = _device_count("accelerator")
+        return count if count > 0 else max(1, _device_count("cpu"))
+    raise ConfigError(f"{label}={spec}: expected an integer >= 1 or one of auto, cpu, gpu, xpu")
+
+
+def parse_endpoint(text: str, label: str = "--rdzv-endpoint", allow_zero: bool = False) -> tuple[str, int | None]:
+    """Split one ``host[:port]`` (IPv6 as ``[::1]:29400``) into host and port.
+
+    Args:
+        text: the endpoint.
+        label: the flag named in errors.
+        allow_zero: accept port 0 ("pick a free port"; standalone only).
+
+    Returns:
+        ``(host, port)``, port None when absent; IPv6 hosts without brackets.
+
+    Raises:
+        ConfigError: empty host, a port outside 1-65535, or extra colons.
+    """
+    ep = text.strip()
+    if ep.startswith("["):
+        close = ep.find("]")
+        host, rest = ep[1:close], ep[close + 1 :]
+        if close < 0 or not host or not _IPV6_RE.match(host) or (rest and not rest.startswith(":")):
+            raise ConfigError(f"{label}={text}: malformed IPv6 endpoint (expected [addr]:port)")
+        port_text = rest[1:] if rest else None
+    else:
+        if ep.count(":") > 1:
+            raise ConfigError(f"{label}={text}: expected host:port (bracket IPv6 addresses: [::1]:29400)")
+        host, _, port_text = ep.partition(":")
+        if ":" not in ep:
+            port_text = None
+        if not host or not _HOST_RE.match(host):
+            raise ConfigError(f"{label}={text}: invalid host {host!r}")
+    if port_text is None:
+        return host, None
+    lowest = 0 if allow_zero else 1
+    if not port_text.isdigit() or not lowest <= int(port_text) <= 65535:
+        raise ConfigError(f"{label}={text}: port {port_text!r} must be an integer in {lowest}-65535")
+    return host, int(port_text)
+
+
+def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint") -> None:
+    items = endpoint.split(",") if backend in ETCD_BACKENDS else [endpoint]
+    for item in items:
+        if backend in ETCD_BACKENDS:
+            item = re.sub(r"^https?://", "", item.strip())
+        if not item.strip():
+            raise ConfigError(f"{label}={endpoint}: empty endpoint in the list")
+        parse_endpoint(item, label)
+
+
+def build_cmd(
+    script: str,
+    script_args: tuple[str, ...] | list[str] = (),
+    *,
+    module: bool = False,
+    no_python: bool = False,
+    run_path: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
+    """Build the worker argv as torchrun does (``config_from_args``).
+
+    * python: ``($PYTHON_EXEC or sys.executable, "-u", ["-m",] script, *args)``;
+    * ``--no-python``: ``(script, *args)``;
+    * ``--run-path``: ``(python, "-u", "-m", "elaunch.runpath", script, *args)``.
+      torchrun runs the script with ``runpy.run_path`` inside its own worker
+      process; elaunch workers are separate processes, so the tiny
+      ``elaunch.runpath`` module does the same ``run_path`` there. It takes
+      precedence over ``--no-python`` and ``-m``, as in torchrun.
+
+    Raises:
+        ConfigError: ``--no-python`` with ``-m``; a script file that does not exist
+            (not checked with ``-m``); with ``--no-python``, a program that is neither
+            an existing path nor found on ``PATH``.
+    """
+    env = os.environ if environ is None else environ
+    python = env.get("PYTHON_EXEC") or sys.executable
+    args = tuple(script_args)
+    if run_path:
+        _require_file(script)
+        return (python, "-u", "-m", "elaunch.runpath", script, *args)
+    if no_python:
+        if module:
+            raise ConfigError("--no-python and -m/--module cannot be used together")
+        if os.sep not in script and not shutil.which(script, path=env.get("PATH", os.defpath)):
+            raise ConfigError(f"{script}: program not found on PATH")
+        if os.sep in script and not os.path.exists(script):
+            raise ConfigError(f"{script}: no such file")
+        return (script, *args)
+    if module:
+        return (python, "-u", "-m", script, *args)
+    _require_file(script)
+    return (python, "-u", script, *args)
+
+
+def _require_file(script: str) -> None:
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file (training script)")
+
+
+def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
+    raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}: expected seconds (a number)") from None
+    if not value >= 0:
+        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}: must be >= 0 seconds")
+    return value
+
+
+def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Resolve parsed options into a LaunchConfig (torch ``run`` + ``config_from_args``).
+
+    Args:
+        options: typed values keyed by torchrun's argparse ``dest`` names, as the
+            click ParamTypes in ``elaunch.cli.params`` produce them: ``nnodes``
+            ``(min, max)``, ``nproc_per_node`` int or keyword, ``rdzv_conf`` dict,
+            ``redirects``/``tee`` Std values, ``local_ranks_filter`` frozenset or None,
+            ``signals_to_handle`` tuple, ``shutdown_timeout`` float or None,
+            ``training_script`` str, ``training_script_args`` tuple, flags as bools.
+            Missing keys take torchrun's defaults.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: a value, or a combination, is invalid; the message names it.
+    """
+    env = os.environ if environ is None else environ
+    notes: list[str] = []  # warnings, logged only once everything validated
+    o = dict(options)
+    get = o.get
+    min_nodes, max_nodes = get("nnodes") or (1, 1)
+    if not 0 < min_nodes <= max_nodes:
+        raise ConfigError(f"--nnodes={min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
+    script = get("training_script")
+    if not script:
+        raise ConfigError("missing the training script (elaunch [OPTIONS] SCRIPT [ARGS]...)")
+
+    backend = get("rdzv_backend") or "static"
+    endpoint = get("rdzv_endpoint") or ""
+    run_id = get("rdzv_id") or "none"
+    master_port = get("master_port")
+    master_addr = get("master_addr") or "127.0.0.1"
+    node_rank = get("node_rank") or 0
+    standalone = bool(get("standalone"))
+    if backend not in KNOWN_BACKENDS:
+        raise ConfigError(f"--rdzv-backend={backend}: unknown backend (known: {', '.join(KNOWN_BACKENDS)})")
+    if endpoint:
+        _check_endpoint(backend, endpoint)
+
+    if standalone:
+        if max_nodes != 1:
+            raise ConfigError(f"--nnodes={min_nodes}:{max_nodes}: --standalone runs a single node")
+        if (backend, endpoint, run_id) != ("static", "", "none"):
+            notes.append("--standalone: ignoring the given --rdzv-backend/--rdzv-endpoint/--rdzv-id")
+        backend, endpoint, run_id = STANDALONE_BACKEND, STANDALONE_ENDPOINT, str(uuid.uuid4())
+    elif backend == "static" and not endpoint and master_port is None and max_nodes == 1:
+        # torchrun turns this into c10d localhost:0; elaunch's standalone is its torch-free twin.
+        backend, endpoint, run_id = STANDALONE_BACKEND, STANDALONE_ENDPOINT, str(uuid.uuid4())
+
+    if backend != "static" and not endpoint and get("master_addr") not in (None, "127.0.0.1"):
+        notes.append("--master-addr is only used by the static rendezvous without --rdzv-endpoint")
+    if backend != "static" and node_rank != 0:
+        notes.append(f"--node-rank is only used by the static rendezvous; ignored for {backend}")
+
+    rdzv_configs = dict(get("rdzv_conf") or {})
+    out_addr: str | None = None
+    out_port: int | None = None
+    if backend == "static":
+        if node_rank >= max_nodes:
+            raise ConfigError(f"--node-rank={node_rank}: must be < the number of nodes ({max_nodes})")
+        if not endpoint:
+            port = DEFAULT_MASTER_PORT if master_port is None else master_port
+            bare_v6 = ":" in master_addr and not master_addr.startswith("[")
+            endpoint = f"[{master_addr}]:{port}" if bare_v6 else f"{master_addr}:{port}"
+            _check_endpoint(backend, endpoint, "--master-addr")
+        rdzv_configs["rank"] = str(node_rank)
+        out_addr, out_port = parse_endpoint(endpoint)
+        if out_port is None:  # torch's static backend requires the port too
+            raise ConfigError(f"--rdzv-endpoint={endpoint}: the static rendezvous needs host:port")
+
+    nproc = resolve_nproc(1 if get("nproc_per_node") is None else get("nproc_per_node"))
+    omp = 1 if nproc > 1 and "OMP_NUM_THREADS" not in env else None  # launch() logs the warning
+
+    max_restarts = get("max_restarts") or 0
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts={max_restarts}: must be >= 0")
+    shutdown = get("shutdown_timeout")
+    shutdown = _env_shutdown_timeout(env) if shutdown is None else float(shutdown)
+    if not shutdown >= 0:
+        raise ConfigError(f"--shutdown-timeout={shutdown}: must be >= 0 seconds")
+    monitor_interval = float(0.1 if get("monitor_interval") is None else get("monitor_interval"))
+    if not monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval={monitor_interval}: must be > 0 seconds")
+    start_method = get("start_method") or "spawn"
+    if start_method not in START_METHODS:
+        raise ConfigError(f"--start-method={start_method}: expected one of {', '.join(START_METHODS)}")
+
+    cmd = build_cmd(
+        script,
+        tuple(get("training_script_args") or ()),
+        module=bool(get("module")),
+        no_python=bool(get("no_python")),
+        run_path=bool(get("run_path")),
+        environ=env,
+    )
+    redirects = get("redirects")
+    tee = get("tee")
+    for note in notes:
+        logger.warning(note)
+    if standalone:
+        logger.info("rendezvous: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s", backend, endpoint, run_id)
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=get("role") or "default",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+        log_dir=get("log_dir") or None,
+        redirects=_std_none() if redirects is None else redirects,
+        tee=_std_none() if tee is None else tee,
+        local_ranks_filter=get("local_ranks_filter") or None,
+        node_rank=node_rank,
+        master_addr=out_addr,
+        master_port=out_port,
+        local_addr=get("local_addr") or None,
+        shutdown_timeout=shutdown,
+        signals_to_handle=tuple(get("signals_to_handle") or DEFAULT_SIGNALS),
+        event_log_handler=get("event_log_handler") or "null",
+        logs_specs=get("logs_specs") or None,
+        virtual_local_rank=bool(get("virtual_local_rank")),
+        numa_binding=get("numa_binding") or None,
+        duplicate_stdout_filters=tuple(get("duplicate_stdout_filters") or ()),
+        duplicate_stderr_filters=tuple(get("duplicate_stderr_filters") or ()),
+        log_line_prefix_template=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        omp_num_threads=omp,
+        cmd=cmd,
+        standalone=standalone,
+    )

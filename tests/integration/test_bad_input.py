@@ -1,0 +1,79 @@
+"""Bad input: ``python -m elaunch ...`` prints exactly one line naming the value, exits 2.
+
+Table-driven; each case is a real subprocess (no torch is imported on these paths,
+so each takes well under a second).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = "{script}"  # replaced by an existing script file
+
+CASES = [
+    # (argv, extra env, text the error line must contain)
+    (["--nnodes=4:1", SCRIPT], {}, "--nnodes=4:1: MIN (4) must be <= MAX (1)"),
+    (["--nnodes", "a:b", SCRIPT], {}, "--nnodes=a:b"),
+    (["--nnodes", "1:2:3", SCRIPT], {}, "--nnodes=1:2:3"),
+    (["--nnodes", "0", SCRIPT], {}, "--nnodes=0"),
+    (["--nnodes", "-2", SCRIPT], {}, "--nnodes=-2"),
+    (["--nproc-per-node", "many", SCRIPT], {}, "--nproc-per-node=many"),
+    (["--nproc_per_node", "-1", SCRIPT], {}, "--nproc-per-node=-1"),
+    (["--nproc-per-node", "gpu", SCRIPT], {"CUDA_VISIBLE_DEVICES": ""}, "--nproc-per-node=gpu: no CUDA device"),
+    (["--max-restarts", "x", SCRIPT], {}, "--max-restarts=x"),
+    (["--max-restarts", "-1", SCRIPT], {}, "--max-restarts=-1"),
+    (["--monitor-interval", "0", SCRIPT], {}, "--monitor-interval=0"),
+    (["--monitor-interval", "fast", SCRIPT], {}, "--monitor-interval=fast"),
+    (["--shutdown-timeout", "-5", SCRIPT], {}, "--shutdown-timeout=-5"),
+    (["--shutdown-timeout", "later", SCRIPT], {}, "--shutdown-timeout=later"),
+    (["--rdzv-backend", "zookeeper", SCRIPT], {}, "--rdzv-backend=zookeeper: unknown rendezvous backend (known: static, c10d, etcd, etcd-v2, etcd-v3)"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:70000", SCRIPT], {}, "--rdzv-endpoint=h:70000"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", SCRIPT], {}, "--rdzv-endpoint=h:0"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "::1:29400", SCRIPT], {}, "--rdzv-endpoint=::1:29400"),
+    (["--rdzv-conf", "join_timeout", SCRIPT], {}, "--rdzv-conf=join_timeout"),
+    (["--rdzv-conf", "=5", SCRIPT], {}, "--rdzv-conf==5"),
+    (["--signals-to-handle", "SIGTERM,SIGNOPE", SCRIPT], {}, "SIGNOPE"),
+    (["--no-python", "-m", "pkg.mod"], {}, "--no-python"),
+    (["/definitely/not/here.py"], {}, "/definitely/not/here.py"),
+    (["--no-python", "no-such-program-xyz"], {}, "no-such-program-xyz"),
+    (["--redirects", "7", SCRIPT], {}, "--redirects=7"),
+    (["-t", "0:9", SCRIPT], {}, "--tee=0:9"),
+    (["--local-ranks-filter", "0,a", SCRIPT], {}, "--local-ranks-filter=0,a"),
+    ([], {}, "missing the training script"),
+    (["--nproc-per-node=2"], {}, "missing the training script"),
+    (["--start-method", "thread", SCRIPT], {}, "--start-method=thread"),
+    (["--nnodes", "2", "--node-rank", "2", SCRIPT], {}, "--node-rank=2"),
+    (["--master-port", "0", "--nnodes", "2", SCRIPT], {}, "--master-port=0"),
+    (["--numa-binding", "everywhere", SCRIPT], {}, "--numa-binding=everywhere"),
+    (["--no-such-flag", SCRIPT], {}, "--no-such-flag"),
+    ([SCRIPT], {"PET_NNODES": "3:2"}, "PET_NNODES=3:2"),
+    ([SCRIPT], {"PET_STANDALONE": "yes"}, "PET_STANDALONE=yes"),
+    ([SCRIPT], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon"),
+]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PET_", "TORCHELASTIC_", "TORCH_ELASTIC_"))}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("argv, extra_env, needle", CASES, ids=[" ".join(c[0]) or "<none>" for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, extra_env, needle):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    argv = [str(script) if a == SCRIPT else a for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "elaunch", *argv], capture_output=True, text=True,
+                          env=_env(extra_env), cwd=tmp_path, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("elaunch: error: ")
+    assert needle in lines[0]
+    assert "Traceback" not in proc.stderr and "Usage:" not in proc.stderr
+    assert proc.stdout == ""
