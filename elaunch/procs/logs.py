@@ -1,0 +1,161 @@
+"""Where workers' output goes: the log-directory layout and per-attempt destinations.
+
+Mirrors torch's ``DefaultLogsSpecs``: the run directory is
+``<log_dir>/<run_id>_<random>/``, one ``attempt_<n>/`` per started group and in it
+one ``<local_rank>/`` per worker holding ``stdout.log``, ``stderr.log`` (when
+redirected or tee'd) and ``error.json`` (the worker's ``TORCHELASTIC_ERROR_FILE``).
+``log_dir=os.devnull`` discards every redirected stream, as torch does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from string import Template
+
+from .std import Std, std_for
+
+
+@dataclass(frozen=True)
+class LogsSpec:
+    """What to do with workers' stdout/stderr (``--log-dir``, ``--redirects``, ``--tee``, ...).
+
+    Attributes:
+        log_dir: base directory (``--log-dir``); None -> a fresh
+            ``tempfile.mkdtemp(prefix="torchelastic_")`` as torch does.
+        redirects: streams written to the rank's log file instead of the console.
+        tee: streams written to the log file AND to the console, each line prefixed.
+        local_ranks_filter: ``--local-ranks-filter``: only these local ranks reach
+            the console (others still get their files); None or empty: all ranks.
+        line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` with
+            ``$role_name``, ``$rank``, ``$local_rank``; None -> ``[<role><local_rank>]:``.
+    """
+
+    log_dir: str | None = None
+    redirects: "Std | dict[int, Std]" = Std.NONE
+    tee: "Std | dict[int, Std]" = Std.NONE
+    local_ranks_filter: frozenset[int] | None = None
+    line_prefix_template: str | None = None
+
+    def shows_on_console(self, local_rank: int) -> bool:
+        """Return False when ``--local-ranks-filter`` hides ``local_rank``'s output."""
+        return not self.local_ranks_filter or local_rank in self.local_ranks_filter
+
+
+def line_prefix(template: str | None, role: str, rank: int, local_rank: int) -> str:
+    """Return the console prefix of a worker's tee'd lines, as torchrun builds it.
+
+    Args:
+        template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` or None for ``[<role><local_rank>]:``.
+        role: the workers' role name; rank: global rank; local_rank: local rank.
+    """
+    if template:
+        return Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
+    return f"[{role}{local_rank}]:"
+
+
+@dataclass
+class AttemptLogs:
+    """Destinations of one started group (one attempt), per local rank.
+
+    Attributes:
+        dir: the ``attempt_<n>`` directory (``os.devnull`` when logs are discarded).
+        stdout, stderr: file the stream is written to; None = the agent's own console
+            (inherited); ``os.devnull`` when hidden by the filter or discarded.
+        tee_stdout, tee_stderr: for ranks whose file is also copied to the console:
+            the file to follow (subset of ``stdout``/``stderr`` values).
+        error_file: each worker's ``TORCHELASTIC_ERROR_FILE`` ("" when discarded).
+    """
+
+    dir: str
+    stdout: dict[int, str | None] = field(default_factory=dict)
+    stderr: dict[int, str | None] = field(default_factory=dict)
+    tee_stdout: dict[int, str] = field(default_factory=dict)
+    tee_stderr: dict[int, str] = field(default_factory=dict)
+    error_file: dict[int, str] = field(default_factory=dict)
+
+
+class RunLogDir:
+    """The job-level log directory of one agent run, created once.
+
+    Attributes:
+        root: ``<log_dir>/<run_id>_<random>`` (a new directory; ``os.devnull`` if discarding).
+        spec: the LogsSpec it was made from.
+
+    Raises (constructor):
+        NotADirectoryError: ``spec.log_dir`` exists and is not a directory (names it).
+        OSError: the directory cannot be created.
+    """
+
+    def __init__(self, spec: LogsSpec, run_id: str) -> None:
+        self.spec = spec
+        self._made: set[str] = set()
+        base = spec.log_dir
+        if base == os.devnull:
+            self.root = os.devnull
+            return
+        if not base:
+            base = tempfile.mkdtemp(prefix="torchelastic_")
+        elif os.path.exists(base) and not os.path.isdir(base):
+            raise NotADirectoryError(f"--log-dir {base}: exists and is not a directory")
+        os.makedirs(base, exist_ok=True)
+        safe_id = str(run_id).replace(os.sep, "_") or "run"
+        # mkdtemp: a new, uniquely named directory; nothing the user had is touched.
+        self.root = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+
+    def attempt(self, attempt: int, local_world_size: int) -> AttemptLogs:
+        """Create ``attempt_<attempt>/<local_rank>/`` and return the destinations.
+
+        Calling it again with the same number replaces that attempt's directory (it
+        is inside this run's own new root, as torch's ``reify`` does).
+
+        Args:
+            attempt: attempt number (>= 0).
+            local_world_size: number of workers (>= 1).
+
+        Raises:
+            ValueError: a negative ``attempt`` or ``local_world_size`` < 1.
+            OSError: the directories cannot be created.
+        """
+        if attempt < 0 or local_world_size < 1:
+            raise ValueError(f"attempt={attempt}, local_world_size={local_world_size}: must be >= 0 and >= 1")
+        spec = self.spec
+        if self.root == os.devnull:
+            return self._discarding(local_world_size)
+        adir = os.path.join(self.root, f"attempt_{attempt}")
+        if adir in self._made:
+            shutil.rmtree(adir, ignore_errors=True)
+        os.makedirs(adir)  # raises if someone else created it
+        self._made.add(adir)
+        logs = AttemptLogs(dir=adir)
+        for lr in range(local_world_size):
+            rdir = os.path.join(adir, str(lr))
+            os.mkdir(rdir)
+            tee = std_for(spec.tee, lr)
+            redirect = std_for(spec.redirects, lr) | tee  # tee = redirect + follow the file
+            shown = spec.shows_on_console(lr)
+            for std, name, dest, tee_dest in (
+                (Std.OUT, "stdout.log", logs.stdout, logs.tee_stdout),
+                (Std.ERR, "stderr.log", logs.stderr, logs.tee_stderr),
+            ):
+                if redirect & std:
+                    dest[lr] = os.path.join(rdir, name)
+                    if tee & std and shown:
+                        tee_dest[lr] = dest[lr]
+                else:
+                    dest[lr] = None if shown else os.devnull
+            logs.error_file[lr] = os.path.join(rdir, "error.json")
+        return logs
+
+    def _discarding(self, local_world_size: int) -> AttemptLogs:
+        spec = self.spec
+        logs = AttemptLogs(dir=os.devnull)
+        for lr in range(local_world_size):
+            redirect = std_for(spec.redirects, lr) | std_for(spec.tee, lr)
+            shown = spec.shows_on_console(lr)
+            logs.stdout[lr] = os.devnull if (redirect & Std.OUT or not shown) else None
+            logs.stderr[lr] = os.devnull if (redirect & Std.ERR or not shown) else None
+            logs.error_file[lr] = ""
+        return logs

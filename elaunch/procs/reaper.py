@@ -1,0 +1,142 @@
+"""A watchdog process that kills the agent's worker trees if the agent dies.
+
+``PR_SET_PDEATHSIG`` kills each worker when the agent dies, even by ``kill -9``,
+but not the worker's own children (DataLoader workers, a ``bash -c`` grandchild,
+a daemon that called ``setsid``). torchrun leaves those behind; elaunch starts one
+small watchdog per agent that holds the read end of a pipe from the agent. The
+kernel closes the write end when the agent exits for any reason; on that EOF the
+watchdog SIGKILLs every watched process group, session and descendant, then exits.
+
+The watchdog is ``python -S -E elaunch/procs/_reaper_child.py <fd>`` (no site, no
+psutil, no torch: a few MB, started without waiting for it).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import os
+import subprocess
+import sys
+from typing import Iterable
+
+from . import _proctree
+
+log = logging.getLogger(__name__)
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper_child.py")
+
+
+class Reaper:
+    """Handle to a running watchdog; created by :func:`start_reaper`.
+
+    Attributes:
+        pid: the watchdog's process id.
+    """
+
+    def __init__(self, proc: subprocess.Popen, wfd: int) -> None:
+        self._proc = proc
+        self._wfd: int | None = wfd
+        self.pid = proc.pid
+
+    def _send(self, text: str) -> None:
+        if self._wfd is None:
+            return
+        try:
+            os.write(self._wfd, text.encode("ascii"))
+        except OSError as exc:  # the watchdog died: workers are no longer protected
+            log.warning("reaper %d is gone (%s); workers will not be reaped if the agent is killed", self.pid, exc)
+            self._close_fd()
+
+    def watch(self, pids: Iterable[int]) -> None:
+        """Protect the process trees led by ``pids`` (workers started in their own session).
+
+        Unknown or already-exited pids are ignored.
+        """
+        lines = []
+        for pid in pids:
+            p = _proctree.read(pid)
+            if p is not None:
+                lines.append(f"w {pid} {p.start}\n")
+        if lines:
+            self._send("".join(lines))
+
+    def forget(self, pids: Iterable[int] | None = None) -> None:
+        """Stop protecting ``pids`` (all watched ones if None); call once they were stopped."""
+        if pids is None:
+            self._send("f *\n")
+        else:
+            self._send("".join(f"f {pid}\n" for pid in pids))
+
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Make the watchdog snapshot the watched trees now; wait up to ``timeout`` seconds for it.
+
+        After this returns True, a child that already left its worker's group and
+        session (``setsid``) is known and will be killed even if its parent dies.
+        Used by tests; the watchdog also snapshots by itself every second.
+        """
+        self._send("s\n")
+        out = self._proc.stdout
+        if out is None or self._wfd is None:
+            return False
+        ready, _, _ = select.select([out], [], [], timeout)
+        return bool(ready) and os.read(out.fileno(), 1) == b"s"
+
+    def alive(self) -> bool:
+        """Return True while the watchdog process runs."""
+        return self._proc.poll() is None
+
+    def _close_fd(self) -> None:
+        if self._wfd is not None:
+            try:
+                os.close(self._wfd)
+            except OSError:
+                pass
+            self._wfd = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Forget every watched tree, end the watchdog and reap it. Idempotent.
+
+        Args:
+            timeout: seconds to wait for it to exit before SIGKILLing it.
+        """
+        self.forget()
+        self._close_fd()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+
+def start_reaper(python: str | None = None) -> Reaper:
+    """Start the watchdog for this agent and return its handle.
+
+    Call it from the agent's main thread; the pipe's write end is close-on-exec and
+    so never leaks into workers. The watchdog runs in its own session and ignores
+    SIGINT/SIGTERM/SIGHUP/SIGQUIT: only the agent's exit (EOF) ends it.
+
+    Args:
+        python: interpreter to run it with; default ``sys.executable``.
+
+    Raises:
+        OSError: the process could not be started.
+    """
+    rfd, wfd = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [python or sys.executable, "-S", "-E", "-B", _CHILD, str(rfd)],
+            pass_fds=(rfd,),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,  # acks of sync()
+            start_new_session=True,
+            cwd="/",
+        )
+    except BaseException:
+        os.close(wfd)
+        raise
+    finally:
+        os.close(rfd)
+    return Reaper(proc, wfd)

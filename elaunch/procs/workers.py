@@ -1,0 +1,357 @@
+"""Start, watch and stop the worker processes of one group (one attempt).
+
+Mirrors torch's ``SubprocessContext`` + ``SubprocessHandler``: each worker is a
+``Popen`` in its own session (so its process group id is its pid), its streams
+sent where ``AttemptLogs`` says, and stopping is SIGTERM -> grace -> SIGKILL.
+Improvements over torch: exits wake ``wait()`` at once (pidfds), the whole
+process tree is signalled (group, session and descendants, including children
+that called ``setsid``), every worker gets ``PR_SET_PDEATHSIG=SIGKILL``, and an
+optional :class:`~elaunch.procs.reaper.Reaper` covers ``kill -9`` of the agent.
+
+No torch import here: the agent imports this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import selectors
+import signal as _signal
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from . import _proctree
+from .tee import Tee, follows_for
+
+if TYPE_CHECKING:
+    from .logs import AttemptLogs, LogsSpec
+    from .reaper import Reaper
+
+log = logging.getLogger(__name__)
+
+#: Seconds between snapshots of the worker trees (to remember children that left).
+SNAPSHOT_INTERVAL = 1.0
+#: Seconds to wait for SIGKILLed processes to vanish before giving up on them
+#: (a process in uninterruptible sleep cannot die; torch gives up the same way).
+KILL_TIMEOUT = 10.0
+#: Polling period (seconds) of wait() where pidfds are unavailable.
+FALLBACK_POLL = 0.05
+
+_PR_SET_PDEATHSIG = 1
+_SIGKILL = int(_signal.SIGKILL)
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _child_setup(parent: int):
+    """Return a preexec_fn: die with the agent (PDEATHSIG), even if it died during the fork."""
+
+    def setup() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), _SIGKILL)
+
+    return setup
+
+
+def _open(path: str | None):
+    if path is None:
+        return None
+    if path == os.devnull:
+        return subprocess.DEVNULL
+    return open(path, "ab")  # noqa: SIM115 - handed to the child, closed after Popen
+
+
+class WorkerProcesses:
+    """The running workers of one attempt, keyed by local rank. Build with :meth:`start`.
+
+    Call from the agent's main thread: ``PR_SET_PDEATHSIG`` fires when the *thread*
+    that started a worker ends.
+
+    Attributes:
+        pids: local rank -> worker pid (also its process group and session id).
+    """
+
+    def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, reaper: "Reaper | None") -> None:
+        self._procs = procs
+        self.pids = {lr: p.pid for lr, p in procs.items()}
+        self._tee = tee
+        self._reaper = reaper
+        self._codes: dict[int, int | None] = dict.fromkeys(procs)
+        self._times: dict[int, float] = {}
+        self._reported: set[int] = set()
+        self._known: set[tuple[int, int]] = set()
+        self._next_snapshot = time.monotonic() + 0.2
+        self._stopped = False
+        self._closed = False
+        self._pidfds: dict[int, int] = {}
+        for lr, pid in self.pids.items():
+            try:
+                self._pidfds[lr] = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # no pidfds: wait() polls instead
+                for fd in self._pidfds.values():
+                    os.close(fd)
+                self._pidfds = {}
+                break
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    @classmethod
+    def start(
+        cls,
+        cmds: dict[int, list[str]],
+        envs: dict[int, dict[str, str]],
+        logs: "AttemptLogs",
+        spec: "LogsSpec | None" = None,
+        prefixes: dict[int, str] | None = None,
+        reaper: "Reaper | None" = None,
+    ) -> "WorkerProcesses":
+        """Start one worker per local rank, all before waiting on any.
+
+        Args:
+            cmds: local rank -> argv.
+            envs: local rank -> the worker's FULL environment.
+            logs: destinations from ``RunLogDir.attempt`` (files, tee, error files).
+            spec: the LogsSpec (its choices are already reflected in ``logs``).
+            prefixes: local rank -> console prefix of tee'd lines (``[default0]:``).
+            reaper: watchdog to register the workers with, or None.
+
+        Raises:
+            ValueError: ``cmds`` and ``envs`` name different local ranks (names both).
+            OSError: a worker could not be started (e.g. FileNotFoundError naming the
+                program); workers already started are killed first.
+        """
+        if set(cmds) != set(envs):
+            raise ValueError(f"cmds local ranks {sorted(cmds)} != envs local ranks {sorted(envs)}")
+        prefixes = prefixes or {}
+        procs: dict[int, subprocess.Popen] = {}
+        parent = os.getpid()
+        try:
+            for lr in sorted(cmds):
+                out = _open(logs.stdout.get(lr))
+                err = _open(logs.stderr.get(lr))
+                try:
+                    procs[lr] = subprocess.Popen(
+                        cmds[lr],
+                        env=envs[lr],
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                        preexec_fn=_child_setup(parent),
+                    )
+                finally:
+                    for f in (out, err):
+                        if f is not None and not isinstance(f, int):
+                            f.close()
+            log.info("started workers %s", {lr: p.pid for lr, p in procs.items()})
+            tee = Tee(
+                follows_for(logs.tee_stdout, sys.stdout, prefixes) + follows_for(logs.tee_stderr, sys.stderr, prefixes)
+            ).start()
+            self = cls(procs, tee, reaper)
+        except BaseException:
+            for p in procs.values():
+                _proctree.killpg([p.pid], _SIGKILL)
+                p.wait()
+            raise
+        if reaper is not None:
+            reaper.watch(self.pids.values())
+        return self
+
+    # ---------------------------------------------------------------- watching
+
+    def _refresh(self) -> None:
+        for lr, p in self._procs.items():
+            if self._codes[lr] is None:
+                code = p.poll()
+                if code is not None:
+                    self._codes[lr] = code
+                    self._times[lr] = time.time()
+                    fd = self._pidfds.pop(lr, None)
+                    if fd is not None:
+                        os.close(fd)
+
+    def _unreported(self) -> bool:
+        new = {lr for lr, c in self._codes.items() if c is not None} - self._reported
+        self._reported |= new
+        return bool(new)
+
+    def poll(self) -> dict[int, int | None]:
+        """Return local rank -> exit code (None while running; ``-signum`` if killed by a signal)."""
+        self._refresh()
+        self._unreported()
+        return dict(self._codes)
+
+    def exit_times(self) -> dict[int, float]:
+        """Return local rank -> ``time.time()`` when its exit was first seen (exited ranks only)."""
+        self._refresh()
+        return dict(self._times)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a worker exits or ``timeout`` seconds pass.
+
+        Wakes at once on a worker exit (pidfds; short polling where unavailable) or
+        on :meth:`wakeup`. A Python signal handler runs promptly during the wait and,
+        if it raises, the exception propagates.
+
+        Returns:
+            True if a worker exit not yet reported by ``poll``/``wait`` was seen, or no
+            worker is running; False on timeout or wakeup.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            self._refresh()
+            if self._unreported() or all(c is not None for c in self._codes.values()):
+                return True
+            now = time.monotonic()
+            if now >= self._next_snapshot:
+                self._snapshot()
+            if now >= deadline:
+                return False
+            step = min(deadline, self._next_snapshot) - now
+            if self._block(max(step, 0.0)):
+                self._refresh()
+                return self._unreported() or all(c is not None for c in self._codes.values())
+
+    def _block(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if woken by :meth:`wakeup`."""
+        if not self._pidfds:
+            time.sleep(min(seconds, FALLBACK_POLL))
+            return self._drain_wakeup()
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            for lr, fd in self._pidfds.items():
+                if self._codes[lr] is None:
+                    sel.register(fd, selectors.EVENT_READ)
+            sel.select(seconds)
+        return self._drain_wakeup()
+
+    def _drain_wakeup(self) -> bool:
+        woke = False
+        try:
+            while os.read(self._wake_r, 512):
+                woke = True
+        except (BlockingIOError, OSError):
+            pass
+        return woke
+
+    def wakeup(self) -> None:
+        """Make a current or the next ``wait()`` return False at once. Async-signal-safe."""
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:
+            pass
+
+    def _snapshot(self) -> None:
+        """Remember every process of the trees, so children that leave them are still found."""
+        self._known = {p.key for p in self._family().values()}  # includes live known ones
+        self._next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL
+
+    def _family(self) -> dict[int, _proctree.Proc]:
+        table = _proctree.scan()
+        roots = [self.pids[lr] for lr, c in self._codes.items() if c is None]
+        return _proctree.tree(table, roots=roots, groups=self.pids.values(), known=self._known)
+
+    # ---------------------------------------------------------------- stopping
+
+    def _unreaped_groups(self) -> list[int]:
+        # A pid not yet reaped cannot be reused, so its group id is still ours.
+        return [self.pids[lr] for lr, c in self._codes.items() if c is None]
+
+    def signal(self, sig: int) -> None:
+        """Deliver ``sig`` to every process of every worker's tree (group, session, descendants)."""
+        self._refresh()
+        fam = self._family()
+        _proctree.killpg(self._unreaped_groups(), sig)
+        _proctree.kill(fam.values(), sig)
+
+    def stop(self, sig: int = _signal.SIGTERM, grace: float = 30.0) -> None:
+        """Stop every worker tree: ``sig``, up to ``grace`` seconds, then SIGKILL; reap. Idempotent.
+
+        Mirrors torch's ``PContext.close(death_sig, timeout)`` but covers whole trees.
+        Returns as soon as no process of any tree is alive (polling every <= 0.1 s),
+        or after ``KILL_TIMEOUT`` more seconds if some process cannot die (logged).
+        """
+        if self._stopped:
+            return
+        self._refresh()
+        fam = self._family()
+        if _proctree.live(fam.values()):
+            self._send(fam, sig)
+            left = self._await_gone(fam, time.monotonic() + max(0.0, grace), sig)
+            if left:
+                log.warning("workers did not exit within %.1fs of %s; sending SIGKILL", grace, _name(sig))
+                left = self._await_gone(left, time.monotonic() + KILL_TIMEOUT, _SIGKILL, first=True)
+                if left:
+                    log.error("processes %s survived SIGKILL for %.1fs; abandoning them", sorted(left), KILL_TIMEOUT)
+        for p in self._procs.values():
+            try:
+                p.wait(1.0)
+            except subprocess.TimeoutExpired:
+                log.error("worker %d could not be reaped", p.pid)
+        self._refresh()
+        if self._reaper is not None:
+            self._reaper.forget(self.pids.values())
+        self._stopped = True
+
+    def _send(self, fam: dict[int, _proctree.Proc], sig: int) -> None:
+        _proctree.killpg(self._unreaped_groups(), sig)
+        _proctree.kill(fam.values(), sig)
+
+    def _await_gone(self, fam: dict, deadline: float, sig: int, first: bool = False) -> dict:
+        """Wait until ``fam`` and newly found tree members are gone; signal newcomers with ``sig``."""
+        if first:
+            self._send(fam, sig)
+        signalled = {p.key for p in fam.values()}
+        delay, last_scan = 0.002, time.monotonic()
+        while True:
+            self._refresh()
+            alive = _proctree.live(fam.values())
+            now = time.monotonic()
+            if not alive or now - last_scan > 0.5:
+                fam = self._family()
+                last_scan = now
+                new = {pid: p for pid, p in fam.items() if p.key not in signalled}
+                if new:
+                    self._send(new, sig)
+                    signalled.update(p.key for p in new.values())
+                alive = _proctree.live(fam.values())
+                if not alive:
+                    return {}
+            if now >= deadline:
+                return {p.pid: p for p in alive}
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(delay * 2, 0.1)
+
+    def close(self) -> None:
+        """``stop(SIGKILL, 0)``, then finish the console copy and release fds. Idempotent."""
+        if self._closed:
+            return
+        self.stop(_SIGKILL, 0.0)
+        self._tee.stop()
+        for fd in [*self._pidfds.values(), self._wake_r, self._wake_w]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._pidfds = {}
+        self._closed = True
+
+    def __enter__(self) -> "WorkerProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _name(sig: int) -> str:
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return str(sig)

@@ -1,0 +1,255 @@
+"""WorkerProcesses with real processes and signals: exits, waiting, stopping trees, logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import psutil
+import pytest
+
+from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, start_reaper
+from tests.conftest import SCRIPTS, wait_for
+
+WORKER = str(SCRIPTS / "procs_worker.py")
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch({lr: [worker args]}, spec=..., prefixes=...)`` -> WorkerProcesses; closed at teardown."""
+    started = []
+
+    def _launch(args: dict[int, list[str]], spec: LogsSpec | None = None, prefixes=None, reaper=None):
+        spec = spec or LogsSpec(log_dir=str(tmp_path / "logs"))
+        logs = RunLogDir(spec, "test").attempt(0, len(args))
+        cmds = {lr: [sys.executable, WORKER, *a] for lr, a in args.items()}
+        envs = {lr: dict(os.environ, LOCAL_RANK=str(lr)) for lr in args}
+        procs = WorkerProcesses.start(cmds, envs, logs, spec, prefixes or {}, reaper=reaper)
+        procs.logs = logs
+        started.append(procs)
+        return procs
+
+    yield _launch
+    for procs in started:
+        procs.close()
+
+
+def _all_exited(procs):
+    codes = procs.poll()
+    return codes if all(c is not None for c in codes.values()) else None
+
+
+_SEEN: list[psutil.Process] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_seen_on_failure():
+    """Grandchildren orphaned to init escape conftest's check: kill any left if a test failed."""
+    yield
+    while _SEEN:
+        proc = _SEEN.pop()
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _pids(path) -> list[int]:
+    wait_for(lambda: os.path.exists(path), 20, what=f"pidfile {path}")
+    pids = [int(x) for x in open(path).read().split()]
+    for pid in pids:
+        try:
+            _SEEN.append(psutil.Process(pid))  # kill() re-checks identity (create time)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_exit_codes_and_signals(launch):
+    procs = launch({0: ["--exit", "0"], 1: ["--exit", "3"], 2: ["--kill", "9"], 3: ["--kill", "15"]})
+    assert set(procs.pids) == {0, 1, 2, 3}
+    codes = wait_for(lambda: procs.wait(30) and _all_exited(procs), 60, what="all workers to exit")
+    assert codes == {0: 0, 1: 3, 2: -signal.SIGKILL, 3: -signal.SIGTERM}
+    assert set(procs.exit_times()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling"])
+def test_wait_wakes_on_exit(launch, tmp_path, monkeypatch, pidfd):
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    go = tmp_path / "go"
+    procs = launch({0: ["--until", str(go), "--exit", "4"], 1: ["--sleep", "300"]})
+    assert procs.wait(0.05) is False  # nobody exited yet
+    go.touch()
+    assert procs.wait(30) is True
+    assert procs.poll() == {0: 4, 1: None}
+    assert procs.wait(0.1) is False  # rank 0's exit was reported; rank 1 still runs
+    procs.signal(signal.SIGKILL)
+    assert procs.wait(30) is True
+    assert procs.poll() == {0: 4, 1: -signal.SIGKILL}
+    assert procs.wait(30) is True  # nothing left to wait for: returns at once
+
+
+def test_wakeup_interrupts_wait(launch):
+    procs = launch({0: ["--sleep", "300"]})
+    procs.wakeup()
+    assert procs.wait(30) is False
+    assert procs.poll() == {0: None}
+
+
+def test_signal_handler_interrupts_wait(launch):
+    procs = launch({0: ["--sleep", "300"]})
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            procs.wait(30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_stop_sigterm_then_sigkill_after_grace(launch, tmp_path):
+    pf = [tmp_path / "0.pid", tmp_path / "1.pid"]
+    procs = launch(
+        {
+            0: ["--pidfile", str(pf[0]), "--sleep", "300"],
+            1: ["--ignore-term", "--pidfile", str(pf[1]), "--sleep", "300"],
+        }
+    )
+    for p in pf:
+        _pids(p)
+    procs.stop(signal.SIGTERM, grace=0.5)
+    assert procs.poll() == {0: -signal.SIGTERM, 1: -signal.SIGKILL}
+    procs.stop(signal.SIGTERM, grace=0.5)  # idempotent
+    procs.close()
+    procs.close()
+
+
+def test_stop_kills_grandchildren_including_setsid(launch, tmp_path):
+    pf = [tmp_path / "0.pid", tmp_path / "1.pid"]
+    procs = launch(
+        {
+            0: ["--child", "plain", "--pidfile", str(pf[0]), "--sleep", "300"],
+            1: ["--ignore-term", "--child", "setsid", "--pidfile", str(pf[1]), "--sleep", "300"],
+        }
+    )
+    pids = _pids(pf[0]) + _pids(pf[1])
+    assert len(pids) == 4 and not any(_gone(p) for p in pids)
+    assert psutil.Process(pids[3]).as_dict(["pid"]) and os.getsid(pids[3]) == pids[3]  # really left
+    procs.stop(signal.SIGTERM, grace=0.5)
+    assert [p for p in pids if not _gone(p)] == []
+
+
+def test_orphans_left_by_exited_workers_are_killed(launch, tmp_path):
+    """A worker exits leaving children (one in the session, one setsid'd away): stop() finds both."""
+    go = tmp_path / "go"
+    pf = [tmp_path / "0.pid", tmp_path / "1.pid"]
+    procs = launch(
+        {
+            0: ["--child", "plain", "--pidfile", str(pf[0]), "--until", str(go)],
+            1: ["--child", "setsid", "--pidfile", str(pf[1]), "--until", str(go)],
+        }
+    )
+    pids = _pids(pf[0]) + _pids(pf[1])
+    assert procs.wait(1.5) is False  # the monitor loop: snapshots the trees meanwhile
+    go.touch()
+    wait_for(lambda: procs.wait(30) and _all_exited(procs), 30, what="workers to exit")
+    grandchildren = [pids[1], pids[3]]
+    assert not any(_gone(p) for p in grandchildren)  # orphaned, still running
+    procs.stop()
+    assert [p for p in grandchildren if not _gone(p)] == []
+
+
+def test_start_failure_kills_started_workers(tmp_path):
+    spec = LogsSpec(log_dir=str(tmp_path))
+    logs = RunLogDir(spec, "t").attempt(0, 2)
+    cmds = {0: [sys.executable, WORKER, "--sleep", "300"], 1: [str(tmp_path / "no-such-program")]}
+    with pytest.raises(FileNotFoundError, match="no-such-program"):
+        WorkerProcesses.start(cmds, {0: dict(os.environ), 1: dict(os.environ)}, logs, spec, {})
+    # the no_leftover_processes fixture fails this test if rank 0 survived
+
+
+def test_mismatched_ranks_rejected(tmp_path):
+    spec = LogsSpec(log_dir=str(tmp_path))
+    logs = RunLogDir(spec, "t").attempt(0, 1)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        WorkerProcesses.start({0: ["true"], 1: ["true"]}, {0: {}}, logs, spec, {})
+
+
+def test_full_env_is_used(launch, tmp_path):
+    procs = launch({0: ["--env", "LOCAL_RANK"], 1: ["--env", "LOCAL_RANK"]}, LogsSpec(str(tmp_path), redirects=Std.OUT))
+    assert wait_for(lambda: _all_exited(procs), 30) == {0: 0, 1: 0}
+    assert open(procs.logs.stdout[1]).read() == "LOCAL_RANK=1\n"
+
+
+def test_console_by_default(launch, capfd):
+    procs = launch({0: ["--out", "plain-out", "--err", "plain-err"]})
+    wait_for(lambda: _all_exited(procs), 30)
+    procs.close()
+    out, err = capfd.readouterr()
+    assert out == "plain-out\n" and err == "plain-err\n"  # inherited, unprefixed, as torchrun
+
+
+def test_redirects_to_files_only(launch, tmp_path, capfd):
+    procs = launch({0: ["--out", "o0", "--err", "e0"]}, LogsSpec(str(tmp_path), redirects=Std.ALL))
+    wait_for(lambda: _all_exited(procs), 30)
+    procs.close()
+    assert open(procs.logs.stdout[0]).read() == "o0\n"
+    assert open(procs.logs.stderr[0]).read() == "e0\n"
+    assert capfd.readouterr() == ("", "")
+
+
+def test_tee_to_file_and_prefixed_console(launch, tmp_path, capfd):
+    prefixes = {0: "[default0]:", 1: "[default1]:"}
+    procs = launch(
+        {0: ["--out", "a", "--out", "b", "--partial", "c"], 1: ["--err", "x"]},
+        LogsSpec(str(tmp_path), tee=Std.ALL),
+        prefixes,
+    )
+    wait_for(lambda: _all_exited(procs), 30)
+    procs.close()
+    assert open(procs.logs.stdout[0]).read() == "a\nb\nc"
+    assert open(procs.logs.stderr[1]).read() == "x\n"
+    out, err = capfd.readouterr()
+    assert out == "[default0]:a\n[default0]:b\n[default0]:c\n"
+    assert err == "[default1]:x\n"
+
+
+def test_local_ranks_filter(launch, tmp_path, capfd):
+    spec = LogsSpec(str(tmp_path), tee={0: Std.OUT, 1: Std.OUT}, local_ranks_filter=frozenset({1}))
+    procs = launch(
+        {0: ["--out", "o0", "--err", "e0"], 1: ["--out", "o1", "--err", "e1"]}, spec, {0: "[r0]:", 1: "[r1]:"}
+    )
+    wait_for(lambda: _all_exited(procs), 30)
+    procs.close()
+    out, err = capfd.readouterr()
+    assert out == "[r1]:o1\n" and err == "e1\n"  # rank 0 hidden on the console ...
+    assert open(procs.logs.stdout[0]).read() == "o0\n"  # ... but its tee'd file is written
+
+
+def test_reaper_watch_forget(tmp_path, launch):
+    reaper = start_reaper()
+    try:
+        procs = launch({0: ["--exit", "0"]}, reaper=reaper)
+        wait_for(lambda: _all_exited(procs), 30)
+        procs.close()
+        assert reaper.alive()
+    finally:
+        reaper.close()
+    assert not reaper.alive()

@@ -1,0 +1,162 @@
+"""Std parsing, log-directory layout, the tee follower and tree selection (no workers)."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from elaunch.procs import LogsSpec, RunLogDir, Std, line_prefix, std_for, to_map
+from elaunch.procs import _proctree
+from elaunch.procs.tee import Tee
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0", Std.NONE),
+        ("1", Std.OUT),
+        ("2", Std.ERR),
+        ("3", Std.ALL),
+        (" 3 ", Std.ALL),
+        ("0:1", {0: Std.OUT}),
+        ("0:3,1:0,2:1,3:2", {0: Std.ALL, 1: Std.NONE, 2: Std.OUT, 3: Std.ERR}),
+        ("12:2", {12: Std.ERR}),
+    ],
+)
+def test_from_str(text, expected):
+    assert Std.from_str(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4", "", "-1", "a", "0:4", "0:1,", "0:1;1:2", "0=1", "1:1,1:2"])
+def test_from_str_rejects_and_names_value(text):
+    with pytest.raises(ValueError) as err:
+        Std.from_str(text)
+    assert repr(text) in str(err.value)
+
+
+def test_std_for_and_to_map():
+    assert std_for(Std.ERR, 5) is Std.ERR
+    assert std_for({1: Std.OUT}, 1) is Std.OUT
+    assert std_for({1: Std.OUT}, 0) is Std.NONE
+    assert to_map({1: Std.OUT}, 2) == {0: Std.NONE, 1: Std.OUT}
+    assert to_map(Std.ALL, 2) == {0: Std.ALL, 1: Std.ALL}
+
+
+def test_line_prefix_default_and_template():
+    assert line_prefix(None, "default", 7, 0) == "[default0]:"
+    assert line_prefix("[$role_name-$rank-$local_rank] ", "trainer", 7, 1) == "[trainer-7-1] "
+    assert line_prefix("$unknown:", "r", 0, 0) == "$unknown:"
+
+
+def test_layout(tmp_path):
+    spec = LogsSpec(log_dir=str(tmp_path / "base"), redirects={0: Std.OUT}, tee={1: Std.ERR})
+    run = RunLogDir(spec, "job1")
+    assert os.path.dirname(run.root) == str(tmp_path / "base")
+    assert os.path.basename(run.root).startswith("job1_")
+    logs = run.attempt(0, 3)
+    a0 = os.path.join(run.root, "attempt_0")
+    assert logs.dir == a0
+    assert sorted(os.listdir(a0)) == ["0", "1", "2"]
+    assert logs.stdout == {0: os.path.join(a0, "0", "stdout.log"), 1: None, 2: None}
+    assert logs.stderr == {0: None, 1: os.path.join(a0, "1", "stderr.log"), 2: None}
+    assert logs.tee_stdout == {}
+    assert logs.tee_stderr == {1: os.path.join(a0, "1", "stderr.log")}
+    assert logs.error_file == {lr: os.path.join(a0, str(lr), "error.json") for lr in range(3)}
+    assert run.attempt(1, 1).error_file[0] == os.path.join(run.root, "attempt_1", "0", "error.json")
+
+
+def test_local_ranks_filter(tmp_path):
+    spec = LogsSpec(log_dir=str(tmp_path), tee=Std.OUT, local_ranks_filter=frozenset({1}))
+    logs = RunLogDir(spec, "j").attempt(0, 2)
+    assert set(logs.tee_stdout) == {1}  # rank 0 still writes its file, but is not shown
+    assert logs.stdout[0].endswith(os.path.join("0", "stdout.log"))
+    assert logs.stderr == {0: os.devnull, 1: None}  # hidden console stream -> /dev/null
+
+
+def test_never_overwrites_user_dirs(tmp_path):
+    base = tmp_path / "logs"
+    base.mkdir()
+    mine = base / "job_keep"
+    mine.mkdir()
+    (mine / "f").write_text("user data")
+    roots = {RunLogDir(LogsSpec(log_dir=str(base)), "job").root for _ in range(3)}
+    assert len(roots) == 3 and str(mine) not in roots
+    assert (mine / "f").read_text() == "user data"
+    assert sorted(os.listdir(mine)) == ["f"]
+
+
+def test_log_dir_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match=str(f)):
+        RunLogDir(LogsSpec(log_dir=str(f)), "j")
+
+
+def test_default_log_dir_is_temp(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    run = RunLogDir(LogsSpec(), "j")
+    assert os.path.basename(os.path.dirname(run.root)).startswith("torchelastic_")
+
+
+def test_devnull_discards():
+    run = RunLogDir(LogsSpec(log_dir=os.devnull, redirects=Std.OUT), "j")
+    logs = run.attempt(0, 2)
+    assert logs.stdout == {0: os.devnull, 1: os.devnull}
+    assert logs.stderr == {0: None, 1: None}
+    assert logs.error_file == {0: "", 1: ""}
+
+
+def test_bad_attempt_args(tmp_path):
+    run = RunLogDir(LogsSpec(log_dir=str(tmp_path)), "j")
+    with pytest.raises(ValueError, match="local_world_size=0"):
+        run.attempt(0, 0)
+
+
+def test_tee_prefixes_lines_and_flushes_partial_line(tmp_path):
+    path = tmp_path / "out.log"
+    dst = io.StringIO()
+    tee = Tee([(str(path), dst, "[default0]:")], interval=0.01).start()
+    with open(path, "w") as f:
+        f.write("one\ntwo\nthr")
+    tee.stop()
+    assert dst.getvalue() == "[default0]:one\n[default0]:two\n[default0]:thr\n"
+
+
+def test_tee_missing_file_is_fine(tmp_path):
+    dst = io.StringIO()
+    tee = Tee([(str(tmp_path / "never"), dst, "p:")], interval=0.01).start()
+    tee.stop()
+    tee.stop()
+    assert dst.getvalue() == ""
+
+
+def _p(pid, ppid, pgid=None, sid=None, start=1, state="S"):
+    return _proctree.Proc(pid, ppid, pgid or pid, sid or pid, start, state)
+
+
+def test_tree_selection():
+    table = {
+        p.pid: p
+        for p in [
+            _p(1, 0),
+            _p(100, 1, 100, 100),  # worker (session + group leader)
+            _p(101, 100, 100, 100),  # its child in the group
+            _p(102, 101, 102, 102),  # grandchild that did setsid, parent alive
+            _p(103, 1, 100, 100),  # orphan still in the session
+            _p(104, 1, 104, 104, start=7),  # orphan that did setsid: only known by snapshot
+            _p(105, 104, 104, 104),  # and its child
+            _p(200, 1, 200, 200),  # unrelated
+        ]
+    }
+    assert set(_proctree.tree(table, roots=[100], groups=[100])) == {100, 101, 102, 103}
+    assert set(_proctree.tree(table, roots=[100], groups=[100], known=[(104, 7)])) == {100, 101, 102, 103, 104, 105}
+    assert set(_proctree.tree(table, known=[(104, 8)])) == set()  # pid reused: not ours
+
+
+def test_proctree_reads_self():
+    me = _proctree.read(os.getpid())
+    assert me.pid == os.getpid() and me.ppid == os.getppid() and me.pgid == os.getpgid(0)
+    assert os.getpid() in _proctree.scan()
+    assert _proctree.read(2**22 + 12345) is None
