@@ -1,0 +1,276 @@
+"""c10d rendezvous: the dynamic rendezvous over a TCPStore hosted by one agent.
+
+Mirrors torch's ``c10d_rendezvous_backend`` (conf keys ``is_host``,
+``store_type``, ``read_timeout``, ``use_libuv``; default port 29400) with the
+dynamic rendezvous of ``elaunch.rendezvous.dynamic``. Imports torch: reach it
+only through ``elaunch.rendezvous.registry``.
+
+Deliberate change from torchrun: every round, the group-rank-0 agent hosts a NEW
+workers' TCPStore (MASTER_ADDR/MASTER_PORT) and publishes its address in the
+round's namespace of the agent store. torchrun reuses one store for the whole
+job, so restarted workers read the dead workers' gloo addresses, and a node that
+joins on scale-up never sees MASTER_ADDR republished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import logging
+import socket
+import time
+from typing import Any, Iterator
+
+from torch.distributed import FileStore, PrefixStore, TCPStore
+
+from elaunch.rendezvous.api import (
+    NodeInfo,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
+from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
+from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.static import parse_endpoint
+
+log = logging.getLogger(__name__)
+
+#: Port of the agent store when the endpoint names none (torch's default).
+DEFAULT_PORT = 29400
+#: Default seconds a store operation (and a client's connection attempts) may take.
+DEFAULT_READ_TIMEOUT = 60.0
+#: Stored in the state key until the first node writes a state.
+_EMPTY = b"elaunch:empty"
+#: Errors torch's stores raise (DistError and its subclasses are RuntimeErrors).
+_STORE_ERRORS = (RuntimeError, ValueError, TimeoutError, OSError)
+
+
+@contextlib.contextmanager
+def _translated(endpoint: str, what: str) -> Iterator[None]:
+    """Turn a torch/socket error into RendezvousConnectionError naming ``endpoint``."""
+    try:
+        yield
+    except _STORE_ERRORS as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousConnectionError(f"c10d rendezvous store at {endpoint}: {what} failed: {first_line}") from exc
+
+
+class C10dBackend(RendezvousBackend):
+    """The rendezvous state in a torch Store key, written with ``compare_set``.
+
+    The token is the stored bytes themselves (as torch's C10dRendezvousBackend).
+
+    Args:
+        store: a torch Store (TCPStore or FileStore).
+        run_id: the job id; the state lives under ``elaunch/rdzv/{run_id}/state``.
+        endpoint: the store's address, for error messages.
+
+    Raises:
+        RendezvousConnectionError: the store cannot be reached.
+    """
+
+    def __init__(self, store: Any, run_id: str, endpoint: str) -> None:
+        self._store = store
+        self._endpoint = endpoint
+        self.key = f"elaunch/rdzv/{run_id}/state"
+        with _translated(endpoint, "initialising the state"):
+            store.compare_set(self.key, "", _EMPTY)
+
+    @property
+    def name(self) -> str:
+        return "c10d"
+
+    def get_state(self) -> tuple[bytes | None, Token]:
+        with _translated(self._endpoint, "reading the state"):
+            data = bytes(self._store.get(self.key))
+        return (None if data == _EMPTY else data), data
+
+    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        expected = _EMPTY if token is None else token
+        with _translated(self._endpoint, "writing the state"):
+            current = bytes(self._store.compare_set(self.key, expected, state))
+        if current == _EMPTY:
+            return None
+        return current, current, current == state
+
+
+class C10dRoundStores(RoundStoreFactory):
+    """Per round: a fresh workers' TCPStore on the rank-0 agent, published in the agent store.
+
+    Args:
+        agent_store: the store every agent shares.
+        run_id: the job id (namespace ``elaunch/{run_id}/round/{round}/``).
+        local_addr: this node's address; the workers' store is reached there.
+        read_timeout: seconds for store operations (and waiting for rank 0's publication).
+        use_libuv: TCPStore's libuv backend flag.
+        endpoint: the agent store's address, for error messages.
+        hosts_agent_store: True on the agent hosting the agent store (it leaves the
+            exit barrier last, so the others can still reach it).
+    """
+
+    def __init__(self, agent_store: Any, run_id: str, local_addr: str, read_timeout: float,
+                 use_libuv: bool, endpoint: str, hosts_agent_store: bool) -> None:
+        self.agent_store = agent_store
+        self._run_id = run_id
+        self._local_addr = local_addr
+        self._timeout = datetime.timedelta(seconds=read_timeout)
+        self._use_libuv = use_libuv
+        self._endpoint = endpoint
+        self._hosts_agent_store = hosts_agent_store
+        self._server: Any = None
+
+    def round_store(self, round: int) -> Any:
+        """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
+        return PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
+
+    def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
+        """Host (rank 0) or look up (others) the workers' store of ``round``.
+
+        Raises:
+            RendezvousConnectionError: the store cannot be created, or rank 0's
+                address was not published within ``read_timeout`` seconds.
+        """
+        store = self.round_store(round)
+        if rank == 0:
+            where = f"{self._local_addr}:0 (workers' store of round {round})"
+            with _translated(where, "hosting"):
+                server = TCPStore(self._local_addr, 0, is_master=True, multi_tenant=True,
+                                  wait_for_workers=False, timeout=self._timeout, use_libuv=self._use_libuv)
+            self._server = server  # created before the old one is dropped: the port differs
+            addr, port = self._local_addr, int(server.port)
+            with _translated(self._endpoint, f"publishing round {round}'s master address"):
+                store.set("master_endpoint", f"{addr}:{port}")
+        else:
+            self._server = None  # a store hosted in an earlier round (as rank 0) is no longer used
+            with _translated(self._endpoint, f"reading round {round}'s master address"):
+                published = bytes(store.get("master_endpoint")).decode()
+            addr, _, port_str = published.rpartition(":")
+            port = int(port_str)
+        return RoundStores(addr, port, True, store)
+
+    def exit_barrier(self, round: int, rank: int, world_size: int, timeout: float) -> None:
+        """Check in and wait up to ``timeout`` seconds for all ``world_size`` nodes of ``round``.
+
+        Raises:
+            RendezvousConnectionError: the agent store is unreachable.
+        """
+        store = self.round_store(round)
+        deadline = time.monotonic() + timeout
+        with _translated(self._endpoint, "the exit barrier"):
+            count = store.add("exit_barrier", 1)
+            while count < world_size:
+                if time.monotonic() > deadline:
+                    log.warning("exit barrier: %d of %d nodes of round %d arrived within %g s; leaving",
+                                count, world_size, round, timeout)
+                    return
+                time.sleep(0.05)
+                count = store.add("exit_barrier", 0)
+            left = store.add("exit_barrier_left", 1)
+            # the agent-store host leaves last, so no one loses the store mid-barrier
+            while self._hosts_agent_store and left < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = store.add("exit_barrier_left", 0)
+
+    def close(self) -> None:
+        """Drop the workers' store this node hosts (its server stops)."""
+        self._server = None
+
+
+def is_this_machine(host: str, local_addr: str | None = None) -> bool:
+    """Return True when ``host`` names this machine (torch ``_matches_machine_hostname``).
+
+    Compares ``host`` and its resolved IPs with the hostname, the FQDN,
+    ``local_addr`` and the addresses of the local network interfaces.
+    """
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    names = {socket.gethostname(), socket.getfqdn()} | ({local_addr} if local_addr else set())
+    if host in names:
+        return True
+    host_ips = _resolve(host)
+    if not host_ips:
+        return False
+    mine: set[str] = set()
+    for name in names:
+        mine |= _resolve(name)
+    try:
+        import psutil
+
+        mine |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except Exception:  # noqa: BLE001 - interface listing is a best-effort extra
+        pass
+    return bool(host_ips & mine)
+
+
+def _resolve(name: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _agent_store(host: str, port: int, is_host: bool | None, local_addr: str, read_timeout: float,
+                 use_libuv: bool) -> tuple[Any, bool]:
+    """Host or join the agents' TCPStore; returns ``(store, hosting)``."""
+    endpoint = f"{host}:{port}"
+    hosting = is_host if is_host is not None else is_this_machine(host, local_addr)
+    timeout = datetime.timedelta(seconds=read_timeout)
+    if port == 0 and not hosting:
+        raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: port 0 is only allowed on the node hosting the store")
+    if hosting:
+        try:
+            store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                             timeout=timeout, use_libuv=use_libuv)
+            log.info("hosting the c10d rendezvous store at %s:%d", host, store.port)
+            return store, True
+        except _STORE_ERRORS as exc:
+            if is_host:
+                with _translated(endpoint, "hosting (is_host=true)"):
+                    raise
+            log.info("could not host the c10d store at %s (%s); connecting as a client", endpoint, exc)
+    with _translated(endpoint, f"connecting within read_timeout={read_timeout:g} s"):
+        store = TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=use_libuv)
+    return store, False
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build a c10d dynamic rendezvous handler (torch ``c10d_rendezvous_backend.create_backend``).
+
+    Conf keys (besides the dynamic rendezvous' timeouts, see RendezvousSettings):
+    ``store_type`` (``tcp``, default, or ``file``: the endpoint is a file path),
+    ``read_timeout`` (alias ``timeout``; seconds, default 60), ``is_host`` (bool;
+    default: whether the endpoint host is this machine), ``use_libuv`` (bool, default true).
+
+    Raises:
+        RendezvousConfigError: a bad conf value or endpoint; the message names it.
+        RendezvousConnectionError: the store cannot be hosted or reached.
+    """
+    settings = RendezvousSettings.from_params(params)
+    read_timeout = params.get_as_seconds("read_timeout", params.get_as_seconds("timeout", DEFAULT_READ_TIMEOUT))
+    use_libuv = bool(params.get_as_bool("use_libuv", True))
+    local_addr = params.local_addr or socket.getfqdn()
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type == "tcp":
+        host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+        assert port is not None
+        agent_store, hosting = _agent_store(host, port, params.get_as_bool("is_host"), local_addr,
+                                            read_timeout, use_libuv)
+        endpoint = f"{host}:{agent_store.port}"
+    elif store_type == "file":
+        endpoint = params.endpoint.strip()
+        if not endpoint:
+            raise RendezvousConfigError("--rdzv-conf store_type=file: the endpoint must be a file path")
+        with _translated(endpoint, "opening the file store"):
+            agent_store = FileStore(endpoint)
+        hosting = False
+    else:
+        raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
+    backend = C10dBackend(agent_store, params.run_id, endpoint)
+    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, hosting)
+    node = NodeInfo(local_addr, params.role, params.local_world_size)
+    return DynamicRendezvousHandler(node, settings, backend, stores)

@@ -1,0 +1,275 @@
+"""``DynamicRendezvousHandler``: the dynamic rendezvous over any compare-and-set backend.
+
+Mirrors torch's ``DynamicRendezvousHandler`` (``dynamic_rendezvous.py``): nodes
+join rounds through a shared state, heartbeat while a round runs, and see
+late joiners through ``num_nodes_waiting()``. What a round's workers connect to
+(MASTER_ADDR/MASTER_PORT and the agent-side store) is decided by a
+:class:`RoundStoreFactory` the storage backend supplies. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elaunch.rendezvous.api import (
+    NodeInfo,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStateError,
+)
+from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic.backend import RendezvousBackend
+from elaunch.rendezvous.dynamic.executor import OpExecutor
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+log = logging.getLogger(__name__)
+
+_local_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class RoundStores:
+    """Where one round's workers meet.
+
+    Attributes:
+        master_addr, master_port: the workers' store (MASTER_ADDR/MASTER_PORT).
+        use_agent_store: True when an agent hosts it and every worker is a client.
+        store: agent-side store namespaced to the round, or None.
+    """
+
+    master_addr: str
+    master_port: int
+    use_agent_store: bool
+    store: Any = field(default=None, compare=False)
+
+
+class RoundStoreFactory(abc.ABC):
+    """Supplies each completed round's stores; implemented by each storage backend."""
+
+    @abc.abstractmethod
+    def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
+        """Return the stores of ``round`` for the node of group rank ``rank``.
+
+        Raises:
+            RendezvousConnectionError: the stores cannot be created or reached.
+        """
+
+    def exit_barrier(self, round: int, rank: int, world_size: int, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds until every node of ``round`` checked in (default: no wait)."""
+
+    def close(self) -> None:
+        """Release the stores this node hosts."""
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """Joins rounds through a shared, compare-and-set state (torch ``DynamicRendezvousHandler``).
+
+    Args:
+        node: this node's NodeInfo (its ``addr`` also names it in logs and node ids).
+        settings: sizes and timeouts (seconds).
+        backend: where the shared state lives.
+        store_factory: makes each round's workers' store and namespaced agent store.
+        clock: seconds since the epoch (injectable for tests).
+        sleep: sleeps a number of seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        node: NodeInfo,
+        settings: RendezvousSettings,
+        backend: RendezvousBackend,
+        store_factory: RoundStoreFactory,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._node = node
+        self._node_id = f"{node.addr}_{os.getpid()}_{next(_local_ids)}"
+        self._settings = settings
+        self._backend = backend
+        self._stores = store_factory
+        self._clock = clock
+        self._sleep = sleep
+        self._executor = OpExecutor(backend, self._node_id, node, settings, clock, sleep)
+        self._lock = threading.RLock()
+        self._heartbeat_stop: threading.Event | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self._current: RendezvousInfo | None = None
+        self._cached: tuple[float, RendezvousState] | None = None
+
+    @property
+    def node_id(self) -> str:
+        """This handler's id in the shared state (``addr_pid_localid``, as torch's node descriptor)."""
+        return self._node_id
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        """The settings this handler runs with."""
+        return self._settings
+
+    def get_backend(self) -> str:
+        """Return the storage backend's name (``"c10d"``, ...)."""
+        return self._backend.name
+
+    def get_run_id(self) -> str:
+        """Return the run id."""
+        return self._settings.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Leave the current round, join the next one and block until it completes.
+
+        Waits at most ``join_timeout`` seconds for the round (a redundant node, one
+        beyond ``max_nodes``, waits without limit until there is room or the
+        rendezvous closes, as in torch).
+
+        Raises:
+            RendezvousClosedError: the rendezvous was closed.
+            RendezvousTimeoutError: the round did not complete within ``join_timeout``.
+            RendezvousGracefulExitError: closed while this node was redundant.
+            RendezvousConnectionError: the backend or a round store is unreachable.
+            RendezvousStateError: the stored state is corrupt.
+        """
+        self._stop_heartbeats()
+        s = self._settings
+        previous_rank = -1 if self._current is None else self._current.rank
+        if self._current is None:
+            self._sleep(random.uniform(0.0, 0.05))  # tiny jitter: spread first joins
+        with self._lock:
+            self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout")
+            state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank)
+        if self._node_id not in state.participants:
+            raise RendezvousStateError(f"node {self._node_id} finished joining but is not a participant")
+        rank, world_size = state.participants[self._node_id], len(state.participants)
+        nodes = state.ranked_nodes()
+        self._start_heartbeats()
+        stores = self._stores.setup_round(state.round, rank, world_size, nodes)
+        self._current = RendezvousInfo(
+            round=state.round,
+            rank=rank,
+            world_size=world_size,
+            master_addr=stores.master_addr,
+            master_port=stores.master_port,
+            use_agent_store=stores.use_agent_store,
+            nodes=nodes,
+            store=stores.store,
+        )
+        log.info(
+            "node %s joined round %d of rendezvous %r as rank %d of %d",
+            self._node_id, state.round, s.run_id, rank, world_size,
+        )
+        return self._current
+
+    def _read(self) -> RendezvousState:
+        """Read the state without touching the executor's cache; reuse a read younger than poll_interval."""
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < self._settings.poll_interval:
+            return self._cached[1]
+        data, _token = self._backend.get_state()
+        state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
+        self._cached = (now, state)
+        return state
+
+    def num_nodes_waiting(self) -> int:
+        """Return how many live nodes wait for the next round (torch: the wait list's length).
+
+        The read may be up to ``poll_interval`` seconds old. Dead nodes (no
+        heartbeat for ``keep_alive_interval * keep_alive_max_attempt`` seconds) do
+        not count.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return ops.num_live_waiting(self._read(), self._settings, self._clock())
+
+    def is_closed(self) -> bool:
+        """Return True once any node closed the rendezvous.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        self._cached = None
+        return self._read().closed
+
+    def set_closed(self) -> None:
+        """Close the rendezvous for every node; later joins raise RendezvousClosedError.
+
+        Raises:
+            RendezvousTimeoutError: not done within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        with self._lock:
+            self._executor.run(ops.decide_close, self._settings.close_timeout, "close_timeout")
+        self._cached = None
+
+    def exit_barrier(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds until every node of the current round checked in.
+
+        Returns early (with a warning) on timeout or a store error; never raises a
+        RendezvousError, mirroring torch's agent, which only logs a failed barrier.
+        """
+        info = self._current
+        if info is None:
+            return
+        try:
+            self._stores.exit_barrier(info.round, info.rank, info.world_size, timeout)
+        except RendezvousError as exc:
+            log.warning("exit barrier of round %d failed: %s", info.round, exc)
+
+    def shutdown(self) -> bool:
+        """Stop heart-beating, close the rendezvous and release hosted round stores.
+
+        Like torch's ``DynamicRendezvousHandler.shutdown``, this closes the
+        rendezvous: nodes that try to join afterwards get RendezvousClosedError.
+
+        Returns:
+            True when the rendezvous was closed, False when that failed (logged).
+        """
+        self._stop_heartbeats()
+        try:
+            self.set_closed()
+            return True
+        except RendezvousError as exc:
+            log.warning("node %s could not close rendezvous %r: %s", self._node_id, self._settings.run_id, exc)
+            return False
+        finally:
+            self._stores.close()
+
+    # -- keep-alive -------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._heartbeat_loop, args=(stop,), name=f"elaunch-rdzv-keepalive-{self._node_id}", daemon=True
+        )
+        self._heartbeat_stop, self._heartbeat_thread = stop, thread
+        thread.start()
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeat_stop is None or self._heartbeat_thread is None:
+            return
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not threading.current_thread():
+            self._heartbeat_thread.join(self._settings.heartbeat_timeout + 1.0)
+        self._heartbeat_stop = self._heartbeat_thread = None
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        s = self._settings
+        while not stop.wait(s.keep_alive_interval):
+            try:
+                with self._lock:
+                    if stop.is_set():
+                        return
+                    self._executor.run(ops.decide_keep_alive, s.heartbeat_timeout, "heartbeat_timeout")
+            except RendezvousError as exc:
+                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
+            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
+                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)

@@ -1,0 +1,276 @@
+"""Decisions of the dynamic rendezvous: pure functions ``(state, ctx, now) -> Action``.
+
+Deciding is kept apart from doing: each ``decide_*`` function looks at the shared
+state and returns the next :class:`Action`; :func:`apply` returns the new state that
+a write action implies. Neither touches a backend, a clock or a thread, so both are
+tested with tables of cases. The executor (``executor.py``) loops
+read -> decide -> apply -> compare-and-set until an op returns FINISH or an error.
+
+The rules mirror torch's ``_RendezvousJoinOp``, ``_RendezvousExitOp``,
+``_RendezvousCloseOp`` and ``_RendezvousKeepAliveOp``
+(``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``); dead-node pruning,
+which torch does silently after every read, is an explicit action here. All times
+are seconds since the epoch (``time.time()``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+#: Seconds after the join deadline during which a timed-out node still removes
+#: itself from the state before raising (torch: ``rollback_period``).
+ROLLBACK_PERIOD = 5.0
+
+
+class Action(enum.Enum):
+    """The next step of an operation, as decided from the shared state."""
+
+    KEEP_ALIVE = "KEEP_ALIVE"
+    ADD_TO_PARTICIPANTS = "ADD_TO_PARTICIPANTS"
+    ADD_TO_WAIT_LIST = "ADD_TO_WAIT_LIST"
+    ADD_TO_REDUNDANCY_LIST = "ADD_TO_REDUNDANCY_LIST"
+    REMOVE_FROM_PARTICIPANTS = "REMOVE_FROM_PARTICIPANTS"
+    REMOVE_FROM_WAIT_LIST = "REMOVE_FROM_WAIT_LIST"
+    REMOVE_FROM_REDUNDANCY_LIST = "REMOVE_FROM_REDUNDANCY_LIST"
+    REMOVE_DEAD_NODES = "REMOVE_DEAD_NODES"
+    MARK_COMPLETE = "MARK_COMPLETE"
+    MARK_CLOSED = "MARK_CLOSED"
+    SYNC = "SYNC"  # nothing to write: wait a poll interval and read again
+    FINISH = "FINISH"
+    ERROR_CLOSED = "ERROR_CLOSED"
+    ERROR_TIMEOUT = "ERROR_TIMEOUT"
+    ERROR_GRACEFUL_EXIT = "ERROR_GRACEFUL_EXIT"
+
+
+#: Actions that change the shared state (the executor writes them with compare-and-set).
+WRITE_ACTIONS = frozenset(
+    {
+        Action.KEEP_ALIVE,
+        Action.ADD_TO_PARTICIPANTS,
+        Action.ADD_TO_WAIT_LIST,
+        Action.ADD_TO_REDUNDANCY_LIST,
+        Action.REMOVE_FROM_PARTICIPANTS,
+        Action.REMOVE_FROM_WAIT_LIST,
+        Action.REMOVE_FROM_REDUNDANCY_LIST,
+        Action.REMOVE_DEAD_NODES,
+        Action.MARK_COMPLETE,
+        Action.MARK_CLOSED,
+    }
+)
+#: Actions that end an operation with an error.
+ERROR_ACTIONS = frozenset({Action.ERROR_CLOSED, Action.ERROR_TIMEOUT, Action.ERROR_GRACEFUL_EXIT})
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Who is deciding, and until when.
+
+    Attributes:
+        node_id: this node's id in the state (unique per handler object).
+        node_info: what this node declares (address, role, local world size).
+        settings: the rendezvous settings.
+        deadline: seconds since the epoch after which the operation times out.
+        previous_rank: this node's group rank in its previous round, or -1; kept
+            when the next round is ranked, if still free and in range.
+    """
+
+    node_id: str
+    node_info: NodeInfo
+    settings: RendezvousSettings
+    deadline: float
+    previous_rank: int = -1
+
+
+def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float, exclude: str = "") -> list[str]:
+    """Return the ids (sorted) whose last heartbeat is older than ``settings.dead_after`` seconds."""
+    expire = now - settings.dead_after
+    return sorted(n for n, t in state.last_heartbeats.items() if t < expire and n != exclude)
+
+
+def num_live_waiting(state: RendezvousState, settings: RendezvousSettings, now: float) -> int:
+    """Return how many nodes on the wait list still heart-beat (dead ones do not count)."""
+    dead = set(dead_nodes(state, settings, now))
+    return sum(1 for n in state.wait_list if n not in dead)
+
+
+def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float, fraction: float = 1.0) -> bool:
+    last = state.last_heartbeats.get(ctx.node_id)
+    return last is not None and last <= now - ctx.settings.keep_alive_interval * fraction
+
+
+def decide_join(state: RendezvousState, ctx: OpContext, now: float) -> Action:
+    """Decide the next step of joining the next round (torch ``_RendezvousJoinOp``)."""
+    me, settings = ctx.node_id, ctx.settings
+    if state.closed:
+        # JOINING -> GRACEFUL EXIT: redundant node, job is over; others -> CLOSED error
+        return Action.ERROR_GRACEFUL_EXIT if me in state.redundancy_list else Action.ERROR_CLOSED
+    if dead_nodes(state, settings, now, exclude=me):
+        return Action.REMOVE_DEAD_NODES
+    n = len(state.participants)
+    if me in state.redundancy_list:
+        # REDUNDANT: no join timeout; wait until the world has room again
+        if n >= settings.max_nodes:
+            return Action.KEEP_ALIVE if _should_keep_alive(state, ctx, now) else Action.SYNC
+        # REDUNDANT -> JOINING: room appeared (the executor renews the deadline)
+        return Action.REMOVE_FROM_REDUNDANCY_LIST
+    is_participant = me in state.participants
+    if state.complete and is_participant:
+        # JOINING -> JOINED
+        return Action.FINISH
+    if now > ctx.deadline:
+        # JOINING -> TIMED OUT, after removing ourselves if there is still time
+        if now <= ctx.deadline + ROLLBACK_PERIOD:
+            if is_participant:
+                return Action.REMOVE_FROM_PARTICIPANTS
+            if me in state.wait_list:
+                return Action.REMOVE_FROM_WAIT_LIST
+        return Action.ERROR_TIMEOUT
+    if state.complete:
+        # a running round: wait for the next one (room left) or stand by (world full)
+        if me not in state.wait_list:
+            if n < settings.max_nodes:
+                return Action.ADD_TO_WAIT_LIST
+            return Action.ADD_TO_REDUNDANCY_LIST
+    elif is_participant:
+        # JOINING -> COMPLETE: enough participants and the last call expired
+        if settings.min_nodes <= n <= settings.max_nodes and state.deadline is not None and state.deadline < now:
+            return Action.MARK_COMPLETE
+    else:
+        return Action.ADD_TO_PARTICIPANTS
+    if _should_keep_alive(state, ctx, now):
+        return Action.KEEP_ALIVE
+    return Action.SYNC
+
+
+def decide_exit(state: RendezvousState, ctx: OpContext, now: float) -> Action:
+    """Decide how to leave the current round before joining the next (torch ``_RendezvousExitOp``)."""
+    if ctx.node_id in state.participants:
+        if now > ctx.deadline:
+            return Action.ERROR_TIMEOUT
+        return Action.REMOVE_FROM_PARTICIPANTS
+    return Action.FINISH
+
+
+def decide_close(state: RendezvousState, ctx: OpContext, now: float) -> Action:
+    """Decide how to close the rendezvous (torch ``_RendezvousCloseOp``)."""
+    if state.closed:
+        return Action.FINISH
+    if now > ctx.deadline:
+        return Action.ERROR_TIMEOUT
+    return Action.MARK_CLOSED
+
+
+def decide_keep_alive(state: RendezvousState, ctx: OpContext, now: float) -> Action:
+    """Decide the periodic heartbeat of a node (torch ``_RendezvousKeepAliveOp``).
+
+    A heartbeat is written when the last one is older than half the keep-alive
+    interval, so a timer firing every interval never skips one by a hair.
+    """
+    if ctx.node_id not in state.last_heartbeats:
+        return Action.FINISH  # not in the rendezvous (left, or pruned as dead)
+    stale = _should_keep_alive(state, ctx, now, fraction=0.5)
+    if not stale and not dead_nodes(state, ctx.settings, now, exclude=ctx.node_id):
+        return Action.FINISH
+    if now > ctx.deadline:
+        return Action.ERROR_TIMEOUT
+    if dead_nodes(state, ctx.settings, now, exclude=ctx.node_id):
+        return Action.REMOVE_DEAD_NODES
+    return Action.KEEP_ALIVE
+
+
+def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) -> RendezvousState:
+    """Return the state after this node performs the write ``action`` (``state`` is unchanged).
+
+    Raises:
+        ValueError: ``action`` is not one of WRITE_ACTIONS.
+    """
+    s = state.copy()
+    me, settings = ctx.node_id, ctx.settings
+    info = {"addr": ctx.node_info.addr, "role": ctx.node_info.role, "local_world_size": ctx.node_info.local_world_size}
+    if action is Action.KEEP_ALIVE:
+        s.last_heartbeats[me] = now
+    elif action is Action.ADD_TO_PARTICIPANTS:
+        # OUTSIDE/WAITING -> PARTICIPANT (rank is fixed when the round completes)
+        s.wait_list.discard(me)
+        s.participants[me] = ctx.previous_rank
+        s.node_infos[me] = info
+        s.last_heartbeats[me] = now
+        if len(s.participants) == settings.min_nodes:
+            s.deadline = now + settings.last_call_timeout  # last call starts
+        if len(s.participants) == settings.max_nodes:
+            _mark_complete(s)  # INCOMPLETE -> COMPLETE: world full
+    elif action is Action.ADD_TO_WAIT_LIST:
+        # OUTSIDE -> WAITING: running groups see num_nodes_waiting() > 0
+        s.redundancy_list.discard(me)
+        s.wait_list.add(me)
+        s.node_infos[me] = info
+        s.last_heartbeats[me] = now
+    elif action is Action.ADD_TO_REDUNDANCY_LIST:
+        # OUTSIDE -> REDUNDANT: the world is at max_nodes
+        s.redundancy_list.add(me)
+        s.node_infos[me] = info
+        s.last_heartbeats[me] = now
+    elif action is Action.REMOVE_FROM_PARTICIPANTS:
+        s.participants.pop(me, None)
+        s.last_heartbeats.pop(me, None)
+        _after_participant_removed(s, settings)
+    elif action is Action.REMOVE_FROM_WAIT_LIST:
+        s.wait_list.discard(me)
+        s.last_heartbeats.pop(me, None)
+    elif action is Action.REMOVE_FROM_REDUNDANCY_LIST:
+        s.redundancy_list.discard(me)
+        s.last_heartbeats.pop(me, None)
+    elif action is Action.REMOVE_DEAD_NODES:
+        removed_participant = False
+        for node in dead_nodes(s, settings, now, exclude=me):
+            # ANY -> GONE: no heartbeat for keep_alive_interval * keep_alive_max_attempt
+            del s.last_heartbeats[node]
+            removed_participant |= s.participants.pop(node, None) is not None
+            s.wait_list.discard(node)
+            s.redundancy_list.discard(node)
+        if removed_participant:
+            _after_participant_removed(s, settings)
+    elif action is Action.MARK_COMPLETE:
+        _mark_complete(s)  # INCOMPLETE -> COMPLETE: last call expired
+    elif action is Action.MARK_CLOSED:
+        s.closed = True  # OPEN -> CLOSED
+    else:
+        raise ValueError(f"apply({action}): not a write action")
+    members = set(s.participants) | s.wait_list | s.redundancy_list
+    s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
+    return s
+
+
+def _after_participant_removed(s: RendezvousState, settings: RendezvousSettings) -> None:
+    if s.complete:
+        if not s.participants:
+            # COMPLETE -> INCOMPLETE: the last participant left; the next round opens
+            s.complete = False
+            s.round += 1
+    elif len(s.participants) < settings.min_nodes:
+        s.deadline = None  # below min again: the last call is off
+
+
+def _mark_complete(s: RendezvousState) -> None:
+    """Rank the participants: previous ranks kept when free and in range, others by node id."""
+    s.complete = True
+    s.deadline = None
+    ids = sorted(s.participants)
+    size = len(ids)
+    ranks: dict[str, int] = {}
+    taken: set[int] = set()
+    for node in ids:
+        hint = s.participants[node]
+        if 0 <= hint < size and hint not in taken:
+            ranks[node] = hint
+            taken.add(hint)
+    free = iter(r for r in range(size) if r not in taken)
+    for node in ids:
+        if node not in ranks:
+            ranks[node] = next(free)
+    s.participants = ranks

@@ -1,0 +1,82 @@
+"""Timing and size knobs of a dynamic rendezvous, read from ``--rdzv-conf``.
+
+Mirrors torch's ``RendezvousSettings`` / ``RendezvousTimeout`` and the conf keys
+its ``create_handler`` reads; every duration is in seconds. Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """How a dynamic rendezvous behaves.
+
+    Attributes:
+        run_id: the job id; nodes with different ids never meet.
+        min_nodes, max_nodes: bounds on a round's world, 1 <= min <= max.
+        join_timeout: seconds a ``next_rendezvous`` call may take (conf ``join_timeout``, 600).
+        last_call_timeout: seconds to wait for more nodes once ``min_nodes`` joined
+            (conf ``last_call_timeout``, 30).
+        close_timeout: seconds ``set_closed`` may take (conf ``close_timeout``, 30).
+        heartbeat_timeout: seconds one keep-alive write may take (conf ``heartbeat_timeout``, 5).
+        keep_alive_interval: seconds between a node's heartbeats (conf ``keep_alive_interval``, 5).
+        keep_alive_max_attempt: heartbeats a node may miss before it is declared dead
+            and removed (conf ``keep_alive_max_attempt``, 3).
+        poll_interval: seconds between reads of the state while waiting for others
+            (conf ``poll_interval``, 0.2; torch polls every 1 s).
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    poll_interval: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise RendezvousConfigError("--rdzv-id='': the run id must not be empty")
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise RendezvousConfigError(
+                f"--nnodes={self.min_nodes}:{self.max_nodes}: need 1 <= MIN ({self.min_nodes}) <= MAX ({self.max_nodes})"
+            )
+        if self.keep_alive_max_attempt < 1:
+            raise RendezvousConfigError(
+                f"--rdzv-conf keep_alive_max_attempt={self.keep_alive_max_attempt}: must be >= 1"
+            )
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a node counts as dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> RendezvousSettings:
+        """Read the settings from ``params`` and its ``--rdzv-conf`` keys.
+
+        Raises:
+            RendezvousConfigError: a value is not a positive number, or the node
+                bounds are inconsistent; the message names the key and value.
+        """
+        d = cls.__dataclass_fields__
+        attempts = params.get_as_int("keep_alive_max_attempt", d["keep_alive_max_attempt"].default)
+        return cls(
+            run_id=params.run_id,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            join_timeout=params.get_as_seconds("join_timeout", d["join_timeout"].default),
+            last_call_timeout=params.get_as_seconds("last_call_timeout", d["last_call_timeout"].default),
+            close_timeout=params.get_as_seconds("close_timeout", d["close_timeout"].default),
+            heartbeat_timeout=params.get_as_seconds("heartbeat_timeout", d["heartbeat_timeout"].default),
+            keep_alive_interval=params.get_as_seconds("keep_alive_interval", d["keep_alive_interval"].default),
+            keep_alive_max_attempt=attempts,
+            poll_interval=params.get_as_seconds("poll_interval", d["poll_interval"].default),
+        )

@@ -1,0 +1,155 @@
+"""The shared state of a dynamic rendezvous and its JSON encoding (never pickle).
+
+Mirrors ``torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState``,
+with two deliberate changes: the state travels as JSON (torch pickles it, so any
+process that can write the store can run code in every agent), and it carries
+each node's :class:`~elaunch.rendezvous.api.NodeInfo` so ranks can be assigned
+without extra store round trips. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from elaunch.rendezvous.api import NodeInfo, RendezvousStateError
+
+#: Version of the JSON layout; a state written by another version is refused.
+STATE_VERSION = 1
+
+
+@dataclass
+class RendezvousState:
+    """One run id's rendezvous, as every node sees it in the backend.
+
+    Attributes:
+        round: the current round, 0-based; it increases when the last participant of
+            a complete round leaves.
+        complete: True once the round's participants are final and ranked.
+        deadline: last-call deadline, seconds since the epoch, or None. Set when the
+            participants reach ``min_nodes``; the round completes when it passes.
+        closed: True once any node closed the rendezvous (no new round forms).
+        participants: node id -> group rank. Before the round completes the value is
+            the rank the node would like to keep from its previous round (-1: none).
+        node_infos: node id -> ``{"addr", "role", "local_world_size"}`` of every node
+            that is a participant or on the wait or redundancy list.
+        wait_list: node ids waiting for the next round (a complete round had room).
+        redundancy_list: node ids not needed (the world is at ``max_nodes``).
+        last_heartbeats: node id -> seconds since the epoch of its last keep-alive.
+    """
+
+    round: int = 0
+    complete: bool = False
+    deadline: float | None = None
+    closed: bool = False
+    participants: dict[str, int] = field(default_factory=dict)
+    node_infos: dict[str, dict] = field(default_factory=dict)
+    wait_list: set[str] = field(default_factory=set)
+    redundancy_list: set[str] = field(default_factory=set)
+    last_heartbeats: dict[str, float] = field(default_factory=dict)
+
+    def copy(self) -> RendezvousState:
+        """Return a deep copy (the ops mutate copies, never the state they decided on)."""
+        return RendezvousState(
+            round=self.round,
+            complete=self.complete,
+            deadline=self.deadline,
+            closed=self.closed,
+            participants=dict(self.participants),
+            node_infos={k: dict(v) for k, v in self.node_infos.items()},
+            wait_list=set(self.wait_list),
+            redundancy_list=set(self.redundancy_list),
+            last_heartbeats=dict(self.last_heartbeats),
+        )
+
+    def ranked_nodes(self) -> tuple[NodeInfo, ...]:
+        """Return the participants' NodeInfo in group-rank order (complete rounds only).
+
+        Raises:
+            RendezvousStateError: a participant has no node info.
+        """
+        out = []
+        for node_id, _rank in sorted(self.participants.items(), key=lambda kv: kv[1]):
+            info = self.node_infos.get(node_id)
+            if info is None:
+                raise RendezvousStateError(f"rendezvous state has no node info for participant {node_id!r}")
+            out.append(NodeInfo(str(info["addr"]), str(info["role"]), int(info["local_world_size"])))
+        return tuple(out)
+
+    def to_bytes(self) -> bytes:
+        """Encode as compact, key-sorted JSON (ASCII), so equal states give equal bytes."""
+        doc = {
+            "version": STATE_VERSION,
+            "round": self.round,
+            "complete": self.complete,
+            "deadline": self.deadline,
+            "closed": self.closed,
+            "participants": self.participants,
+            "node_infos": self.node_infos,
+            "wait_list": sorted(self.wait_list),
+            "redundancy_list": sorted(self.redundancy_list),
+            "last_heartbeats": self.last_heartbeats,
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> RendezvousState:
+        """Decode what :meth:`to_bytes` wrote.
+
+        Raises:
+            RendezvousStateError: not JSON, another layout version, or fields of the
+                wrong type; the message quotes the start of the bad data.
+        """
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise TypeError("not a JSON object")
+            if doc.get("version") != STATE_VERSION:
+                raise ValueError(f"state version {doc.get('version')!r}, expected {STATE_VERSION}")
+            deadline = doc["deadline"]
+            state = cls(
+                round=_int(doc["round"]),
+                complete=_bool(doc["complete"]),
+                deadline=None if deadline is None else float(deadline),
+                closed=_bool(doc["closed"]),
+                participants={str(k): _int(v) for k, v in _dict(doc["participants"]).items()},
+                node_infos={
+                    str(k): {
+                        "addr": str(v["addr"]),
+                        "role": str(v["role"]),
+                        "local_world_size": _int(v["local_world_size"]),
+                    }
+                    for k, v in _dict(doc["node_infos"]).items()
+                },
+                wait_list={str(n) for n in _list(doc["wait_list"])},
+                redundancy_list={str(n) for n in _list(doc["redundancy_list"])},
+                last_heartbeats={str(k): float(v) for k, v in _dict(doc["last_heartbeats"]).items()},
+            )
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            head = data[:80] if isinstance(data, (bytes, str)) else repr(data)
+            raise RendezvousStateError(f"corrupt rendezvous state {head!r}: {exc}") from exc
+        return state
+
+
+def _int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return v
+
+
+def _bool(v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"expected a boolean, got {v!r}")
+    return v
+
+
+def _dict(v) -> dict:
+    if not isinstance(v, dict):
+        raise TypeError(f"expected an object, got {v!r}")
+    return v
+
+
+def _list(v) -> list:
+    if not isinstance(v, list):
+        raise TypeError(f"expected a list, got {v!r}")
+    return v

@@ -1,0 +1,64 @@
+"""Backend name -> handler factory, imported lazily (mirrors torch's rendezvous ``registry``).
+
+Importing this module imports no backend: torch and etcd clients are loaded only
+when their factory runs, so ``import elaunch.agent`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from elaunch.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
+
+Factory = Callable[[RendezvousParameters], RendezvousHandler]
+
+
+def _lazy(module: str, attr: str = "create_handler") -> Factory:
+    def factory(params: RendezvousParameters) -> RendezvousHandler:
+        return getattr(importlib.import_module(module), attr)(params)
+
+    return factory
+
+
+def _not_yet(name: str) -> Factory:
+    def factory(params: RendezvousParameters) -> RendezvousHandler:
+        raise RendezvousConfigError(f"--rdzv-backend={name}: not available in this version of elaunch yet")
+
+    return factory
+
+
+_FACTORIES: dict[str, Factory] = {
+    "static": _lazy("elaunch.rendezvous.static"),
+    "standalone": _lazy("elaunch.rendezvous.standalone"),
+    "c10d": _lazy("elaunch.rendezvous.c10d"),
+    "etcd": _not_yet("etcd"),
+    "etcd-v2": _not_yet("etcd-v2"),
+    "etcd-v3": _not_yet("etcd-v3"),
+}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Return the registered backend names, sorted."""
+    return tuple(sorted(_FACTORIES))
+
+
+def register(name: str, factory: Factory) -> None:
+    """Register (or replace) the factory of backend ``name`` (for later backends and tests)."""
+    _FACTORIES[name] = factory
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the handler of ``params.backend`` (torch: ``rendezvous_handler_registry.create_handler``).
+
+    Raises:
+        RendezvousConfigError: unknown backend name (the message lists the known
+            ones), or a parameter the backend rejects.
+        RendezvousConnectionError: the backend could not be reached.
+    """
+    factory = _FACTORIES.get(params.backend)
+    if factory is None:
+        raise RendezvousConfigError(
+            f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(backend_names())})"
+        )
+    return factory(params)

@@ -1,0 +1,123 @@
+"""Static rendezvous (``--rdzv-backend=static``, torchrun's default): fixed ranks. Stdlib only.
+
+Mirrors torch's ``static_tcp_rendezvous``: the node rank comes from
+``--node-rank`` (conf key ``rank``), the world is ``max_nodes`` and
+MASTER_ADDR/MASTER_PORT are the endpoint. One deliberate change: torch's agent
+on node rank 0 hosts a TCPStore at the endpoint that lives for the whole job,
+so restarted workers read the dead workers' keys; here no agent hosts it
+(``use_agent_store=False``), worker rank 0 hosts a new one each round.
+"""
+
+from __future__ import annotations
+
+import re
+
+from elaunch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+
+def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
+    """Split ``host[:port]`` (``[v6addr]:port`` too), as torch's ``parse_rendezvous_endpoint``.
+
+    Returns:
+        ``(host, port)``; ``port`` is ``default_port`` when absent ("localhost" when
+        ``endpoint`` is empty).
+
+    Raises:
+        RendezvousConfigError: bad port (not 0..65535) or bad host; names the endpoint.
+    """
+    endpoint = (endpoint or "").strip()
+    if not endpoint:
+        return "localhost", default_port
+    if endpoint.startswith("[") and endpoint.endswith("]"):
+        host, port_str = endpoint[1:-1], None
+    elif endpoint.startswith("[") and "]:" in endpoint:
+        host, port_str = endpoint[1:].split("]:", 1)
+    elif endpoint.count(":") == 1:
+        host, port_str = endpoint.split(":")
+    else:
+        host, port_str = endpoint, None  # a bare host or a bare IPv6 address
+    port = default_port
+    if port_str is not None:
+        if not re.fullmatch(r"[0-9]{1,5}", port_str) or int(port_str) > 65535:
+            raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: port {port_str!r} is not in 0..65535")
+        port = int(port_str)
+    if not host or not re.fullmatch(r"[\w.:-]+", host):
+        raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: host {host!r} is not a hostname or IP address")
+    return host, port
+
+
+class StaticRendezvous(RendezvousHandler):
+    """Every node knows its rank and the world size up front.
+
+    Args:
+        master_addr, master_port: the workers' store (the endpoint).
+        rank: this node's group rank (``--node-rank``), 0 <= rank < world_size.
+        world_size: number of nodes (``--nnodes``).
+        run_id: the job id.
+    """
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, run_id: str) -> None:
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.rank = rank
+        self.world_size = world_size
+        self._run_id = run_id
+        self._round = -1
+        self._closed = False
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Return the next round (the n-th call is round n-1) at once: nothing to wait for.
+
+        Raises:
+            RendezvousClosedError: ``set_closed`` was called on this handler.
+        """
+        if self._closed:
+            raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+        self._round += 1
+        return RendezvousInfo(
+            round=self._round, rank=self.rank, world_size=self.world_size,
+            master_addr=self.master_addr, master_port=self.master_port, use_agent_store=False, nodes=(),
+        )
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+
+def create_handler(params: RendezvousParameters) -> StaticRendezvous:
+    """Build the static handler from ``params`` (torch ``static_tcp_rendezvous.create_rdzv_handler``).
+
+    Raises:
+        RendezvousConfigError: no ``rank`` conf (``--node-rank``), rank out of
+            ``0..max_nodes-1``, no endpoint or no port in it; the message names the value.
+    """
+    raw_rank = params.get("rank")
+    if raw_rank is None:
+        raise RendezvousConfigError("static rendezvous: no node rank given (add --node-rank)")
+    rank = params.get_as_int("rank")
+    assert rank is not None
+    if not 0 <= rank < params.max_nodes:
+        raise RendezvousConfigError(f"--node-rank={rank}: must be in 0..{params.max_nodes - 1} for --nnodes={params.max_nodes}")
+    if not params.endpoint.strip():
+        raise RendezvousConfigError("static rendezvous: no endpoint (add --master-addr and --master-port)")
+    host, port = parse_endpoint(params.endpoint, None)
+    if port is None:
+        raise RendezvousConfigError(f"--rdzv-endpoint={params.endpoint}: no port (add --master-port)")
+    return StaticRendezvous(host, port, rank, params.max_nodes, params.run_id)

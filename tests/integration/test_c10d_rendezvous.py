@@ -1,0 +1,194 @@
+"""The c10d rendezvous with a real TCPStore on loopback: handlers in threads and processes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+from elaunch.rendezvous import registry  # noqa: E402
+from elaunch.rendezvous.api import (  # noqa: E402
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
+from tests.conftest import REPO, wait_for  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FAST = {"poll_interval": "0.05", "join_timeout": "20", "read_timeout": "10"}
+
+
+def params(port, min_nodes, max_nodes, run_id="job", **conf) -> RendezvousParameters:
+    return RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, min_nodes, max_nodes,
+                                config={**FAST, **{k: str(v) for k, v in conf.items()}},
+                                local_addr="127.0.0.1", role="trainer", local_world_size=2)
+
+
+@pytest.fixture
+def rdzv():
+    """Create handlers; at the end shut them all down and join the worker threads."""
+    handlers, pool = [], ThreadPoolExecutor(max_workers=6)
+
+    class Factory:
+        port = free_port()
+
+        def make(self, *args, **kw):
+            h = registry.create_handler(params(*args, **kw))
+            handlers.append(h)
+            return h
+
+        def join(self, *hs):
+            return list(pool.map(lambda h: h.next_rendezvous(), hs))
+
+        def submit(self, h):
+            return pool.submit(h.next_rendezvous)
+
+    yield Factory()
+    for h in handlers:
+        h.shutdown()
+    pool.shutdown(wait=True)
+
+
+def connect(addr: str, port: int):
+    return torch_dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
+def test_three_handlers_form_a_world_and_share_a_workers_store(rdzv):
+    p = rdzv.port
+    hs = [rdzv.make(p, 3, 3), rdzv.make(p, 3, 3, is_host="false"), rdzv.make(p, 3, 3, is_host="false")]
+    infos = rdzv.join(*hs)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {(i.round, i.world_size, i.master_addr, i.master_port, i.use_agent_store) for i in infos} == {
+        (0, 3, "127.0.0.1", infos[0].master_port, True)}
+    assert infos[0].master_port != p  # a workers' store of its own, not the agent store
+    assert [n.role for n in infos[0].nodes] == ["trainer"] * 3
+    client = connect(infos[0].master_addr, infos[0].master_port)
+    client.set("hello", "world")
+    assert connect(infos[1].master_addr, infos[1].master_port).get("hello") == b"world"
+    assert all(h.get_backend() == "c10d" and h.get_run_id() == "job" for h in hs)
+
+
+def test_second_round_gets_new_master_port_and_fresh_namespace(rdzv):
+    hs = [rdzv.make(rdzv.port, 2, 2), rdzv.make(rdzv.port, 2, 2)]
+    first = rdzv.join(*hs)
+    first[0].store.set("leftover", "round0")
+    connect(first[0].master_addr, first[0].master_port).set("gloo/addr", "dead-worker")
+    second = rdzv.join(*hs)
+    assert {i.round for i in second} == {1}
+    assert len({i.master_port for i in second}) == 1
+    assert second[0].master_port != first[0].master_port
+    assert not second[0].store.check(["leftover"])
+    assert not connect(second[0].master_addr, second[0].master_port).check(["gloo/addr"])
+    assert [i.rank for i in second] == [i.rank for i in first]  # ranks are kept
+
+
+def test_different_run_ids_never_merge(rdzv):
+    a = rdzv.make(rdzv.port, 1, 2, run_id="alpha", last_call_timeout=0.3)
+    b = rdzv.make(rdzv.port, 1, 2, run_id="beta", last_call_timeout=0.3)
+    infos = rdzv.join(a, b)
+    assert [(i.rank, i.world_size) for i in infos] == [(0, 1), (0, 1)]
+    assert infos[0].master_port != infos[1].master_port
+
+
+def test_min_max_completes_after_short_last_call(rdzv):
+    hs = [rdzv.make(rdzv.port, 2, 3, last_call_timeout=0.5) for _ in range(2)]
+    infos = rdzv.join(*hs)
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+
+
+def test_late_joiner_is_seen_waiting_and_close_rejects_it(rdzv):
+    a, b = rdzv.make(rdzv.port, 1, 2, last_call_timeout=0.2), rdzv.make(rdzv.port, 1, 2, last_call_timeout=0.2)
+    (info,) = rdzv.join(a)
+    assert info.world_size == 1 and a.num_nodes_waiting() == 0
+    late = rdzv.submit(b)
+    wait_for(lambda: a.num_nodes_waiting() > 0, 10, what="late joiner on the wait list")
+    a.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        late.result(timeout=10)
+    c = rdzv.make(rdzv.port, 1, 2)
+    assert c.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        c.next_rendezvous()
+
+
+def test_exit_barrier_waits_for_all_or_times_out(rdzv):
+    hs = [rdzv.make(rdzv.port, 2, 2), rdzv.make(rdzv.port, 2, 2)]
+    rdzv.join(*hs)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda h: h.exit_barrier(10), hs))
+    solo = rdzv.make(free_port(), 1, 1)
+    rdzv.join(solo)
+    solo.exit_barrier(0.2)  # world of 1: returns at once
+    hs2 = [rdzv.make(rdzv.port, 2, 2, run_id="other"), rdzv.make(rdzv.port, 2, 2, run_id="other")]
+    rdzv.join(*hs2)
+    hs2[0].exit_barrier(0.3)  # the other node never arrives: returns after the timeout, no error
+
+
+def test_unreachable_store_is_a_connection_error_naming_the_endpoint():
+    port = free_port()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}: connecting within read_timeout=1 s"):
+        registry.create_handler(params(port, 1, 1, is_host="false", read_timeout=1))
+
+
+@pytest.mark.parametrize("conf,needle", [
+    ({"is_host": "false", "port": 0}, "port 0 is only allowed"),
+    ({"store_type": "redis"}, "store_type=redis"),
+    ({"read_timeout": "0"}, "read_timeout=0"),
+])
+def test_bad_conf(conf, needle):
+    port = conf.pop("port", free_port())
+    with pytest.raises(RendezvousConfigError, match=needle):
+        registry.create_handler(params(port, 1, 1, **conf))
+
+
+def test_endpoint_port_zero_when_hosting(rdzv):
+    h = rdzv.make(0, 1, 1)
+    info = rdzv.join(h)[0]
+    assert (info.rank, info.world_size) == (0, 1)
+
+
+AGENT = textwrap.dedent("""
+    import json, sys
+    from elaunch.rendezvous import registry
+    from elaunch.rendezvous.api import RendezvousParameters
+    port = int(sys.argv[1])
+    h = registry.create_handler(RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "procs", 2, 2, local_addr="127.0.0.1",
+        config={"poll_interval": "0.05", "join_timeout": "30", "read_timeout": "30"}))
+    info = h.next_rendezvous()
+    print(json.dumps([info.round, info.rank, info.world_size, info.master_addr, info.master_port]), flush=True)
+    h.exit_barrier(30)
+    h.shutdown()
+""")
+
+
+def test_two_agent_processes_form_a_world():
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", AGENT, str(port)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert sorted(r[1] for r in results) == [0, 1]
+    assert {(r[0], r[2], r[3], r[4]) for r in results} == {(0, 2, "127.0.0.1", results[0][4])}

@@ -1,0 +1,171 @@
+"""DynamicRendezvousHandler + OpExecutor against the in-memory backend, in threads."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from elaunch.rendezvous.api import (
+    NodeInfo,
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
+from elaunch.rendezvous.dynamic.ops import Action, OpContext
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+from tests.conftest import wait_for
+from tests.unit.fakes import FakeRoundStores, InMemoryBackend
+
+
+def settings(min_nodes, max_nodes, **kw) -> RendezvousSettings:
+    kw.setdefault("poll_interval", 0.02)
+    kw.setdefault("join_timeout", 20)
+    return RendezvousSettings("job", min_nodes, max_nodes, **kw)
+
+
+class World:
+    """Handlers sharing one backend; shut down (heartbeats stopped) at the end."""
+
+    def __init__(self, s: RendezvousSettings):
+        self.settings, self.backend, self.handlers = s, InMemoryBackend(), []
+        self.pool = ThreadPoolExecutor(max_workers=8)
+
+    def handler(self, addr: str, lws: int = 1) -> DynamicRendezvousHandler:
+        h = DynamicRendezvousHandler(NodeInfo(addr, "trainer", lws), self.settings, self.backend, FakeRoundStores())
+        self.handlers.append(h)
+        return h
+
+    def join(self, *handlers):
+        return self.pool.map(lambda h: h.next_rendezvous(), handlers)
+
+    def state(self) -> RendezvousState:
+        return RendezvousState.from_bytes(self.backend.get_state()[0])
+
+    def close(self):
+        for h in self.handlers:
+            h._stop_heartbeats()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def world_factory():
+    worlds = []
+
+    def make(*args, **kw):
+        worlds.append(World(settings(*args, **kw)))
+        return worlds[-1]
+
+    yield make
+    for w in worlds:
+        w.close()
+
+
+def test_three_handlers_form_a_world(world_factory):
+    w = world_factory(3, 3)
+    hs = [w.handler(f"10.0.0.{i}", lws=i + 1) for i in range(3)]
+    infos = list(w.join(*hs))
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {(i.round, i.world_size, i.master_addr, i.master_port) for i in infos} == {(0, 3, "fake-master", 20000)}
+    nodes = infos[0].nodes
+    assert all(i.nodes == nodes for i in infos) and len(nodes) == 3
+    for info, h in zip(infos, hs):
+        assert nodes[info.rank] == h._node  # nodes are in group-rank order
+
+
+def test_min_max_completes_after_last_call(world_factory):
+    w = world_factory(2, 3, last_call_timeout=0.3)
+    infos = list(w.join(w.handler("a"), w.handler("b")))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+
+
+def test_late_joiner_waits_and_next_round_includes_it(world_factory):
+    w = world_factory(2, 3, last_call_timeout=0.2)
+    a, b, c = w.handler("a"), w.handler("b"), w.handler("c")
+    first = list(w.join(a, b))
+    assert a.num_nodes_waiting() == 0
+    late = w.pool.submit(c.next_rendezvous)
+    wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5, what="waiting node")
+    assert not late.done()
+    assert w.state().wait_list == {c.node_id}
+    # running nodes see the waiter, restart: round 1 forms with all three
+    again = list(w.join(a, b))
+    third = late.result(timeout=10)
+    assert {i.round for i in again + [third]} == {1}
+    assert {i.world_size for i in again + [third]} == {3}
+    # a and b keep their previous ranks, the newcomer takes the free one
+    assert [i.rank for i in again] == [i.rank for i in first]
+    assert third.rank == 2
+
+
+def test_node_that_stops_heart_beating_is_pruned(world_factory):
+    w = world_factory(2, 2, keep_alive_interval=0.1, keep_alive_max_attempt=2)
+    a, b = w.handler("a"), w.handler("b")
+    list(w.join(a, b))
+    b._stop_heartbeats()  # b "dies": a's keep-alive thread prunes it
+    wait_for(lambda: b.node_id not in w.state().participants, 5, what="dead node pruned")
+    state = w.state()
+    assert a.node_id in state.participants and b.node_id not in state.node_infos
+
+
+def test_dead_waiter_is_not_counted_and_gets_pruned(world_factory):
+    w = world_factory(1, 2, last_call_timeout=0.05, keep_alive_interval=0.1, keep_alive_max_attempt=2)
+    a = w.handler("a")
+    list(w.join(a))
+    # a ghost node waited once and never heart-beat again
+    ghost = OpContext("ghost", NodeInfo("ghost"), w.settings, deadline=1e12)
+    w.backend.put(ops.apply(Action.ADD_TO_WAIT_LIST, w.state(), ghost, now=1.0).to_bytes())
+    assert a.num_nodes_waiting() == 0 or wait_for(lambda: a.num_nodes_waiting() == 0, 2, what="cache expiry")
+    wait_for(lambda: "ghost" not in w.state().wait_list, 5, what="ghost pruned by keep-alive")
+
+
+def test_closed_rendezvous_rejects_later_joiners(world_factory):
+    w = world_factory(1, 2, last_call_timeout=0.05)
+    a, late = w.handler("a"), w.handler("late")
+    list(w.join(a))
+    assert not late.is_closed()
+    a.set_closed()
+    assert late.is_closed()
+    with pytest.raises(RendezvousClosedError, match="'job' is closed"):
+        late.next_rendezvous()
+
+
+def test_join_timeout_rolls_back_and_names_the_key(world_factory):
+    w = world_factory(2, 2, join_timeout=0.3)
+    a = w.handler("a")
+    with pytest.raises(RendezvousTimeoutError, match=r"round 0: not done within join_timeout=0.3 s .*--nnodes=2:2"):
+        a.next_rendezvous()
+    assert w.state().participants == {}
+
+
+def test_redundant_node_waits_then_exits_gracefully_on_close(world_factory):
+    w = world_factory(1, 1)
+    a, extra = w.handler("a"), w.handler("extra")
+    list(w.join(a))
+    pending = w.pool.submit(extra.next_rendezvous)
+    wait_for(lambda: extra.node_id in w.state().redundancy_list, 5, what="redundant node")
+    assert a.num_nodes_waiting() == 0  # a full world does not restart for it
+    a.set_closed()
+    with pytest.raises(RendezvousGracefulExitError):
+        pending.result(timeout=5)
+
+
+def test_shutdown_stops_heartbeats_closes_and_releases_stores(world_factory):
+    w = world_factory(1, 1, keep_alive_interval=0.05)
+    a = w.handler("a")
+    list(w.join(a))
+    thread = a._heartbeat_thread
+    assert thread is not None and thread.is_alive()
+    assert a.shutdown() is True
+    assert not thread.is_alive() and a._stores.closed and w.state().closed
+
+
+def test_concurrent_writers_never_lose_an_update(world_factory):
+    """Five nodes race for a world of 5: compare-and-set must keep every join."""
+    w = world_factory(5, 5)
+    hs = [w.handler(f"n{i}") for i in range(5)]
+    infos = list(w.join(*hs))
+    assert sorted(i.rank for i in infos) == list(range(5))

@@ -1,0 +1,163 @@
+"""Table-driven tests of the dynamic rendezvous' pure decisions and state changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic.ops import Action, OpContext
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+NOW = 1_000_000.0
+SETTINGS = RendezvousSettings("job", 2, 3, last_call_timeout=30, keep_alive_interval=5, keep_alive_max_attempt=3)
+ME = "n1"
+
+
+def mk(participants=(), complete=False, deadline=None, wait=(), redundant=(), closed=False, hb=None, round=0):
+    """A state; every listed node heart-beat at NOW unless ``hb`` overrides."""
+    parts = dict(participants) if isinstance(participants, dict) else {n: -1 for n in participants}
+    nodes = set(parts) | set(wait) | set(redundant)
+    beats = {n: NOW for n in nodes}
+    beats.update(hb or {})
+    infos = {n: {"addr": n, "role": "default", "local_world_size": 1} for n in nodes}
+    return RendezvousState(round, complete, deadline, closed, parts, infos, set(wait), set(redundant), beats)
+
+
+def ctx(deadline=NOW + 600, previous_rank=-1, settings=SETTINGS):
+    return OpContext(ME, NodeInfo(ME, "default", 2), settings, deadline, previous_rank)
+
+
+JOIN_CASES = [
+    ("first node joins", mk(), ctx(), Action.ADD_TO_PARTICIPANTS),
+    ("closed", mk(closed=True), ctx(), Action.ERROR_CLOSED),
+    ("closed while redundant", mk(closed=True, redundant=[ME]), ctx(), Action.ERROR_GRACEFUL_EXIT),
+    ("dead node pruned first", mk(["n0"], hb={"n0": NOW - 16}), ctx(), Action.REMOVE_DEAD_NODES),
+    ("heartbeat at the limit is alive", mk(["n0"], hb={"n0": NOW - 15}), ctx(), Action.ADD_TO_PARTICIPANTS),
+    ("below min: wait", mk([ME]), ctx(), Action.SYNC),
+    ("below min, stale heartbeat", mk([ME], hb={ME: NOW - 6}), ctx(), Action.KEEP_ALIVE),
+    ("min reached, last call running", mk([ME, "n0"], deadline=NOW + 10), ctx(), Action.SYNC),
+    ("last call expired", mk([ME, "n0"], deadline=NOW - 1), ctx(), Action.MARK_COMPLETE),
+    ("complete and in it", mk({ME: 0, "n0": 1}, complete=True), ctx(), Action.FINISH),
+    ("join after complete: room", mk({"n0": 0, "n2": 1}, complete=True), ctx(), Action.ADD_TO_WAIT_LIST),
+    ("already waiting", mk({"n0": 0, "n2": 1}, complete=True, wait=[ME]), ctx(), Action.SYNC),
+    ("join after complete: full", mk({"n0": 0, "n2": 1, "n3": 2}, complete=True), ctx(), Action.ADD_TO_REDUNDANCY_LIST),
+    ("redundant, still full", mk({"n0": 0, "n2": 1, "n3": 2}, complete=True, redundant=[ME]), ctx(), Action.SYNC),
+    ("redundant ignores join timeout", mk({"n0": 0, "n2": 1, "n3": 2}, complete=True, redundant=[ME]),
+     ctx(deadline=NOW - 100), Action.SYNC),
+    ("redundant, room again", mk({"n0": 0, "n2": 1}, complete=True, redundant=[ME]), ctx(),
+     Action.REMOVE_FROM_REDUNDANCY_LIST),
+    ("timeout as participant: roll back", mk([ME]), ctx(deadline=NOW - 1), Action.REMOVE_FROM_PARTICIPANTS),
+    ("timeout while waiting: roll back", mk({"n0": 0}, complete=True, wait=[ME]), ctx(deadline=NOW - 1),
+     Action.REMOVE_FROM_WAIT_LIST),
+    ("timeout past rollback period", mk([ME]), ctx(deadline=NOW - 10), Action.ERROR_TIMEOUT),
+    ("join timeout, not in state", mk(["n0"]), ctx(deadline=NOW - 1), Action.ERROR_TIMEOUT),
+]
+
+
+@pytest.mark.parametrize("name,state,context,expected", JOIN_CASES, ids=[c[0] for c in JOIN_CASES])
+def test_decide_join(name, state, context, expected):
+    assert ops.decide_join(state, context, NOW) is expected
+
+
+OTHER_CASES = [
+    ("exit: participant leaves", ops.decide_exit, mk({ME: 0}, complete=True), ctx(), Action.REMOVE_FROM_PARTICIPANTS),
+    ("exit: not in round", ops.decide_exit, mk({"n0": 0}, complete=True), ctx(), Action.FINISH),
+    ("exit: timed out", ops.decide_exit, mk({ME: 0}), ctx(deadline=NOW - 1), Action.ERROR_TIMEOUT),
+    ("close: open", ops.decide_close, mk(), ctx(), Action.MARK_CLOSED),
+    ("close: already closed", ops.decide_close, mk(closed=True), ctx(), Action.FINISH),
+    ("close: timed out", ops.decide_close, mk(), ctx(deadline=NOW - 1), Action.ERROR_TIMEOUT),
+    ("keep-alive: fresh", ops.decide_keep_alive, mk({ME: 0}, complete=True), ctx(), Action.FINISH),
+    ("keep-alive: stale", ops.decide_keep_alive, mk({ME: 0}, complete=True, hb={ME: NOW - 3}), ctx(), Action.KEEP_ALIVE),
+    ("keep-alive: pruned node stops", ops.decide_keep_alive, mk({"n0": 0}, complete=True), ctx(), Action.FINISH),
+    ("keep-alive: prunes the dead", ops.decide_keep_alive, mk({ME: 0, "n0": 1}, complete=True, hb={"n0": NOW - 20}),
+     ctx(), Action.REMOVE_DEAD_NODES),
+    ("keep-alive: timed out", ops.decide_keep_alive, mk({ME: 0}, hb={ME: NOW - 3}), ctx(deadline=NOW - 1),
+     Action.ERROR_TIMEOUT),
+]
+
+
+@pytest.mark.parametrize("name,decide,state,context,expected", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
+def test_decide_exit_close_keep_alive(name, decide, state, context, expected):
+    assert decide(state, context, NOW) is expected
+
+
+def test_first_node_joins_without_last_call():
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(), ctx(), NOW)
+    assert s.participants == {ME: -1} and not s.complete and s.deadline is None
+    assert s.last_heartbeats == {ME: NOW}
+    assert s.node_infos[ME] == {"addr": ME, "role": "default", "local_world_size": 2}
+
+
+def test_reaching_min_starts_last_call():
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(["n0"]), ctx(), NOW)
+    assert s.deadline == NOW + 30 and not s.complete
+
+
+def test_reaching_max_completes_at_once_with_sorted_ranks():
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(["n2", "n0"], deadline=NOW + 5), ctx(), NOW)
+    assert s.complete and s.deadline is None
+    assert s.participants == {"n0": 0, ME: 1, "n2": 2}
+
+
+def test_last_call_expiry_completes():
+    s = ops.apply(Action.MARK_COMPLETE, mk([ME, "n0"], deadline=NOW - 1), ctx(), NOW)
+    assert s.complete and s.deadline is None and s.participants == {"n0": 0, ME: 1}
+
+
+def test_previous_ranks_are_kept_when_free():
+    # n1 keeps its rank 2; n0's old rank 5 is out of range; the rest fill 0, 1 by node id
+    state = mk({"n0": 5, "n2": -1})
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, state, ctx(previous_rank=2), NOW)
+    assert s.participants == {ME: 2, "n0": 0, "n2": 1}
+
+
+def test_join_after_complete_lands_on_wait_list_and_counts_as_waiting():
+    s = ops.apply(Action.ADD_TO_WAIT_LIST, mk({"n0": 0}, complete=True), ctx(), NOW)
+    assert s.wait_list == {ME} and ME not in s.participants and ME in s.node_infos
+    assert ops.num_live_waiting(s, SETTINGS, NOW) == 1
+    assert ops.num_live_waiting(s, SETTINGS, NOW + 16) == 0  # dead waiters do not count
+
+
+def test_more_than_max_goes_to_redundancy_list():
+    s = ops.apply(Action.ADD_TO_REDUNDANCY_LIST, mk({"n0": 0, "n2": 1, "n3": 2}, complete=True), ctx(), NOW)
+    assert s.redundancy_list == {ME} and s.wait_list == set()
+
+
+def test_dead_nodes_are_pruned_everywhere():
+    state = mk({ME: 0, "n0": 1}, complete=True, wait=["n4"], redundant=["n5"],
+               hb={"n0": NOW - 16, "n4": NOW - 16, "n5": NOW - 16})
+    s = ops.apply(Action.REMOVE_DEAD_NODES, state, ctx(), NOW)
+    assert s.participants == {ME: 0} and s.wait_list == set() and s.redundancy_list == set()
+    assert set(s.last_heartbeats) == {ME} and set(s.node_infos) == {ME}
+    assert s.complete and s.round == 0
+
+
+def test_last_participant_leaving_opens_next_round():
+    s = ops.apply(Action.REMOVE_FROM_PARTICIPANTS, mk({ME: 0}, complete=True, wait=["n0"]), ctx(), NOW)
+    assert s.round == 1 and not s.complete and s.participants == {} and s.wait_list == {"n0"}
+
+
+def test_dropping_below_min_cancels_last_call():
+    s = ops.apply(Action.REMOVE_FROM_PARTICIPANTS, mk([ME, "n0"], deadline=NOW + 5), ctx(), NOW)
+    assert s.deadline is None and s.participants == {"n0": -1}
+
+
+def test_close_and_keep_alive():
+    assert ops.apply(Action.MARK_CLOSED, mk(), ctx(), NOW).closed
+    s = ops.apply(Action.KEEP_ALIVE, mk([ME], hb={ME: NOW - 6}), ctx(), NOW)
+    assert s.last_heartbeats[ME] == NOW
+
+
+def test_apply_does_not_mutate_its_input():
+    state = mk(["n0"])
+    before = state.to_bytes()
+    ops.apply(Action.ADD_TO_PARTICIPANTS, state, ctx(), NOW)
+    assert state.to_bytes() == before
+
+
+@pytest.mark.parametrize("action", [Action.SYNC, Action.FINISH, Action.ERROR_TIMEOUT])
+def test_apply_refuses_non_write_actions(action):
+    with pytest.raises(ValueError, match=action.value):
+        ops.apply(action, mk(), ctx(), NOW)

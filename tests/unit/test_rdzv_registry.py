@@ -1,0 +1,89 @@
+"""Registry, standalone and static handlers (torch-free paths)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from elaunch.rendezvous import registry
+from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError, RendezvousConfigError, RendezvousParameters
+from elaunch.rendezvous.static import parse_endpoint
+
+
+def params(backend, endpoint="", min_nodes=1, max_nodes=1, **conf):
+    return RendezvousParameters(backend, endpoint, "job", min_nodes, max_nodes,
+                                config={k: str(v) for k, v in conf.items()}, role="r", local_world_size=3)
+
+
+def test_importing_registry_and_torch_free_backends_does_not_import_torch():
+    code = ("import sys, elaunch.rendezvous.registry as r, elaunch.rendezvous.static, elaunch.rendezvous.standalone, "
+            "elaunch.rendezvous.dynamic.handler; "
+            "r.create_handler(r.RendezvousParameters('standalone', '', 'j', 1, 1)).next_rendezvous(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_backend_names():
+    assert registry.backend_names() == ("c10d", "etcd", "etcd-v2", "etcd-v3", "standalone", "static")
+
+
+def test_unknown_backend_is_named_with_known_ones():
+    with pytest.raises(RendezvousConfigError, match=r"--rdzv-backend=zookeeper: .*known: c10d, etcd"):
+        registry.create_handler(params("zookeeper"))
+
+
+@pytest.mark.parametrize("name", ["etcd", "etcd-v2", "etcd-v3"])
+def test_etcd_not_yet(name):
+    with pytest.raises(RendezvousConfigError, match=f"--rdzv-backend={name}: not available in this version"):
+        registry.create_handler(params(name))
+
+
+def test_standalone_rounds_get_fresh_loopback_ports():
+    h = registry.create_handler(params("standalone"))
+    a, b = h.next_rendezvous(), h.next_rendezvous()
+    assert (a.round, a.rank, a.world_size, a.master_addr, a.use_agent_store) == (0, 0, 1, "127.0.0.1", False)
+    assert b.round == 1 and b.master_port != a.master_port
+    assert a.nodes == (NodeInfo("127.0.0.1", "r", 3),)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", b.master_port))  # the port is really free
+    assert h.get_backend() == "standalone" and h.num_nodes_waiting() == 0
+    h.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        h.next_rendezvous()
+
+
+def test_static_ranks_and_endpoint():
+    h = registry.create_handler(params("static", "10.1.2.3:29500", 3, 3, rank=2))
+    a, b = h.next_rendezvous(), h.next_rendezvous()
+    assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (0, 2, 3, "10.1.2.3", 29500)
+    assert b.round == 1 and not a.use_agent_store and a.nodes == () and h.num_nodes_waiting() == 0
+
+
+@pytest.mark.parametrize("endpoint,conf,needle", [
+    ("h:1", {}, "--node-rank"),
+    ("h:1", {"rank": "x"}, "rank=x"),
+    ("h:1", {"rank": "2"}, "--node-rank=2: must be in 0..1"),
+    ("", {"rank": "0"}, "--master-addr"),
+    ("h", {"rank": "0"}, "--rdzv-endpoint=h: no port"),
+    ("h:99999", {"rank": "0"}, "port '99999'"),
+])
+def test_static_bad_input_names_value(endpoint, conf, needle):
+    with pytest.raises(RendezvousConfigError, match=needle):
+        registry.create_handler(params("static", endpoint, 2, 2, **conf))
+
+
+@pytest.mark.parametrize("endpoint,expected", [
+    ("", ("localhost", 7)), ("host", ("host", 7)), ("host:0", ("host", 0)), ("1.2.3.4:29400", ("1.2.3.4", 29400)),
+    ("[::1]:80", ("::1", 80)), ("[::1]", ("::1", 7)), ("::1", ("::1", 7)), ("a.b-c:1", ("a.b-c", 1)),
+])
+def test_parse_endpoint(endpoint, expected):
+    assert parse_endpoint(endpoint, 7) == expected
+
+
+@pytest.mark.parametrize("endpoint", ["host:x", "host:-1", "ho st:1", ":80"])
+def test_parse_endpoint_rejects(endpoint):
+    with pytest.raises(RendezvousConfigError, match="--rdzv-endpoint="):
+        parse_endpoint(endpoint, 7)

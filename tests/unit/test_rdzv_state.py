@@ -1,0 +1,76 @@
+"""The rendezvous state's JSON encoding and settings parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elaunch.rendezvous.api import NodeInfo, RendezvousConfigError, RendezvousParameters, RendezvousStateError
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+
+def full_state() -> RendezvousState:
+    return RendezvousState(
+        round=3, complete=True, deadline=12.5, closed=False,
+        participants={"b": 0, "a": 1},
+        node_infos={"a": {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 4},
+                    "b": {"addr": "10.0.0.2", "role": "trainer", "local_world_size": 2},
+                    "c": {"addr": "10.0.0.3", "role": "default", "local_world_size": 1}},
+        wait_list={"c"}, redundancy_list=set(), last_heartbeats={"a": 1.5, "b": 2.0, "c": 3.0},
+    )
+
+
+def test_round_trip_is_exact_and_json():
+    state = full_state()
+    data = state.to_bytes()
+    assert json.loads(data)["participants"] == {"a": 1, "b": 0}  # plain JSON, not pickle
+    assert RendezvousState.from_bytes(data) == state
+    assert RendezvousState.from_bytes(data).to_bytes() == data
+
+
+def test_ranked_nodes_follow_group_rank():
+    assert full_state().ranked_nodes() == (NodeInfo("10.0.0.2", "trainer", 2), NodeInfo("10.0.0.1", "trainer", 4))
+
+
+@pytest.mark.parametrize("data", [
+    b"\x80\x04pickle", b"[]", b'{"version": 99}',
+    RendezvousState().to_bytes().replace(b'"round":0', b'"round":"zero"'),
+    RendezvousState().to_bytes().replace(b'"wait_list":[]', b'"wait_list":{}'),
+    RendezvousState().to_bytes().replace(b',"round":0', b''),
+])
+def test_corrupt_state_raises_state_error(data):
+    with pytest.raises(RendezvousStateError, match="corrupt rendezvous state"):
+        RendezvousState.from_bytes(data)
+
+
+def params(**conf) -> RendezvousParameters:
+    return RendezvousParameters("c10d", "localhost:29400", "job", 1, 2, config={k: str(v) for k, v in conf.items()})
+
+
+def test_settings_defaults_mirror_torch():
+    s = RendezvousSettings.from_params(params())
+    assert (s.join_timeout, s.last_call_timeout, s.close_timeout, s.heartbeat_timeout) == (600, 30, 30, 5)
+    assert (s.keep_alive_interval, s.keep_alive_max_attempt, s.dead_after) == (5, 3, 15)
+
+
+def test_settings_read_conf_in_seconds():
+    s = RendezvousSettings.from_params(params(join_timeout=2.5, last_call_timeout=0.5, keep_alive_interval=1,
+                                              keep_alive_max_attempt=2))
+    assert (s.join_timeout, s.last_call_timeout, s.dead_after) == (2.5, 0.5, 2.0)
+
+
+@pytest.mark.parametrize("conf,needle", [
+    ({"join_timeout": "soon"}, "join_timeout=soon"),
+    ({"last_call_timeout": "-1"}, "last_call_timeout=-1"),
+    ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt=0"),
+])
+def test_bad_conf_names_the_value(conf, needle):
+    with pytest.raises(RendezvousConfigError, match=needle):
+        RendezvousSettings.from_params(params(**conf))
+
+
+def test_bad_node_range_names_it():
+    with pytest.raises(RendezvousConfigError, match="--nnodes=3:2"):
+        RendezvousSettings("job", 3, 2)
