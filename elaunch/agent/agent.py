@@ -1,0 +1,242 @@
+"""The per-node elastic agent: rendezvous, start, watch, restart.
+
+Mirrors torch's ``LocalElasticAgent`` (``torch.distributed.elastic.agent.server``):
+one WorkerGroup per node, the whole group restarted on any failure (counted
+against ``--max-restarts``) or when nodes wait to join (not counted). The
+decisions live in ``decide.py``; this module observes and applies them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from string import Template
+
+from elaunch.agent.decide import Step, Verdict, judge, next_step
+from elaunch.agent.env import EnvOptions, worker_env
+from elaunch.agent.ranks import assign_ranks
+from elaunch.errors import read_error_file, tail_file
+from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, start_reaper
+from elaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
+
+log = logging.getLogger("elaunch.agent")
+
+#: Seconds a finished node waits for the others before it exits (torchrun: 300).
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+
+
+class SignalException(Exception):
+    """Raised in the agent's main thread when it receives a handled signal.
+
+    Attributes:
+        sigval: the signal number received.
+    """
+
+    def __init__(self, sigval: int) -> None:
+        super().__init__(f"agent received {signal.Signals(sigval).name}")
+        self.sigval = sigval
+
+
+class ElasticAgent:
+    """Runs one node's WorkerGroup until it succeeds, fails for good, or a signal.
+
+    Args:
+        spec: what to run.
+        rdzv: the rendezvous handler (the agent knows only its interface).
+        logs: where worker output goes (``--log-dir``, ``-r``, ``-t``, filters).
+        env_opts: per-job worker environment inputs.
+        shutdown_timeout: seconds between the stop signal and SIGKILL when stopping
+            workers (``--shutdown-timeout``).
+        exit_barrier_timeout: seconds a finished node waits for the others.
+        base_env: environment the workers inherit; defaults to ``os.environ``.
+        hostname: name shown in failure summaries; defaults to ``socket.gethostname()``.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        rdzv: RendezvousHandler,
+        logs: LogsSpec,
+        env_opts: EnvOptions,
+        *,
+        shutdown_timeout: float = 30.0,
+        exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
+        base_env: Mapping[str, str] | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        self._spec = spec
+        self._rdzv = rdzv
+        self._logs = logs
+        self._env_opts = env_opts
+        self._shutdown_timeout = shutdown_timeout
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._hostname = hostname or socket.gethostname()
+        self._procs: WorkerProcesses | None = None
+        self._group: WorkerGroup | None = None
+        self._log_dir: RunLogDir | None = None
+        self._reaper = None
+
+    @property
+    def log_root(self) -> str | None:
+        """The job-level log directory, once ``run()`` created it."""
+        return self._log_dir.root if self._log_dir else None
+
+    def run(self) -> RunResult:
+        """Run to completion.
+
+        Returns:
+            RunResult: SUCCEEDED, or FAILED with the last round's failures.
+
+        Raises:
+            SignalException: a handled signal arrived; workers were sent that signal
+                and stopped (SIGKILL after ``shutdown_timeout``) before this is raised.
+            RendezvousError: the rendezvous failed (timeout, closed, unreachable).
+        """
+        self._log_dir = RunLogDir(self._logs, self._env_opts.run_id)
+        self._reaper = start_reaper()
+        try:
+            return self._invoke_run()
+        except SignalException as exc:
+            log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
+            self._stop_workers(exc.sigval)
+            raise
+        finally:
+            self._stop_workers(signal.SIGKILL, grace=0.0)
+            self._reaper.close()
+
+    def _invoke_run(self) -> RunResult:
+        restarts = 0
+        attempt = 0
+        while True:
+            info = self._rdzv.next_rendezvous()
+            group = self._start_workers(info, restarts, attempt)
+            attempt += 1
+            verdict = self._monitor()
+            step = next_step(verdict, restarts, self._spec.max_restarts)
+            if step is Step.FINISH_OK:
+                # HEALTHY -> SUCCEEDED: every worker exited 0
+                group.state = WorkerState.SUCCEEDED
+                self._procs.close()
+                self._rdzv.exit_barrier(self._exit_barrier_timeout)
+                return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
+            failures = self._failures(group) if verdict is Verdict.FAILED else {}
+            self._stop_workers(signal.SIGTERM)
+            if step is Step.FINISH_FAILED:
+                # HEALTHY -> FAILED: a worker failed and no restart is left
+                group.state = WorkerState.FAILED
+                return RunResult(WorkerState.FAILED, failures=failures, restarts=restarts)
+            # HEALTHY -> STOPPED: restart after a failure (counted) or a membership change
+            group.state = WorkerState.STOPPED
+            if step is Step.RESTART:
+                restarts += 1
+                first = min(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+                log.warning(
+                    "worker group failed (rank %d exitcode %d%s); restart %d/%d",
+                    first.global_rank,
+                    first.exitcode,
+                    f" {first.signal_name}" if first.signal_name else "",
+                    restarts,
+                    self._spec.max_restarts,
+                )
+            else:
+                log.warning("nodes are waiting to join; restarting the group (not counted)")
+
+    def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
+        spec = self._spec
+        workers = assign_ranks(info.nodes, info.rank, info.world_size, spec.role, spec.local_world_size)
+        group = WorkerGroup(
+            spec=spec,
+            workers=workers,
+            round=info.round,
+            group_rank=info.rank,
+            group_world_size=info.world_size,
+            master_addr=spec.master_addr or info.master_addr,
+            master_port=spec.master_port or info.master_port,
+        )
+        opts = self._env_opts
+        if opts.use_agent_store != info.use_agent_store:
+            opts = EnvOptions(
+                opts.run_id, opts.max_restarts, info.use_agent_store, opts.omp_num_threads, opts.virtual_local_rank
+            )
+        logs = self._log_dir.attempt(attempt, spec.local_world_size)
+        cmds, envs, prefixes = {}, {}, {}
+        for w in workers:
+            lr = w.local_rank
+            cmds[lr] = spec.worker_cmd(lr)
+            envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
+            prefixes[lr] = self._line_prefix(w)
+        self._procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper)
+        self._attempt_logs = logs
+        for w in workers:
+            w.pid = self._procs.pids[w.local_rank]
+        # INIT -> HEALTHY: workers started
+        group.state = WorkerState.HEALTHY
+        self._group = group
+        log.info(
+            "round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)",
+            info.round,
+            info.rank,
+            info.world_size,
+            workers[0].global_rank,
+            workers[-1].global_rank,
+            workers[0].world_size,
+            group.master_addr,
+            group.master_port,
+        )
+        return group
+
+    def _line_prefix(self, worker) -> str:
+        template = self._logs.line_prefix_template
+        if template:
+            return Template(template).safe_substitute(
+                role_name=self._spec.role, rank=worker.global_rank, local_rank=worker.local_rank
+            )
+        return f"[{self._spec.role}{worker.local_rank}]:"
+
+    def _monitor(self) -> Verdict:
+        """Wait until the group is no longer RUNNING; child exits wake this at once."""
+        interval = self._spec.monitor_interval
+        while True:
+            codes = self._procs.poll()
+            verdict = judge(codes, 0)
+            if verdict is Verdict.RUNNING:
+                verdict = judge(codes, self._rdzv.num_nodes_waiting())
+            if verdict is not Verdict.RUNNING:
+                return verdict
+            self._procs.wait(interval)
+
+    def _failures(self, group: WorkerGroup) -> dict[int, ProcessFailure]:
+        codes = self._procs.poll()
+        times = self._procs.exit_times()
+        out: dict[int, ProcessFailure] = {}
+        for w in group.workers:
+            code = codes.get(w.local_rank)
+            if code is None or code == 0:
+                continue
+            error_file = self._attempt_logs.error_file[w.local_rank]
+            data = read_error_file(error_file)
+            stderr_path = self._attempt_logs.stderr.get(w.local_rank)
+            out[w.global_rank] = ProcessFailure(
+                local_rank=w.local_rank,
+                global_rank=w.global_rank,
+                pid=w.pid or -1,
+                exitcode=code,
+                timestamp=times.get(w.local_rank, time.time()),
+                hostname=self._hostname,
+                error_file=error_file,
+                error_data=data,
+                stderr_tail="" if data else tail_file(stderr_path),
+            )
+        return out
+
+    def _stop_workers(self, sig: int, grace: float | None = None) -> None:
+        if self._procs is None:
+            return
+        self._procs.stop(sig, self._shutdown_timeout if grace is None else grace)
+        self._procs.close()

@@ -1,0 +1,174 @@
+"""From a validated LaunchConfig to an exit status: the launcher's top level.
+
+Mirrors ``torch.distributed.launcher.api.launch_agent``: build the rendezvous
+handler and the WorkerSpec, run the agent, shut the rendezvous down, report.
+Exit status: 0 on success, 1 when the workers failed (torchrun's
+``ChildFailedError``), 2 for bad input, ``128 + signum`` when a handled signal
+stopped the job (torchrun prints a traceback and exits 1 there instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from elaunch.agent import ElasticAgent, EnvOptions, SignalException
+from elaunch.config import LaunchConfig
+from elaunch.errors import format_failure_summary
+from elaunch.procs import LogsSpec
+from elaunch.rendezvous.api import (
+    RendezvousConfigError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousParameters,
+)
+from elaunch.rendezvous.registry import create_handler
+from elaunch.spec import WorkerSpec
+
+log = logging.getLogger("elaunch")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("LOGLEVEL", "WARNING").upper()
+    root = logging.getLogger("elaunch")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[elaunch] %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
+
+
+class _SignalHandlers:
+    """Installs handlers that turn the first handled signal into SignalException.
+
+    Later signals are remembered but do not interrupt the shutdown in progress.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._previous: dict[int, object] = {}
+        self._received: int | None = None
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._received is not None:
+            return
+        self._received = signum
+        raise SignalException(signum)
+
+    def __enter__(self) -> "_SignalHandlers":
+        for name in self._names:
+            sig = signal.Signals[name]
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def build_spec(config: LaunchConfig) -> WorkerSpec:
+    """Return the WorkerSpec a LaunchConfig describes."""
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        cmd=tuple(config.cmd),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+
+
+def entrypoint_name(cmd: tuple[str, ...]) -> str:
+    """Return the script or module a worker argv runs, for messages (``train.py``)."""
+    rest = list(cmd)
+    if rest and (rest[0] == sys.executable or os.path.basename(rest[0]).startswith("python")):
+        rest.pop(0)
+        while rest and rest[0] in ("-u", "-m", "elaunch.runpath"):
+            rest.pop(0)
+    return os.path.basename(rest[0]) if rest else "worker"
+
+
+def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
+    """Return the RendezvousParameters a LaunchConfig describes."""
+    return RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        config=dict(config.rdzv_configs),
+        local_addr=config.local_addr,
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+    )
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job a LaunchConfig describes on this node; return the exit status.
+
+    Never raises for an expected failure: rendezvous errors and worker failures are
+    reported on stderr (one line, or the failure summary) and mapped to a status.
+    """
+    _setup_logging()
+    if config.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        log.warning(
+            "Setting OMP_NUM_THREADS=%d for each worker to avoid overloading the system; "
+            "tune it for your application.",
+            config.omp_num_threads,
+        )
+    try:
+        handler = create_handler(rendezvous_parameters(config))
+    except RendezvousConfigError as exc:
+        print(f"elaunch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RendezvousError as exc:
+        print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    # torchrun exports this to every worker (torch's launcher sets it in os.environ)
+    base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
+    agent = ElasticAgent(
+        build_spec(config),
+        handler,
+        LogsSpec(
+            log_dir=config.log_dir,
+            redirects=config.redirects,
+            tee=config.tee,
+            local_ranks_filter=config.local_ranks_filter,
+            line_prefix_template=config.log_line_prefix_template,
+        ),
+        EnvOptions(
+            run_id=config.run_id,
+            max_restarts=config.max_restarts,
+            use_agent_store=False,
+            omp_num_threads=config.omp_num_threads,
+            virtual_local_rank=config.virtual_local_rank,
+        ),
+        shutdown_timeout=config.shutdown_timeout,
+        base_env=base_env,
+    )
+    try:
+        with _SignalHandlers(config.signals_to_handle):
+            try:
+                result = agent.run()
+            finally:
+                handler.shutdown()
+    except SignalException as exc:
+        return 128 + exc.sigval
+    except RendezvousGracefulExitError as exc:
+        log.warning("this node is not needed: %s", exc)
+        return EXIT_OK
+    except RendezvousError as exc:
+        print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if result.is_failed():
+        title = f"{entrypoint_name(config.cmd)} FAILED"
+        print(format_failure_summary(result.failures, title=title), file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,102 @@
+"""Helpers for tests that run the launcher as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def launcher_cmd(which: str, *args: str) -> list[str]:
+    """argv of ``elaunch`` or ``torchrun`` (``which``) with ``args``."""
+    module = {"elaunch": "elaunch", "torchrun": "torch.distributed.run"}[which]
+    return [sys.executable, "-m", module, *args]
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    """A clean environment for a launcher: no PET_/TORCHELASTIC_/rank variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PET_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    }
+    env.update(extra)
+    return env
+
+
+def run(which: str, *args: str, timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run a launcher to completion; on timeout kill its whole tree and fail."""
+    proc = subprocess.Popen(
+        launcher_cmd(which, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or launcher_env(),
+        cwd=cwd,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"{which} {args} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start(which: str, *args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    """Start a launcher in the background (stdout/stderr to files or pipes via kw)."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(launcher_cmd(which, *args), text=True, env=env or launcher_env(), **kw)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants."""
+    try:
+        parent = psutil.Process(pid)
+        procs = parent.children(recursive=True) + [parent]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something accepts TCP connections on host:port."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def read_pids(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def load_envs(out: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text())["env"] for p in sorted(out.glob("env_*.json"))}

@@ -1,0 +1,101 @@
+"""Several agents on one c10d endpoint (loopback): world formation, scale-up, scale-down."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, free_port, kill_tree, load_envs, port_open, start
+
+pytestmark = pytest.mark.slow
+
+
+def _agent(port, nnodes, script_args, *extra, rdzv_id="job", conf="last_call_timeout=1,join_timeout=60"):
+    return start(
+        "elaunch",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf={conf}",
+        "--local-addr=127.0.0.1",
+        "--monitor-interval=0.1",
+        *extra,
+        *script_args,
+    )
+
+
+def _finish(agents, timeout=120):
+    results = []
+    try:
+        for a in agents:
+            out, err = a.communicate(timeout=timeout)
+            results.append((a.returncode, err))
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    return results
+
+
+def test_two_agents_form_a_world_of_two(tmp_path):
+    port = free_port()
+    agents = [_agent(port, 2, [str(SCRIPTS / "env_dump.py"), str(tmp_path)]) for _ in range(2)]
+    for code, err in _finish(agents):
+        assert code == 0, err
+    envs = load_envs(tmp_path)
+    assert sorted(envs) == ["env_0_0", "env_1_0"]
+    assert {e["GROUP_RANK"] for e in envs.values()} == {"0", "1"}
+    assert all(e["WORLD_SIZE"] == "2" and e["GROUP_WORLD_SIZE"] == "2" for e in envs.values())
+    assert envs["env_0_0"]["MASTER_PORT"] == envs["env_1_0"]["MASTER_PORT"]
+    assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == "True" for e in envs.values())
+
+
+def test_jobs_with_different_ids_never_merge(tmp_path):
+    port = free_port()
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    # job a's agent hosts the shared store, so its worker stays until job b is done
+    host = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(a), "--wait-for", str(b / "env_0_0.json")],
+                  rdzv_id="job-a")
+    wait_for(lambda: port_open(port), 60, what="store host listening")
+    other = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(b)], rdzv_id="job-b")
+    for code, err in _finish([other, host]):
+        assert code == 0, err
+    for d in (a, b):
+        envs = load_envs(d)
+        assert list(envs) == ["env_0_0"] and envs["env_0_0"]["WORLD_SIZE"] == "1"
+    assert load_envs(a)["env_0_0"]["TORCHELASTIC_RUN_ID"] == "job-a"
+    assert load_envs(b)["env_0_0"]["TORCHELASTIC_RUN_ID"] == "job-b"
+
+
+def test_scale_up_a_node_joins_a_running_job(tmp_path):
+    # torchrun 2.13 deadlocks here: the joiner waits for a MASTER_ADDR nobody republishes.
+    port = free_port()
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "4"]
+    first = _agent(port, "1:2", script)
+    second = None
+    try:
+        wait_for(lambda: (tmp_path / "progress_1").exists(), 90, what="world of 1 running")
+        second = _agent(port, "1:2", script)
+        wait_for(lambda: (tmp_path / "progress_2").exists(), 90, what="world of 2 running")
+    finally:
+        results = _finish([a for a in (first, second) if a])
+    assert [code for code, _ in results] == [0, 0], results
+
+
+def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):
+    port = free_port()
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "6"]
+    host = _agent(port, "1:2", script, "--max-restarts=3")
+    # the first agent to bind the endpoint hosts the store: make sure it is `host`
+    wait_for(lambda: port_open(port), 60, what="store host listening")
+    other = _agent(port, "1:2", script, "--max-restarts=3")
+    try:
+        wait_for(lambda: (tmp_path / "progress_2").exists(), 90, what="world of 2 running")
+        (tmp_path / "progress_1").unlink(missing_ok=True)
+        kill_tree(other.pid)  # SIGKILL the non-host agent and its workers
+        wait_for(lambda: (tmp_path / "progress_1").exists(), 90, what="world of 1 running again")
+    finally:
+        results = _finish([host, other])
+    assert results[0][0] == 0, results[0][1]
