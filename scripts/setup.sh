@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for elaunch: a virtualenv in .venv with torch (the CPU
+# wheel 2.13.0 — an unpinned `torch` would pull a multi-GB CUDA build), elaunch
+# itself (editable) and the example's dependency (scikit-learn).
+#   scripts/setup.sh          runtime + example
+#   scripts/setup.sh --test   also the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="examples"
+[ "${1:-}" = "--test" ] && extras="examples,test"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
+pip install -e ".[${extras}]"
+.venv/bin/python -c "import torch, psutil, click, elaunch; print('elaunch', elaunch.__version__, 'torch', torch.__version__)"
