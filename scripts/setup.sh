@@ -3,7 +3,7 @@
 # wheel 2.13.0 — an unpinned `torch` would pull a multi-GB CUDA build), elaunch
 # itself (editable) and the example's dependency (scikit-learn).
 #   scripts/setup.sh          runtime + example
-#   scripts/setup.sh --test   also the test dependencies
+#   scripts/setup.sh --test   also the test dependencies (and the etcd server, scripts/install-etcd.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="examples"
@@ -13,4 +13,7 @@ PY="${PYTHON:-python3}"
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install -e ".[${extras}]"
+if [ "${1:-}" = "--test" ]; then
+  bash scripts/install-etcd.sh || echo "warning: could not install etcd-server; the etcd tests will be skipped" >&2
+fi
 .venv/bin/python -c "import torch, psutil, click, elaunch; print('elaunch', elaunch.__version__, 'torch', torch.__version__)"

@@ -32,9 +32,9 @@ _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
     "standalone": _lazy("elaunch.rendezvous.standalone"),
     "c10d": _lazy("elaunch.rendezvous.c10d"),
-    "etcd": _not_yet("etcd"),
-    "etcd-v2": _not_yet("etcd-v2"),
-    "etcd-v3": _not_yet("etcd-v3"),
+    "etcd": _lazy("elaunch.rendezvous.etcd_v2"),
+    "etcd-v2": _lazy("elaunch.rendezvous.etcd_v2"),
+    "etcd-v3": _lazy("elaunch.rendezvous.etcd_v3"),
 }
 
 

@@ -36,8 +36,8 @@ def test_unknown_backend_is_named_with_known_ones():
 
 
 @pytest.mark.parametrize("name", ["etcd", "etcd-v2", "etcd-v3"])
-def test_etcd_not_yet(name):
-    with pytest.raises(RendezvousConfigError, match=f"--rdzv-backend={name}: not available in this version"):
+def test_etcd_needs_an_endpoint(name):
+    with pytest.raises(RendezvousConfigError, match="--rdzv-endpoint='': an etcd backend needs host"):
         registry.create_handler(params(name))
 
 

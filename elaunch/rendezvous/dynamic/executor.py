@@ -125,7 +125,11 @@ class OpExecutor:
                     f"--nnodes={settings.min_nodes}:{settings.max_nodes})"
                 )
             if action is Action.SYNC:
-                self._sleep(settings.poll_interval)
+                wait_for_change = getattr(self._backend, "wait_for_change", None)
+                if wait_for_change is not None:  # optional hook (etcd: a watch), bounded by poll_interval
+                    wait_for_change(self._token, settings.poll_interval)
+                else:
+                    self._sleep(settings.poll_interval)
                 need_read = True
                 continue
             new_state = ops.apply(action, self._state, ctx, now)

@@ -1,0 +1,294 @@
+"""``etcd-v3`` rendezvous: the dynamic rendezvous over etcd's v3 gRPC API (etcd-sdk-python, ``pyetcd``).
+
+New in elaunch (torchrun only speaks the v2 API, which etcd 3.6 removed): works
+against an etcd serving v3 only. Same conf keys as ``etcd-v2`` plus ``user`` /
+``password``. Compared with v2:
+
+* compare-and-set is a transaction on the state key's ``mod_revision``;
+* each node keeps a presence key ``{etcd_prefix}/{run_id}/nodes/{node_id}`` on its
+  own lease (TTL = ``keep_alive_interval * keep_alive_max_attempt`` seconds, kept
+  alive by a thread): when an agent dies its key expires and the others see it
+  dead at their next read, without waiting for stale heartbeats;
+* waiting agents watch the state key and wake on a change (``poll_interval``,
+  default 1 s here, only bounds time-driven steps such as the last call);
+* the state and round keys are on a lease of ``ttl`` seconds (default 7200), so an
+  abandoned run id is cleaned up by etcd.
+
+Reach this module through ``elaunch.rendezvous.registry`` only: it imports grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
+from elaunch.rendezvous.dynamic.backend import Token
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.etcd_common import (
+    EtcdConf,
+    EtcdRendezvousHandler,
+    EtcdStateBackend,
+    FailoverKV,
+    build_handler,
+    import_client,
+    parse_conf,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds one gRPC call may take before the next endpoint is tried.
+RPC_TIMEOUT = 5.0
+#: Default ``poll_interval`` of etcd-v3 (seconds): watches wake waiting agents on changes.
+DEFAULT_POLL_INTERVAL = 1.0
+
+
+class EtcdV3KV(FailoverKV):
+    """Single-key get / compare-and-set / watch over the v3 API, with endpoint fail-over.
+
+    Tokens are ``mod_revision`` ints. Written keys are attached to a lease of
+    ``conf.ttl`` seconds (re-granted when half used).
+
+    Args:
+        conf: connection settings (endpoints, TLS, user/password, read timeout in seconds).
+        backend: the registry name, for messages.
+    """
+
+    def __init__(self, conf: EtcdConf, backend: str = "etcd-v3") -> None:
+        super().__init__(conf, backend)
+        self._pyetcd = import_client("pyetcd", backend)
+        self._grpc = import_client("grpc", backend)
+        self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
+        self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
+
+    def _make_client(self, host: str, port: int) -> Any:
+        c, grpc, pyetcd = self.conf, self._grpc, self._pyetcd
+        creds = None
+        secure = c.protocol == "https"
+        if secure:
+            def read(path: str | None) -> bytes | None:
+                if not path:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+
+            creds = grpc.ssl_channel_credentials(read(c.ca_cert), read(c.ssl_cert_key), read(c.ssl_cert))
+        ep = pyetcd.Endpoint(host, port, secure=secure, creds=creds)
+        client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=self._rpc_timeout,
+                                                 user=c.user, password=c.password)
+        client.call_credentials = None  # the token travels as metadata: call credentials need TLS
+        return client
+
+    def _classify(self, exc: BaseException) -> str | None:
+        grpc, errors = self._grpc, self._pyetcd.exceptions
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            code, details = exc.code(), str(exc.details() or "")
+            if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
+                return "reconnect"  # token expired or etcd restarted: authenticate again
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
+                return "config"  # wrong user/password, missing permission, user name missing
+            return "retry"
+        if isinstance(exc, errors.Etcd3Exception) or isinstance(exc, (OSError, TimeoutError)):
+            return "retry"
+        if isinstance(exc, ValueError) and "failed node" in str(exc):
+            return "retry"
+        return None
+
+    def _lease_id(self, client: Any) -> int:
+        now = time.monotonic()
+        if self._ttl_lease is None or now - self._ttl_lease[1] > self.conf.ttl / 2:
+            self._ttl_lease = (client.lease(self.conf.ttl).id, now)
+        return self._ttl_lease[0]
+
+    def get(self, key: str) -> tuple[bytes | None, Token]:
+        def op(client: Any) -> tuple[bytes | None, Token]:
+            value, meta = client.get(key)
+            return (None, None) if meta is None else (bytes(value), int(meta.mod_revision))
+
+        return self.call(f"reading {key}", op)
+
+    def get_with_prefix(self, key: str, prefix: str) -> tuple[bytes | None, Token, set[str]]:
+        """Read ``key`` and the names under ``prefix`` in one transaction (one revision)."""
+        utils = self._pyetcd.utils
+
+        def op(client: Any) -> tuple[bytes | None, Token, set[str]]:
+            tx = client.transactions
+            end = utils.prefix_range_end(utils.to_bytes(prefix))
+            _ok, (state, names) = client.transaction([], [tx.get(key), tx.get(prefix, end)], [])
+            found = {m.key.decode()[len(prefix):] for _v, m in names}
+            if not state:
+                return None, None, found
+            value, meta = state[0]
+            return bytes(value), int(meta.mod_revision), found
+
+        return self.call(f"reading {key}", op)
+
+    def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
+        def op(client: Any) -> Token | None:
+            tx = client.transactions
+            compare = [tx.version(key) == 0] if token is None else [tx.mod(key) == int(token)]
+            ok, responses = client.transaction(compare, [tx.put(key, value, lease=self._lease_id(client))], [])
+            return int(responses[0].response_put.header.revision) if ok else None
+
+        return self.call(f"writing {key}", op)
+
+    def wait(self, key: str, token: Token | None, timeout: float) -> None:
+        """Watch ``key`` from revision ``token + 1``; return on the first event or after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        events: queue.Queue = queue.Queue()
+        try:
+            client = self._client()
+            kwargs = {} if token is None else {"start_revision": int(token) + 1}
+            watch_id = client.add_watch_callback(key, events.put, **kwargs)
+            try:
+                events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pass
+            finally:
+                client.cancel_watch(watch_id)
+        except Exception as exc:  # noqa: BLE001 - a watch only shortens polling; reads report errors
+            log.debug("etcd-v3: watching %s failed: %s", key, exc)
+            time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+class Presence:
+    """This node's presence key on its own lease, kept alive by a daemon thread.
+
+    The lease's TTL is ``ttl`` seconds; it is refreshed every ``ttl / 3`` seconds and
+    re-granted (with the key written again) when etcd lost it (e.g. after a long
+    partition). :meth:`stop` revokes it, so the node disappears at once.
+
+    Args:
+        kv: a client of its own (not shared with the rendezvous, so a slow refresh
+            never blocks a join).
+        key: the presence key.
+        ttl: lease TTL in seconds (>= 2).
+    """
+
+    def __init__(self, kv: EtcdV3KV, key: str, ttl: int) -> None:
+        self.kv = kv
+        self.key = key
+        self.ttl = max(2, ttl)
+        self.lease_id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _grant(self) -> None:
+        def op(client: Any) -> int:
+            lease = client.lease(self.ttl)
+            client.put(self.key, b"alive", lease=lease.id)
+            return int(lease.id)
+
+        self.lease_id = self.kv.call(f"granting a lease for {self.key}", op)
+
+    def start(self) -> None:
+        """Grant the lease, write the key and start the keep-alive thread.
+
+        Raises:
+            RendezvousConnectionError, RendezvousConfigError: etcd unreachable or refused.
+        """
+        self._grant()
+        self._thread = threading.Thread(target=self._loop, name="elaunch-etcd-presence", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                lease_id = self.lease_id
+                ttls = self.kv.call("refreshing the node lease",
+                                    lambda c: [r.TTL for r in c.refresh_lease(lease_id)], timeout=self.ttl / 3)
+                if not ttls or ttls[-1] <= 0:
+                    log.warning("etcd-v3: lease of %s expired; joining again with a new lease", self.key)
+                    self._grant()
+            except Exception as exc:  # noqa: BLE001 - retried at the next interval
+                log.debug("etcd-v3: refreshing %s failed: %s", self.key, exc)
+
+    def stop(self) -> None:
+        """Stop refreshing and revoke the lease (the key disappears); best effort."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.kv.conf.read_timeout)
+        if self.lease_id is not None:
+            try:
+                lease_id = self.lease_id
+                self.kv.call("revoking the node lease", lambda c: c.revoke_lease(lease_id), timeout=2.0)
+            except Exception as exc:  # noqa: BLE001 - it expires on its own
+                log.debug("etcd-v3: revoking the lease of %s failed: %s", self.key, exc)
+        self.kv.close()
+
+
+class EtcdV3StateBackend(EtcdStateBackend):
+    """The state key plus the presence keys: a node without a live presence key reads as dead.
+
+    ``get_state`` reports the last heartbeat of such a node as 0 (the epoch), so the
+    shared state machine prunes it at once; the stored bytes are untouched until a
+    node writes. The token is the state key's ``mod_revision``.
+
+    Args:
+        kv: the client.
+        key: the state key.
+        nodes_prefix: ``{base}/nodes/``.
+    """
+
+    def __init__(self, kv: EtcdV3KV, key: str, nodes_prefix: str) -> None:
+        super().__init__(kv, key, "etcd-v3")
+        self.nodes_prefix = nodes_prefix
+
+    def get_state(self) -> tuple[bytes | None, Token]:
+        assert isinstance(self.kv, EtcdV3KV)
+        data, token, alive = self.kv.get_with_prefix(self.key, self.nodes_prefix)
+        if data is None:
+            return None, token
+        try:
+            state = RendezvousState.from_bytes(data)
+        except RendezvousStateError:
+            return data, token  # not a state: the executor reports it when it decodes it
+        gone = [n for n in state.last_heartbeats if n not in alive]
+        if not gone:
+            return data, token
+        for node in gone:
+            state.last_heartbeats[node] = 0.0  # ANY -> DEAD: its lease expired or was revoked
+        return state.to_bytes(), token
+
+
+def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """Build an ``etcd-v3`` dynamic rendezvous handler and register this node's presence lease.
+
+    Conf keys: those of ``etcd-v2`` (endpoints, ``protocol``, ``ca_cert``,
+    ``ssl_cert``, ``ssl_cert_key``, ``read_timeout``, ``etcd_prefix``, ``ttl``),
+    ``user``/``password``, and the dynamic rendezvous' timeouts;
+    ``poll_interval`` defaults to 1 s (watches wake agents on changes).
+
+    Raises:
+        RendezvousConfigError: bad conf value, wrong credentials, or etcd-sdk-python
+            missing (``pip install 'elaunch[etcd]'``).
+        RendezvousConnectionError: no endpoint answered within ``read_timeout`` seconds.
+    """
+    config = dict(params.config)
+    config.setdefault("poll_interval", str(DEFAULT_POLL_INTERVAL))
+    if "timeout" in config and "join_timeout" not in config:
+        config["join_timeout"] = config["timeout"]
+    params = replace(params, config=config)
+    conf = parse_conf(params)
+    settings = RendezvousSettings.from_params(params)
+    base = f"{conf.prefix}/{params.run_id}"
+    kv = EtcdV3KV(conf)
+    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+    holder: list[Presence] = []
+    handler = build_handler(params, conf, kv, "etcd-v3", backend=backend, settings=settings,
+                            on_close=(lambda: holder and holder[0].stop(),))
+    presence = Presence(EtcdV3KV(conf), f"{base}/nodes/{handler.node_id}", math.ceil(settings.dead_after))
+    try:
+        presence.start()
+    except BaseException:
+        kv.close()
+        presence.kv.close()
+        raise
+    holder.append(presence)
+    return handler

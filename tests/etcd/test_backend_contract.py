@@ -1,0 +1,128 @@
+"""The RendezvousBackend contract (get / compare-and-set / concurrent writers) on c10d, etcd-v2, etcd-v3."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.etcd_common import EtcdStateBackend, parse_conf
+from tests.conftest import wait_for
+from tests.etcd.conftest import make_params
+
+_ids = iter(range(10**6))
+
+
+@pytest.fixture(params=["c10d", "etcd-v2", "etcd-v3"])
+def backend(request, etcd_v2, etcd_v3):
+    """A fresh backend (own run id) of each kind; etcd ones on the module's servers."""
+    run_id = f"contract-{next(_ids)}"
+    if request.param == "c10d":
+        torch_dist = pytest.importorskip("torch.distributed")
+        from elaunch.rendezvous.c10d import C10dBackend
+
+        store = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        yield C10dBackend(store, run_id, f"127.0.0.1:{store.port}")
+        return
+    if request.param == "etcd-v2":
+        from elaunch.rendezvous.etcd_v2 import EtcdV2KV
+
+        conf = parse_conf(make_params("etcd-v2", etcd_v2.endpoints, run_id, 1, 1))
+        kv = EtcdV2KV(conf)
+        yield EtcdStateBackend(kv, f"{conf.prefix}/{run_id}/state", "etcd-v2")
+    else:
+        from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend
+
+        conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, run_id, 1, 1))
+        kv = EtcdV3KV(conf)
+        yield EtcdV3StateBackend(kv, f"{conf.prefix}/{run_id}/state", f"{conf.prefix}/{run_id}/nodes/")
+    kv.close()
+
+
+def test_empty_then_set_then_get(backend):
+    assert backend.get_state()[0] is None
+    written = backend.set_state(b'{"a": 1}', None)
+    assert written is not None and written[0] == b'{"a": 1}' and written[2] is True
+    data, token = backend.get_state()
+    assert data == b'{"a": 1}' and token == written[1]
+
+
+def test_stale_token_loses_and_returns_the_current_state(backend):
+    backend.set_state(b"first", None)
+    _, token = backend.get_state()
+    assert backend.set_state(b"second", token)[2] is True
+    lost = backend.set_state(b"third", token)  # token of "first": stale
+    assert lost is not None and lost[0] == b"second" and lost[2] is False
+    again = backend.set_state(b"fourth", None)  # "nothing stored yet" is stale too
+    assert again is not None and again[0] == b"second" and again[2] is False
+    assert backend.get_state()[0] == b"second"
+
+
+def test_concurrent_writers_never_lose_an_update(backend):
+    backend.set_state(b"0", None)
+    n_threads, n_incr = 4, 15
+
+    def writer(me: int):
+        # values carry the writer (as real states carry node ids): c10d's token is the bytes themselves
+        for _ in range(n_incr):
+            while True:
+                data, token = backend.get_state()
+                result = backend.set_state(f"{int(data.split(b':')[0]) + 1}:{me}".encode(), token)
+                if result is not None and result[2]:
+                    break
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert int(backend.get_state()[0].split(b":")[0]) == n_threads * n_incr
+
+
+def test_wait_for_change_wakes_on_a_write(backend):
+    if not hasattr(backend, "wait_for_change"):
+        pytest.skip("c10d has no watch hook (it polls)")
+    backend.set_state(b"one", None)
+    _, token = backend.get_state()
+    timer = threading.Timer(0.3, lambda: backend.set_state(b"two", token))
+    timer.start()
+    start = time.monotonic()
+    try:
+        backend.wait_for_change(token, 30.0)  # returns on the write, not after 30 s
+    finally:
+        timer.join()
+    assert time.monotonic() - start < 20
+    assert backend.get_state()[0] == b"two"
+
+
+def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
+    from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend, Presence
+
+    conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "lease-job", 1, 2))
+    base = f"{conf.prefix}/lease-job"
+    kv = EtcdV3KV(conf)
+    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+    alive, dying = Presence(EtcdV3KV(conf), f"{base}/nodes/a", 30), Presence(EtcdV3KV(conf), f"{base}/nodes/b", 2)
+    alive.start()
+    dying.start()
+    try:
+        now = time.time()
+        state = RendezvousState(participants={"a": 0, "b": 1}, last_heartbeats={"a": now, "b": now})
+        backend.set_state(state.to_bytes(), None)
+        beats = json.loads(backend.get_state()[0])["last_heartbeats"]
+        assert beats["a"] > 0 and beats["b"] > 0
+        dying._stop.set()  # the agent "dies": no more keep-alives, no revoke; the 2 s lease expires
+        dying._thread.join(5)
+        wait_for(lambda: RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["b"] == 0.0,
+                 15, what="b's lease to expire")
+        assert RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["a"] > 0
+        alive.stop()  # a clean exit revokes at once
+        wait_for(lambda: RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["a"] == 0.0,
+                 5, what="a's revoked lease")
+    finally:
+        alive.stop()
+        dying.kv.close()
+        kv.close()

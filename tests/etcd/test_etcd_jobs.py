@@ -1,0 +1,99 @@
+"""Whole ``python -m elaunch`` jobs of two agents on etcd: gloo workers, a leader killed, etcd restarted."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, alive, kill_tree, load_envs, start
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parent / "worker.py"
+CONF = "last_call_timeout=1,join_timeout=60,read_timeout=20,keep_alive_interval=1,keep_alive_max_attempt=10"
+
+
+def _agent(backend, endpoints, script_args, *extra, rdzv_id="job", nnodes="2", conf=CONF):
+    return start("elaunch", f"--nnodes={nnodes}", "--nproc-per-node=1", f"--rdzv-backend={backend}",
+                 f"--rdzv-endpoint={endpoints}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
+                 "--local-addr=127.0.0.1", "--monitor-interval=0.1", *extra, *script_args)
+
+
+def _finish(agents, timeout=120):
+    results = []
+    try:
+        for a in agents:
+            _out, err = a.communicate(timeout=timeout)
+            results.append((a.returncode, err))
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    return results
+
+
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd"])
+def test_two_agents_run_gloo_workers(backend, etcd_v2, etcd_v3, tmp_path):
+    pytest.importorskip("torch")
+    ep = (etcd_v3 if backend == "etcd-v3" else etcd_v2).endpoints
+    agents = [_agent(backend, ep, [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "1"], rdzv_id=f"gloo-{backend}")
+              for _ in range(2)]
+    for code, err in _finish(agents):
+        assert code == 0, err
+    assert (tmp_path / "progress_2").read_text().split()[1] == "2"  # worker rank 0 hosted the store
+
+
+def _pids(out: Path, restart: int) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in sorted(out.glob(f"env_*_{restart}.json"))]
+
+
+def test_leader_killed_mid_job_causes_no_restart(etcd_cluster3, tmp_path):
+    agents = [_agent("etcd-v3", etcd_cluster3.endpoints, [str(WORKER), str(tmp_path)], rdzv_id="leader")
+              for _ in range(2)]
+    try:
+        wait_for(lambda: len(_pids(tmp_path, 0)) == 2, 60, what="both workers started")
+        etcd_cluster3.leader().kill()
+        etcd_cluster3.wait_healthy(30, [m for m in etcd_cluster3.members if m.proc is not None])
+        time.sleep(3)  # several keep-alive intervals (1 s) pass against the new leader
+        assert all(alive(p) for p in _pids(tmp_path, 0))
+        (tmp_path / "go_0").touch()
+        for code, err in _finish(agents):
+            assert code == 0, err
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    assert sorted(load_envs(tmp_path)) == ["env_0_0", "env_1_0"]  # no restart
+
+
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2"])
+def test_etcd_restarted_mid_job_workers_survive_and_next_round_forms(backend, etcd_fresh, tmp_path):
+    agents = [_agent(backend, etcd_fresh.endpoints, [str(WORKER), str(tmp_path), "--fail-first"],
+                     "--max-restarts=1", rdzv_id=f"restart-{backend}") for _ in range(2)]
+    member = etcd_fresh.members[0]
+    try:
+        wait_for(lambda: len(_pids(tmp_path, 0)) == 2, 60, what="both workers started")
+        member.stop()  # the whole etcd goes away
+        time.sleep(2)  # agents monitor (and fail to heartbeat) meanwhile
+        assert all(alive(p) for p in _pids(tmp_path, 0)) and all(a.poll() is None for a in agents)
+        etcd_fresh.start_member(member)
+        etcd_fresh.wait_healthy(30)
+        (tmp_path / "go_0").touch()  # the workers fail: a new rendezvous on the restarted etcd
+        try:
+            wait_for(lambda: len(_pids(tmp_path, 1)) == 2, 60, what="both workers restarted")
+        except AssertionError:
+            for a in agents:
+                kill_tree(a.pid)
+            raise AssertionError("\n---\n".join(a.communicate()[1][-3000:] for a in agents)) from None
+        (tmp_path / "go_1").touch()
+        for code, err in _finish(agents):
+            assert code == 0, err
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    envs = load_envs(tmp_path)
+    assert sorted(envs) == ["env_0_0", "env_0_1", "env_1_0", "env_1_1"]
+    assert envs["env_0_1"]["MASTER_PORT"] != envs["env_0_0"]["MASTER_PORT"]
+    assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == "False" for e in envs.values())
