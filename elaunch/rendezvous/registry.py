@@ -21,13 +21,6 @@ def _lazy(module: str, attr: str = "create_handler") -> Factory:
     return factory
 
 
-def _not_yet(name: str) -> Factory:
-    def factory(params: RendezvousParameters) -> RendezvousHandler:
-        raise RendezvousConfigError(f"--rdzv-backend={name}: not available in this version of elaunch yet")
-
-    return factory
-
-
 _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
     "standalone": _lazy("elaunch.rendezvous.standalone"),
