@@ -31,6 +31,9 @@ class LogsSpec:
             the console (others still get their files); None or empty: all ranks.
         line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` with
             ``$role_name``, ``$rank``, ``$local_rank``; None -> ``[<role><local_rank>]:``.
+        capture_stderr: keep every worker's stderr in its ``stderr.log`` even when it
+            goes to the console (copied there unprefixed), so a failure summary can
+            show its last lines. An elaunch addition; torchrun keeps no such file.
     """
 
     log_dir: str | None = None
@@ -38,6 +41,7 @@ class LogsSpec:
     tee: "Std | dict[int, Std]" = Std.NONE
     local_ranks_filter: frozenset[int] | None = None
     line_prefix_template: str | None = None
+    capture_stderr: bool = True
 
     def shows_on_console(self, local_rank: int) -> bool:
         """Return False when ``--local-ranks-filter`` hides ``local_rank``'s output."""
@@ -66,6 +70,8 @@ class AttemptLogs:
             (inherited); ``os.devnull`` when hidden by the filter or discarded.
         tee_stdout, tee_stderr: for ranks whose file is also copied to the console:
             the file to follow (subset of ``stdout``/``stderr`` values).
+        unprefixed: local ranks whose stderr is copied to the console without a
+            prefix (captured for the failure summary, not tee'd by the user).
         error_file: each worker's ``TORCHELASTIC_ERROR_FILE`` ("" when discarded).
     """
 
@@ -74,6 +80,7 @@ class AttemptLogs:
     stderr: dict[int, str | None] = field(default_factory=dict)
     tee_stdout: dict[int, str] = field(default_factory=dict)
     tee_stderr: dict[int, str] = field(default_factory=dict)
+    unprefixed: set[int] = field(default_factory=set)
     error_file: dict[int, str] = field(default_factory=dict)
 
 
@@ -92,12 +99,13 @@ class RunLogDir:
     def __init__(self, spec: LogsSpec, run_id: str) -> None:
         self.spec = spec
         self._made: set[str] = set()
+        self._temporary: str | None = None
         base = spec.log_dir
         if base == os.devnull:
             self.root = os.devnull
             return
         if not base:
-            base = tempfile.mkdtemp(prefix="torchelastic_")
+            base = self._temporary = tempfile.mkdtemp(prefix="torchelastic_")
         elif os.path.exists(base) and not os.path.isdir(base):
             raise NotADirectoryError(f"--log-dir {base}: exists and is not a directory")
         os.makedirs(base, exist_ok=True)
@@ -144,10 +152,25 @@ class RunLogDir:
                     dest[lr] = os.path.join(rdir, name)
                     if tee & std and shown:
                         tee_dest[lr] = dest[lr]
+                elif std is Std.ERR and spec.capture_stderr:
+                    dest[lr] = os.path.join(rdir, name)
+                    if shown:
+                        tee_dest[lr] = dest[lr]
+                        logs.unprefixed.add(lr)
                 else:
                     dest[lr] = None if shown else os.devnull
             logs.error_file[lr] = os.path.join(rdir, "error.json")
         return logs
+
+    def remove_if_temporary(self) -> None:
+        """Delete the run directory when it lives in a temp dir this object created.
+
+        Called after a successful run when no ``--log-dir`` was given, so captured
+        logs do not pile up in /tmp; a failed run keeps them for the user.
+        """
+        if self._temporary:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
 
     def _discarding(self, local_world_size: int) -> AttemptLogs:
         spec = self.spec

@@ -96,6 +96,16 @@ class Tee:
         self._follows = []
 
 
-def follows_for(files: dict[int, str], dst: TextIO, prefixes: dict[int, str]) -> list[tuple[str, TextIO, str]]:
-    """Build Tee triples for ``files`` (local rank -> path); default prefix ``[<local_rank>]:``."""
-    return [(path, dst, prefixes.get(lr, f"[{lr}]:")) for lr, path in sorted(files.items()) if path != os.devnull]
+def follows_for(
+    files: dict[int, str], dst: TextIO, prefixes: dict[int, str], unprefixed: frozenset[int] | set[int] = frozenset()
+) -> list[tuple[str, TextIO, str]]:
+    """Build Tee triples for ``files`` (local rank -> path).
+
+    The prefix is ``prefixes[local_rank]`` (default ``[<local_rank>]:``), or "" for the
+    local ranks in ``unprefixed``.
+    """
+    return [
+        (path, dst, "" if lr in unprefixed else prefixes.get(lr, f"[{lr}]:"))
+        for lr, path in sorted(files.items())
+        if path != os.devnull
+    ]

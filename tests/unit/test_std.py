@@ -51,7 +51,8 @@ def test_line_prefix_default_and_template():
 
 
 def test_layout(tmp_path):
-    spec = LogsSpec(log_dir=str(tmp_path / "base"), redirects={0: Std.OUT}, tee={1: Std.ERR})
+    # torch's exact layout: only redirected/tee'd streams get files
+    spec = LogsSpec(log_dir=str(tmp_path / "base"), redirects={0: Std.OUT}, tee={1: Std.ERR}, capture_stderr=False)
     run = RunLogDir(spec, "job1")
     assert os.path.dirname(run.root) == str(tmp_path / "base")
     assert os.path.basename(run.root).startswith("job1_")
@@ -68,11 +69,34 @@ def test_layout(tmp_path):
 
 
 def test_local_ranks_filter(tmp_path):
-    spec = LogsSpec(log_dir=str(tmp_path), tee=Std.OUT, local_ranks_filter=frozenset({1}))
+    spec = LogsSpec(log_dir=str(tmp_path), tee=Std.OUT, local_ranks_filter=frozenset({1}), capture_stderr=False)
     logs = RunLogDir(spec, "j").attempt(0, 2)
     assert set(logs.tee_stdout) == {1}  # rank 0 still writes its file, but is not shown
     assert logs.stdout[0].endswith(os.path.join("0", "stdout.log"))
     assert logs.stderr == {0: os.devnull, 1: None}  # hidden console stream -> /dev/null
+
+
+def test_stderr_is_captured_for_the_failure_summary_by_default(tmp_path):
+    spec = LogsSpec(log_dir=str(tmp_path), tee={0: Std.ERR}, local_ranks_filter=frozenset({0, 1}))
+    logs = RunLogDir(spec, "j").attempt(0, 3)
+    a0 = os.path.join(logs.dir)
+    assert logs.stderr == {lr: os.path.join(a0, str(lr), "stderr.log") for lr in range(3)}
+    # shown ranks still reach the console: rank 0 tee'd with its prefix, rank 1 copied plainly
+    assert logs.tee_stderr == {0: logs.stderr[0], 1: logs.stderr[1]}
+    assert logs.unprefixed == {1}
+    # stdout is untouched: still the console (or /dev/null when filtered out)
+    assert logs.stdout == {0: None, 1: None, 2: os.devnull}
+
+
+def test_temporary_log_dir_is_removed_on_request_but_a_given_one_is_kept(tmp_path):
+    temp = RunLogDir(LogsSpec(), "j")
+    temp.attempt(0, 1)
+    assert os.path.isdir(temp.root)
+    temp.remove_if_temporary()
+    assert not os.path.exists(os.path.dirname(temp.root))
+    given = RunLogDir(LogsSpec(log_dir=str(tmp_path)), "j")
+    given.remove_if_temporary()
+    assert os.path.isdir(given.root)
 
 
 def test_never_overwrites_user_dirs(tmp_path):
