@@ -17,7 +17,7 @@ class Verdict(enum.Enum):
     RUNNING = "running"  # some worker still running, none failed, nobody waiting
     SUCCEEDED = "succeeded"  # every worker exited 0
     FAILED = "failed"  # some worker exited non-zero or was killed
-    MEMBERSHIP_CHANGE = "membership_change"  # healthy, but nodes wait to join
+    MEMBERSHIP_CHANGE = "membership_change"  # healthy, but nodes wait to join or members are gone
 
 
 class Step(enum.Enum):
@@ -29,23 +29,24 @@ class Step(enum.Enum):
     FINISH_FAILED = "finish_failed"
 
 
-def judge(exit_codes: Mapping[int, int | None], nodes_waiting: int) -> Verdict:
+def judge(exit_codes: Mapping[int, int | None], membership_changes: int) -> Verdict:
     """Classify the group, as torch's ``_monitor_workers`` + ``_invoke_run`` do.
 
     Args:
         exit_codes: local rank -> exit code, None while running; negative = -signum.
-        nodes_waiting: nodes waiting to join the next round (>= 0).
+        membership_changes: nodes waiting to join the next round plus members of the
+            running round that are gone (>= 0).
 
     Returns:
         FAILED if any worker failed (failure wins over everything), else SUCCEEDED
-        when all exited 0, else MEMBERSHIP_CHANGE when nodes wait, else RUNNING.
+        when all exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
     """
     codes = list(exit_codes.values())
     if any(c is not None and c != 0 for c in codes):
         return Verdict.FAILED
     if codes and all(c == 0 for c in codes):
         return Verdict.SUCCEEDED
-    if nodes_waiting > 0:
+    if membership_changes > 0:
         return Verdict.MEMBERSHIP_CHANGE
     return Verdict.RUNNING
 

@@ -208,6 +208,17 @@ class RendezvousHandler(abc.ABC):
         positive, restarts its group without counting a restart (membership change).
         """
 
+    def num_nodes_lost(self) -> int:
+        """Return how many nodes of this node's running round are gone (0 by default).
+
+        Gone: the node's heartbeat or lease expired (agent killed, link cut) or it
+        left to rejoin. A running agent polls this with ``num_nodes_waiting`` and,
+        when positive, re-forms the group without counting a restart. torchrun has
+        no such check: it waits for the workers to fail, which a cut link can turn
+        into a 30-minute collective timeout.
+        """
+        return 0
+
     @abc.abstractmethod
     def get_run_id(self) -> str:
         """Return the run id (``TORCHELASTIC_RUN_ID``)."""

@@ -19,10 +19,18 @@ import datetime
 import ipaddress
 import logging
 import socket
+import threading
 import time
 from typing import Any, Iterator
 
-from torch.distributed import FileStore, PrefixStore, TCPStore
+import os
+
+# TCPStore's C++ warnings (with stack frames) would reach the user when a peer or
+# the store host goes away; elaunch reports those failures itself, in one line.
+# Only the agent is affected: launch() snapshots the workers' env before this import.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from torch.distributed import FileStore, PrefixStore, TCPStore  # noqa: E402
 
 from elaunch.rendezvous.api import (
     NodeInfo,
@@ -54,7 +62,69 @@ def _translated(endpoint: str, what: str) -> Iterator[None]:
         yield
     except _STORE_ERRORS as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RendezvousConnectionError(f"c10d rendezvous store at {endpoint}: {what} failed: {first_line}") from exc
+        raise RendezvousConnectionError(
+            f"c10d rendezvous store at {endpoint}: {what} failed: {first_line} "
+            f"(the store lives in the agent whose address matches the endpoint: "
+            f"has it exited or died, or is the network down?)"
+        ) from exc
+
+
+#: Store methods that talk to the server (and can block on it).
+_BLOCKING = frozenset({"get", "set", "add", "compare_set", "multi_get", "multi_set", "wait", "check",
+                       "delete_key", "num_keys"})
+#: Seconds a bounded call may take beyond the store's own timeout before it is abandoned.
+_GRACE = 2.0
+
+
+class BoundedStore:
+    """A torch Store whose server calls give up after ``timeout`` seconds.
+
+    torch's TCPStore client does not return when its server stalls silently (a cut
+    link, a frozen host): it logs that its socket timed out and goes on waiting.
+    An agent must never hang on that, so each call runs on a helper thread and the
+    caller gets RendezvousConnectionError (naming the endpoint) once ``timeout``
+    seconds pass. The stuck call is left to finish or die with the process (daemon
+    thread). Other attributes pass through unchanged.
+
+    Args:
+        store: the torch Store (TCPStore, PrefixStore, FileStore).
+        endpoint: its address, for messages.
+        timeout: seconds a call may take (read_timeout plus a small grace).
+    """
+
+    def __init__(self, store: Any, endpoint: str, timeout: float) -> None:
+        self.store, self._endpoint, self._timeout = store, endpoint, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if name not in _BLOCKING:
+            return attr
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            outcome: list = []
+            done = threading.Event()
+
+            def run() -> None:
+                try:
+                    outcome.append((True, attr(*args, **kwargs)))
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    outcome.append((False, exc))
+                finally:
+                    done.set()
+
+            threading.Thread(target=run, name=f"elaunch-store-{name}", daemon=True).start()
+            if not done.wait(self._timeout):
+                raise RendezvousConnectionError(
+                    f"c10d rendezvous store at {self._endpoint}: no answer to {name} within {self._timeout:g} s "
+                    f"(the store lives in the agent whose address matches the endpoint: "
+                    f"has it exited or died, or is the network down?)"
+                )
+            ok, value = outcome[0]
+            if not ok:
+                raise value
+            return value
+
+        return bounded
 
 
 class C10dBackend(RendezvousBackend):
@@ -123,7 +193,8 @@ class C10dRoundStores(RoundStoreFactory):
 
     def round_store(self, round: int) -> Any:
         """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
-        return PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
+        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
+        return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE)
 
     def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
         """Host (rank 0) or look up (others) the workers' store of ``round``.
@@ -270,7 +341,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         hosting = False
     else:
         raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
-    backend = C10dBackend(agent_store, params.run_id, endpoint)
+    backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE), params.run_id, endpoint)
     stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, hosting)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
     return DynamicRendezvousHandler(node, settings, backend, stores)

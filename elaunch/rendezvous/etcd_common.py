@@ -323,7 +323,7 @@ class EtcdRoundStores(RoundStoreFactory):
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """The dynamic handler, tolerant of etcd outages while workers run.
 
-    ``num_nodes_waiting`` returns 0 (and logs) when etcd cannot be reached, so
+    ``num_nodes_waiting`` and ``num_nodes_lost`` return 0 (and log) when etcd cannot be reached, so
     running workers are not killed because etcd is briefly away; the next
     ``next_rendezvous`` still fails clearly if etcd stays down past ``read_timeout``.
     """
@@ -331,8 +331,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _warned = False
 
     def num_nodes_waiting(self) -> int:
+        return self._tolerant(super().num_nodes_waiting)
+
+    def num_nodes_lost(self) -> int:
+        return self._tolerant(super().num_nodes_lost)
+
+    def _tolerant(self, count: Callable[[], int]) -> int:
         try:
-            n = super().num_nodes_waiting()
+            n = count()
         except RendezvousConnectionError as exc:
             if not self._warned:
                 log.warning("etcd unreachable while workers run (%s); they keep running", exc)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -62,6 +63,11 @@ class EtcdV3KV(FailoverKV):
 
     def __init__(self, conf: EtcdConf, backend: str = "etcd-v3") -> None:
         super().__init__(conf, backend)
+        # The agent forks workers (subprocess + preexec_fn) while gRPC threads run;
+        # gRPC's fork handlers then abort the child ("epoll_wait: Bad file
+        # descriptor"). The child execs at once, so they are not needed. Set before
+        # grpc is first imported; launch() snapshots the workers' env before this.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
         self._pyetcd = import_client("pyetcd", backend)
         self._grpc = import_client("grpc", backend)
         self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)

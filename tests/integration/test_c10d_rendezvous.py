@@ -192,3 +192,39 @@ def test_two_agent_processes_form_a_world():
     results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
     assert sorted(r[1] for r in results) == [0, 1]
     assert {(r[0], r[2], r[3], r[4]) for r in results} == {(0, 2, "127.0.0.1", results[0][4])}
+
+
+def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
+    # torch's TCPStore client waits forever on a server that stalls silently (a cut
+    # link, a frozen host); BoundedStore gives up after its timeout, naming the endpoint.
+    import datetime
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from torch.distributed import TCPStore
+
+    from elaunch.rendezvous.api import RendezvousConnectionError
+    from elaunch.rendezvous.c10d import BoundedStore
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from torch.distributed import TCPStore; "
+         "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+         "print(s.port, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        port = int(server.stdout.readline())
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+        store = BoundedStore(client, f"127.0.0.1:{port}", timeout=2.0)
+        store.set("k", b"v")
+        assert bytes(store.get("k")) == b"v"
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}.*no answer to get"):
+            store.get("k")
+        assert time.monotonic() - started < 60  # it returned at all (the raw client never does)
+    finally:
+        server.kill()
+        server.wait()

@@ -169,3 +169,26 @@ def test_concurrent_writers_never_lose_an_update(world_factory):
     hs = [w.handler(f"n{i}") for i in range(5)]
     infos = list(w.join(*hs))
     assert sorted(i.rank for i in infos) == list(range(5))
+
+
+def test_running_members_see_a_silent_member_as_lost(world_factory):
+    w = world_factory(1, 3, keep_alive_interval=0.1, keep_alive_max_attempt=2, last_call_timeout=0.2)
+    a, b, c = w.handler("a"), w.handler("b"), w.handler("c")
+    list(w.join(a, b, c))
+    assert [h.num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
+    c._stop_heartbeats()  # c's link is cut: a and b must notice without any worker failing
+    wait_for(lambda: a.num_nodes_lost() == 1 and b.num_nodes_lost() == 1, 5, what="c seen as lost")
+    # the survivors re-form a world of 2 without c
+    infos = list(w.join(a, b))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert a.num_nodes_lost() == 0
+
+
+def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
+    w = world_factory(2, 2)
+    a, b = w.handler("a"), w.handler("b")
+    list(w.join(a, b))
+    fut = w.pool.submit(a.next_rendezvous)  # a's workers failed: it rejoins
+    wait_for(lambda: b.num_nodes_lost() == 1, 5, what="b to see a leave")
+    b.next_rendezvous()
+    assert fut.result(timeout=20).round == 1
