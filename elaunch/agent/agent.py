@@ -19,8 +19,8 @@ from string import Template
 from elaunch.agent.decide import Step, Verdict, judge, next_step
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
-from elaunch.errors import read_error_file, tail_file
 from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, start_reaper
+from elaunch.procs.warm import WarmPool
 from elaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
@@ -55,6 +55,9 @@ class ElasticAgent:
         exit_barrier_timeout: seconds a finished node waits for the others.
         base_env: environment the workers inherit; defaults to ``os.environ``.
         hostname: name shown in failure summaries; defaults to ``socket.gethostname()``.
+        warm_modules: ``--warm-start``: while a group runs, keep one spare interpreter per
+            local rank with these modules imported, to run the next attempt's workers
+            (``elaunch.procs.warm``); None (default) starts every worker cold, as torchrun.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class ElasticAgent:
         exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
         base_env: Mapping[str, str] | None = None,
         hostname: str | None = None,
+        warm_modules: tuple[str, ...] | None = None,
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -81,6 +85,8 @@ class ElasticAgent:
         self._group: WorkerGroup | None = None
         self._log_dir: RunLogDir | None = None
         self._reaper = None
+        self._warm_modules = warm_modules
+        self._warm: WarmPool | None = None
 
     @property
     def log_root(self) -> str | None:
@@ -100,13 +106,18 @@ class ElasticAgent:
         """
         self._log_dir = RunLogDir(self._logs, self._env_opts.run_id)
         self._reaper = start_reaper()
+        if self._warm_modules is not None:
+            self._warm = WarmPool(self._warm_modules, self._reaper)
+            import elaunch.errors  # noqa: F401 - read on every restart: not on the restart's clock
         try:
             return self._invoke_run()
         except SignalException as exc:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
+            self._close_warm()
             self._stop_workers(exc.sigval)
             raise
         finally:
+            self._close_warm()
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._reaper.close()
 
@@ -119,14 +130,20 @@ class ElasticAgent:
             attempt += 1
             verdict = self._monitor()
             step = next_step(verdict, restarts, self._spec.max_restarts)
+            if step in (Step.FINISH_OK, Step.FINISH_FAILED):
+                self._close_warm()  # no attempt follows
             if step is Step.FINISH_OK:
                 # HEALTHY -> SUCCEEDED: every worker exited 0
                 group.state = WorkerState.SUCCEEDED
                 self._procs.close()
+                self._log_dir.remove_if_temporary()
                 self._rdzv.exit_barrier(self._exit_barrier_timeout)
                 return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
-            failures = self._failures(group) if verdict is Verdict.FAILED else {}
+            # which workers failed is fixed now; their error files are read once the rest
+            # are stopped, so a restart does not wait for that
+            exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
             self._stop_workers(signal.SIGTERM)
+            failures = self._failures(group, *exited) if exited else {}
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: a worker failed and no restart is left
                 group.state = WorkerState.FAILED
@@ -135,7 +152,9 @@ class ElasticAgent:
             group.state = WorkerState.STOPPED
             if step is Step.RESTART:
                 restarts += 1
-                first = min(failures.values(), key=lambda f: (f.timestamp, f.global_rank))
+                from elaunch.errors import root_cause
+
+                first = root_cause(failures)
                 log.warning(
                     "worker group failed (rank %d exitcode %d%s); restart %d/%d",
                     first.global_rank,
@@ -144,8 +163,7 @@ class ElasticAgent:
                     restarts,
                     self._spec.max_restarts,
                 )
-            else:
-                log.warning("nodes are waiting to join; restarting the group (not counted)")
+
 
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec
@@ -164,15 +182,25 @@ class ElasticAgent:
             opts = EnvOptions(
                 opts.run_id, opts.max_restarts, info.use_agent_store, opts.omp_num_threads, opts.virtual_local_rank
             )
-        logs = self._log_dir.attempt(attempt, spec.local_world_size)
+        warm = self._warm
+        logs = warm.logs_for(attempt) if warm is not None else None
+        if logs is None:
+            logs = self._log_dir.attempt(attempt, spec.local_world_size)
         cmds, envs, prefixes = {}, {}, {}
         for w in workers:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
             envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
             prefixes[lr] = self._line_prefix(w)
-        self._procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper)
+        adopt = warm.handoff if warm is not None else None
+        self._procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
         self._attempt_logs = logs
+        if warm is not None:
+            warm.discard()  # spares this attempt did not use
+            may_follow = restarts < spec.max_restarts or self._rdzv.get_backend() not in ("standalone", "static")
+            if warm.enabled and may_follow:
+                # another attempt may follow: prepare its spares, writing to its log files
+                warm.prepare(attempt + 1, self._log_dir.attempt(attempt + 1, spec.local_world_size), cmds, envs)
         for w in workers:
             w.pid = self._procs.pids[w.local_rank]
         # INIT -> HEALTHY: workers started
@@ -206,14 +234,22 @@ class ElasticAgent:
             codes = self._procs.poll()
             verdict = judge(codes, 0)
             if verdict is Verdict.RUNNING:
-                verdict = judge(codes, self._rdzv.num_nodes_waiting())
+                waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
+                verdict = judge(codes, waiting + lost)
+                if verdict is Verdict.MEMBERSHIP_CHANGE:
+                    log.warning(
+                        "membership changed (%d node(s) waiting to join, %d lost); re-forming the group"
+                        " (not counted as a restart)", waiting, lost,
+                    )
             if verdict is not Verdict.RUNNING:
                 return verdict
             self._procs.wait(interval)
 
-    def _failures(self, group: WorkerGroup) -> dict[int, ProcessFailure]:
-        codes = self._procs.poll()
-        times = self._procs.exit_times()
+    def _failures(
+        self, group: WorkerGroup, codes: dict[int, int | None], times: dict[int, float]
+    ) -> dict[int, ProcessFailure]:
+        from elaunch.errors import read_error_file, tail_file  # only on failure: keeps start-up light
+
         out: dict[int, ProcessFailure] = {}
         for w in group.workers:
             code = codes.get(w.local_rank)
@@ -231,9 +267,13 @@ class ElasticAgent:
                 hostname=self._hostname,
                 error_file=error_file,
                 error_data=data,
-                stderr_tail="" if data else tail_file(stderr_path),
+                stderr_tail=tail_file(stderr_path) if data is None or data.get("unreadable") else "",
             )
         return out
+
+    def _close_warm(self) -> None:
+        if self._warm is not None:
+            self._warm.close()
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
         if self._procs is None:

@@ -11,22 +11,27 @@ from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 NOW = 1_000_000.0
-SETTINGS = RendezvousSettings("job", 2, 3, last_call_timeout=30, keep_alive_interval=5, keep_alive_max_attempt=3)
+#: torch's fixed last call (settle_timeout=None); ADAPTIVE adds the settle window.
+SETTINGS = RendezvousSettings(
+    "job", 2, 3, last_call_timeout=30, settle_timeout=None, keep_alive_interval=5, keep_alive_max_attempt=3
+)
+ADAPTIVE = RendezvousSettings("job", 2, 4, last_call_timeout=30, settle_timeout=1.0)
 ME = "n1"
 
 
-def mk(participants=(), complete=False, deadline=None, wait=(), redundant=(), closed=False, hb=None, round=0):
+def mk(participants=(), complete=False, deadline=None, wait=(), redundant=(), closed=False, hb=None, round=0,
+       hard=None):
     """A state; every listed node heart-beat at NOW unless ``hb`` overrides."""
     parts = dict(participants) if isinstance(participants, dict) else {n: -1 for n in participants}
     nodes = set(parts) | set(wait) | set(redundant)
     beats = {n: NOW for n in nodes}
     beats.update(hb or {})
     infos = {n: {"addr": n, "role": "default", "local_world_size": 1} for n in nodes}
-    return RendezvousState(round, complete, deadline, closed, parts, infos, set(wait), set(redundant), beats)
+    return RendezvousState(round, complete, deadline, closed, parts, infos, set(wait), set(redundant), beats, hard)
 
 
-def ctx(deadline=NOW + 600, previous_rank=-1, settings=SETTINGS):
-    return OpContext(ME, NodeInfo(ME, "default", 2), settings, deadline, previous_rank)
+def ctx(deadline=NOW + 600, previous_rank=-1, settings=SETTINGS, started=NOW):
+    return OpContext(ME, NodeInfo(ME, "default", 2), settings, deadline, previous_rank, started)
 
 
 JOIN_CASES = [
@@ -161,3 +166,143 @@ def test_apply_does_not_mutate_its_input():
 def test_apply_refuses_non_write_actions(action):
     with pytest.raises(ValueError, match=action.value):
         ops.apply(action, mk(), ctx(), NOW)
+
+
+# -- adaptive last call (settle_timeout) ---------------------------------------------------
+
+#: (name, settings, state before ME joins, expected deadline, expected last_call_deadline)
+SETTLE_JOIN_CASES = [
+    ("below min: no last call", ADAPTIVE, mk(), None, None),
+    ("reaching min opens the settle window", ADAPTIVE, mk(["n0"]), NOW + 1, NOW + 30),
+    ("a later join moves the window", ADAPTIVE, mk(["n0", "n2"], deadline=NOW + 0.2, hard=NOW + 25), NOW + 1, NOW + 25),
+    ("the window never passes the hard deadline", ADAPTIVE, mk(["n0", "n2"], deadline=NOW + 0.2, hard=NOW + 0.5),
+     NOW + 0.5, NOW + 0.5),
+    ("state without a hard deadline (older writer)", ADAPTIVE, mk(["n0", "n2"], deadline=NOW + 0.2), NOW + 0.2, None),
+    ("fixed last call: reaching min", SETTINGS, mk(["n0"]), NOW + 30, NOW + 30),
+    ("fixed last call: a later join changes nothing",
+     RendezvousSettings("job", 1, 3, last_call_timeout=30, settle_timeout=None), mk(["n0"], deadline=NOW + 7, hard=NOW + 7),
+     NOW + 7, NOW + 7),
+    ("settle longer than the last call", RendezvousSettings("job", 1, 3, last_call_timeout=2, settle_timeout=5), mk(),
+     NOW + 2, NOW + 2),
+]
+
+
+@pytest.mark.parametrize("name,settings,state,deadline,hard", SETTLE_JOIN_CASES, ids=[c[0] for c in SETTLE_JOIN_CASES])
+def test_join_sets_the_last_call(name, settings, state, deadline, hard):
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, state, ctx(settings=settings), NOW)
+    assert not s.complete
+    assert (s.deadline, s.last_call_deadline) == (deadline, hard)
+
+
+def test_settle_window_completes_only_after_quiet_period():
+    """min 2 of 4: n0 joins, ME joins at +0 (window to +1), n2 at +0.8 (window to +1.8)."""
+    settings = ADAPTIVE
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(["n0"]), ctx(settings=settings), NOW)
+    other = OpContext("n2", NodeInfo("n2", "default", 1), settings, NOW + 600)
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, s, other, NOW + 0.8)
+    assert s.deadline == NOW + 1.8 and s.last_call_deadline == NOW + 30
+    assert ops.decide_join(s, ctx(settings=settings), NOW + 1.5) is Action.SYNC  # old window passed, new one not
+    assert ops.decide_join(s, ctx(settings=settings), NOW + 1.9) is Action.MARK_COMPLETE
+    done = ops.apply(Action.MARK_COMPLETE, s, ctx(settings=settings), NOW + 1.9)
+    assert done.complete and done.deadline is None and done.last_call_deadline is None
+
+
+def test_dropping_below_min_cancels_both_deadlines():
+    s = ops.apply(Action.REMOVE_FROM_PARTICIPANTS, mk([ME, "n0"], deadline=NOW + 1, hard=NOW + 30),
+                  ctx(settings=ADAPTIVE), NOW)
+    assert s.deadline is None and s.last_call_deadline is None
+
+
+def test_reaching_max_completes_at_once_despite_settle_window():
+    s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(["n0", "n2", "n3"], deadline=NOW + 1, hard=NOW + 30),
+                  ctx(settings=ADAPTIVE), NOW)
+    assert s.complete and s.deadline is None and s.last_call_deadline is None
+
+
+
+S = RendezvousSettings("job", 1, 4, keep_alive_interval=5, keep_alive_max_attempt=3)  # dead after 15 s
+ROUND = frozenset({"a", "b", "c"})
+
+
+@pytest.mark.parametrize(
+    "desc, state, expected",
+    [
+        ("all beating", RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1, "c": 2},
+                                        last_heartbeats={"a": 100.0, "b": 99.0, "c": 95.0}), 0),
+        ("c lags by more than dead_after", RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1, "c": 2},
+                                                           last_heartbeats={"a": 100.0, "b": 99.0, "c": 80.0}), 1),
+        ("after an outage all are old, none lags", RendezvousState(round=2, complete=True,
+                                                                   participants={"a": 0, "b": 1, "c": 2},
+                                                                   last_heartbeats={"a": 10.0, "b": 9.0, "c": 8.0}), 0),
+        ("b left to rejoin", RendezvousState(round=2, complete=True, participants={"a": 0, "c": 2},
+                                             last_heartbeats={"a": 100.0, "c": 99.0}), 1),
+        ("round superseded", RendezvousState(round=3, participants={"b": -1},
+                                             last_heartbeats={"a": 100.0, "b": 100.0}), 1),
+        ("a stale read of the previous round", RendezvousState(round=1, complete=True,
+                                                               participants={"a": 0, "x": 1},
+                                                               last_heartbeats={"a": 100.0}), 0),
+        ("closed: the job is ending", RendezvousState(round=2, complete=True, closed=True, participants={"a": 0},
+                                                      last_heartbeats={"a": 100.0}), 0),
+    ],
+)
+def test_lost_members(desc, state, expected):
+    assert ops.lost_members(state, 2, ROUND, "a", S) == expected, desc
+
+
+# -- liveness probe: a waiting node asks a running round's participants to heart-beat -----
+
+PROBING = RendezvousSettings("job", 1, 4, keep_alive_interval=5, keep_alive_max_attempt=3, probe_delay=1,
+                             probe_timeout=3)
+RUNNING = {"n0": 0, "n2": 1}
+
+PROBE_CASES = [
+    ("waiting less than probe_delay", mk(RUNNING, complete=True, wait=[ME]), ctx(settings=PROBING), Action.SYNC),
+    ("waited probe_delay: probe", mk(RUNNING, complete=True, wait=[ME]), ctx(settings=PROBING, started=NOW - 1),
+     Action.PROBE),
+]
+
+
+def _probed(probe_at, **kw):
+    s = mk(RUNNING, complete=True, wait=[ME], **kw)
+    s.probe_at = probe_at
+    return s
+
+
+PROBE_STATE_CASES = [
+    ("fresh probe: wait", _probed(NOW - 1, hb={ME: NOW - 1, "n0": NOW - 2}), ctx(settings=PROBING, started=NOW - 5),
+     Action.SYNC),
+    ("probe unanswered past probe_timeout: prune", _probed(NOW - 3.5, hb={ME: NOW - 3.5, "n0": NOW - 4}),
+     ctx(settings=PROBING, started=NOW - 5), Action.REMOVE_DEAD_NODES),
+    ("probe answered: alive", _probed(NOW - 3.5, hb={ME: NOW - 3.5, "n0": NOW - 3, "n2": NOW - 3}),
+     ctx(settings=PROBING, started=NOW - 5), Action.SYNC),
+    ("expired probe answered: probe again", _probed(NOW - 4.5, hb={ME: NOW - 4.5, "n0": NOW - 4, "n2": NOW - 4}),
+     ctx(settings=PROBING, started=NOW - 9), Action.PROBE),
+    ("probed participant joining answers", _probed(NOW - 0.5, hb={ME: NOW - 1}), ctx(settings=PROBING),
+     Action.KEEP_ALIVE),
+]
+
+
+@pytest.mark.parametrize("name,state,context,expected", PROBE_CASES + PROBE_STATE_CASES,
+                         ids=[c[0] for c in PROBE_CASES + PROBE_STATE_CASES])
+def test_decide_join_probes(name, state, context, expected):
+    assert ops.decide_join(state, context, NOW) is expected
+
+
+def test_keep_alive_answers_a_probe_at_once():
+    s = mk({ME: 0, "n0": 1}, complete=True)
+    s.probe_at = NOW - 0.1
+    s.last_heartbeats[ME] = NOW - 1  # fresh by the interval rule, older than the probe
+    assert ops.should_answer_probe(s, ME)
+    assert ops.decide_keep_alive(s, ctx(settings=PROBING), NOW) is Action.KEEP_ALIVE
+    after = ops.apply(Action.KEEP_ALIVE, s, ctx(settings=PROBING), NOW)
+    assert not ops.should_answer_probe(after, ME)
+
+
+def test_probe_write_and_reset_with_the_round():
+    state = mk(RUNNING, complete=True, wait=[ME], hb={ME: NOW - 2, "n0": NOW - 1, "n2": NOW - 1})
+    s = ops.apply(Action.PROBE, state, ctx(settings=PROBING), NOW)
+    assert s.probe_at == NOW and s.last_heartbeats[ME] == NOW
+    assert ops.dead_nodes(s, PROBING, NOW + 3) == []  # within probe_timeout nobody is dead yet
+    assert ops.dead_nodes(s, PROBING, NOW + 3.1) == ["n0", "n2"]
+    s = ops.apply(Action.REMOVE_DEAD_NODES, s, ctx(settings=PROBING), NOW + 3.1)
+    assert s.participants == {} and s.round == 1 and not s.complete and s.probe_at is None

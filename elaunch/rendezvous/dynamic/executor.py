@@ -100,13 +100,14 @@ class OpExecutor:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
         settings = self._settings
-        deadline = self._clock() + timeout
+        started = self._clock()
+        deadline = started + timeout
         need_read = True
         while True:
             if need_read:
                 self.read()
             now = self._clock()
-            ctx = OpContext(self._node_id, self._node_info, settings, deadline, previous_rank)
+            ctx = OpContext(self._node_id, self._node_info, settings, deadline, previous_rank, started)
             action = decide(self._state, ctx, now)
             if action is Action.FINISH:
                 return self._state

@@ -25,6 +25,7 @@ from elaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
+    RendezvousTimeoutError,
 )
 from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
@@ -104,6 +105,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._heartbeat_stop: threading.Event | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self._current: RendezvousInfo | None = None
+        self._members: frozenset[str] = frozenset()
         self._cached: tuple[float, RendezvousState] | None = None
 
     @property
@@ -143,12 +145,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
         previous_rank = -1 if self._current is None else self._current.rank
         if self._current is None:
             self._sleep(random.uniform(0.0, 0.05))  # tiny jitter: spread first joins
-        with self._lock:
-            self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout")
-            state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank)
+        deadline = self._clock() + s.join_timeout
+        while True:
+            with self._lock:
+                self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout")
+                state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank)
+            # A member may leave (or be pruned) between the round's completion and our read
+            # of it: its ranks then no longer cover 0..n-1, so that round is already broken.
+            # COMPLETE -> JOINING: join the next one instead of starting a partial world.
+            if sorted(state.participants.values()) == list(range(len(state.participants))):
+                break
+            if self._clock() > deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous {s.run_id!r}: rounds kept losing members within join_timeout={s.join_timeout:g} s"
+                )
+            log.info("node %s: round %d lost a member before it started; joining the next", self._node_id, state.round)
+        self._cached = None  # a read from before this round must not be judged against it
         if self._node_id not in state.participants:
             raise RendezvousStateError(f"node {self._node_id} finished joining but is not a participant")
         rank, world_size = state.participants[self._node_id], len(state.participants)
+        self._members = frozenset(state.participants)
         nodes = state.ranked_nodes()
         self._start_heartbeats()
         stores = self._stores.setup_round(state.round, rank, world_size, nodes)
@@ -189,6 +205,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: the backend is unreachable.
         """
         return ops.num_live_waiting(self._read(), self._settings, self._clock())
+
+    def num_nodes_lost(self) -> int:
+        """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
+
+        A member is gone when it left or was pruned, or its heartbeat lags ours by
+        more than ``keep_alive_interval * keep_alive_max_attempt`` seconds (a dead
+        agent, a cut link). The read may be up to ``poll_interval`` seconds old.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        info = self._current
+        if info is None:
+            return 0
+        return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings)
 
     def is_closed(self) -> bool:
         """Return True once any node closed the rendezvous.
@@ -262,9 +293,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._heartbeat_stop = self._heartbeat_thread = None
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
+        """Heart-beat every ``keep_alive_interval`` s, and at once when a waiting node probes.
+
+        Probes are looked for every ``probe_timeout / 4`` s in the (shared, cached) state
+        read, so an agent busy stopping its workers still proves it is alive.
+        """
         s = self._settings
-        while not stop.wait(s.keep_alive_interval):
+        tick = min(s.keep_alive_interval, s.probe_timeout / 4)
+        next_beat = time.monotonic() + s.keep_alive_interval
+        while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic()))):
             try:
+                if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
+                    continue
+                next_beat = time.monotonic() + s.keep_alive_interval
                 with self._lock:
                     if stop.is_set():
                         return

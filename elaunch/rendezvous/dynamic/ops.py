@@ -38,6 +38,7 @@ class Action(enum.Enum):
     REMOVE_FROM_WAIT_LIST = "REMOVE_FROM_WAIT_LIST"
     REMOVE_FROM_REDUNDANCY_LIST = "REMOVE_FROM_REDUNDANCY_LIST"
     REMOVE_DEAD_NODES = "REMOVE_DEAD_NODES"
+    PROBE = "PROBE"  # ask the complete round's participants to heart-beat now
     MARK_COMPLETE = "MARK_COMPLETE"
     MARK_CLOSED = "MARK_CLOSED"
     SYNC = "SYNC"  # nothing to write: wait a poll interval and read again
@@ -60,6 +61,7 @@ WRITE_ACTIONS = frozenset(
         Action.REMOVE_DEAD_NODES,
         Action.MARK_COMPLETE,
         Action.MARK_CLOSED,
+        Action.PROBE,
     }
 )
 #: Actions that end an operation with an error.
@@ -77,6 +79,7 @@ class OpContext:
         deadline: seconds since the epoch after which the operation times out.
         previous_rank: this node's group rank in its previous round, or -1; kept
             when the next round is ranked, if still free and in range.
+        started: seconds since the epoch when the operation began (0: unknown).
     """
 
     node_id: str
@@ -84,11 +87,19 @@ class OpContext:
     settings: RendezvousSettings
     deadline: float
     previous_rank: int = -1
+    started: float = 0.0
 
 
 def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float, exclude: str = "") -> list[str]:
-    """Return the ids (sorted) whose last heartbeat is older than ``settings.dead_after`` seconds."""
+    """Return the ids (sorted) of the nodes that count as dead.
+
+    Dead: the last heartbeat is older than ``settings.dead_after`` seconds (torch's
+    rule), or older than a probe (``state.probe_at``) that is more than
+    ``settings.probe_timeout`` seconds old: every live agent answers a probe at once.
+    """
     expire = now - settings.dead_after
+    if state.probe_at is not None and now > state.probe_at + settings.probe_timeout:
+        expire = max(expire, state.probe_at)
     return sorted(n for n, t in state.last_heartbeats.items() if t < expire and n != exclude)
 
 
@@ -100,7 +111,24 @@ def num_live_waiting(state: RendezvousState, settings: RendezvousSettings, now: 
 
 def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float, fraction: float = 1.0) -> bool:
     last = state.last_heartbeats.get(ctx.node_id)
-    return last is not None and last <= now - ctx.settings.keep_alive_interval * fraction
+    if last is None:
+        return False
+    probed = state.probe_at is not None and last < state.probe_at  # prove we are alive
+    return probed or last <= now - ctx.settings.keep_alive_interval * fraction
+
+
+def should_answer_probe(state: RendezvousState, node_id: str) -> bool:
+    """Return True when ``node_id`` has a heartbeat older than the state's probe."""
+    last = state.last_heartbeats.get(node_id)
+    return last is not None and state.probe_at is not None and last < state.probe_at
+
+
+def _should_probe(state: RendezvousState, ctx: OpContext, now: float) -> bool:
+    """A waiting node probes once it waited ``probe_delay`` s, and again after each probe expired."""
+    s = ctx.settings
+    if not state.participants or now < ctx.started + s.probe_delay:
+        return False
+    return state.probe_at is None or now > state.probe_at + s.probe_timeout + s.probe_delay
 
 
 def decide_join(state: RendezvousState, ctx: OpContext, now: float) -> Action:
@@ -136,6 +164,9 @@ def decide_join(state: RendezvousState, ctx: OpContext, now: float) -> Action:
             if n < settings.max_nodes:
                 return Action.ADD_TO_WAIT_LIST
             return Action.ADD_TO_REDUNDANCY_LIST
+        if _should_probe(state, ctx, now):
+            # WAITING: the running round has not ended yet; are its participants alive?
+            return Action.PROBE
     elif is_participant:
         # JOINING -> COMPLETE: enough participants and the last call expired
         if settings.min_nodes <= n <= settings.max_nodes and state.deadline is not None and state.deadline < now:
@@ -200,9 +231,15 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         s.participants[me] = ctx.previous_rank
         s.node_infos[me] = info
         s.last_heartbeats[me] = now
-        if len(s.participants) == settings.min_nodes:
-            s.deadline = now + settings.last_call_timeout  # last call starts
-        if len(s.participants) == settings.max_nodes:
+        n = len(s.participants)
+        if n == settings.min_nodes:
+            # last call starts: a hard deadline, as torch's
+            s.last_call_deadline = s.deadline = now + settings.last_call_timeout
+        if n >= settings.min_nodes and settings.settle_timeout is not None:
+            # adaptive last call: complete once no node joined for settle_timeout seconds
+            hard = s.last_call_deadline if s.last_call_deadline is not None else s.deadline
+            s.deadline = now + settings.settle_timeout if hard is None else min(now + settings.settle_timeout, hard)
+        if n == settings.max_nodes:
             _mark_complete(s)  # INCOMPLETE -> COMPLETE: world full
     elif action is Action.ADD_TO_WAIT_LIST:
         # OUTSIDE -> WAITING: running groups see num_nodes_waiting() > 0
@@ -239,6 +276,8 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         _mark_complete(s)  # INCOMPLETE -> COMPLETE: last call expired
     elif action is Action.MARK_CLOSED:
         s.closed = True  # OPEN -> CLOSED
+    elif action is Action.PROBE:
+        s.probe_at = s.last_heartbeats[me] = now
     else:
         raise ValueError(f"apply({action}): not a write action")
     members = set(s.participants) | s.wait_list | s.redundancy_list
@@ -252,14 +291,15 @@ def _after_participant_removed(s: RendezvousState, settings: RendezvousSettings)
             # COMPLETE -> INCOMPLETE: the last participant left; the next round opens
             s.complete = False
             s.round += 1
+            s.probe_at = None
     elif len(s.participants) < settings.min_nodes:
-        s.deadline = None  # below min again: the last call is off
+        s.deadline = s.last_call_deadline = None  # below min again: the last call is off
 
 
 def _mark_complete(s: RendezvousState) -> None:
     """Rank the participants: previous ranks kept when free and in range, others by node id."""
     s.complete = True
-    s.deadline = None
+    s.deadline = s.last_call_deadline = None
     ids = sorted(s.participants)
     size = len(ids)
     ranks: dict[str, int] = {}
@@ -274,3 +314,34 @@ def _mark_complete(s: RendezvousState) -> None:
         if node not in ranks:
             ranks[node] = next(free)
     s.participants = ranks
+
+
+def lost_members(state: RendezvousState, round: int, members: frozenset[str], me: str,
+                 settings: RendezvousSettings) -> int:
+    """Return how many nodes of ``me``'s running round are gone (pure).
+
+    A member is gone when it left the participants (it is rejoining, or was pruned),
+    when the round was superseded (a state of an older round is stale, not a loss), or when its last heartbeat lags ``me``'s own by
+    more than ``settings.dead_after`` seconds. Measuring the lag against our own
+    heartbeat (not the clock) means an outage of the backend, after which every
+    heartbeat is old, does not make everyone look dead. A closed rendezvous (the job
+    is ending) loses nobody.
+
+    Args:
+        state: the stored state.
+        round: the round ``me`` joined; members: its participants then.
+    """
+    if state.closed or not members:
+        return 0
+    if state.round < round:
+        return 0  # a read from before our round completed: nothing to judge yet
+    if state.round > round:
+        return max(1, len(members - {me} - set(state.participants)))
+    mine = state.last_heartbeats.get(me)
+    lost = 0
+    for node in members - {me}:
+        if node not in state.participants:
+            lost += 1
+        elif mine is not None and mine - state.last_heartbeats.get(node, 0.0) > settings.dead_after:
+            lost += 1
+    return lost

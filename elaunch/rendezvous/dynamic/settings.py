@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
 
+#: Seconds without a new node after which a round with ``min_nodes`` completes.
+DEFAULT_SETTLE_TIMEOUT = 1.0
+
 
 @dataclass(frozen=True)
 class RendezvousSettings:
@@ -20,7 +23,14 @@ class RendezvousSettings:
         min_nodes, max_nodes: bounds on a round's world, 1 <= min <= max.
         join_timeout: seconds a ``next_rendezvous`` call may take (conf ``join_timeout``, 600).
         last_call_timeout: seconds to wait for more nodes once ``min_nodes`` joined
-            (conf ``last_call_timeout``, 30).
+            (conf ``last_call_timeout``, 30). A hard deadline: the round completes
+            when it passes, whatever ``settle_timeout`` says.
+        settle_timeout: the adaptive last call (an elaunch addition), seconds, or None
+            for torch's fixed last call. Once ``min_nodes`` joined, the round completes
+            as soon as no node joined for this long (still at the latest after
+            ``last_call_timeout``). Conf ``settle_timeout``; default 1 s, except None
+            when ``last_call_timeout`` is given without ``settle_timeout``, so an
+            explicit ``last_call_timeout`` keeps torch's meaning.
         close_timeout: seconds ``set_closed`` may take (conf ``close_timeout``, 30).
         heartbeat_timeout: seconds one keep-alive write may take (conf ``heartbeat_timeout``, 5).
         keep_alive_interval: seconds between a node's heartbeats (conf ``keep_alive_interval``, 5).
@@ -28,6 +38,12 @@ class RendezvousSettings:
             and removed (conf ``keep_alive_max_attempt``, 3).
         poll_interval: seconds between reads of the state while waiting for others
             (conf ``poll_interval``, 0.2; torch polls every 1 s).
+        probe_delay: seconds a node waits for the next round while the current one
+            still has participants before it probes them (conf ``probe_delay``, 1).
+        probe_timeout: seconds a probed participant has to heart-beat before it is
+            declared dead (conf ``probe_timeout``, 3); live agents answer within about
+            ``probe_timeout / 4``. An elaunch addition: torch only has the
+            ``keep_alive_interval * keep_alive_max_attempt`` rule, which still applies.
     """
 
     run_id: str
@@ -35,11 +51,14 @@ class RendezvousSettings:
     max_nodes: int
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
+    settle_timeout: float | None = DEFAULT_SETTLE_TIMEOUT
     close_timeout: float = 30.0
     heartbeat_timeout: float = 5.0
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
     poll_interval: float = 0.2
+    probe_delay: float = 1.0
+    probe_timeout: float = 3.0
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -68,15 +87,23 @@ class RendezvousSettings:
         """
         d = cls.__dataclass_fields__
         attempts = params.get_as_int("keep_alive_max_attempt", d["keep_alive_max_attempt"].default)
+        settle: float | None = d["settle_timeout"].default
+        if params.get("settle_timeout") is not None:
+            settle = params.get_as_seconds("settle_timeout", DEFAULT_SETTLE_TIMEOUT)
+        elif params.get("last_call_timeout") is not None:
+            settle = None  # an explicit last call is torch's fixed deadline
         return cls(
             run_id=params.run_id,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             join_timeout=params.get_as_seconds("join_timeout", d["join_timeout"].default),
             last_call_timeout=params.get_as_seconds("last_call_timeout", d["last_call_timeout"].default),
+            settle_timeout=settle,
             close_timeout=params.get_as_seconds("close_timeout", d["close_timeout"].default),
             heartbeat_timeout=params.get_as_seconds("heartbeat_timeout", d["heartbeat_timeout"].default),
             keep_alive_interval=params.get_as_seconds("keep_alive_interval", d["keep_alive_interval"].default),
             keep_alive_max_attempt=attempts,
             poll_interval=params.get_as_seconds("poll_interval", d["poll_interval"].default),
+            probe_delay=params.get_as_seconds("probe_delay", d["probe_delay"].default),
+            probe_timeout=params.get_as_seconds("probe_timeout", d["probe_timeout"].default),
         )

@@ -28,6 +28,8 @@ class RendezvousState:
         complete: True once the round's participants are final and ranked.
         deadline: last-call deadline, seconds since the epoch, or None. Set when the
             participants reach ``min_nodes``; the round completes when it passes.
+            With the adaptive last call (``settle_timeout``) each later join moves it
+            to ``now + settle_timeout``, never past ``last_call_deadline``.
         closed: True once any node closed the rendezvous (no new round forms).
         participants: node id -> group rank. Before the round completes the value is
             the rank the node would like to keep from its previous round (-1: none).
@@ -36,6 +38,10 @@ class RendezvousState:
         wait_list: node ids waiting for the next round (a complete round had room).
         redundancy_list: node ids not needed (the world is at ``max_nodes``).
         last_heartbeats: node id -> seconds since the epoch of its last keep-alive.
+        last_call_deadline: the hard cap of ``deadline`` (the time ``min_nodes`` was
+            reached plus ``last_call_timeout``), seconds since the epoch, or None.
+        probe_at: when a waiting node last asked the complete round's participants to
+            prove they are alive (seconds since the epoch), or None; see ``ops.dead_nodes``.
     """
 
     round: int = 0
@@ -47,6 +53,8 @@ class RendezvousState:
     wait_list: set[str] = field(default_factory=set)
     redundancy_list: set[str] = field(default_factory=set)
     last_heartbeats: dict[str, float] = field(default_factory=dict)
+    last_call_deadline: float | None = None
+    probe_at: float | None = None
 
     def copy(self) -> RendezvousState:
         """Return a deep copy (the ops mutate copies, never the state they decided on)."""
@@ -60,6 +68,8 @@ class RendezvousState:
             wait_list=set(self.wait_list),
             redundancy_list=set(self.redundancy_list),
             last_heartbeats=dict(self.last_heartbeats),
+            last_call_deadline=self.last_call_deadline,
+            probe_at=self.probe_at,
         )
 
     def ranked_nodes(self) -> tuple[NodeInfo, ...]:
@@ -89,6 +99,8 @@ class RendezvousState:
             "wait_list": sorted(self.wait_list),
             "redundancy_list": sorted(self.redundancy_list),
             "last_heartbeats": self.last_heartbeats,
+            "last_call_deadline": self.last_call_deadline,
+            "probe_at": self.probe_at,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
 
@@ -107,6 +119,8 @@ class RendezvousState:
             if doc.get("version") != STATE_VERSION:
                 raise ValueError(f"state version {doc.get('version')!r}, expected {STATE_VERSION}")
             deadline = doc["deadline"]
+            hard = doc.get("last_call_deadline")
+            probe = doc.get("probe_at")
             state = cls(
                 round=_int(doc["round"]),
                 complete=_bool(doc["complete"]),
@@ -124,6 +138,8 @@ class RendezvousState:
                 wait_list={str(n) for n in _list(doc["wait_list"])},
                 redundancy_list={str(n) for n in _list(doc["redundancy_list"])},
                 last_heartbeats={str(k): float(v) for k, v in _dict(doc["last_heartbeats"]).items()},
+                last_call_deadline=None if hard is None else float(hard),
+                probe_at=None if probe is None else float(probe),
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             head = data[:80] if isinstance(data, (bytes, str)) else repr(data)
