@@ -95,6 +95,9 @@ class LaunchConfig:
             else None (the workers then inherit the environment's value).
         cmd: the worker argv, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
         standalone: True when the user asked for ``--standalone``.
+        warm_start_modules: ``--warm-start``: modules the spare worker interpreters
+            import in advance (``--warm-start-modules``, default ``("torch",)``), or
+            None when warm start is off (the default; also with ``--no-python``).
     """
 
     min_nodes: int = 1
@@ -128,6 +131,7 @@ class LaunchConfig:
     omp_num_threads: int | None = None
     cmd: tuple[str, ...] = ()
     standalone: bool = False
+    warm_start_modules: tuple[str, ...] | None = None
 
 
 def _device_count(kind: str) -> int:
@@ -296,6 +300,23 @@ def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     return value
 
 
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _warm_start_modules(on: Any, modules: Any, no_python: bool, notes: list[str]) -> tuple[str, ...] | None:
+    """Resolve ``--warm-start``/``--warm-start-modules``; None when warm start is off or inapplicable."""
+    if not on:
+        return None
+    names = tuple(modules) if modules else ("torch",)
+    for name in names:
+        if not _MODULE_RE.match(name):
+            raise ConfigError(f"--warm-start-modules={','.join(names)}: {name!r} is not a module name")
+    if no_python:
+        notes.append("--warm-start does not apply to --no-python workers; ignored")
+        return None
+    return names
+
+
 def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Resolve parsed options into a LaunchConfig (torch ``run`` + ``config_from_args``).
 
@@ -391,6 +412,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
         run_path=bool(get("run_path")),
         environ=env,
     )
+    no_python = bool(get("no_python")) and not get("run_path")
+    warm = _warm_start_modules(get("warm_start"), get("warm_start_modules"), no_python, notes)
     redirects = get("redirects")
     tee = get("tee")
     for note in notes:
@@ -429,4 +452,5 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
         omp_num_threads=omp,
         cmd=cmd,
         standalone=standalone,
+        warm_start_modules=warm,
     )

@@ -16,7 +16,6 @@ import sys
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.config import LaunchConfig
-from elaunch.errors import format_failure_summary
 from elaunch.procs import LogsSpec
 from elaunch.rendezvous.api import (
     RendezvousConfigError,
@@ -123,6 +122,9 @@ def launch(config: LaunchConfig) -> int:
             "tune it for your application.",
             config.omp_num_threads,
         )
+    # the workers' environment: snapshot it before a backend adjusts the agent's own
+    # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
+    base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
     try:
         handler = create_handler(rendezvous_parameters(config))
     except RendezvousConfigError as exc:
@@ -131,8 +133,6 @@ def launch(config: LaunchConfig) -> int:
     except RendezvousError as exc:
         print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    # torchrun exports this to every worker (torch's launcher sets it in os.environ)
-    base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
     agent = ElasticAgent(
         build_spec(config),
         handler,
@@ -152,6 +152,7 @@ def launch(config: LaunchConfig) -> int:
         ),
         shutdown_timeout=config.shutdown_timeout,
         base_env=base_env,
+        warm_modules=config.warm_start_modules,
     )
     try:
         with _SignalHandlers(config.signals_to_handle):
@@ -168,6 +169,8 @@ def launch(config: LaunchConfig) -> int:
         print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if result.is_failed():
+        from elaunch.errors import format_failure_summary  # only on failure: keeps start-up light
+
         title = f"{entrypoint_name(config.cmd)} FAILED"
         print(format_failure_summary(result.failures, title=title), file=sys.stderr)
         return EXIT_FAILED

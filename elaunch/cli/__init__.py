@@ -145,6 +145,11 @@ _CONTEXT = {
        help="Run the script directly, not with python (any executable, found on PATH).")
 @_flag("--run-path", "--run_path", "run_path", group=_WORKERS,
        help="Run the script with runpy.run_path in each worker; takes precedence over --no-python.")
+@_flag("--warm-start", "--warm_start", "warm_start", group=_WORKERS,
+       help="Keep a spare interpreter per worker with --warm-start-modules imported, so restarted "
+            "workers skip those imports (elaunch only; not with --no-python).")
+@_opt("--warm-start-modules", "--warm_start_modules", "warm_start_modules", group=_WORKERS, type=P.CommaList(),
+      default="torch", metavar="MOD,...", help="Modules each warm spare imports in advance.")
 @_opt("--shutdown-timeout", "--shutdown_timeout", "shutdown_timeout", group=_WORKERS, type=P.Seconds(True),
       default=None, metavar="SECONDS",
       help="Seconds between SIGTERM and SIGKILL when stopping workers "

@@ -21,7 +21,7 @@ import signal as _signal
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from . import _proctree
 from .tee import Tee, follows_for
@@ -68,6 +68,40 @@ def _open(path: str | None):
     return open(path, "ab")  # noqa: SIM115 - handed to the child, closed after Popen
 
 
+def popen_worker(
+    cmd: list[str],
+    env: dict[str, str],
+    stdout_path: str | None,
+    stderr_path: str | None,
+    pass_fds: tuple[int, ...] = (),
+) -> subprocess.Popen:
+    """Start one process the way every worker is started (also used for warm spares).
+
+    Its own session (process group id = pid), ``PR_SET_PDEATHSIG=SIGKILL``, streams
+    appended to ``stdout_path``/``stderr_path`` (None: inherit the agent's). Call from
+    the agent's main thread.
+
+    Raises:
+        OSError: the program could not be started.
+    """
+    out = _open(stdout_path)
+    err = _open(stderr_path)
+    try:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=_child_setup(os.getpid()),
+            pass_fds=pass_fds,
+        )
+    finally:
+        for f in (out, err):
+            if f is not None and not isinstance(f, int):
+                f.close()
+
+
 class WorkerProcesses:
     """The running workers of one attempt, keyed by local rank. Build with :meth:`start`.
 
@@ -112,6 +146,7 @@ class WorkerProcesses:
         spec: "LogsSpec | None" = None,
         prefixes: dict[int, str] | None = None,
         reaper: "Reaper | None" = None,
+        adopt: "Callable[[int, list[str], dict[str, str]], subprocess.Popen | None] | None" = None,
     ) -> "WorkerProcesses":
         """Start one worker per local rank, all before waiting on any.
 
@@ -122,6 +157,9 @@ class WorkerProcesses:
             spec: the LogsSpec (its choices are already reflected in ``logs``).
             prefixes: local rank -> console prefix of tee'd lines (``[default0]:``).
             reaper: watchdog to register the workers with, or None.
+            adopt: ``(local_rank, argv, env) -> Popen or None``: a process already
+                started (a warm spare, see ``elaunch.procs.warm``) that now runs this
+                worker, or None to start it here.
 
         Raises:
             ValueError: ``cmds`` and ``envs`` name different local ranks (names both).
@@ -132,27 +170,14 @@ class WorkerProcesses:
             raise ValueError(f"cmds local ranks {sorted(cmds)} != envs local ranks {sorted(envs)}")
         prefixes = prefixes or {}
         procs: dict[int, subprocess.Popen] = {}
-        parent = os.getpid()
         try:
             for lr in sorted(cmds):
-                out = _open(logs.stdout.get(lr))
-                err = _open(logs.stderr.get(lr))
-                try:
-                    procs[lr] = subprocess.Popen(
-                        cmds[lr],
-                        env=envs[lr],
-                        stdout=out,
-                        stderr=err,
-                        start_new_session=True,
-                        preexec_fn=_child_setup(parent),
-                    )
-                finally:
-                    for f in (out, err):
-                        if f is not None and not isinstance(f, int):
-                            f.close()
+                adopted = adopt(lr, cmds[lr], envs[lr]) if adopt is not None else None
+                procs[lr] = adopted or popen_worker(cmds[lr], envs[lr], logs.stdout.get(lr), logs.stderr.get(lr))
             log.info("started workers %s", {lr: p.pid for lr, p in procs.items()})
             tee = Tee(
-                follows_for(logs.tee_stdout, sys.stdout, prefixes) + follows_for(logs.tee_stderr, sys.stderr, prefixes)
+                follows_for(logs.tee_stdout, sys.stdout, prefixes)
+                + follows_for(logs.tee_stderr, sys.stderr, prefixes, logs.unprefixed)
             ).start()
             self = cls(procs, tee, reaper)
         except BaseException:
@@ -286,7 +311,8 @@ class WorkerProcesses:
             self._send(fam, sig)
             left = self._await_gone(fam, time.monotonic() + max(0.0, grace), sig)
             if left:
-                log.warning("workers did not exit within %.1fs of %s; sending SIGKILL", grace, _name(sig))
+                if sig != _SIGKILL:
+                    log.warning("workers did not exit within %.1fs of %s; sending SIGKILL", grace, _name(sig))
                 left = self._await_gone(left, time.monotonic() + KILL_TIMEOUT, _SIGKILL, first=True)
                 if left:
                     log.error("processes %s survived SIGKILL for %.1fs; abandoning them", sorted(left), KILL_TIMEOUT)
@@ -326,7 +352,11 @@ class WorkerProcesses:
                     return {}
             if now >= deadline:
                 return {p.pid: p for p in alive}
-            time.sleep(min(delay, max(0.0, deadline - now)))
+            pause = min(delay, max(0.0, deadline - now))
+            if self._pidfds and any(self._codes[lr] is None for lr in self._pidfds):
+                self._block(pause)  # a worker's exit wakes this at once (pidfd)
+            else:
+                time.sleep(pause)
             delay = min(delay * 2, 0.1)
 
     def close(self) -> None:

@@ -1,0 +1,112 @@
+"""A warm spare's main program: ``python -u <this file> <fd> <sys.path[0]> <modules>``.
+
+Started by ``elaunch.procs.warm`` while a worker group runs. It puts the cold
+worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
+``torch``), then blocks reading pipe ``fd``. The agent writes one handoff and
+closes the pipe; the handoff is NUL-separated, file-system-encoded strings:
+
+    mode  target  N  arg_1 .. arg_N  M  orig_1 .. orig_M  key_1 value_1 ...
+
+``mode`` is ``script`` (run the file ``target`` as ``python script.py`` does) or
+``module`` (run ``target`` as ``python -m`` does, through runpy); the args are
+the script's arguments, ``orig`` the cold worker's whole argv (``sys.orig_argv``)
+and the pairs its complete environment, which replaces ``os.environ``. End of
+file without a handoff means "not needed": the spare exits 0 silently.
+
+Stdlib only and nothing beyond what the interpreter has loaded at start-up, so
+the worker's ``sys.modules`` is the cold worker's plus ``<modules>``.
+"""
+
+import os
+import sys
+
+
+def _read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _decode(data):
+    fields = data.split(b"\0")
+    mode, target = os.fsdecode(fields[0]), os.fsdecode(fields[1])
+    n = int(fields[2])
+    args = [os.fsdecode(f) for f in fields[3 : 3 + n]]
+    at = 3 + n
+    m = int(fields[at])
+    orig = [os.fsdecode(f) for f in fields[at + 1 : at + 1 + m]]
+    pairs = fields[at + 1 + m :]
+    env = dict(zip(pairs[0::2], pairs[1::2]))
+    return mode, target, args, orig, env
+
+
+def _run_script(path, args):
+    """Run ``path`` in a fresh ``__main__``, as ``python path args`` does."""
+    main = type(sys)("__main__")
+    abspath = os.path.abspath(path)
+    loader = sys.modules["_frozen_importlib_external"].SourceFileLoader("__main__", abspath)
+    main.__dict__.update(
+        __file__=abspath, __loader__=loader, __spec__=None, __package__=None, __cached__=None,
+        __builtins__=sys.modules["builtins"], __annotations__={},
+    )
+    sys.argv = [path, *args]
+    sys.modules["__main__"] = main
+    with open(abspath, "rb") as f:
+        source = f.read()
+    code = compile(source, abspath, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def _run_module(name, args):
+    """Run module ``name`` as ``python -m name args`` does (runpy replaces sys.argv[0])."""
+    import runpy
+
+    sys.argv = ["-m", *args]
+    runpy._run_module_as_main(name, True)
+
+
+def main():
+    fd, path0, modules = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
+        sys.path[0] = path0  # what the cold worker has while it imports
+    for name in modules.split(","):
+        if name:
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
+                pass
+    data = _read_all(fd)
+    if not data:
+        return 0  # discarded by the agent
+    mode, target, args, orig, env = _decode(data)
+    os.environb.clear()
+    os.environb.update(env)
+    sys.orig_argv = orig
+    try:
+        if mode == "module":
+            _run_module(target, args)
+        else:
+            _run_script(target, args)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # as the interpreter reports an uncaught exception in __main__
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # hide this bootstrap's frames; runpy's stay, as with -m
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc.__traceback__
+        if isinstance(exc, KeyboardInterrupt):
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

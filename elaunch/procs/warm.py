@@ -1,0 +1,264 @@
+"""Warm restart (``--warm-start``): spare worker interpreters with the heavy modules imported.
+
+torchrun restarts a failed group with fresh interpreters, each re-importing
+torch (about a second of CPU per worker). While a group runs, a :class:`WarmPool`
+keeps one spare per local rank for the *next* attempt: a direct child of the
+agent started exactly like a worker (own session, ``PR_SET_PDEATHSIG``, the next
+attempt's log files, registered with the reaper), with the environment known in
+advance (the agent's, ``OMP_NUM_THREADS``, ``LOCAL_RANK``...), which imports the
+configured modules (default ``torch``) and then blocks on a pipe. When the next
+group starts, the agent hands each spare its argv and complete environment
+(rank-specific variables included) and the spare runs the script as
+``python script.py`` / ``python -m module`` would (see ``_warm_child.py``).
+
+A spare is used only when nothing the cold worker would read at interpreter
+start differs: same argv, and the same environment apart from
+:data:`ROUND_KEYS`; otherwise it is discarded and the worker starts cold.
+``--no-python`` workers cannot be warmed (ignored with a log line).
+
+No torch import here: the agent imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import _proctree
+from .workers import popen_worker
+
+if TYPE_CHECKING:
+    from .logs import AttemptLogs
+    from .reaper import Reaper
+
+log = logging.getLogger(__name__)
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
+#: Modules a spare imports when none are named (``--warm-start-modules``).
+DEFAULT_MODULES = ("torch",)
+#: Worker variables that may change from one round to the next: set only at handoff.
+ROUND_KEYS = frozenset(
+    {
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+)
+#: Interpreter options a warmable worker argv may carry before its script (``build_cmd``'s).
+_PY_FLAGS = ("-u",)
+_F_SETPIPE_SZ = 1031  # Linux fcntl: grow the handoff pipe so the write never blocks
+
+
+@dataclass(frozen=True)
+class WarmTarget:
+    """What a python worker argv runs, as the spare needs it.
+
+    Attributes:
+        python: the interpreter (``argv[0]``).
+        flags: interpreter options before the script (``("-u",)``).
+        mode: ``"script"`` or ``"module"``.
+        target: the script path as given, or the module name.
+        args: the script's arguments.
+        path0: the cold worker's ``sys.path[0]``: the script's directory (symlinks of the
+            file resolved, as CPython does), or the working directory for ``-m``.
+    """
+
+    python: str
+    flags: tuple[str, ...]
+    mode: str
+    target: str
+    args: tuple[str, ...]
+    path0: str
+
+
+def parse_worker_cmd(cmd: list[str] | tuple[str, ...], cwd: str | None = None) -> WarmTarget | None:
+    """Return the WarmTarget of a ``python [-u] script|-m module args`` argv, or None.
+
+    None means the argv cannot be warmed (``--no-python``, unknown interpreter options).
+    """
+    cmd = list(cmd)
+    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+        return None
+    i = 1
+    while i < len(cmd) and cmd[i] in _PY_FLAGS:
+        i += 1
+    flags = tuple(cmd[1:i])
+    cwd = cwd or os.getcwd()
+    if i + 1 < len(cmd) and cmd[i] == "-m":
+        return WarmTarget(cmd[0], flags, "module", cmd[i + 1], tuple(cmd[i + 2 :]), cwd)
+    if i < len(cmd) and not cmd[i].startswith("-"):
+        path = os.path.join(cwd, cmd[i])
+        for _ in range(40):  # CPython resolves the script's own symlinks for sys.path[0]
+            if not os.path.islink(path):
+                break
+            path = os.path.join(os.path.dirname(path), os.readlink(path))
+        return WarmTarget(cmd[0], flags, "script", cmd[i], tuple(cmd[i + 1 :]), os.path.dirname(path))
+    return None
+
+
+def encode_handoff(target: WarmTarget, argv: list[str], env: Mapping[str, str]) -> bytes:
+    """Encode one handoff for ``_warm_child.py`` (NUL-separated, file-system encoding)."""
+    fields = [target.mode, target.target, str(len(target.args)), *target.args, str(len(argv)), *argv]
+    for key, value in env.items():
+        fields += [key, value]
+    return b"\0".join(os.fsencode(f) for f in fields)
+
+
+def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Return the part of a worker's environment known before its round: all but ROUND_KEYS."""
+    return {k: v for k, v in env.items() if k not in ROUND_KEYS}
+
+
+class _Spare:
+    def __init__(self, proc: subprocess.Popen, wfd: int, cmd: list[str], env: dict[str, str], target: WarmTarget):
+        self.proc, self.wfd, self.cmd, self.env, self.target = proc, wfd, cmd, env, target
+
+    def close_pipe(self) -> None:
+        if self.wfd >= 0:
+            os.close(self.wfd)
+            self.wfd = -1
+
+
+class WarmPool:
+    """One attempt's worth of warm spares, prepared while the current attempt runs.
+
+    Use from the agent's main thread (``PR_SET_PDEATHSIG`` follows the starting thread).
+
+    Args:
+        modules: modules each spare imports before it waits (e.g. ``("torch",)``).
+        reaper: watchdog that kills the spares if the agent is killed, or None.
+    """
+
+    def __init__(self, modules: tuple[str, ...] = DEFAULT_MODULES, reaper: "Reaper | None" = None) -> None:
+        self._modules = tuple(modules)
+        self._reaper = reaper
+        self._attempt: int | None = None
+        self._logs: "AttemptLogs | None" = None
+        self._spares: dict[int, _Spare] = {}
+        self._warned = False
+        self.enabled = True  # False once the workers turned out not to be warmable
+        self.used = 0  # spares handed a worker so far (for tests and logs)
+
+    def logs_for(self, attempt: int) -> "AttemptLogs | None":
+        """Return the log destinations the spares of ``attempt`` write to, or None if none are ready."""
+        return self._logs if self._attempt == attempt and self._spares else None
+
+    def prepare(
+        self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]]
+    ) -> int:
+        """Start one spare per local rank for ``attempt``, replacing any earlier ones.
+
+        Args:
+            attempt: the attempt number the spares will serve.
+            logs: that attempt's destinations (``RunLogDir.attempt``); spares write there.
+            cmds, envs: the current attempt's argv and environment per local rank; the
+                spares get ``spawn_env(env)``.
+
+        Returns:
+            The number of spares started (0 when the workers cannot be warmed).
+        """
+        self.discard()
+        self._attempt, self._logs = attempt, logs
+        for lr in sorted(cmds):
+            target = parse_worker_cmd(cmds[lr])
+            if target is None:
+                if not self._warned:
+                    log.warning("--warm-start does not apply to %s; workers start cold", cmds[lr][0])
+                    self._warned = True
+                self.enabled = False
+                break
+            env = spawn_env(envs[lr])
+            rfd, wfd = os.pipe()
+            try:
+                try:
+                    import fcntl
+
+                    fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
+                except (ImportError, OSError):
+                    pass
+                argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules)]
+                proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
+            except OSError as exc:
+                os.close(wfd)
+                log.warning("could not start a warm spare for local rank %d: %s", lr, exc)
+                break
+            finally:
+                os.close(rfd)
+            self._spares[lr] = _Spare(proc, wfd, list(cmds[lr]), env, target)
+        if self._reaper is not None and self._spares:
+            self._reaper.watch(s.proc.pid for s in self._spares.values())
+        if not self._spares and logs.dir != os.devnull:
+            shutil.rmtree(logs.dir, ignore_errors=True)  # made for spares that did not start
+        log.info("warm spares for attempt %d: %s", attempt, {lr: s.proc.pid for lr, s in self._spares.items()})
+        return len(self._spares)
+
+    def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen | None:
+        """Give the worker ``(cmd, env)`` to the spare of ``local_rank``; return its Popen, or None.
+
+        None (start the worker cold) when there is no spare, it died, or the worker's
+        argv or pre-round environment differs from what the spare was started with.
+        Usable as ``WorkerProcesses.start(adopt=...)``.
+        """
+        spare = self._spares.pop(local_rank, None)
+        if spare is None:
+            return None
+        if spare.cmd != list(cmd) or spare.env != spawn_env(env):
+            log.info("local rank %d: argv or environment changed since the spare started; starting cold", local_rank)
+            self._kill(spare)
+            return None
+        data = encode_handoff(spare.target, list(cmd), env)
+        try:
+            if spare.proc.poll() is not None:
+                raise BrokenPipeError(f"spare exited with {spare.proc.returncode}")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(spare.wfd, view) :]
+        except OSError as exc:
+            log.warning("local rank %d: warm spare %d unusable (%s); starting cold", local_rank, spare.proc.pid, exc)
+            self._kill(spare)
+            return None
+        spare.close_pipe()
+        self.used += 1
+        return spare.proc
+
+    def discard(self) -> None:
+        """Kill and reap every spare not handed a worker (call once the attempt started)."""
+        spares, self._spares = list(self._spares.values()), {}
+        for spare in spares:
+            self._kill(spare)
+        self._logs = self._attempt = None
+
+    def close(self) -> None:
+        """Kill the spares; if none was used, remove the log directory made for them. Idempotent."""
+        logs = self._logs if self._spares else None
+        self.discard()
+        if logs is not None and logs.dir != os.devnull:
+            shutil.rmtree(logs.dir, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        """Return the pids of the spares waiting for a worker."""
+        return [s.proc.pid for s in self._spares.values()]
+
+    def _kill(self, spare: _Spare) -> None:
+        spare.close_pipe()
+        _proctree.killpg([spare.proc.pid], 9)
+        try:
+            spare.proc.kill()
+        except OSError:
+            pass
+        spare.proc.wait()
+        if self._reaper is not None:
+            self._reaper.forget([spare.proc.pid])

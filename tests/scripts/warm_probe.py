@@ -1,0 +1,50 @@
+"""Worker that records what a cold and a warm-started interpreter must agree on.
+
+argv[1]: output directory; writes probe_<RANK>_<restart>.json. Rank 1 of restart 0
+then exits 3 once rank 0 wrote its probe (so the agent restarts the group, warm when --warm-start is on); with
+``--raise`` every worker raises ValueError after writing instead.
+"""
+import json
+import os
+import pickle
+import sys
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+
+main = sys.modules["__main__"]
+doc = {
+    "env": dict(os.environ),
+    "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "name": __name__,
+    "file": globals().get("__file__"),
+    "main_is_me": main.__dict__ is globals(),
+    "spec": repr(globals().get("__spec__")) if __spec__ is None else __spec__.name,
+    "package": globals().get("__package__"),
+    "loader": type(globals().get("__loader__")).__name__,
+    "cached": globals().get("__cached__"),
+    "globals": sorted(k for k in globals() if k.startswith("__")),
+    "pickle": pickle.loads(pickle.dumps(Point(7))).x,
+    "write_through": getattr(sys.stdout, "write_through", None),
+    "flags": list(sys.flags),
+    "pid": os.getpid(),
+    "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),  # the real exec'd argv
+}
+rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(os.path.join(sys.argv[1], f"probe_{rank}_{restart}.json"), "w") as f:
+    json.dump(doc, f)
+if "--raise" in sys.argv:
+    raise ValueError(f"probe failure on purpose (rank {rank})")
+if restart == "0" and rank == "1":
+    import time
+
+    deadline = time.monotonic() + 60  # let rank 0 write its probe before the group is stopped
+    while not os.path.exists(os.path.join(sys.argv[1], "probe_0_0.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(3)
