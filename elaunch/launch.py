@@ -16,6 +16,7 @@ import sys
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.config import LaunchConfig
+from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
 from elaunch.rendezvous.api import (
     RendezvousConfigError,
@@ -31,17 +32,6 @@ log = logging.getLogger("elaunch")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-
-
-def _setup_logging() -> None:
-    level = os.environ.get("LOGLEVEL", "WARNING").upper()
-    root = logging.getLogger("elaunch")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[elaunch] %(levelname)s %(message)s"))
-        root.addHandler(handler)
-        root.propagate = False
-    root.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
 
 
 class _SignalHandlers:
@@ -115,7 +105,7 @@ def launch(config: LaunchConfig) -> int:
     Never raises for an expected failure: rendezvous errors and worker failures are
     reported on stderr (one line, or the failure summary) and mapped to a status.
     """
-    _setup_logging()
+    setup_logging(os.environ)
     if config.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
         log.warning(
             "Setting OMP_NUM_THREADS=%d for each worker to avoid overloading the system; "

@@ -14,7 +14,6 @@ here: ``--nproc-per-node gpu|xpu|auto`` imports it lazily in ``elaunch.config``.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ import click
 from elaunch import __version__
 from elaunch.cli import params as P
 from elaunch.config import DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
+from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
 
 __all__ = ["main", "parse_config", "run_argv", "USAGE_ERROR"]
@@ -219,18 +219,6 @@ def _error(message: str) -> int:
     return USAGE_ERROR
 
 
-def _setup_logging(environ: Mapping[str, str]) -> None:
-    """Send the ``elaunch`` loggers to stderr at $LOGLEVEL (default WARNING), as torchrun."""
-    root = logging.getLogger("elaunch")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[elaunch] %(levelname)s %(message)s"))
-        root.addHandler(handler)
-        root.propagate = False
-    level = logging.getLevelName(str(environ.get("LOGLEVEL", "WARNING")).upper())
-    root.setLevel(level if isinstance(level, int) else logging.WARNING)
-
-
 def run_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     """Parse ``argv``, launch, and return the exit status (torchrun's ``main`` minus the exit).
 
@@ -239,7 +227,7 @@ def run_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> i
         one line ``elaunch: error: ...`` on stderr; otherwise ``launch``'s status.
     """
     env = os.environ if environ is None else environ
-    _setup_logging(env)
+    setup_logging(env)
     try:
         config = parse_config(argv, env)
     except click.exceptions.Exit as exc:
