@@ -144,3 +144,46 @@ def test_no_worker_outlives_agent_killed_with_sigkill(tmp_path):
     agent.kill()
     agent.communicate(timeout=30)
     wait_for(lambda: not any(alive(p) for p in pids), 30, what="workers and grandchildren to die")
+
+
+@pytest.mark.parametrize(
+    "flags, target",
+    [
+        (["-m"], "tests.scripts.env_dump"),
+        (["--run-path"], str(SCRIPTS / "env_dump.py")),
+    ],
+)
+def test_module_and_run_path_entrypoints(tmp_path, flags, target):
+    from tests.conftest import REPO
+
+    r = run("elaunch", *NPROC2, *flags, target, str(tmp_path), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    envs = load_envs(tmp_path)
+    assert sorted(envs) == ["env_0_0", "env_1_0"]
+    assert json.loads((tmp_path / "env_1_0.json").read_text())["argv"][1:] == [str(tmp_path)]
+
+
+def test_no_python_runs_any_executable(tmp_path):
+    r = run("elaunch", *NPROC2, "--no-python", "sh", "-c", 'echo "$RANK/$WORLD_SIZE" > "$0/rank_$RANK"', str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.read_text() for p in tmp_path.glob("rank_*")) == ["0/2\n", "1/2\n"]
+
+
+@pytest.mark.slow
+def test_two_static_nodes_form_a_gloo_world(tmp_path):
+    from tests.helpers import free_port, start
+
+    port = free_port()
+    agents = [
+        start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static", f"--node-rank={rank}",
+              "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1",
+              str(SCRIPTS / "gloo_crash.py"), "-1", str(tmp_path))
+        for rank in (0, 1)
+    ]
+    try:
+        results = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    assert [a.returncode for a in agents] == [0, 0], [err for _, err in results]
+    assert (tmp_path / "done_0").read_text() == "3"  # all_reduce of ranks 1 + 2 over two nodes
