@@ -92,6 +92,10 @@ def test_store_host_killed_every_other_agent_exits_and_says_why(net, agents, tmp
     for a in (a2, a3):
         err = a.stderr
         assert "rendezvous store" in err and f"{h1.addr}:" in err, a.describe()
+        # one line that says where the store lived and what probably happened
+        assert "the store lives in the agent whose address matches the endpoint" in err, a.describe()
+        # the workers print their own (prefixed) tracebacks; the agent prints none
+        assert not any(line.startswith("Traceback") for line in err.splitlines()), a.describe()
     no_processes_in(net.hosts)
 
 
