@@ -75,6 +75,8 @@ class EtcdConf:
         read_timeout: seconds per request including retries (conf ``read_timeout``, 60).
         prefix: key prefix (conf ``etcd_prefix``/``key_prefix``, ``/elaunch/rdzv``).
         ttl: seconds the state key lives after its last write (conf ``ttl``, 7200).
+        outage_timeout: seconds a running agent rides out an unreachable etcd before it
+            stops its workers and fails (conf ``outage_timeout``, 2 x read_timeout).
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -87,6 +89,7 @@ class EtcdConf:
     read_timeout: float = DEFAULT_READ_TIMEOUT
     prefix: str = DEFAULT_PREFIX
     ttl: int = DEFAULT_TTL
+    outage_timeout: float = 2 * DEFAULT_READ_TIMEOUT
 
     @property
     def endpoint_str(self) -> str:
@@ -152,6 +155,7 @@ def parse_conf(params: RendezvousParameters) -> EtcdConf:
     if bool(user) != bool(password):
         raise RendezvousConfigError("--rdzv-conf user/password: give both or neither")
     prefix = "/" + str(get("etcd_prefix") or get("key_prefix") or DEFAULT_PREFIX).strip("/")
+    read_timeout = params.get_as_seconds("read_timeout", DEFAULT_READ_TIMEOUT)
     ttl = params.get_as_int("ttl", DEFAULT_TTL)
     if ttl is None or ttl <= 0:
         raise RendezvousConfigError(f"--rdzv-conf ttl={get('ttl')}: must be > 0 seconds")
@@ -163,9 +167,10 @@ def parse_conf(params: RendezvousParameters) -> EtcdConf:
         ssl_cert_key=ssl_key,
         user=user,
         password=password,
-        read_timeout=params.get_as_seconds("read_timeout", DEFAULT_READ_TIMEOUT),
+        read_timeout=read_timeout,
         prefix=prefix,
         ttl=ttl,
+        outage_timeout=params.get_as_seconds("outage_timeout", 2 * read_timeout),
     )
 
 
@@ -323,12 +328,24 @@ class EtcdRoundStores(RoundStoreFactory):
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """The dynamic handler, tolerant of etcd outages while workers run.
 
-    ``num_nodes_waiting`` and ``num_nodes_lost`` return 0 (and log) when etcd cannot be reached, so
-    running workers are not killed because etcd is briefly away; the next
-    ``next_rendezvous`` still fails clearly if etcd stays down past ``read_timeout``.
+    ``num_nodes_waiting`` and ``num_nodes_lost`` return 0 (and log) when etcd cannot
+    be reached, so running workers are not killed because etcd is briefly away. An
+    agent cannot tell an etcd outage from its own partition (a cut link), so the
+    tolerance is bounded: once etcd has been unreachable for ``outage_timeout``
+    seconds the error is raised and the agent stops its workers and fails, rather
+    than hang while the others re-form without it.
+
+    Args:
+        outage_timeout: seconds of tolerated unreachability (conf ``outage_timeout``).
+        (others as DynamicRendezvousHandler)
     """
 
     _warned = False
+
+    def __init__(self, *args, outage_timeout: float = 2 * DEFAULT_READ_TIMEOUT, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._outage_timeout = outage_timeout
+        self._last_reached = time.monotonic()
 
     def num_nodes_waiting(self) -> int:
         return self._tolerant(super().num_nodes_waiting)
@@ -336,15 +353,27 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def num_nodes_lost(self) -> int:
         return self._tolerant(super().num_nodes_lost)
 
+    def next_rendezvous(self):
+        info = super().next_rendezvous()
+        self._last_reached = time.monotonic()
+        return info
+
     def _tolerant(self, count: Callable[[], int]) -> int:
         try:
             n = count()
         except RendezvousConnectionError as exc:
+            away = time.monotonic() - self._last_reached
+            if away >= self._outage_timeout:
+                raise RendezvousConnectionError(
+                    f"{exc} (unreachable for {away:.0f} s, more than outage_timeout={self._outage_timeout:g} s)"
+                ) from exc
             if not self._warned:
-                log.warning("etcd unreachable while workers run (%s); they keep running", exc)
+                log.warning("etcd unreachable while workers run (%s); they keep running for up to "
+                            "outage_timeout=%g s", exc, self._outage_timeout)
             self._warned = True
             return 0
         self._warned = False
+        self._last_reached = time.monotonic()
         return n
 
 
@@ -363,7 +392,7 @@ def build_handler(params: RendezvousParameters, conf: EtcdConf, kv: EtcdKV, name
     backend = backend or EtcdStateBackend(kv, f"{base}/state", name)
     stores = EtcdRoundStores(kv, base, local_addr, conf.read_timeout, on_close)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
-    return EtcdRendezvousHandler(node, settings, backend, stores)
+    return EtcdRendezvousHandler(node, settings, backend, stores, outage_timeout=conf.outage_timeout)
 
 
 def first_line(exc: BaseException) -> str:

@@ -99,22 +99,23 @@ def test_store_host_killed_every_other_agent_exits_and_says_why(net, agents, tmp
     no_processes_in(net.hosts)
 
 
-def test_link_cut_is_handled_as_the_hosts_death(net, agents, tmp_path):
+def test_link_cut_is_handled_as_the_hosts_death(net, agents, rdzv, tmp_path):
     h1, h2, h3 = net.add_host(), net.add_host(), net.add_host()
     extra = ("--max-restarts=3",)
-    ep = f"{h1.addr}:{STORE_PORT}"
-    a1, a2, a3 = (agents(h, agent_args(h, ep, nnodes="1:3", extra=extra, conf="read_timeout=10")
-                         + [LOOP, str(tmp_path)], f"a{h.index}")
+    ep = rdzv.endpoint(h1)
+    a1, a2, a3 = (agents(h, agent_args(h, ep, backend=rdzv.backend, nnodes="1:3", extra=extra,
+                                       conf="read_timeout=10") + [LOOP, str(tmp_path)], f"a{h.index}")
                   for h in (h1, h2, h3))
     wait_for(lambda: world_running(net.hosts, 6) and (tmp_path / "world_6").exists(), 120, interval=0.1,
              what="world of 6")
     h3.link_down()
-    # h1 and h2 detect h3's death (keep-alive 1 s x 3 attempts) and re-form a world of 4
+    # h1 and h2 detect h3's death (keep-alive 1 s x 3 attempts, or its lease) and re-form a world of 4
     wait_for(lambda: any(r[0] == 4 for r in _rounds(tmp_path)), 40, interval=0.2, what="world of 4 after the cut")
     (tmp_path / "stop").touch()
     codes = [a1.wait(60), a2.wait(60)]
     assert codes == [0, 0], "\n".join(x.describe() for x in (a1, a2, a3))
-    # the cut-off agent cannot reach the store: it gives up within its timeouts, killing its workers
+    # the cut-off agent cannot reach the rendezvous: it gives up within its timeouts
+    # (c10d: read_timeout; etcd: outage_timeout = 2 x read_timeout), killing its workers
     assert a3.wait(60) != 0, a3.describe()
     no_processes_in(net.hosts)
 
