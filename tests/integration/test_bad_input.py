@@ -36,6 +36,10 @@ CASES = [
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "::1:29400", SCRIPT], {}, "--rdzv-endpoint=::1:29400"),
     (["--rdzv-conf", "join_timeout", SCRIPT], {}, "--rdzv-conf=join_timeout"),
     (["--rdzv-conf", "=5", SCRIPT], {}, "--rdzv-conf==5"),
+    # values are checked by the backend, still before anything starts
+    (["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29411", "--rdzv-conf=join_timeout=abc", SCRIPT], {}, "join_timeout=abc"),
+    (["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29411", "--rdzv-conf=last_call_timeout=-3", SCRIPT], {}, "last_call_timeout=-3"),
+    (["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29411", "--rdzv-conf=is_host=maybe", SCRIPT], {}, "is_host=maybe"),
     (["--signals-to-handle", "SIGTERM,SIGNOPE", SCRIPT], {}, "SIGNOPE"),
     (["--no-python", "-m", "pkg.mod"], {}, "--no-python"),
     (["/definitely/not/here.py"], {}, "/definitely/not/here.py"),
