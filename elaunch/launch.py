@@ -99,6 +99,18 @@ def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
     )
 
 
+def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
+    """The torchrun flags given a non-default value that elaunch parses but does not act on."""
+    given = [
+        ("--numa-binding", config.numa_binding),
+        ("--duplicate-stdout-filters", ",".join(config.duplicate_stdout_filters)),
+        ("--duplicate-stderr-filters", ",".join(config.duplicate_stderr_filters)),
+        ("--logs-specs", config.logs_specs),
+        ("--event-log-handler", None if config.event_log_handler == "null" else config.event_log_handler),
+    ]
+    return [(flag, value) for flag, value in given if value]
+
+
 def launch(config: LaunchConfig) -> int:
     """Run the job a LaunchConfig describes on this node; return the exit status.
 
@@ -106,6 +118,9 @@ def launch(config: LaunchConfig) -> int:
     reported on stderr (one line, or the failure summary) and mapped to a status.
     """
     setup_logging(os.environ)
+    for flag, value in _unimplemented(config):
+        log.warning("%s=%s is accepted for torchrun compatibility but has no effect in this version of elaunch",
+                    flag, value)
     if config.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
         log.warning(
             "Setting OMP_NUM_THREADS=%d for each worker to avoid overloading the system; "

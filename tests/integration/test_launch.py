@@ -187,3 +187,11 @@ def test_two_static_nodes_form_a_gloo_world(tmp_path):
             kill_tree(a.pid)
     assert [a.returncode for a in agents] == [0, 0], [err for _, err in results]
     assert (tmp_path / "done_0").read_text() == "3"  # all_reduce of ranks 1 + 2 over two nodes
+
+
+def test_flags_elaunch_does_not_implement_yet_say_so(tmp_path):
+    r = run("elaunch", "--standalone", "--nproc-per-node=1", "--duplicate-stdout-filters=loss",
+            "--numa-binding=node", str(SCRIPTS / "env_dump.py"), str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "--duplicate-stdout-filters=loss is accepted for torchrun compatibility but has no effect" in r.stderr
+    assert "--numa-binding=node is accepted" in r.stderr
