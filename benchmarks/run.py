@@ -1,0 +1,160 @@
+"""``python -m benchmarks.run [--quick] [--repeat N] [--only launch,restart,...] [--out-dir DIR]``.
+
+Runs elaunch and torchrun side by side (interleaved, repeated), prints progress
+to stderr and writes ``benchmarks.md`` (the generated part only; hand-written
+text around it is kept) and ``benchmarks.png`` into ``--out-dir`` (default
+docs/), plus the raw results as JSON (``--json``, default
+``benchmarks/last_run.json``, or ``OUT_DIR/benchmarks.json`` with ``--out-dir``).
+
+A full run takes about 15 minutes on 2 cores; ``--quick`` about 2 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import rdzv_scale, report, scenarios
+from benchmarks.common import REPO, log_line
+
+SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "rdzv_scale", "overhead")
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        mem = 0.0
+    return f"{os.cpu_count()} CPUs ({model}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def _versions() -> tuple[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_v = version("torch")
+    except PackageNotFoundError:
+        torch_v = "?"
+    try:
+        elaunch_v = version("elaunch")
+    except PackageNotFoundError:
+        elaunch_v = "?"
+    return torch_v, elaunch_v
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes and short bounds (~2 min); proves the suite works")
+    p.add_argument("--repeat", type=int, default=None, help="repeats per launcher and scenario (default 3, quick 1)")
+    p.add_argument("--only", default=",".join(SCENARIOS),
+                   help=f"comma-separated scenarios (default all): {','.join(SCENARIOS)}")
+    p.add_argument("--out-dir", type=Path, default=None, help="where benchmarks.md/.png go (default docs/)")
+    p.add_argument("--json", type=Path, default=None, help="where the raw results go")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="keep worker stamps and launcher logs here (default: a temporary directory, removed)")
+    p.add_argument("--rdzv-sizes", default=None, help="comma-separated N of rdzv_scale (default 8,64,256,1024; quick 4,8)")
+    a = p.parse_args(argv)
+    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in SCENARIOS]
+    if bad:
+        p.error(f"--only={a.only}: unknown scenario(s) {', '.join(bad)} (known: {', '.join(SCENARIOS)})")
+    a.only = only
+    if a.repeat is None:
+        a.repeat = 1 if a.quick else 3
+    if a.repeat < 1:
+        p.error(f"--repeat={a.repeat}: must be >= 1")
+    try:
+        sizes = a.rdzv_sizes or ("4,8" if a.quick else "8,64,256,1024")
+        a.rdzv_sizes = tuple(int(x) for x in sizes.split(","))
+    except ValueError:
+        p.error(f"--rdzv-sizes={a.rdzv_sizes}: expected comma-separated integers")
+    if any(n < 1 for n in a.rdzv_sizes):
+        p.error(f"--rdzv-sizes={a.rdzv_sizes}: every N must be >= 1")
+    return a
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Run the selected scenarios; return the JSON-able result."""
+    t_start = time.monotonic()
+    torch_v, elaunch_v = _versions()
+    warm = scenarios.elaunch_warm_start_flag()
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="elaunch-bench-") as tmp:
+        if a.work_dir:
+            a.work_dir.mkdir(parents=True, exist_ok=True)
+            tmp = str(a.work_dir.resolve())
+        cfg = scenarios.BenchConfig(
+            quick=a.quick, repeat=a.repeat, tmp=Path(tmp), warm_start=warm,
+            scale_timeout=20.0 if a.quick else 30.0,
+            overhead_seconds=2.0 if a.quick else 15.0,
+            rdzv_sizes=a.rdzv_sizes, rdzv_timeout=30.0,
+        )
+        recs = []
+        for name in a.only:
+            log_line(f"scenario {name}")
+            if name == "launch":
+                recs.append(scenarios.bench_launch(cfg))
+            elif name == "restart":
+                recs.append(scenarios.bench_restart(cfg))
+                if warm:
+                    recs.append(scenarios.bench_restart(cfg, warm=True))
+                else:
+                    notes.append("restart, warm: skipped (elaunch --help lists no --warm-start)")
+            elif name == "elastic_start":
+                recs.append(scenarios.bench_elastic_start(cfg))
+            elif name == "scale_up":
+                recs.append(scenarios.bench_scale_up(cfg))
+            elif name == "scale_down":
+                recs.append(scenarios.bench_scale_down(cfg))
+            elif name == "rdzv_scale":
+                recs.append(rdzv_scale.bench_rdzv_scale(cfg.rdzv_sizes, cfg.rdzv_timeout))
+                if note := rdzv_scale.etcd_note():
+                    notes.append(f"rendezvous scale, {note}")
+            elif name == "overhead":
+                recs.append(scenarios.bench_overhead(cfg))
+    cmd = "python -m benchmarks.run" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:]))
+    return {
+        "meta": {
+            "command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": a.quick,
+            "repeat": a.repeat, "machine": _machine(), "python": platform.python_version(),
+            "torch": torch_v, "elaunch": elaunch_v, "warm_start": warm,
+            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?",
+            "duration_s": time.monotonic() - t_start, "scenarios_run": a.only, "notes": notes,
+        },
+        "scenarios": [{"name": r.scenario, "metrics": [m.to_json() for m in r.metrics.values()]} for r in recs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    result = run(a)
+    out_dir = a.out_dir or (REPO / "docs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = a.json or (out_dir / "benchmarks.json" if a.out_dir else REPO / "benchmarks" / "last_run.json")
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    png = out_dir / "benchmarks.png"
+    has_png = report.write_png(result, png)
+    if not has_png:
+        log_line("matplotlib is not installed: no PNG (pip install -e '.[bench]')")
+    report.write_markdown(result, out_dir / "benchmarks.md", png.name if has_png else None)
+    print(report.markdown_table(result))
+    log_line(f"wrote {out_dir / 'benchmarks.md'}, {json_path}" + (f", {png}" if has_png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Worker scripts the benchmark launches (run as files, not imported)."""

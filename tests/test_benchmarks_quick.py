@@ -1,0 +1,78 @@
+"""The benchmark suite in --quick mode: it runs end to end and reports numbers for both launchers.
+
+Structure only: no timing is asserted (the machine is shared and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.helpers import kill_tree, launcher_env
+
+pytestmark = pytest.mark.slow
+
+LAUNCHERS = ("elaunch", "torchrun")
+#: (metric key, launchers that must have produced a number); torchrun never completes a scale-up.
+REQUIRED = [
+    ("launch.wall", LAUNCHERS), ("launch.cpu", LAUNCHERS), ("launch.rss", LAUNCHERS),
+    ("restart.respawned", LAUNCHERS), ("restart.ready", LAUNCHERS),
+    ("elastic_start.running", LAUNCHERS),
+    ("scale_up.running", ("elaunch",)), ("scale_up.ready", ("elaunch",)),
+    ("scale_down.running", LAUNCHERS), ("scale_down.ready", LAUNCHERS),
+    ("rdzv_scale.seconds_2", LAUNCHERS), ("rdzv_scale.ops_2", LAUNCHERS),
+    ("rdzv_scale.seconds_4", LAUNCHERS), ("rdzv_scale.ops_4", LAUNCHERS),
+    ("overhead.cpu_per_min", LAUNCHERS), ("overhead.rss", LAUNCHERS),
+]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--quick", "--rdzv-sizes=2,4",
+                             f"--out-dir={out}"], cwd=REPO, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"benchmarks.run --quick timed out\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    return out, json.loads((out / "benchmarks.json").read_text()), stdout, stderr
+
+
+def test_every_scenario_produced_numbers_for_both_launchers(quick_run):
+    _out, result, _stdout, stderr = quick_run
+    metrics = {m["key"]: m for s in result["scenarios"] for m in s["metrics"]}
+    for key, needed in REQUIRED:
+        assert key in metrics, f"{key} missing; have {sorted(metrics)}"
+        m = metrics[key]
+        for which in LAUNCHERS:
+            assert m["values"][which], f"{key}: no repeat recorded for {which}"
+            if which in needed:
+                assert isinstance(m["median"][which], float), f"{key}: no number for {which}: {m['notes'][which]}\n{stderr[-3000:]}"
+            else:  # it may fail to complete, but then it must say so
+                assert isinstance(m["median"][which], float) or m["notes"][which], key
+        if all(isinstance(m["median"][w], float) and m["median"][w] > 0 for w in LAUNCHERS):
+            assert m["ratio"] == pytest.approx(m["median"]["elaunch"] / m["median"]["torchrun"])
+    if result["meta"]["warm_start"]:
+        assert "restart_warm.ready" in metrics
+    assert result["meta"]["torch"] and result["meta"]["elaunch"] and result["meta"]["machine"]
+
+
+def test_markdown_table_and_plot_are_written(quick_run):
+    out, result, stdout, _stderr = quick_run
+    text = (out / "benchmarks.md").read_text()
+    assert "<!-- BEGIN GENERATED -->" in text and "<!-- END GENERATED -->" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| scenario")]
+    labels = [m["label"] for s in result["scenarios"] for m in s["metrics"]]
+    assert len(rows) == len(labels)
+    assert all(any(label in row for row in rows) for label in labels)
+    png = (out / "benchmarks.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert "| scenario | elaunch | torchrun |" in stdout
