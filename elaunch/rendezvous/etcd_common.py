@@ -1,9 +1,9 @@
-"""What the etcd v2 and v3 rendezvous backends share: conf keys, the state backend, round stores.
+"""What the etcd v2 and v3 clients share: conf keys, the KV interface, endpoint fail-over.
 
 Stdlib only (the clients are imported by ``etcd_v2`` / ``etcd_v3``). A backend
-module implements :class:`EtcdKV` (get / compare-and-set / wait on one key) and
-gets from here the dynamic-rendezvous :class:`EtcdStateBackend`, the per-round
-:class:`EtcdRoundStores` and :func:`build_handler`.
+module implements :class:`EtcdKV` (get / compare-and-set / wait on one key), usually
+through :class:`FailoverKV`; ``etcd_rendezvous`` builds the dynamic rendezvous on it
+(:class:`EtcdStateBackend`, :class:`EtcdRoundStores`, :func:`build_handler`).
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,
 JSON), ``nodes/{node_id}`` (v3 presence keys on leases), ``round/{n}/master_endpoint``
@@ -15,23 +15,18 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from elaunch.rendezvous.api import (
-    NodeInfo,
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousParameters,
 )
-from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
-from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
-from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.standalone import free_port
+from elaunch.rendezvous.dynamic.backend import Token
 
 log = logging.getLogger(__name__)
 
@@ -202,197 +197,6 @@ class EtcdKV(abc.ABC):
 
     def close(self) -> None:
         """Release the client (leases, threads)."""
-
-
-class EtcdStateBackend(RendezvousBackend):
-    """The dynamic rendezvous state in one etcd key, written with compare-and-set on its revision.
-
-    Mirrors torch's ``EtcdRendezvousBackend`` (token = modified index / mod_revision).
-
-    Args:
-        kv: the client.
-        key: the state key.
-        name: the registry name (``etcd``, ``etcd-v2``, ``etcd-v3``).
-    """
-
-    def __init__(self, kv: EtcdKV, key: str, name: str) -> None:
-        self.kv = kv
-        self.key = key
-        self._name = name
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def get_state(self) -> tuple[bytes | None, Token]:
-        return self.kv.get(self.key)
-
-    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
-        new_token = self.kv.cas(self.key, state, token)
-        if new_token is not None:
-            return state, new_token, True
-        data, current = self.get_state()
-        if data is None:
-            return None
-        return data, current, False
-
-    def wait_for_change(self, token: Token | None, timeout: float) -> None:
-        """Block until the state changes after ``token`` or ``timeout`` seconds pass (a watch)."""
-        self.kv.wait(self.key, token, timeout)
-
-
-class EtcdRoundStores(RoundStoreFactory):
-    """Per round: worker rank 0 hosts the workers' store on a fresh port of the rank-0 node.
-
-    The rank-0 agent picks a free port on its ``local_addr`` and publishes
-    ``addr:port`` in ``{base}/round/{n}/master_endpoint``; the others read it. No
-    agent imports torch (``use_agent_store=False``, as torchrun's etcd handler).
-
-    Args:
-        kv: the client.
-        base: ``{prefix}/{run_id}``.
-        local_addr: this node's address.
-        read_timeout: seconds to wait for rank 0's publication.
-    """
-
-    def __init__(self, kv: EtcdKV, base: str, local_addr: str, read_timeout: float,
-                 on_close: tuple[Callable[[], None], ...] = ()) -> None:
-        self.kv = kv
-        self._on_close = on_close
-        self._base = base
-        self._local_addr = local_addr
-        self._read_timeout = read_timeout
-
-    def _key(self, round: int, name: str) -> str:
-        return f"{self._base}/round/{round}/{name}"
-
-    def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
-        """Publish (rank 0) or read (others, waiting up to ``read_timeout`` s) the round's MASTER_ADDR:PORT.
-
-        Raises:
-            RendezvousConnectionError: etcd is unreachable, or nothing was published in time.
-        """
-        key = self._key(round, "master_endpoint")
-        if rank == 0:
-            port = free_port(self._local_addr)
-            value = f"{self._local_addr}:{port}"
-            self.kv.cas(key, value.encode(), None)
-        deadline = time.monotonic() + self._read_timeout
-        while True:
-            data, token = self.kv.get(key)
-            if data is not None:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RendezvousConnectionError(
-                    f"etcd at {self.kv.endpoint}: round {round}'s master address ({key}) was not "
-                    f"published within read_timeout={self._read_timeout:g} s")
-            self.kv.wait(key, token, min(left, 1.0))
-        addr, _, port_s = data.decode().rpartition(":")
-        return RoundStores(addr, int(port_s), False, None)
-
-    def exit_barrier(self, round: int, rank: int, world_size: int, timeout: float) -> None:
-        """Count this node in ``round/{n}/exit_barrier`` and wait up to ``timeout`` s for all.
-
-        Raises:
-            RendezvousConnectionError: etcd is unreachable.
-        """
-        key = self._key(round, "exit_barrier")
-        deadline = time.monotonic() + timeout
-        while True:  # increment with compare-and-set
-            data, token = self.kv.get(key)
-            count = int(data or b"0") + 1
-            if self.kv.cas(key, str(count).encode(), token) is not None:
-                break
-        while count < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("exit barrier: %d of %d nodes of round %d arrived within %g s; leaving",
-                            count, world_size, round, timeout)
-                return
-            data, token = self.kv.get(key)
-            count = int(data or b"0")
-            if count < world_size:
-                self.kv.wait(key, token, min(left, 1.0))
-
-    def close(self) -> None:
-        """Run the ``on_close`` callbacks (e.g. revoke the node's lease), then close the client."""
-        for fn in self._on_close:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - shutdown is best effort
-                log.debug("etcd round stores: close callback failed: %s", exc)
-        self.kv.close()
-
-
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """The dynamic handler, tolerant of etcd outages while workers run.
-
-    ``num_nodes_waiting`` and ``num_nodes_lost`` return 0 (and log) when etcd cannot
-    be reached, so running workers are not killed because etcd is briefly away. An
-    agent cannot tell an etcd outage from its own partition (a cut link), so the
-    tolerance is bounded: once etcd has been unreachable for ``outage_timeout``
-    seconds the error is raised and the agent stops its workers and fails, rather
-    than hang while the others re-form without it.
-
-    Args:
-        outage_timeout: seconds of tolerated unreachability (conf ``outage_timeout``).
-        (others as DynamicRendezvousHandler)
-    """
-
-    _warned = False
-
-    def __init__(self, *args, outage_timeout: float = 2 * DEFAULT_READ_TIMEOUT, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._outage_timeout = outage_timeout
-        self._last_reached = time.monotonic()
-
-    def num_nodes_waiting(self) -> int:
-        return self._tolerant(super().num_nodes_waiting)
-
-    def num_nodes_lost(self) -> int:
-        return self._tolerant(super().num_nodes_lost)
-
-    def next_rendezvous(self):
-        info = super().next_rendezvous()
-        self._last_reached = time.monotonic()
-        return info
-
-    def _tolerant(self, count: Callable[[], int]) -> int:
-        try:
-            n = count()
-        except RendezvousConnectionError as exc:
-            away = time.monotonic() - self._last_reached
-            if away >= self._outage_timeout:
-                raise RendezvousConnectionError(
-                    f"{exc} (unreachable for {away:.0f} s, more than outage_timeout={self._outage_timeout:g} s)"
-                ) from exc
-            if not self._warned:
-                log.warning("etcd unreachable while workers run (%s); they keep running for up to "
-                            "outage_timeout=%g s", exc, self._outage_timeout)
-            self._warned = True
-            return 0
-        self._warned = False
-        self._last_reached = time.monotonic()
-        return n
-
-
-def build_handler(params: RendezvousParameters, conf: EtcdConf, kv: EtcdKV, name: str,
-                  backend: EtcdStateBackend | None = None,
-                  settings: RendezvousSettings | None = None,
-                  on_close: tuple[Callable[[], None], ...] = ()) -> EtcdRendezvousHandler:
-    """Assemble the handler of an etcd backend from its client.
-
-    Raises:
-        RendezvousConfigError: a bad conf value.
-    """
-    base = f"{conf.prefix}/{params.run_id}"
-    settings = settings or RendezvousSettings.from_params(params)
-    local_addr = params.local_addr or socket.getfqdn()
-    backend = backend or EtcdStateBackend(kv, f"{base}/state", name)
-    stores = EtcdRoundStores(kv, base, local_addr, conf.read_timeout, on_close)
-    node = NodeInfo(local_addr, params.role, params.local_world_size)
-    return EtcdRendezvousHandler(node, settings, backend, stores, outage_timeout=conf.outage_timeout)
 
 
 def first_line(exc: BaseException) -> str:

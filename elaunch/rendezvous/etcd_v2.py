@@ -24,12 +24,11 @@ from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.etcd_common import (
     EtcdConf,
-    EtcdRendezvousHandler,
     FailoverKV,
-    build_handler,
     import_client,
     parse_conf,
 )
+from elaunch.rendezvous.etcd_rendezvous import EtcdRendezvousHandler, build_handler
 
 
 class EtcdV2KV(FailoverKV):

@@ -34,13 +34,11 @@ from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.rendezvous.etcd_common import (
     EtcdConf,
-    EtcdRendezvousHandler,
-    EtcdStateBackend,
     FailoverKV,
-    build_handler,
     import_client,
     parse_conf,
 )
+from elaunch.rendezvous.etcd_rendezvous import EtcdRendezvousHandler, EtcdStateBackend, build_handler
 
 log = logging.getLogger(__name__)
 

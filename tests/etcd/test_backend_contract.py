@@ -9,7 +9,8 @@ import time
 import pytest
 
 from elaunch.rendezvous.dynamic.state import RendezvousState
-from elaunch.rendezvous.etcd_common import EtcdStateBackend, parse_conf
+from elaunch.rendezvous.etcd_common import parse_conf
+from elaunch.rendezvous.etcd_rendezvous import EtcdStateBackend
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 
