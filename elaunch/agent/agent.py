@@ -8,18 +8,18 @@ decisions live in ``decide.py``; this module observes and applies them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import time
 from collections.abc import Mapping
-from string import Template
 
 from elaunch.agent.decide import Step, Verdict, judge, next_step
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
-from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, start_reaper
+from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, line_prefix, start_reaper
 from elaunch.procs.warm import WarmPool
 from elaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -164,7 +164,6 @@ class ElasticAgent:
                     self._spec.max_restarts,
                 )
 
-
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec
         workers = assign_ranks(info.nodes, info.rank, info.world_size, spec.role, spec.local_world_size)
@@ -179,9 +178,7 @@ class ElasticAgent:
         )
         opts = self._env_opts
         if opts.use_agent_store != info.use_agent_store:
-            opts = EnvOptions(
-                opts.run_id, opts.max_restarts, info.use_agent_store, opts.omp_num_threads, opts.virtual_local_rank
-            )
+            opts = dataclasses.replace(opts, use_agent_store=info.use_agent_store)
         warm = self._warm
         logs = warm.logs_for(attempt) if warm is not None else None
         if logs is None:
@@ -191,7 +188,7 @@ class ElasticAgent:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
             envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
-            prefixes[lr] = self._line_prefix(w)
+            prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
         adopt = warm.handoff if warm is not None else None
         self._procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
         self._attempt_logs = logs
@@ -218,14 +215,6 @@ class ElasticAgent:
             group.master_port,
         )
         return group
-
-    def _line_prefix(self, worker) -> str:
-        template = self._logs.line_prefix_template
-        if template:
-            return Template(template).safe_substitute(
-                role_name=self._spec.role, rank=worker.global_rank, local_rank=worker.local_rank
-            )
-        return f"[{self._spec.role}{worker.local_rank}]:"
 
     def _monitor(self) -> Verdict:
         """Wait until the group is no longer RUNNING; child exits wake this at once."""
