@@ -240,12 +240,18 @@ class ElasticAgent:
         from elaunch.errors import read_error_file, tail_file  # only on failure: keeps start-up light
 
         out: dict[int, ProcessFailure] = {}
+        final = self._procs.poll()  # after the stop: what the survivors of the check became
         for w in group.workers:
             code = codes.get(w.local_rank)
-            if code is None or code == 0:
-                continue
             error_file = self._attempt_logs.error_file[w.local_rank]
             data = read_error_file(error_file)
+            if code is None or code == 0:
+                # Still running when the failure was seen. If it wrote an error file it
+                # failed on its own (often first: a peer then crashed on its closed
+                # socket before this one finished exiting), so it is reported too.
+                if not data or data.get("unreadable"):
+                    continue
+                code = final.get(w.local_rank) or 1
             stderr_path = self._attempt_logs.stderr.get(w.local_rank)
             out[w.global_rank] = ProcessFailure(
                 local_rank=w.local_rank,

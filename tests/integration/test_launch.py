@@ -195,3 +195,13 @@ def test_flags_elaunch_does_not_implement_yet_say_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "--duplicate-stdout-filters=loss is accepted for torchrun compatibility but has no effect" in r.stderr
     assert "--numa-binding=node is accepted" in r.stderr
+
+
+def test_root_cause_is_the_worker_that_failed_first_even_if_it_exited_last(tmp_path):
+    r = run("elaunch", *NPROC2, "--shutdown-timeout=2", str(SCRIPTS / "late_root_cause.py"))
+    assert r.returncode == 1
+    summary = r.stderr[r.stderr.index("late_root_cause.py FAILED"):]
+    root, others = summary.split("Other Failures:")
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), summary
+    assert "ValueError: the real root cause" in root
+    assert "SIGSEGV" in others and re.search(r"rank\s*:\s*0 \(local_rank: 0\)", others), summary
