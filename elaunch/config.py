@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from elaunch.badinput import ConfigError
+from elaunch.entrypoint import build_cmd, warm_start_modules
+
+__all__ = ["ConfigError", "LaunchConfig", "build_cmd", "build_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +45,6 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _HOST_RE = re.compile(r"^[\w.-]+$")
 _IPV6_RE = re.compile(r"^[0-9A-Za-z:.%_-]+$")
 
-
-class ConfigError(ValueError):
-    """Bad user input: the message names the flag (or env var) and the bad value.
-
-    The CLI prints it as one line ``elaunch: error: <message>`` and exits 2.
-    """
 
 
 def _std_none() -> Any:
@@ -238,55 +235,6 @@ def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint")
         parse_endpoint(item, label)
 
 
-def build_cmd(
-    script: str,
-    script_args: tuple[str, ...] | list[str] = (),
-    *,
-    module: bool = False,
-    no_python: bool = False,
-    run_path: bool = False,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[str, ...]:
-    """Build the worker argv as torchrun does (``config_from_args``).
-
-    * python: ``($PYTHON_EXEC or sys.executable, "-u", ["-m",] script, *args)``;
-    * ``--no-python``: ``(script, *args)``;
-    * ``--run-path``: ``(python, "-u", "-m", "elaunch.runpath", script, *args)``.
-      torchrun runs the script with ``runpy.run_path`` inside its own worker
-      process; elaunch workers are separate processes, so the tiny
-      ``elaunch.runpath`` module does the same ``run_path`` there. It takes
-      precedence over ``--no-python`` and ``-m``, as in torchrun.
-
-    Raises:
-        ConfigError: ``--no-python`` with ``-m``; a script file that does not exist
-            (not checked with ``-m``); with ``--no-python``, a program that is neither
-            an existing path nor found on ``PATH``.
-    """
-    env = os.environ if environ is None else environ
-    python = env.get("PYTHON_EXEC") or sys.executable
-    args = tuple(script_args)
-    if run_path:
-        _require_file(script)
-        return (python, "-u", "-m", "elaunch.runpath", script, *args)
-    if no_python:
-        if module:
-            raise ConfigError("--no-python and -m/--module cannot be used together")
-        if os.sep not in script and not shutil.which(script, path=env.get("PATH", os.defpath)):
-            raise ConfigError(f"{script}: program not found on PATH")
-        if os.sep in script and not os.path.exists(script):
-            raise ConfigError(f"{script}: no such file")
-        return (script, *args)
-    if module:
-        return (python, "-u", "-m", script, *args)
-    _require_file(script)
-    return (python, "-u", script, *args)
-
-
-def _require_file(script: str) -> None:
-    if not os.path.isfile(script):
-        raise ConfigError(f"{script}: no such file (training script)")
-
-
 def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if raw is None or raw.strip() == "":
@@ -298,23 +246,6 @@ def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     if not value >= 0:
         raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}: must be >= 0 seconds")
     return value
-
-
-_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-
-
-def _warm_start_modules(on: Any, modules: Any, no_python: bool, notes: list[str]) -> tuple[str, ...] | None:
-    """Resolve ``--warm-start``/``--warm-start-modules``; None when warm start is off or inapplicable."""
-    if not on:
-        return None
-    names = tuple(modules) if modules else ("torch",)
-    for name in names:
-        if not _MODULE_RE.match(name):
-            raise ConfigError(f"--warm-start-modules={','.join(names)}: {name!r} is not a module name")
-    if no_python:
-        notes.append("--warm-start does not apply to --no-python workers; ignored")
-        return None
-    return names
 
 
 def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -413,7 +344,7 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
         environ=env,
     )
     no_python = bool(get("no_python")) and not get("run_path")
-    warm = _warm_start_modules(get("warm_start"), get("warm_start_modules"), no_python, notes)
+    warm = warm_start_modules(get("warm_start"), get("warm_start_modules"), no_python, notes)
     redirects = get("redirects")
     tee = get("tee")
     for note in notes:

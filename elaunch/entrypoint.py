@@ -1,0 +1,95 @@
+"""The worker's command: what each worker process runs, checked before anything starts.
+
+Mirrors the argv part of ``torch.distributed.run.config_from_args`` (python
+``-u``, ``-m``, ``--no-python``, ``--run-path``) plus elaunch's ``--warm-start``
+module list. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from elaunch.badinput import ConfigError
+
+
+def build_cmd(
+    script: str,
+    script_args: tuple[str, ...] | list[str] = (),
+    *,
+    module: bool = False,
+    no_python: bool = False,
+    run_path: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
+    """Build the worker argv as torchrun does (``config_from_args``).
+
+    * python: ``($PYTHON_EXEC or sys.executable, "-u", ["-m",] script, *args)``;
+    * ``--no-python``: ``(script, *args)``;
+    * ``--run-path``: ``(python, "-u", "-m", "elaunch.runpath", script, *args)``.
+      torchrun runs the script with ``runpy.run_path`` inside its own worker
+      process; elaunch workers are separate processes, so the tiny
+      ``elaunch.runpath`` module does the same ``run_path`` there. It takes
+      precedence over ``--no-python`` and ``-m``, as in torchrun.
+
+    Raises:
+        ConfigError: ``--no-python`` with ``-m``; a script file that does not exist
+            (not checked with ``-m``); with ``--no-python``, a program that is neither
+            an existing path nor found on ``PATH``.
+    """
+    env = os.environ if environ is None else environ
+    python = env.get("PYTHON_EXEC") or sys.executable
+    args = tuple(script_args)
+    if run_path:
+        _require_file(script)
+        return (python, "-u", "-m", "elaunch.runpath", script, *args)
+    if no_python:
+        if module:
+            raise ConfigError("--no-python and -m/--module cannot be used together")
+        if os.sep not in script and not shutil.which(script, path=env.get("PATH", os.defpath)):
+            raise ConfigError(f"{script}: program not found on PATH")
+        if os.sep in script and not os.path.exists(script):
+            raise ConfigError(f"{script}: no such file")
+        return (script, *args)
+    if module:
+        return (python, "-u", "-m", script, *args)
+    _require_file(script)
+    return (python, "-u", script, *args)
+
+
+def _require_file(script: str) -> None:
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file (training script)")
+
+
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def warm_start_modules(on: Any, modules: Any, no_python: bool, notes: list[str]) -> tuple[str, ...] | None:
+    """Resolve ``--warm-start``/``--warm-start-modules`` (elaunch flags, no torchrun equivalent).
+
+    Args:
+        on: the ``--warm-start`` flag; modules: module names or empty for ``("torch",)``;
+        no_python: ``--no-python`` given (warm start then does not apply);
+        notes: receives a line to log when the flag is ignored.
+
+    Returns:
+        The module names to pre-import, or None when warm start is off or inapplicable.
+
+    Raises:
+        ConfigError: a name that is not a dotted Python module name.
+    """
+    if not on:
+        return None
+    names = tuple(modules) if modules else ("torch",)
+    for name in names:
+        if not _MODULE_RE.match(name):
+            raise ConfigError(f"--warm-start-modules={','.join(names)}: {name!r} is not a module name")
+    if no_python:
+        notes.append("--warm-start does not apply to --no-python workers; ignored")
+        return None
+    return names
