@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import socket
 
+from elaunch.rendezvous.local import LocalRendezvous
 from elaunch.rendezvous.api import (
     NodeInfo,
-    RendezvousClosedError,
     RendezvousConnectionError,
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -42,7 +41,7 @@ def free_port(host: str = LOOPBACK, avoid: int | None = None) -> int:
     return port
 
 
-class StandaloneRendezvous(RendezvousHandler):
+class StandaloneRendezvous(LocalRendezvous):
     """Rendezvous of one node with itself.
 
     Args:
@@ -51,17 +50,9 @@ class StandaloneRendezvous(RendezvousHandler):
     """
 
     def __init__(self, run_id: str, node: NodeInfo) -> None:
-        self._run_id = run_id
+        super().__init__("standalone", run_id)
         self._node = node
-        self._round = -1
         self._port: int | None = None
-        self._closed = False
-
-    def get_backend(self) -> str:
-        return "standalone"
-
-    def get_run_id(self) -> str:
-        return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Return round ``n`` (the n-th call, 0-based): rank 0 of 1, a fresh loopback MASTER_PORT.
@@ -70,23 +61,13 @@ class StandaloneRendezvous(RendezvousHandler):
             RendezvousClosedError: ``set_closed`` was called.
             RendezvousConnectionError: no loopback port could be bound.
         """
-        if self._closed:
-            raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+        round_ = self._next_round()
         self._port = free_port(LOOPBACK, avoid=self._port)
-        self._round += 1
         return RendezvousInfo(
-            round=self._round, rank=0, world_size=1, master_addr=LOOPBACK, master_port=self._port,
+            round=round_, rank=0, world_size=1, master_addr=LOOPBACK, master_port=self._port,
             use_agent_store=False, nodes=(self._node,),
         )
 
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
 
 
 def create_handler(params: RendezvousParameters) -> StandaloneRendezvous:

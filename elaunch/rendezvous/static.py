@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import re
 
+from elaunch.rendezvous.local import LocalRendezvous
 from elaunch.rendezvous.api import (
-    RendezvousClosedError,
     RendezvousConfigError,
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -52,7 +51,7 @@ def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | 
     return host, port
 
 
-class StaticRendezvous(RendezvousHandler):
+class StaticRendezvous(LocalRendezvous):
     """Every node knows its rank and the world size up front.
 
     Args:
@@ -67,15 +66,7 @@ class StaticRendezvous(RendezvousHandler):
         self.master_port = master_port
         self.rank = rank
         self.world_size = world_size
-        self._run_id = run_id
-        self._round = -1
-        self._closed = False
-
-    def get_backend(self) -> str:
-        return "static"
-
-    def get_run_id(self) -> str:
-        return self._run_id
+        super().__init__("static", run_id)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Return the next round (the n-th call is round n-1) at once: nothing to wait for.
@@ -83,22 +74,11 @@ class StaticRendezvous(RendezvousHandler):
         Raises:
             RendezvousClosedError: ``set_closed`` was called on this handler.
         """
-        if self._closed:
-            raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
-        self._round += 1
         return RendezvousInfo(
-            round=self._round, rank=self.rank, world_size=self.world_size,
+            round=self._next_round(), rank=self.rank, world_size=self.world_size,
             master_addr=self.master_addr, master_port=self.master_port, use_agent_store=False, nodes=(),
         )
 
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
 
 
 def create_handler(params: RendezvousParameters) -> StaticRendezvous:
