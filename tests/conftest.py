@@ -46,21 +46,50 @@ def _descendants() -> dict[int, str]:
     return out
 
 
+#: Processes a test registered with ``track_processes``: checked like descendants,
+#: since ones reparented to init (orphans) are no longer this process's descendants.
+_TRACKED: list[psutil.Process] = []
+
+
+def track_processes(pids) -> None:
+    """Have the leftover check cover ``pids`` too (e.g. grandchildren that may be orphaned)."""
+    for pid in pids:
+        try:
+            _TRACKED.append(psutil.Process(pid))  # kill()/is_running() re-check identity (create time)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _tracked_alive() -> dict[int, str]:
+    out = {}
+    for p in _TRACKED:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:  # PID 1 here may not reap zombies
+                out[p.pid] = " ".join(p.cmdline())[:200]
+        except psutil.Error:
+            pass
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     before = set(_descendants())
     yield
     def leftovers():
-        return {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        found = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        found.update(_tracked_alive())
+        return found
     deadline = time.monotonic() + 10.0
     left = leftovers()
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         left = leftovers()
+    tracked = {p.pid: p for p in _TRACKED}
+    _TRACKED.clear()
     if left:
         for pid in left:
             try:
-                psutil.Process(pid).kill()
+                (tracked.get(pid) or psutil.Process(pid)).kill()
             except psutil.Error:
                 pass
         pytest.fail(f"test left processes behind: {left}")

@@ -10,8 +10,9 @@ import sys
 import psutil
 import pytest
 
+
 from elaunch.procs import start_reaper
-from tests.conftest import SCRIPTS, wait_for
+from tests.conftest import SCRIPTS, track_processes, wait_for
 
 
 def _gone(pid: int) -> bool:
@@ -21,28 +22,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-_SEEN: list[psutil.Process] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_seen_on_failure():
-    """Orphans reparented to init escape conftest's check: kill any left if a test failed."""
-    yield
-    while _SEEN:
-        proc = _SEEN.pop()
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-
-
 def _read_pids(path) -> list[int]:
     pids = [int(x) for x in open(path).read().split()]
-    for pid in pids:
-        try:
-            _SEEN.append(psutil.Process(pid))  # kill() re-checks identity (create time)
-        except psutil.Error:
-            pass
+    track_processes(pids)  # orphans escape the descendant check: the shared fixture checks these too
     return pids
 
 

@@ -9,8 +9,9 @@ import sys
 import psutil
 import pytest
 
+
 from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, start_reaper
-from tests.conftest import SCRIPTS, wait_for
+from tests.conftest import SCRIPTS, track_processes, wait_for
 
 WORKER = str(SCRIPTS / "procs_worker.py")
 
@@ -40,29 +41,10 @@ def _all_exited(procs):
     return codes if all(c is not None for c in codes.values()) else None
 
 
-_SEEN: list[psutil.Process] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_seen_on_failure():
-    """Grandchildren orphaned to init escape conftest's check: kill any left if a test failed."""
-    yield
-    while _SEEN:
-        proc = _SEEN.pop()
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-
-
 def _pids(path) -> list[int]:
     wait_for(lambda: os.path.exists(path), 20, what=f"pidfile {path}")
     pids = [int(x) for x in open(path).read().split()]
-    for pid in pids:
-        try:
-            _SEEN.append(psutil.Process(pid))  # kill() re-checks identity (create time)
-        except psutil.Error:
-            pass
+    track_processes(pids)  # orphans escape the descendant check: the shared fixture checks these too
     return pids
 
 
