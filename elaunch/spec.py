@@ -137,6 +137,9 @@ class ProcessFailure:
         error_file: path of its TORCHELASTIC_ERROR_FILE.
         error_data: the parsed error file (torch's JSON shape) or None if it wrote none.
         stderr_tail: the last lines of its stderr log, when redirected, else "".
+        error_time: when the error file was written (its mtime, seconds since the
+            epoch, sub-second precision), or None. The file's own timestamp has
+            whole seconds only, too coarse to order two ranks failing together.
     """
 
     local_rank: int
@@ -148,6 +151,7 @@ class ProcessFailure:
     error_file: str = ""
     error_data: dict | None = None
     stderr_tail: str = ""
+    error_time: float | None = None
 
     @property
     def signal_name(self) -> str:

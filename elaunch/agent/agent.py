@@ -263,6 +263,7 @@ class ElasticAgent:
                 error_file=error_file,
                 error_data=data,
                 stderr_tail=tail_file(stderr_path) if data is None or data.get("unreadable") else "",
+                error_time=_mtime(error_file) if data else None,
             )
         return out
 
@@ -275,3 +276,11 @@ class ElasticAgent:
             return
         self._procs.stop(sig, self._shutdown_timeout if grace is None else grace)
         self._procs.close()
+
+
+def _mtime(path: str) -> float | None:
+    """Return ``path``'s modification time in seconds (float), None if it is gone."""
+    try:
+        return os.stat(path).st_mtime_ns / 1e9
+    except OSError:
+        return None

@@ -43,11 +43,17 @@ _MAX_WIDTH = 60
 def failure_time(failure: ProcessFailure) -> float:
     """Return when ``failure`` happened, seconds since the epoch.
 
-    The error file's timestamp when it has one (the moment the exception was
-    recorded, whole seconds), else the moment the agent saw the exit.
+    When the worker wrote an error file: the file's mtime (``error_time``, the
+    moment the exception was recorded) or, without one, the file's own timestamp
+    (whole seconds). Otherwise the moment the agent saw the exit.
+
+    Two ranks that both record an error in the same second (the culprit, and a
+    peer whose collective then broke) are told apart by ``error_time`` only.
     """
     ts = error_timestamp(failure.error_data)
-    return ts if ts is not None else failure.timestamp
+    if ts is None:
+        return failure.timestamp
+    return failure.error_time if failure.error_time is not None else ts
 
 
 def _order(failures: dict[int, ProcessFailure]) -> list[int]:

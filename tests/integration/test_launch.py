@@ -197,11 +197,17 @@ def test_flags_elaunch_does_not_implement_yet_say_so(tmp_path):
     assert "--numa-binding=node is accepted" in r.stderr
 
 
-def test_root_cause_is_the_worker_that_failed_first_even_if_it_exited_last(tmp_path):
-    r = run("elaunch", *NPROC2, "--shutdown-timeout=2", str(SCRIPTS / "late_root_cause.py"))
+@pytest.mark.parametrize(
+    "peer, peer_shows",
+    [("segv", "SIGSEGV"), ("raise", "RuntimeError: a peer's collective broke")],
+)
+def test_root_cause_is_the_worker_that_failed_first_even_if_it_exited_last(tmp_path, peer, peer_shows):
+    # rank 1 records its error first and exits last; rank 0 (the lower rank) fails
+    # right after, by signal or with its own error file in the same whole second
+    r = run("elaunch", *NPROC2, "--shutdown-timeout=2", str(SCRIPTS / "late_root_cause.py"), peer)
     assert r.returncode == 1
     summary = r.stderr[r.stderr.index("late_root_cause.py FAILED"):]
     root, others = summary.split("Other Failures:")
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), summary
     assert "ValueError: the real root cause" in root
-    assert "SIGSEGV" in others and re.search(r"rank\s*:\s*0 \(local_rank: 0\)", others), summary
+    assert peer_shows in others and re.search(r"rank\s*:\s*0 \(local_rank: 0\)", others), summary

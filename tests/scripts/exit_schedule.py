@@ -6,7 +6,6 @@ A code of -N means "kill myself with signal N".
 """
 import json
 import os
-import signal
 import sys
 
 schedule = json.loads(sys.argv[1])

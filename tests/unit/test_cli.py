@@ -176,4 +176,4 @@ def test_click_command_entry_point_exits_2(capsys):
 def test_runpath_module_runs_script_as_main(script):
     out = subprocess.run([sys.executable, "-m", "elaunch.runpath", script, "a", "--b"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert f"ARGV ['a', '--b'] __main__" in out
+    assert "ARGV ['a', '--b'] __main__" in out

@@ -30,7 +30,7 @@ def torch_data(msg="ValueError: bad", ts=T0, tb="Traceback (most recent call las
     return {"message": {"message": msg, "extraInfo": {"py_callstack": tb, "timestamp": str(int(ts))}}}
 
 
-def failure(rank, exitcode=1, t=T0, data=None, stderr="", local_rank=None, host="node-a", error_file=""):
+def failure(rank, exitcode=1, t=T0, data=None, stderr="", local_rank=None, host="node-a", error_file="", written=None):
     return ProcessFailure(
         local_rank=rank if local_rank is None else local_rank,
         global_rank=rank,
@@ -41,6 +41,7 @@ def failure(rank, exitcode=1, t=T0, data=None, stderr="", local_rank=None, host=
         error_file=error_file,
         error_data=data,
         stderr_tail=stderr,
+        error_time=written,
     )
 
 
@@ -132,6 +133,9 @@ def test_error_timestamp_table(data, expected):
         ({3: failure(3, t=T0), 2: failure(2, t=T0), 5: failure(5, t=T0)}, 2),
         # tie between file timestamp and exit time → lowest rank
         ({4: failure(4, t=T0 + 1, data=torch_data(ts=T0)), 7: failure(7, t=T0)}, 4),
+        # both recorded in the same whole second: the files' mtimes decide, not the rank
+        ({0: failure(0, t=T0 + 2, data=torch_data(ts=T0), written=T0 + 0.31),
+          1: failure(1, t=T0 + 3, data=torch_data(ts=T0), written=T0 + 0.12)}, 1),
         # unreadable file falls back to the exit time
         ({0: failure(0, t=T0 + 2, data={"message": "x", "unreadable": True}), 1: failure(1, t=T0 + 3)}, 0),
         # string-form file without timestamp falls back to exit time (not 0)
