@@ -21,7 +21,7 @@ from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, line_prefix, start_reaper
 from elaunch.procs.warm import WarmPool
-from elaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
 log = logging.getLogger("elaunch.agent")
@@ -222,7 +222,15 @@ class ElasticAgent:
         while True:
             codes = self._procs.poll()
             verdict = judge(codes, 0)
-            if verdict is Verdict.RUNNING:
+            if verdict is Verdict.FAILED:
+                new = self._new_nodes()
+                verdict = judge(codes, 0, new)
+                if verdict is Verdict.MEMBERSHIP_CHANGE:
+                    log.warning(
+                        "workers exited (%s) while %d new node(s) joined; re-forming the group"
+                        " (a scale-up, not counted as a restart)", _describe_exits(codes), new,
+                    )
+            elif verdict is Verdict.RUNNING:
                 waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
                 verdict = judge(codes, waiting + lost)
                 if verdict is Verdict.MEMBERSHIP_CHANGE:
@@ -233,6 +241,14 @@ class ElasticAgent:
             if verdict is not Verdict.RUNNING:
                 return verdict
             self._procs.wait(interval)
+
+    def _new_nodes(self) -> int:
+        """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
+        try:
+            return self._rdzv.num_nodes_new()
+        except RendezvousError as exc:
+            log.warning("could not check for new nodes after a worker failure: %s", exc)
+            return 0
 
     def _failures(
         self, group: WorkerGroup, codes: dict[int, int | None], times: dict[int, float]
@@ -284,3 +300,20 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns / 1e9
     except OSError:
         return None
+
+
+def _describe_exits(codes: Mapping[int, int | None]) -> str:
+    """``"local rank 0: exitcode 1, local rank 1: SIGTERM"`` for the workers that failed."""
+    parts = []
+    for lr, code in sorted(codes.items()):
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            try:
+                what = signal.Signals(-code).name
+            except ValueError:
+                what = f"signal {-code}"
+        else:
+            what = f"exitcode {code}"
+        parts.append(f"local rank {lr}: {what}")
+    return ", ".join(parts)

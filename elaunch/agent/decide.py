@@ -29,21 +29,25 @@ class Step(enum.Enum):
     FINISH_FAILED = "finish_failed"
 
 
-def judge(exit_codes: Mapping[int, int | None], membership_changes: int) -> Verdict:
+def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0) -> Verdict:
     """Classify the group, as torch's ``_monitor_workers`` + ``_invoke_run`` do.
 
     Args:
         exit_codes: local rank -> exit code, None while running; negative = -signum.
         membership_changes: nodes waiting to join the next round plus members of the
             running round that are gone (>= 0).
+        new_nodes: nodes outside the running round that joined since it formed
+            (``RendezvousHandler.num_nodes_new``, >= 0).
 
     Returns:
-        FAILED if any worker failed (failure wins over everything), else SUCCEEDED
-        when all exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
+        FAILED if any worker failed, unless new nodes joined: then the failure is
+        the scale-up's doing (another node re-formed first and closed the workers'
+        sockets) and the verdict is MEMBERSHIP_CHANGE. Else SUCCEEDED when all
+        exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
     """
     codes = list(exit_codes.values())
     if any(c is not None and c != 0 for c in codes):
-        return Verdict.FAILED
+        return Verdict.MEMBERSHIP_CHANGE if new_nodes > 0 else Verdict.FAILED
     if codes and all(c == 0 for c in codes):
         return Verdict.SUCCEEDED
     if membership_changes > 0:

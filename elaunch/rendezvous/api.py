@@ -219,6 +219,21 @@ class RendezvousHandler(abc.ABC):
         """
         return 0
 
+    def num_nodes_new(self) -> int:
+        """Return how many nodes outside this node's running round joined since it formed (0 by default).
+
+        Asked only after a local worker failed, from a fresh read. When a node
+        joins, the agent that sees it first stops its workers to re-form; the
+        workers here can then die on the closed sockets before this agent's own
+        poll sees the newcomer. A positive count makes that a membership change
+        (not a counted restart): torchrun counts it as a failure and, without
+        restarts left, ends the job on a scale-up.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return 0
+
     @abc.abstractmethod
     def get_run_id(self) -> str:
         """Return the run id (``TORCHELASTIC_RUN_ID``)."""

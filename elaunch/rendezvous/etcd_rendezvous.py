@@ -147,7 +147,7 @@ class EtcdRoundStores(RoundStoreFactory):
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """The dynamic handler, tolerant of etcd outages while workers run.
 
-    ``num_nodes_waiting`` and ``num_nodes_lost`` return 0 (and log) when etcd cannot
+    ``num_nodes_waiting``, ``num_nodes_lost`` and ``num_nodes_new`` return 0 (and log) when etcd cannot
     be reached, so running workers are not killed because etcd is briefly away. An
     agent cannot tell an etcd outage from its own partition (a cut link), so the
     tolerance is bounded: once etcd has been unreachable for ``outage_timeout``
@@ -171,6 +171,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def num_nodes_lost(self) -> int:
         return self._tolerant(super().num_nodes_lost)
+
+    def num_nodes_new(self) -> int:
+        return self._tolerant(super().num_nodes_new)
 
     def next_rendezvous(self):
         info = super().next_rendezvous()

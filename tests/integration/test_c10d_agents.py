@@ -10,7 +10,8 @@ from tests.helpers import SCRIPTS, free_port, kill_tree, load_envs, port_open, s
 pytestmark = pytest.mark.slow
 
 
-def _agent(port, nnodes, script_args, *extra, rdzv_id="job", conf="last_call_timeout=1,join_timeout=60"):
+def _agent(port, nnodes, script_args, *extra, rdzv_id="job", conf="last_call_timeout=1,join_timeout=60",
+           monitor_interval=0.1):
     return start(
         "elaunch",
         f"--nnodes={nnodes}",
@@ -20,7 +21,7 @@ def _agent(port, nnodes, script_args, *extra, rdzv_id="job", conf="last_call_tim
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf={conf}",
         "--local-addr=127.0.0.1",
-        "--monitor-interval=0.1",
+        f"--monitor-interval={monitor_interval}",
         *extra,
         *script_args,
     )
@@ -82,6 +83,27 @@ def test_scale_up_a_node_joins_a_running_job(tmp_path):
     finally:
         results = _finish([a for a in (first, second) if a])
     assert [code for code, _ in results] == [0, 0], results
+
+
+def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
+    # `slow` polls the rendezvous only every 30 s, so it learns of the newcomer from
+    # its own worker dying on the closed gloo socket after `fast` re-formed. With no
+    # restarts left, counting that as a failure would end the job (torchrun does).
+    port = free_port()
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "10"]
+    fast = _agent(port, "2:3", script, "--max-restarts=0")
+    wait_for(lambda: port_open(port), 60, what="store host listening")
+    slow = _agent(port, "2:3", script, "--max-restarts=0", monitor_interval=30)
+    late = None
+    try:
+        wait_for(lambda: (tmp_path / "progress_2").exists(), 90, what="world of 2 running")
+        late = _agent(port, "2:3", script, "--max-restarts=0")
+        wait_for(lambda: (tmp_path / "progress_3").exists(), 90, what="world of 3 running")
+    finally:
+        results = _finish([a for a in (fast, slow, late) if a])
+    assert [code for code, _ in results] == [0, 0, 0], results
+    assert "new node(s) joined" in results[1][1], results[1][1]
+    assert "worker group failed" not in results[1][1]
 
 
 def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):

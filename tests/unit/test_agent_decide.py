@@ -25,6 +25,23 @@ def test_judge(codes, waiting, expected):
 
 
 @pytest.mark.parametrize(
+    "codes, new, expected",
+    [
+        # a failure while new nodes joined is the scale-up closing our sockets
+        ({0: 1, 1: None}, 1, Verdict.MEMBERSHIP_CHANGE),
+        ({0: -6, 1: 1}, 2, Verdict.MEMBERSHIP_CHANGE),
+        # no newcomer: a failure stays a failure
+        ({0: 1, 1: None}, 0, Verdict.FAILED),
+        # newcomers change nothing for a healthy or finished group
+        ({0: None, 1: None}, 1, Verdict.RUNNING),
+        ({0: 0, 1: 0}, 1, Verdict.SUCCEEDED),
+    ],
+)
+def test_judge_failure_during_a_scale_up(codes, new, expected):
+    assert judge(codes, 0, new) is expected
+
+
+@pytest.mark.parametrize(
     "verdict, used, budget, expected",
     [
         (Verdict.SUCCEEDED, 0, 0, Step.FINISH_OK),

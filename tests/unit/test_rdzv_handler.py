@@ -91,6 +91,7 @@ def test_late_joiner_waits_and_next_round_includes_it(world_factory):
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5, what="waiting node")
     assert not late.done()
     assert w.state().wait_list == {c.node_id}
+    assert a.num_nodes_new() == 1 and b.num_nodes_new() == 1  # c is not of their round
     # running nodes see the waiter, restart: round 1 forms with all three
     again = list(w.join(a, b))
     third = late.result(timeout=10)
@@ -190,5 +191,6 @@ def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
     list(w.join(a, b))
     fut = w.pool.submit(a.next_rendezvous)  # a's workers failed: it rejoins
     wait_for(lambda: b.num_nodes_lost() == 1, 5, what="b to see a leave")
+    assert b.num_nodes_new() == 0  # a rejoining member is not a newcomer: b's failures still count
     b.next_rendezvous()
     assert fut.result(timeout=20).round == 1

@@ -249,6 +249,35 @@ def test_lost_members(desc, state, expected):
     assert ops.lost_members(state, 2, ROUND, "a", S) == expected, desc
 
 
+@pytest.mark.parametrize(
+    "desc, state, expected",
+    [
+        ("nobody waits", RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1, "c": 2},
+                                         last_heartbeats={"a": 100.0, "b": 100.0, "c": 100.0}), 0),
+        ("a newcomer waits", RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1, "c": 2},
+                                             wait_list={"d"}, last_heartbeats=dict.fromkeys("abcd", 100.0)), 1),
+        ("a member left to rejoin after its failure: not new",
+         RendezvousState(round=2, complete=True, participants={"a": 0, "c": 2}, wait_list={"b"},
+                         last_heartbeats=dict.fromkeys("abc", 100.0)), 0),
+        ("member and newcomer wait", RendezvousState(round=2, complete=True, participants={"a": 0},
+                                                     wait_list={"b", "d"},
+                                                     last_heartbeats=dict.fromkeys("abd", 100.0)), 1),
+        ("a dead newcomer does not count", RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1},
+                                                           wait_list={"d"},
+                                                           last_heartbeats={"a": 100.0, "b": 100.0, "d": 10.0}), 0),
+        ("a newer round formed with a newcomer", RendezvousState(round=3, participants={"b": -1, "d": -1},
+                                                                 last_heartbeats=dict.fromkeys("bd", 100.0)), 1),
+        ("a stale read of the previous round", RendezvousState(round=1, complete=True, participants={"x": 0},
+                                                               wait_list={"y"},
+                                                               last_heartbeats=dict.fromkeys("xy", 100.0)), 0),
+        ("closed", RendezvousState(round=2, complete=True, closed=True, participants={"a": 0}, wait_list={"d"},
+                                   last_heartbeats=dict.fromkeys("ad", 100.0)), 0),
+    ],
+)
+def test_new_nodes(desc, state, expected):
+    assert ops.new_nodes(state, 2, ROUND, S, now=101.0) == expected, desc
+
+
 # -- liveness probe: a waiting node asks a running round's participants to heart-beat -----
 
 PROBING = RendezvousSettings("job", 1, 4, keep_alive_interval=5, keep_alive_max_attempt=3, probe_delay=1,

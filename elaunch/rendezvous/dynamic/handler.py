@@ -221,6 +221,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return 0
         return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings)
 
+    def num_nodes_new(self) -> int:
+        """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).
+
+        Always a fresh read: the agent asks only after a worker failed.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        info = self._current
+        if info is None:
+            return 0
+        self._cached = None
+        return ops.new_nodes(self._read(), info.round, self._members, self._settings, self._clock())
+
     def is_closed(self) -> bool:
         """Return True once any node closed the rendezvous.
 

@@ -316,6 +316,29 @@ def _mark_complete(s: RendezvousState) -> None:
     s.participants = ranks
 
 
+def new_nodes(state: RendezvousState, round: int, members: frozenset[str], settings: RendezvousSettings,
+              now: float) -> int:
+    """Return how many live nodes outside ``me``'s running round joined since it formed (pure).
+
+    Counted: nodes on the wait list, and the participants of a newer round, that
+    were not members of ``round``. A member that left to rejoin (after its own
+    workers failed) is not new; a node that is dead (``dead_nodes``) does not count.
+    A closed rendezvous has no new nodes.
+
+    Args:
+        state: the stored state.
+        round: the round ``me`` joined; members: its participants then.
+        now: seconds since the epoch, for the dead-node rule.
+    """
+    if state.closed or not members or state.round < round:
+        return 0
+    joining = set(state.wait_list)
+    if state.round > round:
+        joining |= set(state.participants)
+    dead = set(dead_nodes(state, settings, now))
+    return sum(1 for n in joining - members if n not in dead)
+
+
 def lost_members(state: RendezvousState, round: int, members: frozenset[str], me: str,
                  settings: RendezvousSettings) -> int:
     """Return how many nodes of ``me``'s running round are gone (pure).
