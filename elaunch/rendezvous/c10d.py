@@ -21,6 +21,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Iterator
 
 import os
@@ -144,7 +145,8 @@ class C10dBackend(RendezvousBackend):
     def __init__(self, store: Any, run_id: str, endpoint: str) -> None:
         self._store = store
         self._endpoint = endpoint
-        self.key = f"elaunch/rdzv/{run_id}/state"
+        self._prefix = f"elaunch/rdzv/{run_id}"
+        self.key = f"{self._prefix}/state"
         with _translated(endpoint, "initialising the state"):
             store.compare_set(self.key, "", _EMPTY)
 
@@ -164,6 +166,86 @@ class C10dBackend(RendezvousBackend):
         if current == _EMPTY:
             return None
         return current, current, current == state
+
+    # Batched joins (see dynamic/batching.py): round r's intent log is the key
+    # ``intents/r``, grown with the store's atomic ``append``; ``tickets/r`` counts the
+    # joins (``add``), and ticket t's arrival is the key ``arrived/r/t``; the
+    # round's completion notice is ``done/r``. A blocked ``wait`` sees a key the
+    # moment it is set.
+
+    @property
+    def supports_intents(self) -> bool:
+        return True
+
+    def post_intent(self, round: int, intent: bytes, join: bool) -> int:
+        with _translated(self._endpoint, "posting a join intent"):
+            self._store.append(f"{self._prefix}/intents/{round}", intent)
+            if not join:
+                return 0
+            ticket = int(self._store.add(f"{self._prefix}/tickets/{round}", 1))
+            self._store.set(f"{self._prefix}/arrived/{round}/{ticket}", b"1")
+        return ticket
+
+    def get_state_and_intents(self, round: int, nodes: Sequence[str] = ()
+                              ) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
+        # only called after our own join post, so all keys exist (a get of a missing key blocks)
+        keys = [self.key, f"{self._prefix}/intents/{round}", f"{self._prefix}/tickets/{round}"]
+        with _translated(self._endpoint, "reading the state"):
+            values = [bytes(v) for v in self._store.multi_get(keys + self._heartbeat_keys(nodes))]
+        data, log_bytes, tickets = values[:3]
+        return (None if data == _EMPTY else data), data, log_bytes, int(tickets), _heartbeats(nodes, values[3:])
+
+    # Heartbeats: node n's is the key ``heartbeat/n`` (its time, as text), written
+    # before n first appears in the state, so a reader's multi_get never waits.
+
+    @property
+    def supports_heartbeat_keys(self) -> bool:
+        return True
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        with _translated(self._endpoint, "writing a heartbeat"):
+            self._store.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
+
+    def get_state_and_heartbeats(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, dict[str, float]]:
+        with _translated(self._endpoint, "reading the state"):
+            values = [bytes(v) for v in self._store.multi_get([self.key] + self._heartbeat_keys(nodes))]
+        data = values[0]
+        return (None if data == _EMPTY else data), data, _heartbeats(nodes, values[1:])
+
+    def _heartbeat_keys(self, nodes: Sequence[str]) -> list[str]:
+        return [f"{self._prefix}/heartbeat/{n}" for n in nodes]
+
+    def wait_for_arrival(self, round: int, ticket: int, timeout: float) -> bool:
+        return self._wait(f"{self._prefix}/arrived/{round}/{ticket}", timeout, "waiting for joiners")
+
+    def notify_round(self, round: int) -> None:
+        with _translated(self._endpoint, "announcing the round's completion"):
+            self._store.set(f"{self._prefix}/done/{round}", b"1")
+            ticket = int(self._store.add(f"{self._prefix}/tickets/{round}", 1))  # wakes the combiner
+            self._store.set(f"{self._prefix}/arrived/{round}/{ticket}", b"1")
+
+    def wait_for_round(self, round: int, timeout: float) -> bool:
+        return self._wait(f"{self._prefix}/done/{round}", timeout, "waiting for the round")
+
+    def _wait(self, key: str, timeout: float, what: str) -> bool:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout))
+        except _STORE_ERRORS as exc:
+            if "timeout" not in str(exc).lower():
+                with _translated(self._endpoint, what):
+                    raise
+            return False
+        return True
+
+
+def _heartbeats(nodes: Sequence[str], values: list[bytes]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for node, value in zip(nodes, values):
+        try:
+            out[node] = float(value)
+        except ValueError:
+            continue  # not ours to judge: the state's own heartbeat stands
+    return out
 
 
 class C10dRoundStores(RoundStoreFactory):

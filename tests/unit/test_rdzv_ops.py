@@ -8,7 +8,7 @@ from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 
 NOW = 1_000_000.0
 #: torch's fixed last call (settle_timeout=None); ADAPTIVE adds the settle window.
@@ -335,3 +335,66 @@ def test_probe_write_and_reset_with_the_round():
     assert ops.dead_nodes(s, PROBING, NOW + 3.1) == ["n0", "n2"]
     s = ops.apply(Action.REMOVE_DEAD_NODES, s, ctx(settings=PROBING), NOW + 3.1)
     assert s.participants == {} and s.round == 1 and not s.complete and s.probe_at is None
+
+
+# -- batched joins: intents combined into one write; heartbeats folded in ----------------
+
+BATCH = RendezvousSettings("job", 1, 3, keep_alive_interval=5, keep_alive_max_attempt=3)  # dead after 15 s
+
+
+def intent(node, at=NOW - 1, round=0, prev=-1):
+    return JoinIntent(node, {"addr": node, "role": "default", "local_world_size": 1}, prev, round, at)
+
+
+@pytest.mark.parametrize(
+    "desc, state, intents, added",
+    [
+        ("fresh intents join, in log order", mk(), [intent("a"), intent("b")], ["a", "b"]),
+        ("room for max_nodes only: the round completes", mk(), [intent("a"), intent("b"), intent("c")],
+         ["a", "b"]),
+        ("a stale intent does not bring a node back", mk(), [intent("a", at=NOW - 20), intent("b")], ["b"]),
+        ("an intent from the future beyond dead_after is refused", mk(), [intent("a", at=NOW + 60)], []),
+        ("an intent of another round is ignored", mk(), [intent("a", round=1)], []),
+        ("a participant is not added twice", mk(["a"]), [intent("a"), intent("b")], ["b"]),
+        ("a redundant node stays redundant", mk(redundant=["r"]), [intent("r")], []),
+        ("a waiting node that posted joins", mk(wait=["w"]), [intent("w")], ["w"]),
+    ],
+)
+def test_combine_joins(desc, state, intents, added):
+    c = OpContext(ME, NodeInfo(ME, "default", 2), BATCH, NOW + 600, -1, NOW)
+    s = ops.combine_joins(state, c, intents, NOW)
+    assert sorted(n for n in s.participants if n != ME and n not in state.participants) == sorted(added), desc
+    assert ME in s.participants
+    assert s.complete == (len(s.participants) == BATCH.max_nodes), desc
+    assert not (s.wait_list & set(s.participants)), desc
+    assert ME not in state.participants  # pure
+
+
+def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kept():
+    s = ops.combine_pending(mk(["x"]), [intent("a", at=NOW - 9, prev=1), intent("a", at=NOW - 2, prev=1)], BATCH, NOW)
+    assert s.last_heartbeats["a"] == NOW - 2 and s.participants["a"] == 1
+    assert s.node_infos["a"]["addr"] == "a"
+    assert ops.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
+
+
+@pytest.mark.parametrize(
+    "desc, beats, expected",
+    [
+        ("newer beats are taken", {"a": NOW + 3}, {"a": NOW + 3, "b": NOW}),
+        ("older ones are not", {"a": NOW - 3}, {"a": NOW, "b": NOW}),
+        ("unknown nodes are not added", {"z": NOW + 3}, {"a": NOW, "b": NOW}),
+    ],
+)
+def test_fold_heartbeats(desc, beats, expected):
+    state = mk(["a", "b"])
+    folded = ops.fold_heartbeats(state, beats)
+    assert folded.last_heartbeats == expected, desc
+    assert state.last_heartbeats == {"a": NOW, "b": NOW}  # pure
+
+
+def test_intent_log_round_trip_skips_malformed_lines():
+    good = [intent("a"), intent("b", prev=2, round=3)]
+    log = good[0].to_bytes() + b"not json\n" + b'{"node": "x"}\n' + good[1].to_bytes() + b"\n"
+    assert JoinIntent.parse_log(log) == good
+    assert JoinIntent.parse_log(b"".join(i.to_bytes() for i in good)) == good
+    assert JoinIntent.parse_log(None) == [] and JoinIntent.parse_log(b"") == []

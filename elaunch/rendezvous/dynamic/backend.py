@@ -8,6 +8,7 @@ etcd v2/v3 later. Stdlib only.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 #: Opaque version marker of a stored state: whatever the backend compares on
@@ -43,3 +44,96 @@ class RendezvousBackend(abc.ABC):
         Raises:
             RendezvousConnectionError: the backend cannot be reached.
         """
+
+    # -- optional: heartbeats in per-node keys (c10d has them) ------------------------
+
+    @property
+    def supports_heartbeat_keys(self) -> bool:
+        """True when each node's heartbeat lives in its own key (cheap, uncontended writes).
+
+        The state's ``last_heartbeats`` then only holds each node's heartbeat as of
+        the last state write; readers take the newer of the two. A node writes its
+        key before it first appears in the state, so every node a reader knows of
+        has one.
+        """
+        return False
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        """Record that ``node_id`` was alive at ``at`` (seconds since the epoch).
+
+        Raises:
+            NotImplementedError: no heartbeat keys (``supports_heartbeat_keys``).
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no heartbeat keys")
+
+    def get_state_and_heartbeats(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, dict[str, float]]:
+        """Return ``get_state()`` plus the heartbeat keys of ``nodes`` (nodes known to have one), in one round trip.
+
+        Raises:
+            NotImplementedError: no heartbeat keys.
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no heartbeat keys")
+
+    # -- optional: batched joins and wake-ups (c10d has them; see batching.py) ---------
+
+    @property
+    def supports_intents(self) -> bool:
+        """True when the intent-log methods below work (else they raise NotImplementedError)."""
+        return False
+
+    def post_intent(self, round: int, intent: bytes, join: bool) -> int:
+        """Append one intent line (``state.JoinIntent``) to ``round``'s log.
+
+        Args:
+            join: True for a join: it also takes a ticket (1, 2, ... per round, in
+                arrival order) and wakes a node blocked in :meth:`wait_for_arrival`
+                for that ticket. False for a keep-alive: the line only.
+
+        Returns:
+            The ticket, or 0 when ``join`` is False.
+
+        Raises:
+            NotImplementedError: no intent log (``supports_intents`` is False).
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no intent log")
+
+    def get_state_and_intents(self, round: int, nodes: Sequence[str] = ()
+                              ) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
+        """Return the state, its token, ``round``'s intent log, its ticket count and heartbeats, in one round trip.
+
+        Only called after this node posted to ``round``. ``nodes``: whose
+        heartbeat keys to read (see :meth:`get_state_and_heartbeats`).
+
+        Raises:
+            NotImplementedError: no intent log.
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no intent log")
+
+    def wait_for_arrival(self, round: int, ticket: int, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until ticket ``ticket`` of ``round`` was taken; True if it was.
+
+        Raises:
+            NotImplementedError: no intent log.
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no intent log")
+
+    def notify_round(self, round: int) -> None:
+        """Announce that ``round`` completed or the rendezvous closed.
+
+        Wakes :meth:`wait_for_round` and, by taking a ticket, :meth:`wait_for_arrival`.
+        A no-op for backends without an intent log.
+        """
+
+    def wait_for_round(self, round: int, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until :meth:`notify_round` was called for ``round``; True if it was.
+
+        Raises:
+            NotImplementedError: no intent log.
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no round notices")

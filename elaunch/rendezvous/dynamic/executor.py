@@ -23,6 +23,7 @@ from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.batching import BatchedJoin
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,20 @@ class OpExecutor:
             RendezvousConnectionError: the backend cannot be reached.
             RendezvousStateError: the stored state is corrupt.
         """
-        data, token = self._backend.get_state()
-        self._state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-        self._token = token
+        self._state, self._token = read_state(self._backend, self._state)
         return self._state
 
-    def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1) -> RendezvousState:
+    def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1,
+            fresh: bool = True) -> RendezvousState:
         """Loop read -> ``decide`` -> compare-and-set until ``decide`` returns FINISH.
+
+        Joins are batched when the backend keeps an intent log: before adding
+        itself the node posts an intent, and each write adds every fresh intent
+        read with the state (``ops.combine_joins``). A participant waiting for its
+        round to complete blocks in ``backend.wait_for_round`` (woken by the write
+        that completes or closes the round) rather than polling, where the backend
+        can. Together these make a join cost a bounded number of round trips,
+        however many nodes join at once.
 
         Args:
             decide: one of the ``ops.decide_*`` functions.
@@ -88,6 +96,8 @@ class OpExecutor:
                 gets room in the world, as torch does).
             timeout_name: the ``--rdzv-conf`` key of ``timeout``, for error messages.
             previous_rank: this node's rank in its previous round, or -1.
+            fresh: read the state first (False: decide on the state this executor
+                last read or wrote; a stale one costs a failed write, not a wrong step).
 
         Returns:
             The state after the operation finished.
@@ -102,15 +112,27 @@ class OpExecutor:
         settings = self._settings
         started = self._clock()
         deadline = started + timeout
-        need_read = True
+        need_read = fresh
+        batch = None
+        if decide is ops.decide_join and self._backend.supports_intents:
+            batch = BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank, settings)
+        me = self._node_id
+        if decide is ops.decide_join and self._backend.supports_heartbeat_keys:
+            # our heartbeat key exists before we first appear in the state (readers rely on it)
+            self._backend.put_heartbeat(me, self._clock())
         while True:
             if need_read:
-                self.read()
+                if (batch is not None and batch.active(self._state) and not batch.notified
+                        and batch.may_add_self(self._clock())):
+                    self._state, self._token = batch.read(self._state)  # with the log: we may combine
+                else:
+                    self.read()
             now = self._clock()
-            ctx = OpContext(self._node_id, self._node_info, settings, deadline, previous_rank, started)
-            action = decide(self._state, ctx, now)
+            ctx = OpContext(me, self._node_info, settings, deadline, previous_rank, started)
+            state = self._state
+            action = decide(state, ctx, now)
             if action is Action.FINISH:
-                return self._state
+                return state
             if action is Action.ERROR_CLOSED:
                 raise RendezvousClosedError(f"rendezvous {settings.run_id!r} is closed")
             if action is Action.ERROR_GRACEFUL_EXIT:
@@ -119,21 +141,48 @@ class OpExecutor:
                     f"(world already at max_nodes={settings.max_nodes})"
                 )
             if action is Action.ERROR_TIMEOUT:
-                s = self._state
                 raise RendezvousTimeoutError(
-                    f"rendezvous {settings.run_id!r} round {s.round}: not done within "
-                    f"{timeout_name}={timeout:g} s ({len(s.participants)} node(s) joined, "
+                    f"rendezvous {settings.run_id!r} round {state.round}: not done within "
+                    f"{timeout_name}={timeout:g} s ({len(state.participants)} node(s) joined, "
                     f"--nnodes={settings.min_nodes}:{settings.max_nodes})"
                 )
-            if action is Action.SYNC:
-                wait_for_change = getattr(self._backend, "wait_for_change", None)
-                if wait_for_change is not None:  # optional hook (etcd: a watch), bounded by poll_interval
-                    wait_for_change(self._token, settings.poll_interval)
-                else:
-                    self._sleep(settings.poll_interval)
+            # batched join (batching.py) while the round forms
+            forming = batch is not None and not state.complete and not state.closed
+            batched = forming and batch.active(state)
+            if forming and not batched and action in (Action.ADD_TO_PARTICIPANTS, Action.REMOVE_DEAD_NODES):
+                # post first: the log's heartbeats must be seen before judging anyone dead
+                batch.post(state.round, now)
+                if not batch.combiner:
+                    # the combiner adds us; nothing to read until the round's notice (or its grace ends)
+                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
                 need_read = True
                 continue
-            new_state = ops.apply(action, self._state, ctx, now)
+            if action is Action.SYNC:
+                combined = None
+                if batched and batch.combiner and me in state.participants:
+                    combined = ops.combine_pending(state, batch.intents, settings, now)
+                if combined is None:
+                    self._wait(ctx, now, batch if batched else None)
+                    need_read = True
+                    continue
+                new_state = combined
+            elif action is Action.ADD_TO_PARTICIPANTS and batched:
+                if not batch.may_add_self(now):
+                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
+                    need_read = True
+                    continue
+                new_state = ops.combine_joins(state, ctx, batch.intents, now)
+            elif action is Action.KEEP_ALIVE and self._backend.supports_heartbeat_keys:
+                self._backend.put_heartbeat(me, now)  # no contended write
+                self._state = ops.fold_heartbeats(state, {me: now})
+                need_read = False
+                continue
+            elif action is Action.KEEP_ALIVE and batched and me in state.participants:
+                self._state = batch.keep_alive(state, now)  # no contended write
+                need_read = False
+                continue
+            else:
+                new_state = ops.apply(action, state, ctx, now)
             result = self._backend.set_state(new_state.to_bytes(), self._token)
             if result is None:
                 need_read = True
@@ -141,9 +190,60 @@ class OpExecutor:
             data, self._token, written = result
             self._state = RendezvousState.from_bytes(data)
             need_read = False
-            log.debug("node %s: %s %s (round %d)", self._node_id, action.value,
+            if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
+                self._backend.notify_round(new_state.round)
+            what = "COMBINE_JOINS" if action is Action.SYNC else action.value  # the combiner adding others
+            log.debug("node %s: %s %s (round %d)", me, what,
                       "written" if written else "lost the race", self._state.round)
             if not written:
-                self._sleep(random.uniform(0.0, 0.01))  # someone else wrote first: re-decide
+                # someone else wrote first: re-decide; a heartbeat is not urgent, so it backs off
+                # further (spreading a crowd of heartbeats instead of retrying them in lockstep)
+                lull = settings.keep_alive_interval / 20 if action is Action.KEEP_ALIVE else 0.01
+                self._sleep(random.uniform(0.0, lull))
+                if batched and batch.active(self._state) and not self._state.complete:
+                    need_read = True  # re-read the log too, to add everyone who posted since
             elif action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                 deadline = self._clock() + timeout  # REDUNDANT -> JOINING: fresh join deadline
+
+    def _wait(self, ctx: OpContext, now: float, batch: BatchedJoin | None) -> None:
+        """Wait before reading again (SYNC): until a notice, a change, or the next timed step.
+
+        A participant of a forming round joined through ``batch`` blocks in
+        ``batch.wait`` (the round's notice, or the combiner's next joiner), at most
+        until its last call ends, its next heartbeat is due or its join deadline
+        passes. Anything else polls: ``backend.wait_for_change`` (etcd: a watch)
+        when the backend has it, else a sleep of ``poll_interval`` seconds.
+        """
+        s, settings = self._state, self._settings
+        if batch is not None and ctx.node_id in s.participants:
+            due = [ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval]
+            if s.deadline is not None:
+                due.append(s.deadline)
+            batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
+            return
+        wait_for_change = getattr(self._backend, "wait_for_change", None)
+        if wait_for_change is not None:  # optional hook (etcd: a watch), bounded by poll_interval
+            wait_for_change(self._token, settings.poll_interval)
+        else:
+            self._sleep(settings.poll_interval)
+
+
+def read_state(backend: RendezvousBackend, known: RendezvousState | None = None) -> tuple[RendezvousState, Token]:
+    """Read the state and its token; with per-node heartbeat keys, fold those in.
+
+    Args:
+        known: a state read earlier; the heartbeat keys read are those of its
+            nodes (each has one), in the same round trip as the state. A node
+            added since then has a recent heartbeat in the state itself.
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+        RendezvousStateError: the stored state is corrupt.
+    """
+    if not backend.supports_heartbeat_keys:
+        data, token = backend.get_state()
+        return (RendezvousState() if data is None else RendezvousState.from_bytes(data)), token
+    nodes = sorted(known.last_heartbeats) if known is not None else []
+    data, token, heartbeats = backend.get_state_and_heartbeats(nodes)
+    state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
+    return ops.fold_heartbeats(state, heartbeats), token

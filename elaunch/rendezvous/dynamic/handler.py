@@ -29,7 +29,7 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
-from elaunch.rendezvous.dynamic.executor import OpExecutor
+from elaunch.rendezvous.dynamic.executor import OpExecutor, read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -149,7 +149,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         while True:
             with self._lock:
                 self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout")
-                state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank)
+                # decided on the state the exit just read or wrote: one read fewer per join
+                state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank,
+                                           fresh=False)
             # A member may leave (or be pruned) between the round's completion and our read
             # of it: its ranks then no longer cover 0..n-1, so that round is already broken.
             # COMPLETE -> JOINING: join the next one instead of starting a partial world.
@@ -189,8 +191,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < self._settings.poll_interval:
             return self._cached[1]
-        data, _token = self._backend.get_state()
-        state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
+        state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state)
         self._cached = (now, state)
         return state
 
@@ -306,6 +307,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._heartbeat_thread.join(self._settings.heartbeat_timeout + 1.0)
         self._heartbeat_stop = self._heartbeat_thread = None
 
+    def _beat_keys(self, stop: threading.Event, tick: float) -> None:
+        """Heart-beat into this node's own key every ``tick`` s (``probe_timeout / 4``).
+
+        Such a write is cheap and uncontended, so it is simply frequent enough to
+        answer any probe in time, and no state is read for it. Dead nodes are
+        pruned by joining nodes (``decide_join``), as in torch.
+        """
+        while not stop.wait(tick):
+            try:
+                self._backend.put_heartbeat(self._node_id, self._clock())
+            except RendezvousError as exc:
+                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
+            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
+                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
+
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """Heart-beat every ``keep_alive_interval`` s, and at once when a waiting node probes.
 
@@ -314,7 +330,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         s = self._settings
         tick = min(s.keep_alive_interval, s.probe_timeout / 4)
-        next_beat = time.monotonic() + s.keep_alive_interval
+        if self._backend.supports_heartbeat_keys:
+            self._beat_keys(stop, tick)
+            return
+        # the first beat at a random point of the interval: the nodes of a round all start
+        # together, and a thousand beats at once would contend for the one state key
+        next_beat = time.monotonic() + s.keep_alive_interval * random.uniform(0.1, 1.0)
         while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic()))):
             try:
                 if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):

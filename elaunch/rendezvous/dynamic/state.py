@@ -169,3 +169,59 @@ def _list(v) -> list:
     if not isinstance(v, list):
         raise TypeError(f"expected a list, got {v!r}")
     return v
+
+
+@dataclass(frozen=True)
+class JoinIntent:
+    """A node's announcement that it is joining ``round`` (one line of the backend's intent log).
+
+    A node posts its intent before it tries to add itself, and every node that
+    writes the state adds, in the same compare-and-set, all the fresh intents it
+    read. Under a crowd of joiners most of them then find themselves already
+    added, so a join costs a bounded number of store round trips instead of a
+    retry per competing node (torch's join retries its own write until it wins).
+
+    Attributes:
+        node_id: the joining node's id.
+        info: ``{"addr", "role", "local_world_size"}`` as in ``node_infos``.
+        previous_rank: its rank in its previous round, or -1.
+        round: the round it joins.
+        at: when it posted, seconds since the epoch (intents go stale).
+    """
+
+    node_id: str
+    info: dict
+    previous_rank: int
+    round: int
+    at: float
+
+    def to_bytes(self) -> bytes:
+        """One JSON line, newline-terminated (the log is the concatenation of lines)."""
+        doc = {"node": self.node_id, "info": self.info, "prev": self.previous_rank, "round": self.round,
+               "at": self.at}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii") + b"\n"
+
+    @classmethod
+    def parse_log(cls, data: bytes | None) -> list[JoinIntent]:
+        """Decode an intent log; malformed lines are skipped (an intent is only a hint)."""
+        lines = (data or b"").splitlines()
+        try:  # one C-level parse of the whole log; line by line only when some line is bad
+            docs = json.loads(b"[" + b",".join(line for line in lines if line.strip()) + b"]")
+        except ValueError:
+            docs = None
+        out: list[JoinIntent] = []
+        for line in (docs if docs is not None else lines):
+            try:
+                doc = line if docs is not None else json.loads(line)
+                info = _dict(doc["info"])
+                out.append(cls(
+                    node_id=str(doc["node"]),
+                    info={"addr": str(info["addr"]), "role": str(info["role"]),
+                          "local_world_size": _int(info["local_world_size"])},
+                    previous_rank=_int(doc["prev"]),
+                    round=_int(doc["round"]),
+                    at=float(doc["at"]),
+                ))
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+                continue
+        return out

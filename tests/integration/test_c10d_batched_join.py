@@ -1,0 +1,105 @@
+"""Batched joins and per-node heartbeat keys on a real TCPStore (rendezvous/dynamic/batching.py)."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+from elaunch.rendezvous import registry  # noqa: E402
+from elaunch.rendezvous.c10d import BoundedStore  # noqa: E402
+from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
+from tests.integration.test_c10d_rendezvous import free_port, params  # noqa: E402
+
+
+class CountingStore(BoundedStore):
+    """The handler's own store, counting the calls that reach the server."""
+
+    def __init__(self, inner: BoundedStore) -> None:
+        super().__init__(inner.store, inner._endpoint, inner._timeout)
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        attr = super().__getattr__(name)
+        if name in ("get", "set", "add", "compare_set", "multi_get", "wait", "check", "append"):
+            with self._lock:
+                self.calls.append(name)
+        return attr
+
+
+@pytest.fixture
+def crowd():
+    handlers = []
+    pool = ThreadPoolExecutor(max_workers=64)
+
+    def make(n, min_nodes, max_nodes, **conf):
+        port = free_port()
+        hs = [registry.create_handler(params(port, min_nodes, max_nodes, is_host=str(i == 0).lower(), **conf))
+              for i in range(n)]
+        handlers.extend(hs)
+        for h in hs:
+            h._backend._store = CountingStore(h._backend._store)
+        return hs
+
+    make.pool = pool
+    yield make
+    for h in handlers:
+        h.shutdown()
+    pool.shutdown(wait=True)
+
+
+def test_a_crowd_joins_one_round_in_a_bounded_number_of_store_calls(crowd):
+    hs = crowd(48, 48, 48)
+    infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
+    assert {(i.round, i.world_size) for i in infos} == {(0, 48)}
+    assert sorted(i.rank for i in infos) == list(range(48))
+    calls = [len(h._backend._store.calls) for h in hs]
+    # torch's join retries its own write once per competing node: O(N) calls each.
+    # Batched, a joiner reads, posts (append + add + set), waits and reads again;
+    # only the combiner's calls grow with the crowd.
+    assert statistics.median(calls) <= 12, calls
+    writes = sum(h._backend._store.calls.count("compare_set") for h in hs)
+    assert writes < 48 + 10, writes  # each handler initialises the key once; few state writes beyond
+
+
+def test_joiners_add_themselves_when_the_combiner_never_combines(crowd):
+    # a ghost takes ticket 1 of round 0 and then does nothing (a combiner that died)
+    hs = crowd(3, 3, 3, keep_alive_interval=0.5)
+    backend = hs[0]._backend
+    ghost = JoinIntent("ghost", {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 1}, -1, 0, 0.0)
+    assert backend.post_intent(0, ghost.to_bytes(), join=True) == 1
+    started = time.monotonic()
+    infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
+    assert {(i.round, i.world_size) for i in infos} == {(0, 3)}  # the stale ghost was never added
+    assert time.monotonic() - started < 15
+
+
+def test_a_node_waiting_for_the_next_round_is_combined_into_it(crowd):
+    a, b = crowd(2, 1, 2, last_call_timeout=1)
+    assert a.next_rendezvous().world_size == 1
+    late = crowd.pool.submit(b.next_rendezvous)
+    wait_for(lambda: a.num_nodes_waiting() == 1, 10, what="b on the wait list")
+    again = a.next_rendezvous()  # a re-forms: b posted to the new round and the combiner adds it
+    assert (again.round, again.world_size) == (1, 2)
+    assert late.result(timeout=10).world_size == 2
+
+
+def test_heartbeats_live_in_per_node_keys_and_a_silent_member_is_lost(crowd):
+    a, b, c = crowd(3, 3, 3, keep_alive_interval=0.2, keep_alive_max_attempt=3, probe_timeout=0.8)
+    list(crowd.pool.map(lambda h: h.next_rendezvous(), (a, b, c)))
+    state_writes = lambda: sum(h._backend._store.calls.count("compare_set") for h in (a, b, c))  # noqa: E731
+    before, beats = state_writes(), c._backend._store.calls.count("set")
+    wait_for(lambda: c._backend._store.calls.count("set") >= beats + 4, 10, what="four heartbeats of c")
+    assert state_writes() == before  # heartbeats went to the keys, not the shared state
+    assert [h.num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
+    c._stop_heartbeats()
+    wait_for(lambda: a.num_nodes_lost() == 1 and b.num_nodes_lost() == 1, 10, what="c seen as lost")
+    stored = RendezvousState.from_bytes(a._backend.get_state()[0])
+    assert set(stored.participants) == {a.node_id, b.node_id, c.node_id}
