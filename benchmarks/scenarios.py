@@ -148,8 +148,13 @@ def bench_launch(cfg: BenchConfig) -> Recorder:
 
 # -- restart ------------------------------------------------------------------------------
 
+#: Seconds the job runs (torch imported) before rank 1 crashes: a real job fails after
+#: it has run a while, by which time a warm pool's spares have finished importing torch.
+CRASH_AFTER = 3.0
+
+
 def bench_restart(cfg: BenchConfig, warm: bool = False) -> Recorder:
-    """One gloo rank crashes once: crash -> all workers respawned, crash -> group ready.
+    """One gloo rank crashes once, ``CRASH_AFTER`` s in: crash -> all workers respawned, crash -> group ready.
 
     With ``warm``, elaunch runs with ``cfg.warm_start`` and torchrun as usual.
     """
@@ -164,7 +169,7 @@ def bench_restart(cfg: BenchConfig, warm: bool = False) -> Recorder:
     def once(which, log, out):
         extra = [cfg.warm_start] if (warm and which == "elaunch" and cfg.warm_start) else []
         proc = start(which, ["--standalone", "--nproc-per-node=2", "--max-restarts=1", *extra,
-                             STAMP, str(out), "restart"], log)
+                             STAMP, str(out), "restart", str(CRASH_AFTER)], log)
         code = _finish(proc, 120, "crash and restart")
         crash = stamps(out, "crash")
         starts, readies = stamps(out, "start", restart=1), stamps(out, "ready", restart=1)

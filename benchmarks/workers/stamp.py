@@ -3,7 +3,8 @@
 argv[1]: output dir. argv[2]: mode:
 
 * ``start``: stamp ``start`` and exit 0 (no torch import).
-* ``restart``: stamp ``start``; import torch. On restart 0, rank 1 stamps ``crash``
+* ``restart``: stamp ``start``; import torch. On restart 0, rank 1 waits argv[3]
+  seconds (default 0: a job runs a while before it crashes), stamps ``crash``
   and exits 1 while the others sleep (their agent must stop them). On later
   restarts: init gloo + barrier, stamp ``ready``, exit 0. The crash comes before
   the process group forms: after it formed, torchrun 2.13's restarted group
@@ -43,6 +44,7 @@ import torch.distributed as dist  # noqa: E402
 
 if mode == "restart" and restart == 0:
     if rank == 1:
+        time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
         stamp("crash", time.time())
         os._exit(1)
     time.sleep(300)

@@ -9,6 +9,7 @@ decisions live in ``decide.py``; this module observes and applies them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -78,6 +79,7 @@ class ElasticAgent:
         self._logs = logs
         self._env_opts = env_opts
         self._shutdown_timeout = shutdown_timeout
+        self._errors_loaded = False
         self._exit_barrier_timeout = exit_barrier_timeout
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
@@ -108,7 +110,6 @@ class ElasticAgent:
         self._reaper = start_reaper()
         if self._warm_modules is not None:
             self._warm = WarmPool(self._warm_modules, self._reaper)
-            import elaunch.errors  # noqa: F401 - read on every restart: not on the restart's clock
         try:
             return self._invoke_run()
         except SignalException as exc:
@@ -241,6 +242,10 @@ class ElasticAgent:
             if verdict is not Verdict.RUNNING:
                 return verdict
             self._procs.wait(interval)
+            if not self._errors_loaded:
+                # needed at the next failure: load it now that the workers are up, not on the restart's clock
+                importlib.import_module("elaunch.errors")
+                self._errors_loaded = True
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
