@@ -169,22 +169,22 @@ class C10dBackend(RendezvousBackend):
 
     # Batched joins (see dynamic/batching.py): round r's intent log is the key
     # ``intents/r``, grown with the store's atomic ``append``; ``tickets/r`` counts the
-    # joins (``add``), and ticket t's arrival is the key ``arrived/r/t``; the
-    # round's completion notice is ``done/r``. A blocked ``wait`` sees a key the
-    # moment it is set.
+    # joins (``add``; ticket 1 is the combiner), and ticket t's arrival is the key
+    # ``arrived/r/t``; the log's position is the ticket count. The round's
+    # completion notice is ``done/r``. A blocked ``wait`` sees a key the moment it is set.
 
     @property
     def supports_intents(self) -> bool:
         return True
 
-    def post_intent(self, round: int, intent: bytes, join: bool) -> int:
+    def post_intent(self, round: int, intent: bytes, join: bool) -> bool:
         with _translated(self._endpoint, "posting a join intent"):
             self._store.append(f"{self._prefix}/intents/{round}", intent)
             if not join:
-                return 0
+                return False
             ticket = int(self._store.add(f"{self._prefix}/tickets/{round}", 1))
             self._store.set(f"{self._prefix}/arrived/{round}/{ticket}", b"1")
-        return ticket
+        return ticket == 1
 
     def get_state_and_intents(self, round: int, nodes: Sequence[str] = ()
                               ) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
@@ -202,9 +202,20 @@ class C10dBackend(RendezvousBackend):
     def supports_heartbeat_keys(self) -> bool:
         return True
 
+    @property
+    def cheap_heartbeats(self) -> bool:
+        return True
+
     def put_heartbeat(self, node_id: str, at: float) -> None:
         with _translated(self._endpoint, "writing a heartbeat"):
             self._store.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
+
+    def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
+        if not nodes:
+            return {}
+        with _translated(self._endpoint, "reading heartbeats"):
+            values = [bytes(v) for v in self._store.multi_get(self._heartbeat_keys(nodes))]
+        return _heartbeats(nodes, values)
 
     def get_state_and_heartbeats(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, dict[str, float]]:
         with _translated(self._endpoint, "reading the state"):
@@ -215,8 +226,9 @@ class C10dBackend(RendezvousBackend):
     def _heartbeat_keys(self, nodes: Sequence[str]) -> list[str]:
         return [f"{self._prefix}/heartbeat/{n}" for n in nodes]
 
-    def wait_for_arrival(self, round: int, ticket: int, timeout: float) -> bool:
-        return self._wait(f"{self._prefix}/arrived/{round}/{ticket}", timeout, "waiting for joiners")
+    def wait_for_arrival(self, round: int, position: int, timeout: float) -> bool:
+        # the position is the number of tickets taken; the next one's key appears on arrival
+        return self._wait(f"{self._prefix}/arrived/{round}/{position + 1}", timeout, "waiting for joiners")
 
     def notify_round(self, round: int) -> None:
         with _translated(self._endpoint, "announcing the round's completion"):

@@ -19,6 +19,7 @@ Reach this module through ``elaunch.rendezvous.registry`` only: it imports grpc.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -133,6 +134,77 @@ class EtcdV3KV(FailoverKV):
 
         return self.call(f"reading {key}", op)
 
+    def read_many(self, key: str, prefixes: list[str]
+                  ) -> tuple[bytes | None, Token, list[list[tuple[str, bytes, int, int]]]]:
+        """Read ``key`` and everything under each of ``prefixes`` in one transaction (one revision).
+
+        Returns:
+            ``(value, mod_revision, [[(name after the prefix, value, create_revision, mod_revision), ...]
+            per prefix])``.
+        """
+        utils = self._pyetcd.utils
+
+        def op(client: Any) -> tuple[bytes | None, Token, list[list[tuple[str, bytes, int, int]]]]:
+            tx = client.transactions
+            ranges = [tx.get(p, utils.prefix_range_end(utils.to_bytes(p))) for p in prefixes]
+            _ok, (state, *found) = client.transaction([], [tx.get(key), *ranges], [])
+            listed = [[(m.key.decode()[len(p):], bytes(v), int(m.create_revision), int(m.mod_revision))
+                       for v, m in items]
+                      for p, items in zip(prefixes, found)]
+            if not state:
+                return None, None, listed
+            value, meta = state[0]
+            return bytes(value), int(meta.mod_revision), listed
+
+        return self.call(f"reading {key}", op)
+
+    def put_many(self, items: list[tuple[str, bytes]], unless_exists: str | None = None,
+                 otherwise: list[tuple[str, bytes]] | None = None) -> bool:
+        """Put ``items`` in one transaction; with ``unless_exists``, only if that key is absent.
+
+        Returns:
+            True when ``items`` were written; False when ``unless_exists`` existed
+            (``otherwise`` was written instead).
+        """
+        def op(client: Any) -> bool:
+            tx = client.transactions
+            lease = self._lease_id(client)
+            compare = [tx.version(unless_exists) == 0] if unless_exists else []
+            ok, _ = client.transaction(compare, [tx.put(k, v, lease=lease) for k, v in items],
+                                       [tx.put(k, v, lease=lease) for k, v in (otherwise or [])])
+            return bool(ok)
+
+        return self.call(f"writing {items[0][0]}", op)
+
+    def watch(self, key: str, timeout: float, prefix: bool = False, start_revision: int | None = None,
+              exists: bool = False) -> bool:
+        """Return True on the first event on ``key`` (or under it, ``prefix``), False after ``timeout`` s.
+
+        ``start_revision``: replay events from that revision on. ``exists``: also
+        return True when ``key`` exists already (checked after the watch started,
+        so a write in between is not missed).
+        """
+        deadline = time.monotonic() + timeout
+        events: queue.Queue = queue.Queue()
+        try:
+            client = self._client()
+            kwargs = {} if start_revision is None else {"start_revision": int(start_revision)}
+            add = client.add_watch_prefix_callback if prefix else client.add_watch_callback
+            watch_id = add(key, events.put, **kwargs)
+            try:
+                if exists and client.get(key)[1] is not None:
+                    return True
+                events.get(timeout=max(0.0, deadline - time.monotonic()))
+                return True
+            except queue.Empty:
+                return False
+            finally:
+                client.cancel_watch(watch_id)
+        except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
+            log.debug("etcd-v3: watching %s failed: %s", key, exc)
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return False
+
     def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
         def op(client: Any) -> Token | None:
             tx = client.transactions
@@ -234,6 +306,12 @@ class EtcdV3StateBackend(EtcdStateBackend):
     shared state machine prunes it at once; the stored bytes are untouched until a
     node writes. The token is the state key's ``mod_revision``.
 
+    Also batched joins and heartbeat keys (``dynamic/batching.py``), under
+    ``{base}``: ``heartbeat/{node}`` (a put, no compare-and-set), round r's intent
+    log ``intents/r/{node}:{time}`` (its position is the newest create revision),
+    ``combiner/r`` (written by the round's first join, in the same transaction)
+    and the completion notice ``done/r``. Waiting is a watch.
+
     Args:
         kv: the client.
         key: the state key.
@@ -243,22 +321,95 @@ class EtcdV3StateBackend(EtcdStateBackend):
     def __init__(self, kv: EtcdV3KV, key: str, nodes_prefix: str) -> None:
         super().__init__(kv, key, "etcd-v3")
         self.nodes_prefix = nodes_prefix
+        self._base = nodes_prefix[: -len("nodes/")]
+
+    @property
+    def supports_heartbeat_keys(self) -> bool:
+        return True
+
+    @property
+    def cheap_heartbeats(self) -> bool:
+        return False  # every put is a raft write: heart-beat at keep_alive_interval only
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        assert isinstance(self.kv, EtcdV3KV)
+        self.kv.put_many([(f"{self._base}heartbeat/{node_id}", repr(at).encode())])
+
+    def get_heartbeats(self, nodes) -> dict[str, float]:
+        return self._read(None)[4]  # every node's, in one range read
+
+    def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
+        data, token, _log, _pos, beats = self._read(None)
+        return data, token, beats
+
+    @property
+    def supports_intents(self) -> bool:
+        return True
+
+    def post_intent(self, round: int, intent: bytes, join: bool) -> bool:
+        assert isinstance(self.kv, EtcdV3KV)
+        doc = json.loads(intent)
+        item = (f"{self._base}intents/{round}/{doc['node']}:{doc['at']!r}", intent)
+        if not join:
+            self.kv.put_many([item])
+            return False
+        return self.kv.put_many([item, (f"{self._base}combiner/{round}", intent)],
+                                unless_exists=f"{self._base}combiner/{round}", otherwise=[item])
+
+    def get_state_and_intents(self, round: int, nodes=()) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
+        return self._read(round)
+
+    def wait_for_arrival(self, round: int, position: int, timeout: float) -> bool:
+        assert isinstance(self.kv, EtcdV3KV)
+        return self.kv.watch(f"{self._base}intents/{round}/", timeout, prefix=True, start_revision=position + 1)
+
+    def notify_round(self, round: int) -> None:
+        assert isinstance(self.kv, EtcdV3KV)
+        self.kv.put_many([(f"{self._base}done/{round}", b"1"), (f"{self._base}intents/{round}/~notice", b"")])
+
+    def wait_for_round(self, round: int, timeout: float) -> bool:
+        assert isinstance(self.kv, EtcdV3KV)
+        return self.kv.watch(f"{self._base}done/{round}", timeout, exists=True)
+
+    def _read(self, round: int | None) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
+        """State (dead nodes zeroed), intent log of ``round``, its position and live nodes' heartbeats."""
+        assert isinstance(self.kv, EtcdV3KV)
+        prefixes = [self.nodes_prefix, f"{self._base}heartbeat/"]
+        if round is not None:
+            prefixes.append(f"{self._base}intents/{round}/")
+        data, token, (alive, beats, *log_items) = self.kv.read_many(self.key, prefixes)
+        names = {name for name, *_rest in alive}
+        heartbeats: dict[str, float] = {}
+        for name, value, *_revs in beats:
+            if name in names:  # a node without presence is dead, whatever its last beat says
+                try:
+                    heartbeats[name] = float(value)
+                except ValueError:
+                    continue
+        items = sorted(log_items[0], key=lambda item: item[2]) if log_items else []  # by creation
+        log_bytes = b"".join(v if v.endswith(b"\n") else v + b"\n" for _n, v, _c, _m in items if v)
+        position = max((mod for *_rest, mod in items), default=0)
+        return self._zero_dead(data, names), token, log_bytes, position, heartbeats
 
     def get_state(self) -> tuple[bytes | None, Token]:
         assert isinstance(self.kv, EtcdV3KV)
         data, token, alive = self.kv.get_with_prefix(self.key, self.nodes_prefix)
+        return self._zero_dead(data, alive), token
+
+    @staticmethod
+    def _zero_dead(data: bytes | None, alive: set[str]) -> bytes | None:
         if data is None:
-            return None, token
+            return None
         try:
             state = RendezvousState.from_bytes(data)
         except RendezvousStateError:
-            return data, token  # not a state: the executor reports it when it decodes it
+            return data  # not a state: the executor reports it when it decodes it
         gone = [n for n in state.last_heartbeats if n not in alive]
         if not gone:
-            return data, token
+            return data
         for node in gone:
             state.last_heartbeats[node] = 0.0  # ANY -> DEAD: its lease expired or was revoked
-        return state.to_bytes(), token
+        return state.to_bytes()
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from elaunch.rendezvous import registry
 from elaunch.rendezvous.api import RendezvousClosedError, RendezvousConfigError, RendezvousConnectionError
+from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import REPO, wait_for
 from tests.etcd.conftest import make_params
 from tests.etcd_server import free_port
@@ -156,3 +159,26 @@ def test_missing_client_names_the_extra(tmp_path):
             "    print(e)\n") % (str(tmp_path), str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "pip install 'elaunch[etcd]'" in out.stdout, out.stderr
+
+
+def test_v3_crowd_joins_in_batches_with_a_bounded_number_of_calls(etcd_v3, handlers):
+    # the batched join (dynamic/batching.py) on etcd-v3: one transaction to post, a watch,
+    # one read; only the combiner's calls grow with the crowd
+    n = 16
+    # liveness at its default (dead after 15 s): on a loaded machine 3 s can pass between beats
+    hs = [handlers.make("etcd-v3", etcd_v3.endpoints, "crowd", n, n, keep_alive_interval=5) for _ in range(n)]
+    calls = {h.node_id: 0 for h in hs}
+    for h in hs:
+        kv, node = h._backend.kv, h.node_id
+        for name in ("call", "watch"):
+            def counted(*a, _f=getattr(kv, name), _n=node, **k):
+                calls[_n] += 1
+                return _f(*a, **k)
+            setattr(kv, name, counted)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), hs))
+    assert {(i.round, i.world_size) for i in infos} == {(0, n)}
+    assert sorted(i.rank for i in infos) == list(range(n))
+    assert statistics.median(calls.values()) <= 10, calls
+    state = RendezvousState.from_bytes(hs[0]._backend.kv.get(hs[0]._backend.key)[0])
+    assert len(state.participants) == n

@@ -60,3 +60,27 @@ class FakeRoundStores(RoundStoreFactory):
 
     def close(self) -> None:
         self.closed = True
+
+
+class KeyedHeartbeatBackend(InMemoryBackend):
+    """``InMemoryBackend`` whose heartbeats live in per-node keys (``supports_heartbeat_keys``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: dict[str, float] = {}
+
+    @property
+    def supports_heartbeat_keys(self) -> bool:
+        return True
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        with self._lock:
+            self.beats[node_id] = at
+
+    def get_heartbeats(self, nodes):
+        with self._lock:
+            return {n: self.beats[n] for n in nodes if n in self.beats}
+
+    def get_state_and_heartbeats(self, nodes):
+        with self._lock:
+            return self._data, self._version, {n: self.beats[n] for n in nodes if n in self.beats}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,7 +19,7 @@ from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import wait_for
-from tests.unit.fakes import FakeRoundStores, InMemoryBackend
+from tests.unit.fakes import FakeRoundStores, InMemoryBackend, KeyedHeartbeatBackend
 
 
 def settings(min_nodes, max_nodes, **kw) -> RendezvousSettings:
@@ -194,3 +195,31 @@ def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
     assert b.num_nodes_new() == 0  # a rejoining member is not a newcomer: b's failures still count
     b.next_rendezvous()
     assert fut.result(timeout=20).round == 1
+
+
+def test_heartbeats_in_keys_keep_members_alive_though_the_stored_state_is_old():
+    s = settings(2, 3, last_call_timeout=0.1, keep_alive_interval=0.1, keep_alive_max_attempt=2)  # dead after 0.2 s
+    backend = KeyedHeartbeatBackend()
+    hs = [DynamicRendezvousHandler(NodeInfo(f"n{i}", "trainer", 1), s, backend, FakeRoundStores()) for i in range(3)]
+    a, b, c = hs
+    pool = ThreadPoolExecutor(max_workers=3)
+    try:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), (a, b)))
+        assert {i.world_size for i in infos} == {2}
+        stored = lambda: RendezvousState.from_bytes(backend.get_state()[0])  # noqa: E731
+        writes = backend.writes
+        # the heartbeats go to the keys: the stored ones age past dead_after, untouched
+        wait_for(lambda: time.time() - max(stored().last_heartbeats.values()) > 1.0, 5, what="stored beats to age")
+        assert backend.writes == writes
+        assert a.num_nodes_lost() == 0 and b.num_nodes_lost() == 0
+        late = pool.submit(c.next_rendezvous)  # a joiner must judge a and b by their keys, not prune them
+        wait_for(lambda: a.num_nodes_waiting() == 1, 5, what="c on the wait list")
+        assert set(stored().participants) == {a.node_id, b.node_id}
+        assert not late.done()
+        a.set_closed()
+        with pytest.raises(RendezvousClosedError):
+            late.result(timeout=10)
+    finally:
+        for h in hs:
+            h._stop_heartbeats()
+        pool.shutdown(wait=True)

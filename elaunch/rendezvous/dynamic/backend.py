@@ -58,11 +58,29 @@ class RendezvousBackend(abc.ABC):
         """
         return False
 
+    @property
+    def cheap_heartbeats(self) -> bool:
+        """True when a heartbeat write costs next to nothing (c10d: memory on the store host).
+
+        Agents then heart-beat every ``probe_timeout / 4`` seconds instead of
+        reading the state that often to look for probes (see the handler).
+        """
+        return False
+
     def put_heartbeat(self, node_id: str, at: float) -> None:
         """Record that ``node_id`` was alive at ``at`` (seconds since the epoch).
 
         Raises:
             NotImplementedError: no heartbeat keys (``supports_heartbeat_keys``).
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        raise NotImplementedError(f"{self.name}: no heartbeat keys")
+
+    def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
+        """Return the heartbeat keys of ``nodes`` (nodes that appeared in a state have one).
+
+        Raises:
+            NotImplementedError: no heartbeat keys.
             RendezvousConnectionError: the backend cannot be reached.
         """
         raise NotImplementedError(f"{self.name}: no heartbeat keys")
@@ -83,16 +101,15 @@ class RendezvousBackend(abc.ABC):
         """True when the intent-log methods below work (else they raise NotImplementedError)."""
         return False
 
-    def post_intent(self, round: int, intent: bytes, join: bool) -> int:
+    def post_intent(self, round: int, intent: bytes, join: bool) -> bool:
         """Append one intent line (``state.JoinIntent``) to ``round``'s log.
 
         Args:
-            join: True for a join: it also takes a ticket (1, 2, ... per round, in
-                arrival order) and wakes a node blocked in :meth:`wait_for_arrival`
-                for that ticket. False for a keep-alive: the line only.
+            join: True for a join: it also wakes a node blocked in
+                :meth:`wait_for_arrival`. False for a keep-alive: the line only.
 
         Returns:
-            The ticket, or 0 when ``join`` is False.
+            True when this was the round's first join: this node is the combiner.
 
         Raises:
             NotImplementedError: no intent log (``supports_intents`` is False).
@@ -102,10 +119,11 @@ class RendezvousBackend(abc.ABC):
 
     def get_state_and_intents(self, round: int, nodes: Sequence[str] = ()
                               ) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
-        """Return the state, its token, ``round``'s intent log, its ticket count and heartbeats, in one round trip.
+        """Return the state, its token, ``round``'s intent log, the log's position and heartbeats, in one round trip.
 
-        Only called after this node posted to ``round``. ``nodes``: whose
-        heartbeat keys to read (see :meth:`get_state_and_heartbeats`).
+        Only called after this node posted to ``round``. The position is opaque
+        (c10d: joins so far; etcd: a revision), for :meth:`wait_for_arrival`.
+        ``nodes``: whose heartbeat keys to read (see :meth:`get_state_and_heartbeats`).
 
         Raises:
             NotImplementedError: no intent log.
@@ -113,8 +131,11 @@ class RendezvousBackend(abc.ABC):
         """
         raise NotImplementedError(f"{self.name}: no intent log")
 
-    def wait_for_arrival(self, round: int, ticket: int, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until ticket ``ticket`` of ``round`` was taken; True if it was.
+    def wait_for_arrival(self, round: int, position: int, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until a join (or notice) is posted to ``round`` after ``position``.
+
+        Returns:
+            True when one was, False when the time ran out.
 
         Raises:
             NotImplementedError: no intent log.
@@ -125,7 +146,7 @@ class RendezvousBackend(abc.ABC):
     def notify_round(self, round: int) -> None:
         """Announce that ``round`` completed or the rendezvous closed.
 
-        Wakes :meth:`wait_for_round` and, by taking a ticket, :meth:`wait_for_arrival`.
+        Wakes :meth:`wait_for_round` and :meth:`wait_for_arrival`.
         A no-op for backends without an intent log.
         """
 

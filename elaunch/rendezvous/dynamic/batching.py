@@ -6,17 +6,17 @@ in each wave wins; the N-1 others read again and retry, so a node makes O(N)
 round trips and the round O(N^2). With a backend that keeps an intent log
 (``RendezvousBackend.supports_intents``; c10d does), a joining node instead:
 
-1. posts a join intent (``state.JoinIntent``) to the round's log and takes a
-   ticket (arrival order);
-2. if its ticket is 1 it is the round's *combiner*: it writes the state with
-   every pending intent added (``ops.combine_joins`` / ``ops.combine_pending``),
-   then blocks until the next ticket is taken, and repeats;
+1. posts a join intent (``state.JoinIntent``) to the round's log;
+2. if its post was the round's first it is the round's *combiner*: it writes the
+   state with every pending intent added (``ops.combine_joins`` /
+   ``ops.combine_pending``), then blocks until the next post, and repeats;
 3. any other node blocks until the round's notice (completed or closed), and
    adds itself (with every pending intent) only if the combiner has not added
    it within ``grace`` seconds (the combiner died or stalls).
 
-Participants of a forming round keep alive by posting their intent again (no
-ticket, no contended write); whoever reads the log with the state folds those
+Participants of a forming round keep alive without a contended write: in their
+heartbeat key where the backend has them (``supports_heartbeat_keys``), else by
+posting their intent again; whoever reads the log with the state folds those
 heartbeats in (``ops.fold_intents``). The state machine (``ops.decide_join``)
 is unchanged: batching only changes who writes the additions, and when.
 Stdlib only.
@@ -50,10 +50,10 @@ class BatchedJoin:
         self._previous_rank = previous_rank
         self._settings = settings
         self.round: int | None = None  # the round we posted our join to
-        self.ticket = 0
+        self.first = False  # ours was the round's first join: we are the combiner
         self.posted_at = 0.0
         self.intents: list[JoinIntent] = []
-        self.tickets = 0  # tickets taken in ``round`` as of the last read
+        self.position = 0  # the log's position as of the last read (backend-defined)
         self.notified = False  # the last wait ended with the round's notice
 
     @property
@@ -67,16 +67,16 @@ class BatchedJoin:
 
     @property
     def combiner(self) -> bool:
-        """True when this node took ticket 1: it adds everyone who posts."""
-        return self.ticket == 1
+        """True when this node posted the round's first join: it adds everyone who posts."""
+        return self.first
 
     def may_add_self(self, now: float) -> bool:
         """True for the combiner, and for anyone the combiner left out for ``grace`` seconds."""
         return self.combiner or now >= self.posted_at + self.grace
 
     def post(self, round: int, now: float) -> None:
-        """Post our join intent to ``round`` and take a ticket (2 or 3 store calls)."""
-        self.ticket = self._backend.post_intent(round, self._intent(round, now), join=True)
+        """Post our join intent to ``round`` (c10d: 3 store calls, etcd: 1 transaction)."""
+        self.first = self._backend.post_intent(round, self._intent(round, now), join=True)
         self.round, self.posted_at, self.notified = round, now, False
 
     def keep_alive(self, state: RendezvousState, now: float) -> RendezvousState:
@@ -97,17 +97,22 @@ class BatchedJoin:
         """
         assert self.round is not None
         nodes = sorted(known.last_heartbeats) if self._backend.supports_heartbeat_keys else []
-        data, token, log_bytes, self.tickets, heartbeats = self._backend.get_state_and_intents(self.round, nodes)
+        data, token, log_bytes, self.position, heartbeats = self._backend.get_state_and_intents(self.round, nodes)
         self.intents = JoinIntent.parse_log(log_bytes)
-        state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-        return ops.fold_heartbeats(ops.fold_intents(state, self.intents), heartbeats), token
+        state = ops.fold_intents(RendezvousState() if data is None else RendezvousState.from_bytes(data),
+                                 self.intents)
+        if self._backend.supports_heartbeat_keys:
+            from elaunch.rendezvous.dynamic.executor import fold_all_heartbeats  # executor imports us
+
+            state = fold_all_heartbeats(self._backend, state, heartbeats)
+        return state, token
 
     def wait(self, state: RendezvousState, timeout: float) -> None:
-        """Block up to ``timeout`` seconds: the combiner for the next ticket, others for the notice."""
+        """Block up to ``timeout`` seconds: the combiner for the next post, others for the notice."""
         assert self.round is not None
         if self.combiner and self._node_id in state.participants:
             self.notified = False
-            self._backend.wait_for_arrival(self.round, self.tickets + 1, timeout)
+            self._backend.wait_for_arrival(self.round, self.position, timeout)
         else:
             self.notified = self._backend.wait_for_round(self.round, timeout)
 

@@ -188,7 +188,8 @@ class OpExecutor:
                 need_read = True
                 continue
             data, self._token, written = result
-            self._state = RendezvousState.from_bytes(data)
+            # the stored state's heartbeats can be old where they live in keys: keep what we read
+            self._state = ops.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
             need_read = False
             if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
                 self._backend.notify_round(new_state.round)
@@ -246,4 +247,22 @@ def read_state(backend: RendezvousBackend, known: RendezvousState | None = None)
     nodes = sorted(known.last_heartbeats) if known is not None else []
     data, token, heartbeats = backend.get_state_and_heartbeats(nodes)
     state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-    return ops.fold_heartbeats(state, heartbeats), token
+    return fold_all_heartbeats(backend, state, heartbeats), token
+
+
+def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
+                        heartbeats: dict[str, float]) -> RendezvousState:
+    """Fold ``heartbeats`` into ``state``, reading the keys of its nodes not among them first.
+
+    A node that appeared since the caller's previous read (or every node, on a
+    first read) has no entry yet; its stored heartbeat can be far older than its
+    key (heartbeats no longer rewrite the state), so its key is read (one more
+    round trip) rather than judging it dead.
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+    """
+    missing = sorted(n for n in state.last_heartbeats if n not in heartbeats)
+    if missing:
+        heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
+    return ops.fold_heartbeats(state, heartbeats)

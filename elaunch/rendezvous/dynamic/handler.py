@@ -330,7 +330,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         s = self._settings
         tick = min(s.keep_alive_interval, s.probe_timeout / 4)
-        if self._backend.supports_heartbeat_keys:
+        if self._backend.supports_heartbeat_keys and self._backend.cheap_heartbeats:
             self._beat_keys(stop, tick)
             return
         # the first beat at a random point of the interval: the nodes of a round all start
