@@ -1,17 +1,50 @@
-"""Rendezvous scale: N simulated agents complete one c10d round; seconds and store ops per agent.
+"""Rendezvous scale: N simulated agents complete one rendezvous round; seconds and server ops per agent.
 
-The orchestrator hosts one TCPStore and starts a few processes, each running
-several agents as threads. Every agent builds its handler the way its launcher
-does (elaunch: ``elaunch.rendezvous.registry.create_handler``; torchrun:
+Two variants, each elaunch and torchrun side by side:
+
+* **c10d** (keys ``seconds_{n}``, ``ops_{n}``, ``ops_max_{n}``): the orchestrator
+  hosts one TCPStore; both launchers use their ``c10d`` backend. An agent's
+  operations are the calls on its store client (a :class:`CountingStore`): every
+  ``set``/``get``/``add``/``compare_set``/``delete_key``/``check``/``wait``/
+  ``num_keys``/``multi_get``/``multi_set``/``append``; the workers' store the
+  rank-0 agent hosts is not counted.
+* **etcd** (keys ``etcd_seconds_{n}``, ``etcd_ops_{n}``, ``etcd_ops_max_{n}``):
+  the orchestrator starts one real etcd server (``etcd --enable-v2``, free
+  loopback ports, a temp data dir; stopped and removed at the end) shared by the
+  rounds. elaunch uses its ``etcd-v3`` backend (gRPC, etcd-sdk-python), torchrun
+  torch's ``etcd-v2`` backend (HTTP, python-etcd). Sizes are those of c10d capped
+  at :data:`ETCD_MAX_N`. What counts as one operation:
+
+  - elaunch: one call of a method of the etcd-sdk-python client
+    (``MultiEndpointEtcd3Client``) that talks to the server, on every client
+    (first one and reconnections) of the agent's two ``EtcdV3KV`` objects (the
+    rendezvous' and the presence lease's): every public method except
+    ``close``/``get_watcher``/``get_secure_creds``, in practice ``get``,
+    ``transaction``, ``put``, ``lease`` (LeaseGrant), ``refresh_lease`` (one
+    LeaseKeepAlive exchange), ``revoke_lease``, ``add_watch_callback`` /
+    ``add_watch_prefix_callback`` (a watch-create request on the client's watch
+    stream) and ``cancel_watch`` (a watch-cancel request). Events that arrive on
+    an open watch stream are not requests and are not counted; a retried call
+    counts once per attempt.
+  - torchrun: one HTTP request of the agent's ``etcd.Client`` (every call of
+    ``request``/``request_encode_body``/``request_encode_url``/``urlopen`` on its
+    urllib3 pool): the ``/v2/machines`` lookup of the client's constructor, the
+    rendezvous state's reads and compare-and-set writes, the ``EtcdStore``'s
+    reads, writes and long-poll watches (``wait=true``, one request each) that
+    publish MASTER_ADDR/PORT, and the heartbeats; retries count once each.
+
+How a round runs (both variants): the orchestrator starts a few processes, each
+running several agents as threads. Every agent builds its handler the way its
+launcher does (elaunch: ``elaunch.rendezvous.registry.create_handler``; torchrun:
 ``torch.distributed.elastic.rendezvous.registry.get_rendezvous_handler``), each
-with its own store client wrapped in a :class:`CountingStore`. After all
-handlers exist, the orchestrator says "go" and every agent calls
-``next_rendezvous()`` once; a round's time is go -> the last agent's return, and
-an agent's operations are the store calls it made until its own return
-(heartbeats included, the workers' store the rank-0 agent hosts excluded).
+with its own client(s), counted per agent. After all handlers exist, the
+orchestrator says "go" and every agent calls ``next_rendezvous()`` once; a round's
+time is go -> the last agent's return, and an agent's operations are those it made
+from the creation of its handler until its own ``next_rendezvous()`` returned
+(handler construction, heartbeats and lease keep-alives in that span included).
 
-Run by hand: ``python -m benchmarks.rdzv_scale worker --impl elaunch --port P
---n N --count K --run-id R --timeout T`` (the orchestrator does this).
+Run by hand: ``python -m benchmarks.rdzv_scale worker --impl elaunch --backend c10d
+--endpoint HOST:PORT --n N --count K --run-id R --timeout T`` (the orchestrator does this).
 """
 
 from __future__ import annotations
@@ -22,16 +55,25 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Any
+import urllib.error
+import urllib.request
+from typing import Any, Callable
 
-from benchmarks.common import LAUNCHERS, REPO, Recorder, launcher_env, log_line
+from benchmarks.common import LAUNCHERS, REPO, Recorder, free_port, launcher_env, log_line
 
 #: N agents run in min(MAX_PROCS, ceil(N / 32)) processes: each process costs a torch
 #: import (seconds of CPU on this 2-core machine); many threads per process slow the
 #: agents down on the GIL.
 MAX_PROCS = 8
+#: The etcd variant runs the c10d sizes up to this N: at N=1024 (2048 gRPC clients with
+#: their watch and keep-alive threads, one etcd server, 2 cores) not even elaunch's round
+#: completed within 30 s when tried.
+ETCD_MAX_N = 256
+#: The rendezvous backend each launcher uses in the etcd variant.
+ETCD_BACKENDS = {"elaunch": "etcd-v3", "torchrun": "etcd-v2"}
 
 
 def _procs_for(n: int) -> int:
@@ -109,7 +151,131 @@ def _counting_store_class():
     return CountingStore
 
 
-def _make_handlers(impl: str, port: int, n: int, count: int, run_id: str, timeout: float):
+class OpCounter:
+    """The etcd requests of one agent (thread-safe: keep-alive and watch threads count too)."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self._lock = threading.Lock()
+
+    def count(self) -> None:
+        with self._lock:
+            self.ops += 1
+
+
+class CountingEtcd3Client:
+    """Forwards to an etcd-sdk-python client; each call of a method that talks to etcd counts one op.
+
+    Every public method counts except :attr:`NOT_RPC` (local only); attributes
+    (``transactions``, ``call_credentials``, ...) are the inner client's, unwrapped.
+    """
+
+    NOT_RPC = frozenset({"close", "get_watcher", "get_secure_creds"})
+
+    def __init__(self, inner: Any, counter: OpCounter) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_counter", counter)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if name.startswith("_") or name in self.NOT_RPC or not callable(value) or isinstance(value, type):
+            return value
+        counter = self._counter
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter.count()
+            return value(*args, **kwargs)
+
+        return counted
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+
+class CountingPool:
+    """Forwards to a urllib3 PoolManager; each HTTP request through it counts one op."""
+
+    REQUESTS = frozenset({"request", "request_encode_body", "request_encode_url", "urlopen"})
+
+    def __init__(self, inner: Any, counter: OpCounter) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if name not in self.REQUESTS:
+            return value
+        counter = self._counter
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter.count()
+            return value(*args, **kwargs)
+
+        return counted
+
+
+def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, timeout: float):
+    """Build ``count`` etcd handlers of ``impl`` in parallel; returns ``[(handler, OpCounter)]``.
+
+    The clients are counted by patching this (worker) process's client classes: the
+    counter of the agent whose handler is being built is taken from a thread-local.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    local = threading.local()
+    if impl == "elaunch":
+        import elaunch.rendezvous.etcd_v3 as ev3
+        from elaunch.rendezvous.api import RendezvousParameters
+        from elaunch.rendezvous.registry import create_handler
+
+        real_init, real_make_client = ev3.EtcdV3KV.__init__, ev3.EtcdV3KV._make_client
+
+        def init(self, *args, **kwargs):  # the rendezvous' KV and the presence's KV of one agent
+            real_init(self, *args, **kwargs)
+            self._bench_counter = local.counter
+
+        def make_client(self, host, port):  # every (re)connection of that KV
+            return CountingEtcd3Client(real_make_client(self, host, port), self._bench_counter)
+
+        ev3.EtcdV3KV.__init__ = init
+        ev3.EtcdV3KV._make_client = make_client
+
+        def build():
+            params = RendezvousParameters(ETCD_BACKENDS[impl], endpoint, run_id, n, n, local_addr="127.0.0.1",
+                                          config={"join_timeout": str(timeout)})
+            return create_handler(params)
+    else:
+        import etcd
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        class CountingClient(etcd.Client):
+            """python-etcd's client whose urllib3 pool (``self.http``, set in ``__init__``) counts requests."""
+
+            @property
+            def http(self):
+                return self.__dict__.get("_bench_http")
+
+            @http.setter
+            def http(self, pool):
+                self.__dict__["_bench_http"] = CountingPool(pool, local.counter)
+
+        etcd.Client = CountingClient  # torch's etcd_rendezvous_backend calls etcd.Client(...)
+
+        def build():
+            params = RendezvousParameters(ETCD_BACKENDS[impl], endpoint, run_id, n, n, local_addr="127.0.0.1",
+                                          join_timeout=timeout)
+            return get_rendezvous_handler(params)
+
+    def make():
+        local.counter = OpCounter()
+        return build(), local.counter
+
+    with ThreadPoolExecutor(max_workers=min(count, 128)) as pool:
+        return list(pool.map(lambda _: make(), range(count)))
+
+
+def _make_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, timeout: float):
     """Build ``count`` handlers of ``impl`` in parallel; returns ``[(handler, counting_store)]``.
 
     In parallel because connecting a TCPStore client now and then stalls for 5 s
@@ -129,7 +295,6 @@ def _make_handlers(impl: str, port: int, n: int, count: int, run_id: str, timeou
             return local.last
         return factory
 
-    endpoint = f"127.0.0.1:{port}"
     if impl == "elaunch":
         import elaunch.rendezvous.c10d as c10d
         from elaunch.rendezvous.api import RendezvousParameters
@@ -161,25 +326,27 @@ def worker_main(argv: list[str]) -> None:
     """One process of simulated agents: build, wait for GO on stdin, join, print JSON, exit."""
     p = argparse.ArgumentParser(prog="benchmarks.rdzv_scale worker")
     p.add_argument("--impl", choices=LAUNCHERS, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--backend", choices=("c10d", "etcd"), default="c10d")
+    p.add_argument("--endpoint", required=True, help="HOST:PORT of the TCPStore (c10d) or etcd server")
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--timeout", type=float, required=True)
     a = p.parse_args(argv)
-    handlers = _make_handlers(a.impl, a.port, a.n, a.count, a.run_id, a.timeout)
+    make = _make_etcd_handlers if a.backend == "etcd" else _make_handlers
+    handlers = make(a.impl, a.endpoint, a.n, a.count, a.run_id, a.timeout)
     print("READY", flush=True)
     line = sys.stdin.readline().split()
     if not line or line[0] != "GO":
         os._exit(3)
     results: list[dict[str, Any]] = [{} for _ in handlers]
 
-    def join(i: int, handler: Any, store: Any) -> None:
+    def join(i: int, handler: Any, counter: Any) -> None:
         try:
             handler.next_rendezvous()
-            results[i] = {"t": time.time(), "ops": store.ops, "err": None}
+            results[i] = {"t": time.time(), "ops": counter.ops, "err": None}
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
-            results[i] = {"t": time.time(), "ops": store.ops, "err": f"{type(exc).__name__}: {exc}"[:300]}
+            results[i] = {"t": time.time(), "ops": counter.ops, "err": f"{type(exc).__name__}: {exc}"[:300]}
 
     threads = [threading.Thread(target=join, args=(i, h, s), daemon=True) for i, (h, s) in enumerate(handlers)]
     for t in threads:
@@ -195,22 +362,30 @@ def worker_main(argv: list[str]) -> None:
     os._exit(0)  # skip shutdown: closing 100s of handlers would only add noise
 
 
-def one_round(impl: str, n: int, timeout: float) -> dict[str, Any]:
+def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint: str | None = None) -> dict[str, Any]:
     """Run one round of ``n`` agents of ``impl``.
+
+    Args:
+        backend: ``c10d`` (a TCPStore is hosted here for the round) or ``etcd``
+            (the agents use the etcd server at ``endpoint``, ``HOST:PORT``).
 
     Returns:
         ``{"seconds": float | None, "ops": [per-agent ops], "error": str | None}``;
         seconds is None when the round did not complete within ``timeout`` seconds.
     """
-    import datetime
+    server = None
+    if backend == "c10d":
+        import datetime
 
-    from torch.distributed import TCPStore
+        from torch.distributed import TCPStore
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=timeout + 30), use_libuv=True)
+        server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout + 30), use_libuv=True)
+        endpoint = f"127.0.0.1:{server.port}"
+    assert endpoint, "an etcd round needs the server's endpoint"
     nproc = _procs_for(n)
     counts = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
-    run_id = f"bench-scale-{impl}-{n}-{os.getpid()}-{time.time_ns()}"
+    run_id = f"bench-scale-{backend}-{impl}-{n}-{os.getpid()}-{time.time_ns()}"
     procs: list[subprocess.Popen] = []
     # a bound on the whole round, so a stuck worker process cannot hang the benchmark
     watchdog = threading.Timer(timeout + 180, lambda: [p.kill() for p in list(procs)])
@@ -218,15 +393,16 @@ def one_round(impl: str, n: int, timeout: float) -> dict[str, Any]:
     watchdog.start()
     try:
         for c in counts:
-            cmd = [sys.executable, "-m", "benchmarks.rdzv_scale", "worker", "--impl", impl, "--port",
-                   str(server.port), "--n", str(n), "--count", str(c), "--run-id", run_id, "--timeout", str(timeout)]
+            cmd = [sys.executable, "-m", "benchmarks.rdzv_scale", "worker", "--impl", impl, "--backend", backend,
+                   "--endpoint", endpoint, "--n", str(n), "--count", str(c), "--run-id", run_id,
+                   "--timeout", str(timeout)]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True, env=launcher_env(), cwd=str(REPO)))
         for p in procs:
             if p.stdout.readline().strip() != "READY":  # blocks until the handlers exist
                 return {"seconds": None, "ops": [], "error": "a worker process failed to build its handlers"}
         go = time.time()
-        log_line(f"rdzv_scale: {impl} N={n}: {nproc} processes ready, go")
+        log_line(f"rdzv_scale: {backend} {impl} N={n}: {nproc} processes ready, go")
         for p in procs:
             p.stdin.write(f"GO {go}\n")
             p.stdin.flush()
@@ -249,54 +425,209 @@ def one_round(impl: str, n: int, timeout: float) -> dict[str, Any]:
     return {"seconds": max(a["t"] for a in agents) - go, "ops": [a["ops"] for a in agents], "error": None}
 
 
-def bench_rdzv_scale(sizes: tuple[int, ...], timeout: float) -> Recorder:
-    """N agents, one c10d round, per N and launcher; once a launcher misses ``timeout`` s, larger N are skipped."""
+def _measure(rec: Recorder, sizes: tuple[int, ...], timeout: float, prefix: str, what: str,
+             round_fn: Callable[[str, int], dict[str, Any]],
+             targets: Callable[[int], tuple[dict | None, dict | None]] = lambda n: (None, None)) -> None:
+    """Record ``{prefix}seconds_{n}``, ``{prefix}ops_{n}``, ``{prefix}ops_max_{n}`` per N and launcher.
+
+    ``round_fn(impl, n)`` runs one round (:func:`one_round`); once a launcher misses
+    ``timeout`` s (or needed more than a third of it), its larger N are skipped.
+    ``what`` goes into the labels; ``targets(n)`` gives the (seconds, ops) targets.
+    """
     import statistics
 
-    rec = Recorder("rdzv_scale")
     given_up: dict[str, str] = {}
-    smallest, largest = min(sizes), max(sizes)
     for n in sorted(sizes):
-        target_s = {"kind": "abs_le", "value": 10.0, "text": "<= 10 s"} if n == 1024 else None
-        target_ops = ({"kind": "flat", "value": 1.5, "base": f"rdzv_scale.ops_{smallest}",
-                       "text": f"independent of N (<= 1.5x N={smallest})"} if n == largest and n != smallest else None)
-        rec.metric(f"seconds_{n}", f"rendezvous scale (c10d): {n} agents, one round", "s", target_s)
-        rec.metric(f"ops_{n}", f"rendezvous scale (c10d): store ops per agent, N={n} (median)", "ops", target_ops)
-        rec.metric(f"ops_max_{n}", f"rendezvous scale (c10d): store ops per agent, N={n} (max)", "ops")
+        target_s, target_ops = targets(n)
+        rec.metric(f"{prefix}seconds_{n}", f"rendezvous scale ({what}): {n} agents, one round", "s", target_s)
+        rec.metric(f"{prefix}ops_{n}", f"rendezvous scale ({what}): {OPS_NAME[prefix]} per agent, N={n} (median)",
+                   "ops", target_ops)
+        rec.metric(f"{prefix}ops_max_{n}", f"rendezvous scale ({what}): {OPS_NAME[prefix]} per agent, N={n} (max)", "ops")
         for impl in LAUNCHERS:
             if impl in given_up:
                 for k in ("seconds", "ops", "ops_max"):
-                    rec.add(f"{k}_{n}", impl, None, given_up[impl])
+                    rec.add(f"{prefix}{k}_{n}", impl, None, given_up[impl])
                 continue
-            log_line(f"rdzv_scale: {impl} N={n}")
-            r = one_round(impl, n, timeout)
+            log_line(f"rdzv_scale: {what}: {impl} N={n}")
+            r = round_fn(impl, n)
             if r["error"]:
-                log_line(f"rdzv_scale: {impl} N={n}: {r['error']}")
+                log_line(f"rdzv_scale: {what}: {impl} N={n}: {r['error']}")
                 given_up[impl] = f"skipped (N={n} did not complete)"
             elif r["seconds"] > timeout / 3:  # rounds grow at least linearly with N
                 given_up[impl] = f"skipped (N={n} already took {r['seconds']:.0f} s)"
             ops = r["ops"]
-            rec.add(f"seconds_{n}", impl, r["seconds"], r["error"])
-            rec.add(f"ops_{n}", impl, statistics.median(ops) if ops and not r["error"] else None, r["error"])
-            rec.add(f"ops_max_{n}", impl, max(ops) if ops and not r["error"] else None, r["error"])
+            rec.add(f"{prefix}seconds_{n}", impl, r["seconds"], r["error"])
+            rec.add(f"{prefix}ops_{n}", impl, statistics.median(ops) if ops and not r["error"] else None, r["error"])
+            rec.add(f"{prefix}ops_max_{n}", impl, max(ops) if ops and not r["error"] else None, r["error"])
+
+
+#: What an "op" is, per metric prefix (see the module docstring).
+OPS_NAME = {"": "store ops", "etcd_": "etcd requests"}
+
+
+def bench_rdzv_scale(sizes: tuple[int, ...], timeout: float) -> Recorder:
+    """N agents, one c10d round, per N and launcher; once a launcher misses ``timeout`` s, larger N are skipped."""
+    rec = Recorder("rdzv_scale")
+    smallest, largest = min(sizes), max(sizes)
+
+    def targets(n: int) -> tuple[dict | None, dict | None]:
+        target_s = {"kind": "abs_le", "value": 10.0, "text": "<= 10 s"} if n == 1024 else None
+        target_ops = ({"kind": "flat", "value": 1.5, "base": f"rdzv_scale.ops_{smallest}",
+                       "text": f"independent of N (<= 1.5x N={smallest})"} if n == largest and n != smallest else None)
+        return target_s, target_ops
+
+    _measure(rec, sizes, timeout, "", "c10d", lambda impl, n: one_round(impl, n, timeout), targets)
     return rec
 
 
-def etcd_note() -> str | None:
-    """Return why the etcd variant is skipped, or None when it can run."""
-    from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
-    from elaunch.rendezvous.registry import create_handler
+def etcd_binary() -> str | None:
+    """The ``etcd`` server binary (PATH, else /usr/bin/etcd), or None."""
+    return shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
 
-    try:
-        create_handler(RendezvousParameters("etcd-v2", "127.0.0.1:1", "probe", 1, 1))
-    except RendezvousConfigError as exc:
-        if "not available" in str(exc):
-            return "etcd: skipped (elaunch has no etcd backend yet)"
-    except Exception:  # noqa: BLE001 - any other error means the backend exists
-        pass
-    if shutil.which("etcd") is None:
+
+class EtcdServer:
+    """One etcd member on free loopback ports with a temp data dir, v2 API enabled (``--enable-v2``).
+
+    :meth:`start` it, then :meth:`stop` it in a ``finally`` (or use it as a context
+    manager): the process is stopped (SIGTERM, SIGKILL after 10 s) and the data dir
+    removed, whatever happened.
+
+    Args:
+        binary: the ``etcd`` executable.
+        timeout: seconds to wait until ``/health`` reports true.
+    """
+
+    def __init__(self, binary: str, timeout: float = 30.0) -> None:
+        self.binary = binary
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.dir: str | None = None
+        self.client_port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT`` of the client URL."""
+        return f"127.0.0.1:{self.client_port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=2) as resp:
+                return str(json.loads(resp.read() or b"{}").get("health")) == "true"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.dir or "", "etcd.log"), errors="replace") as f:
+                return " / ".join(f.read().splitlines()[-3:])[-400:]
+        except OSError:
+            return ""
+
+    def start(self) -> EtcdServer:
+        """Start etcd (up to 3 tries on fresh ports) and wait until healthy.
+
+        Raises:
+            RuntimeError: it exited or was not healthy within ``timeout`` seconds;
+                the message has the end of its log. The server is stopped then.
+        """
+        self.dir = tempfile.mkdtemp(prefix="elaunch-bench-etcd-")
+        try:
+            for attempt in range(3):
+                self.client_port, peer = free_port(), free_port()
+                client_url, peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{peer}"
+                cmd = [self.binary, "--name", "bench", "--data-dir", os.path.join(self.dir, f"data{attempt}"),
+                       "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                       "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                       "--initial-cluster", f"bench={peer_url}", "--initial-cluster-state", "new",
+                       "--enable-v2=true", "--log-level", "warn", "--logger", "zap"]
+                with open(os.path.join(self.dir, "etcd.log"), "ab") as log:
+                    self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                deadline = time.monotonic() + self.timeout
+                while self.proc.poll() is None and time.monotonic() < deadline:
+                    if self._healthy():
+                        return self
+                    time.sleep(0.1)
+                if self.proc.poll() is None:  # alive but not healthy in time: no retry
+                    raise RuntimeError(f"etcd not healthy within {self.timeout:g} s: {self._log_tail()}")
+                self.proc = None  # exited (e.g. a port taken meanwhile): fresh ports
+            raise RuntimeError(f"etcd exited at start: {self._log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the process and remove the data dir; safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def etcd_note() -> str | None:
+    """Return why the etcd variant cannot run here (a note for the report), or None when it can."""
+    import importlib.util
+
+    from elaunch.rendezvous.registry import backend_names
+
+    if ETCD_BACKENDS["elaunch"] not in backend_names():
+        return f"etcd: skipped (elaunch has no {ETCD_BACKENDS['elaunch']} backend)"
+    missing = [m for m in ("pyetcd", "etcd") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"etcd: skipped (Python module(s) {', '.join(missing)} missing: pip install -e '.[etcd]')"
+    if etcd_binary() is None:
         return "etcd: skipped (no etcd server binary on PATH)"
-    return "etcd: skipped (the etcd variant of this scenario is not written yet)"
+    return None
+
+
+def etcd_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The N of the etcd variant: the c10d ``sizes`` up to :data:`ETCD_MAX_N`."""
+    return tuple(n for n in sizes if n <= ETCD_MAX_N)
+
+
+def bench_rdzv_scale_etcd(rec: Recorder, sizes: tuple[int, ...], timeout: float) -> list[str]:
+    """Add the etcd variant's metrics (``etcd_*``) to ``rec``; returns notes for the report.
+
+    One etcd server serves every round (each round has its own run id); it is
+    stopped at the end, also on errors. When the etcd variant cannot run
+    (:func:`etcd_note`), or no size is left after the cap, nothing is measured and
+    the notes say why.
+    """
+    if note := etcd_note():
+        return [note]
+    run = etcd_sizes(sizes)
+    notes = []
+    if dropped := [n for n in sizes if n not in run]:
+        notes.append(f"etcd: N={','.join(map(str, sorted(dropped)))} not run (the etcd variant stops at "
+                     f"N={ETCD_MAX_N})")
+    if not run:
+        return notes
+    what = f"etcd: elaunch {ETCD_BACKENDS['elaunch']} vs torchrun {ETCD_BACKENDS['torchrun']}"
+    server = EtcdServer(etcd_binary() or "etcd")
+    try:
+        server.start()
+    except RuntimeError as exc:
+        log_line(f"rdzv_scale: {exc}")
+        return [*notes, f"etcd: skipped (the etcd server did not start: {exc})"]
+    try:
+        log_line(f"rdzv_scale: etcd {server.binary} serves {server.endpoint}")
+        _measure(rec, run, timeout, "etcd_", what,
+                 lambda impl, n: one_round(impl, n, timeout, backend="etcd", endpoint=server.endpoint))
+    finally:
+        server.stop()
+    return notes
 
 
 if __name__ == "__main__":

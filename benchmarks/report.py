@@ -106,8 +106,9 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
         return False
     metrics = [m for s in result["scenarios"] for m in s["metrics"]]
     timed = [m for m in metrics if m["unit"] == "s" and not m["key"].startswith("rdzv_scale")]
-    scale = [m for m in metrics if m["key"].startswith("rdzv_scale.seconds_")]
-    ops = [m for m in metrics if m["key"].startswith("rdzv_scale.ops_") and "max" not in m["key"]]
+    # rendezvous scale: c10d (solid) and, when run, etcd (dashed) curves
+    scale = [m for m in metrics if m["key"].startswith(("rdzv_scale.seconds_", "rdzv_scale.etcd_seconds_"))]
+    ops = [m for m in metrics if m["key"].startswith(("rdzv_scale.ops_", "rdzv_scale.etcd_ops_")) and "max" not in m["key"]]
     fig, axes = plt.subplots(1, 3, figsize=(17, 6.5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
     colors = {"elaunch": "tab:blue", "torchrun": "tab:orange"}
     ax = axes[0]
@@ -127,12 +128,16 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     ax.set_title("Latency per scenario")
     ax.legend()
     for ax, series, ylabel, title in ((axes[1], scale, "seconds", "Rendezvous: one round of N agents"),
-                                      (axes[2], ops, "store ops per agent (median)", "Rendezvous: store ops")):
+                                      (axes[2], ops, "store ops / etcd requests per agent (median)",
+                                       "Rendezvous: ops per agent")):
         for which in ("elaunch", "torchrun"):
-            pts = [(int(m["key"].rsplit("_", 1)[1]), m["median"][which]) for m in series]
-            pts = [(n, v) for n, v in pts if v is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=colors[which], label=which)
+            for variant, style, marker in (("c10d", "-", "o"), ("etcd", "--", "s")):
+                mine = [m for m in series if m["key"].startswith("rdzv_scale.etcd_") == (variant == "etcd")]
+                pts = [(int(m["key"].rsplit("_", 1)[1]), m["median"][which]) for m in mine]
+                pts = [(n, v) for n, v in pts if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, linestyle=style, color=colors[which],
+                            label=f"{which} ({variant})")
         if not series:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])

@@ -5,7 +5,10 @@ Structure only: no timing is asserted (the machine is shared and noisy).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +31,11 @@ REQUIRED = [
     ("rdzv_scale.seconds_4", LAUNCHERS), ("rdzv_scale.ops_4", LAUNCHERS),
     ("overhead.cpu_per_min", LAUNCHERS), ("overhead.rss", LAUNCHERS),
 ]
+#: The etcd variant of rdzv_scale (elaunch etcd-v3 vs torchrun etcd-v2) at the quick run's sizes.
+ETCD_REQUIRED = [f"rdzv_scale.etcd_{k}_{n}" for n in (2, 4) for k in ("seconds", "ops", "ops_max")]
+#: The benchmark can run its etcd variant here: an etcd server binary and both Python clients.
+ETCD_AVAILABLE = bool((shutil.which("etcd") or os.access("/usr/bin/etcd", os.X_OK))
+                      and importlib.util.find_spec("pyetcd") and importlib.util.find_spec("etcd"))
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +71,24 @@ def test_every_scenario_produced_numbers_for_both_launchers(quick_run):
     if result["meta"]["warm_start"]:
         assert "restart_warm.ready" in metrics
     assert result["meta"]["torch"] and result["meta"]["elaunch"] and result["meta"]["machine"]
+
+
+def test_etcd_variant_produced_numbers_or_says_why_not(quick_run):
+    _out, result, _stdout, stderr = quick_run
+    metrics = {m["key"]: m for s in result["scenarios"] for m in s["metrics"]}
+    etcd_notes = [n for n in result["meta"]["notes"] if "etcd" in n]
+    if not ETCD_AVAILABLE:
+        assert any("etcd: skipped" in n for n in etcd_notes), result["meta"]["notes"]
+        return
+    assert not any("skipped" in n for n in etcd_notes), etcd_notes
+    for key in ETCD_REQUIRED:
+        assert key in metrics, f"{key} missing; have {sorted(metrics)}\n{stderr[-3000:]}"
+        m = metrics[key]
+        assert "(etcd: elaunch etcd-v3 vs torchrun etcd-v2)" in m["label"], m["label"]
+        for which in LAUNCHERS:
+            v = m["median"][which]
+            assert isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, \
+                f"{key}: no number for {which}: {m['notes'][which]}\n{stderr[-3000:]}"
 
 
 def test_markdown_table_and_plot_are_written(quick_run):

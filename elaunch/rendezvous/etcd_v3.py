@@ -215,22 +215,15 @@ class EtcdV3KV(FailoverKV):
         return self.call(f"writing {key}", op)
 
     def wait(self, key: str, token: Token | None, timeout: float) -> None:
-        """Watch ``key`` from revision ``token + 1``; return on the first event or after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        events: queue.Queue = queue.Queue()
-        try:
-            client = self._client()
-            kwargs = {} if token is None else {"start_revision": int(token) + 1}
-            watch_id = client.add_watch_callback(key, events.put, **kwargs)
-            try:
-                events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pass
-            finally:
-                client.cancel_watch(watch_id)
-        except Exception as exc:  # noqa: BLE001 - a watch only shortens polling; reads report errors
-            log.debug("etcd-v3: watching %s failed: %s", key, exc)
-            time.sleep(max(0.0, deadline - time.monotonic()))
+        """Watch ``key`` from revision ``token + 1``; return on the first event or after ``timeout`` s.
+
+        With ``token`` None (the key was missing) it also returns at once if the
+        key exists by the time the watch started: a write in between is not missed.
+        """
+        if token is None:
+            self.watch(key, timeout, exists=True)
+        else:
+            self.watch(key, timeout, start_revision=int(token) + 1)
 
 
 class Presence:
