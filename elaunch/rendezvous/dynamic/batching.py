@@ -24,6 +24,8 @@ Stdlib only.
 
 from __future__ import annotations
 
+import time
+
 from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
@@ -104,7 +106,8 @@ class BatchedJoin:
         if self._backend.supports_heartbeat_keys:
             from elaunch.rendezvous.dynamic.executor import fold_all_heartbeats  # executor imports us
 
-            state = fold_all_heartbeats(self._backend, state, heartbeats)
+            state = fold_all_heartbeats(self._backend, state, heartbeats,
+                                        time.time() - self._settings.keep_alive_interval)
         return state, token
 
     def wait(self, state: RendezvousState, timeout: float) -> None:

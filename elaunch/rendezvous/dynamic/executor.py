@@ -75,7 +75,8 @@ class OpExecutor:
             RendezvousConnectionError: the backend cannot be reached.
             RendezvousStateError: the stored state is corrupt.
         """
-        self._state, self._token = read_state(self._backend, self._state)
+        self._state, self._token = read_state(self._backend, self._state,
+                                              self._clock() - self._settings.keep_alive_interval)
         return self._state
 
     def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1,
@@ -229,13 +230,16 @@ class OpExecutor:
             self._sleep(settings.poll_interval)
 
 
-def read_state(backend: RendezvousBackend, known: RendezvousState | None = None) -> tuple[RendezvousState, Token]:
+def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
+               fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
     """Read the state and its token; with per-node heartbeat keys, fold those in.
 
     Args:
         known: a state read earlier; the heartbeat keys read are those of its
-            nodes (each has one), in the same round trip as the state. A node
-            added since then has a recent heartbeat in the state itself.
+            nodes (each has one), in the same round trip as the state.
+        fresh_after: seconds since the epoch; a node not in ``known`` whose stored
+            heartbeat is at least this recent needs no key read (see
+            :func:`fold_all_heartbeats`).
 
     Raises:
         RendezvousConnectionError: the backend cannot be reached.
@@ -247,22 +251,25 @@ def read_state(backend: RendezvousBackend, known: RendezvousState | None = None)
     nodes = sorted(known.last_heartbeats) if known is not None else []
     data, token, heartbeats = backend.get_state_and_heartbeats(nodes)
     state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-    return fold_all_heartbeats(backend, state, heartbeats), token
+    return fold_all_heartbeats(backend, state, heartbeats, fresh_after), token
 
 
 def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
-                        heartbeats: dict[str, float]) -> RendezvousState:
+                        heartbeats: dict[str, float], fresh_after: float = float("inf")) -> RendezvousState:
     """Fold ``heartbeats`` into ``state``, reading the keys of its nodes not among them first.
 
     A node that appeared since the caller's previous read (or every node, on a
     first read) has no entry yet; its stored heartbeat can be far older than its
     key (heartbeats no longer rewrite the state), so its key is read (one more
-    round trip) rather than judging it dead.
+    round trip) rather than judging it dead. Not needed when its stored
+    heartbeat is at least ``fresh_after`` (callers pass now minus
+    ``keep_alive_interval``: nothing that recent counts as dead or lost), as in a
+    round that just completed.
 
     Raises:
         RendezvousConnectionError: the backend cannot be reached.
     """
-    missing = sorted(n for n in state.last_heartbeats if n not in heartbeats)
+    missing = sorted(n for n, t in state.last_heartbeats.items() if n not in heartbeats and t < fresh_after)
     if missing:
         heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
     return ops.fold_heartbeats(state, heartbeats)

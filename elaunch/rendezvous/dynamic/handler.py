@@ -191,7 +191,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < self._settings.poll_interval:
             return self._cached[1]
-        state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state)
+        state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state,
+                                   self._clock() - self._settings.keep_alive_interval)
         self._cached = (now, state)
         return state
 
