@@ -180,13 +180,7 @@ class CountingEtcd3Client:
         value = getattr(self._inner, name)
         if name.startswith("_") or name in self.NOT_RPC or not callable(value) or isinstance(value, type):
             return value
-        counter = self._counter
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counter.count()
-            return value(*args, **kwargs)
-
-        return counted
+        return _counted(value, self._counter)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)
@@ -205,13 +199,16 @@ class CountingPool:
         value = getattr(self._inner, name)
         if name not in self.REQUESTS:
             return value
-        counter = self._counter
+        return _counted(value, self._counter)
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counter.count()
-            return value(*args, **kwargs)
 
-        return counted
+def _counted(fn: Any, counter: OpCounter) -> Any:
+    """``fn``, counting one op per call."""
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counter.count()
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, timeout: float):

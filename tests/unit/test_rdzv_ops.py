@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elaunch.rendezvous.api import NodeInfo
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import merge, ops
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
@@ -362,7 +362,7 @@ def intent(node, at=NOW - 1, round=0, prev=-1):
 )
 def test_combine_joins(desc, state, intents, added):
     c = OpContext(ME, NodeInfo(ME, "default", 2), BATCH, NOW + 600, -1, NOW)
-    s = ops.combine_joins(state, c, intents, NOW)
+    s = merge.combine_joins(state, c, intents, NOW)
     assert sorted(n for n in s.participants if n != ME and n not in state.participants) == sorted(added), desc
     assert ME in s.participants
     assert s.complete == (len(s.participants) == BATCH.max_nodes), desc
@@ -371,10 +371,10 @@ def test_combine_joins(desc, state, intents, added):
 
 
 def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kept():
-    s = ops.combine_pending(mk(["x"]), [intent("a", at=NOW - 9, prev=1), intent("a", at=NOW - 2, prev=1)], BATCH, NOW)
+    s = merge.combine_pending(mk(["x"]), [intent("a", at=NOW - 9, prev=1), intent("a", at=NOW - 2, prev=1)], BATCH, NOW)
     assert s.last_heartbeats["a"] == NOW - 2 and s.participants["a"] == 1
     assert s.node_infos["a"]["addr"] == "a"
-    assert ops.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
+    assert merge.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
 
 
 @pytest.mark.parametrize(
@@ -387,7 +387,7 @@ def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kep
 )
 def test_fold_heartbeats(desc, beats, expected):
     state = mk(["a", "b"])
-    folded = ops.fold_heartbeats(state, beats)
+    folded = merge.fold_heartbeats(state, beats)
     assert folded.last_heartbeats == expected, desc
     assert state.last_heartbeats == {"a": NOW, "b": NOW}  # pure
 

@@ -8,8 +8,8 @@ round trips and the round O(N^2). With a backend that keeps an intent log
 
 1. posts a join intent (``state.JoinIntent``) to the round's log;
 2. if its post was the round's first it is the round's *combiner*: it writes the
-   state with every pending intent added (``ops.combine_joins`` /
-   ``ops.combine_pending``), then blocks until the next post, and repeats;
+   state with every pending intent added (``merge.combine_joins`` /
+   ``merge.combine_pending``), then blocks until the next post, and repeats;
 3. any other node blocks until the round's notice (completed or closed), and
    adds itself (with every pending intent) only if the combiner has not added
    it within ``grace`` seconds (the combiner died or stalls).
@@ -17,7 +17,7 @@ round trips and the round O(N^2). With a backend that keeps an intent log
 Participants of a forming round keep alive without a contended write: in their
 heartbeat key where the backend has them (``supports_heartbeat_keys``), else by
 posting their intent again; whoever reads the log with the state folds those
-heartbeats in (``ops.fold_intents``). The state machine (``ops.decide_join``)
+heartbeats in (``merge.fold_intents``). The state machine (``ops.decide_join``)
 is unchanged: batching only changes who writes the additions, and when.
 Stdlib only.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 from elaunch.rendezvous.api import NodeInfo
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
@@ -86,7 +86,7 @@ class BatchedJoin:
         assert self.round is not None
         self._backend.post_intent(self.round, self._intent(self.round, now), join=False)
         mine = JoinIntent(self._node_id, self._info, self._previous_rank, self.round, now)
-        return ops.fold_intents(state, [mine])
+        return merge.fold_intents(state, [mine])
 
     def read(self, known: RendezvousState) -> tuple[RendezvousState, Token]:
         """Read the state with the log (1 store call); the log's heartbeats folded in.
@@ -101,7 +101,7 @@ class BatchedJoin:
         nodes = sorted(known.last_heartbeats) if self._backend.supports_heartbeat_keys else []
         data, token, log_bytes, self.position, heartbeats = self._backend.get_state_and_intents(self.round, nodes)
         self.intents = JoinIntent.parse_log(log_bytes)
-        state = ops.fold_intents(RendezvousState() if data is None else RendezvousState.from_bytes(data),
+        state = merge.fold_intents(RendezvousState() if data is None else RendezvousState.from_bytes(data),
                                  self.intents)
         if self._backend.supports_heartbeat_keys:
             from elaunch.rendezvous.dynamic.executor import fold_all_heartbeats  # executor imports us

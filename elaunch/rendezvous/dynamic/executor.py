@@ -19,7 +19,7 @@ from elaunch.rendezvous.api import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -85,7 +85,7 @@ class OpExecutor:
 
         Joins are batched when the backend keeps an intent log: before adding
         itself the node posts an intent, and each write adds every fresh intent
-        read with the state (``ops.combine_joins``). A participant waiting for its
+        read with the state (``merge.combine_joins``). A participant waiting for its
         round to complete blocks in ``backend.wait_for_round`` (woken by the write
         that completes or closes the round) rather than polling, where the backend
         can. Together these make a join cost a bounded number of round trips,
@@ -161,7 +161,7 @@ class OpExecutor:
             if action is Action.SYNC:
                 combined = None
                 if batched and batch.combiner and me in state.participants:
-                    combined = ops.combine_pending(state, batch.intents, settings, now)
+                    combined = merge.combine_pending(state, batch.intents, settings, now)
                 if combined is None:
                     self._wait(ctx, now, batch if batched else None)
                     need_read = True
@@ -172,10 +172,10 @@ class OpExecutor:
                     batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
                     need_read = True
                     continue
-                new_state = ops.combine_joins(state, ctx, batch.intents, now)
+                new_state = merge.combine_joins(state, ctx, batch.intents, now)
             elif action is Action.KEEP_ALIVE and self._backend.supports_heartbeat_keys:
                 self._backend.put_heartbeat(me, now)  # no contended write
-                self._state = ops.fold_heartbeats(state, {me: now})
+                self._state = merge.fold_heartbeats(state, {me: now})
                 need_read = False
                 continue
             elif action is Action.KEEP_ALIVE and batched and me in state.participants:
@@ -190,7 +190,7 @@ class OpExecutor:
                 continue
             data, self._token, written = result
             # the stored state's heartbeats can be old where they live in keys: keep what we read
-            self._state = ops.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
+            self._state = merge.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
             need_read = False
             if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
                 self._backend.notify_round(new_state.round)
@@ -272,4 +272,4 @@ def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
     missing = sorted(n for n, t in state.last_heartbeats.items() if n not in heartbeats and t < fresh_after)
     if missing:
         heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
-    return ops.fold_heartbeats(state, heartbeats)
+    return merge.fold_heartbeats(state, heartbeats)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
+from elaunch.rendezvous.dynamic.state import RendezvousState
 
 #: Seconds after the join deadline during which a timed-out node still removes
 #: itself from the state before raising (torch: ``rollback_period``).
@@ -231,7 +231,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     if action is Action.KEEP_ALIVE:
         s.last_heartbeats[me] = now
     elif action is Action.ADD_TO_PARTICIPANTS:
-        _add_participant(s, me, info, ctx.previous_rank, settings, now)
+        add_participant(s, me, info, ctx.previous_rank, settings, now)
     elif action is Action.ADD_TO_WAIT_LIST:
         # OUTSIDE -> WAITING: running groups see num_nodes_waiting() > 0
         s.redundancy_list.discard(me)
@@ -276,9 +276,13 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     return s
 
 
-def _add_participant(s: RendezvousState, node: str, info: dict, previous_rank: int,
+def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: int,
                      settings: RendezvousSettings, now: float, heartbeat: float | None = None) -> None:
-    """OUTSIDE/WAITING -> PARTICIPANT, in place (the rank is fixed when the round completes)."""
+    """OUTSIDE/WAITING -> PARTICIPANT, in place (the rank is fixed when the round completes).
+
+    ``heartbeat``: the node's last sign of life (default ``now``; ``merge.py`` adds
+    nodes on their intent's time).
+    """
     s.wait_list.discard(node)
     s.participants[node] = previous_rank
     s.node_infos[node] = info
@@ -293,83 +297,6 @@ def _add_participant(s: RendezvousState, node: str, info: dict, previous_rank: i
         s.deadline = now + settings.settle_timeout if hard is None else min(now + settings.settle_timeout, hard)
     if n == settings.max_nodes:
         _mark_complete(s)  # INCOMPLETE -> COMPLETE: world full
-
-
-def combine_joins(state: RendezvousState, ctx: OpContext, intents: list[JoinIntent], now: float) -> RendezvousState:
-    """ADD_TO_PARTICIPANTS for ``ctx``'s node, then for every other node whose intent may still join (pure).
-
-    Call only when ``decide_join`` returned ADD_TO_PARTICIPANTS for ``ctx``. See
-    :func:`combine_pending` for which intents are added.
-
-    Returns:
-        The new state; ``state`` is unchanged.
-    """
-    s = apply(Action.ADD_TO_PARTICIPANTS, state, ctx, now)
-    _add_intents(s, intents, ctx.settings, now)
-    return s
-
-
-def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings,
-                    now: float) -> RendezvousState | None:
-    """Return ``state`` with the pending intents' nodes added, or None when none may join (pure).
-
-    A node's intent is added, in log order, while the round is open and has room,
-    if the intent is for this round and at most ``settings.dead_after`` seconds old,
-    and its node is not a participant or redundant already (a waiting node is
-    added: it posted because the round opened). Its heartbeat is its newest post,
-    the last moment it is known to be alive. Freshness is what keeps a node that
-    left or was pruned out: it was pruned for a heartbeat older than
-    ``dead_after``, and a node times out of a join long after its post.
-    """
-    s = state.copy()
-    return s if _add_intents(s, intents, settings, now) else None
-
-
-def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings, now: float) -> bool:
-    newest: dict[str, float] = {}  # a node keeps alive by posting again: its last post is its heartbeat
-    for intent in intents:
-        newest[intent.node_id] = max(intent.at, newest.get(intent.node_id, 0.0))
-    added = False
-    for intent in intents:
-        if s.complete or s.closed or len(s.participants) >= settings.max_nodes:
-            break
-        node = intent.node_id
-        if (intent.round != s.round or node in s.participants or node in s.redundancy_list
-                or not now - settings.dead_after <= intent.at <= now + settings.dead_after):
-            continue
-        _add_participant(s, intent.node_id, dict(intent.info), intent.previous_rank, settings, now,
-                         heartbeat=min(newest[intent.node_id], now))
-        added = True
-    if added:
-        members = set(s.participants) | s.wait_list | s.redundancy_list
-        s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
-    return added
-
-
-def fold_intents(state: RendezvousState, intents: list[JoinIntent]) -> RendezvousState:
-    """Return ``state`` with each present node's heartbeat raised to its newest intent of this round (pure).
-
-    A node that posted an intent was alive when it posted. Returns ``state``
-    itself when nothing changes.
-    """
-    return fold_heartbeats(state, {i.node_id: i.at for i in intents if i.round == state.round})
-
-
-def fold_heartbeats(state: RendezvousState, heartbeats: dict[str, float]) -> RendezvousState:
-    """Return ``state`` with each present node's heartbeat raised to ``heartbeats[node]`` when newer (pure).
-
-    Used for heartbeats kept outside the state (per-node keys, the intent log):
-    readers judge liveness on the newer of the two, and the next write stores it.
-    Nodes not in ``last_heartbeats`` (never added, left, pruned) are not touched.
-    Returns ``state`` itself when nothing changes.
-    """
-    raised = {n: t for n, t in heartbeats.items()
-              if n in state.last_heartbeats and t > state.last_heartbeats[n]}
-    if not raised:
-        return state
-    s = state.copy()
-    s.last_heartbeats.update(raised)
-    return s
 
 
 def _after_participant_removed(s: RendezvousState, settings: RendezvousSettings) -> None:
