@@ -339,13 +339,10 @@ class EtcdV3StateBackend(EtcdStateBackend):
     def supports_intents(self) -> bool:
         return True
 
-    def post_intent(self, round: int, intent: bytes, join: bool) -> bool:
+    def post_intent(self, round: int, intent: bytes) -> bool:
         assert isinstance(self.kv, EtcdV3KV)
         doc = json.loads(intent)
         item = (f"{self._base}intents/{round}/{doc['node']}:{doc['at']!r}", intent)
-        if not join:
-            self.kv.put_many([item])
-            return False
         return self.kv.put_many([item, (f"{self._base}combiner/{round}", intent)],
                                 unless_exists=f"{self._base}combiner/{round}", otherwise=[item])
 

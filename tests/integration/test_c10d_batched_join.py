@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 from elaunch.rendezvous import registry  # noqa: E402
-from elaunch.rendezvous.c10d import BoundedStore  # noqa: E402
+from elaunch.rendezvous.c10d_store import BoundedStore  # noqa: E402
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 from tests.integration.test_c10d_rendezvous import free_port, params  # noqa: E402
@@ -74,7 +74,7 @@ def test_joiners_add_themselves_when_the_combiner_never_combines(crowd):
     hs = crowd(3, 3, 3, keep_alive_interval=0.5)
     backend = hs[0]._backend
     ghost = JoinIntent("ghost", {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 1}, -1, 0, 0.0)
-    assert backend.post_intent(0, ghost.to_bytes(), join=True) is True
+    assert backend.post_intent(0, ghost.to_bytes()) is True
     started = time.monotonic()
     infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
     assert {(i.round, i.world_size) for i in infos} == {(0, 3)}  # the stale ghost was never added

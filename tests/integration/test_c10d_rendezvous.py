@@ -206,7 +206,7 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
     from torch.distributed import TCPStore
 
     from elaunch.rendezvous.api import RendezvousConnectionError
-    from elaunch.rendezvous.c10d import BoundedStore
+    from elaunch.rendezvous.c10d_store import BoundedStore
 
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from torch.distributed import TCPStore; "

@@ -98,15 +98,16 @@ class RendezvousBackend(abc.ABC):
 
     @property
     def supports_intents(self) -> bool:
-        """True when the intent-log methods below work (else they raise NotImplementedError)."""
+        """True when the intent-log methods below work (else they raise NotImplementedError).
+
+        A backend with an intent log must also have heartbeat keys.
+        """
         return False
 
-    def post_intent(self, round: int, intent: bytes, join: bool) -> bool:
-        """Append one intent line (``state.JoinIntent``) to ``round``'s log.
+    def post_intent(self, round: int, intent: bytes) -> bool:
+        """Append one join intent (a line, ``state.JoinIntent``) to ``round``'s log.
 
-        Args:
-            join: True for a join: it also wakes a node blocked in
-                :meth:`wait_for_arrival`. False for a keep-alive: the line only.
+        It also wakes a node blocked in :meth:`wait_for_arrival`.
 
         Returns:
             True when this was the round's first join: this node is the combiner.

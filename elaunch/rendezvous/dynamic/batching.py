@@ -14,10 +14,10 @@ round trips and the round O(N^2). With a backend that keeps an intent log
    adds itself (with every pending intent) only if the combiner has not added
    it within ``grace`` seconds (the combiner died or stalls).
 
-Participants of a forming round keep alive without a contended write: in their
-heartbeat key where the backend has them (``supports_heartbeat_keys``), else by
-posting their intent again; whoever reads the log with the state folds those
-heartbeats in (``merge.fold_intents``). The state machine (``ops.decide_join``)
+Participants of a forming round keep alive without a contended write, in their
+heartbeat keys (``supports_heartbeat_keys``; every backend with an intent log
+has them); an intent's time also counts as a heartbeat of its node
+(``merge.fold_intents``). The state machine (``ops.decide_join``)
 is unchanged: batching only changes who writes the additions, and when.
 Stdlib only.
 """
@@ -78,15 +78,8 @@ class BatchedJoin:
 
     def post(self, round: int, now: float) -> None:
         """Post our join intent to ``round`` (c10d: 3 store calls, etcd: 1 transaction)."""
-        self.first = self._backend.post_intent(round, self._intent(round, now), join=True)
+        self.first = self._backend.post_intent(round, self._intent(round, now))
         self.round, self.posted_at, self.notified = round, now, False
-
-    def keep_alive(self, state: RendezvousState, now: float) -> RendezvousState:
-        """Post a heartbeat to the log (1 store call); returns ``state`` with it folded in."""
-        assert self.round is not None
-        self._backend.post_intent(self.round, self._intent(self.round, now), join=False)
-        mine = JoinIntent(self._node_id, self._info, self._previous_rank, self.round, now)
-        return merge.fold_intents(state, [mine])
 
     def read(self, known: RendezvousState) -> tuple[RendezvousState, Token]:
         """Read the state with the log (1 store call); the log's heartbeats folded in.

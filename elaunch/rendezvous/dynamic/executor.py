@@ -178,10 +178,6 @@ class OpExecutor:
                 self._state = merge.fold_heartbeats(state, {me: now})
                 need_read = False
                 continue
-            elif action is Action.KEEP_ALIVE and batched and me in state.participants:
-                self._state = batch.keep_alive(state, now)  # no contended write
-                need_read = False
-                continue
             else:
                 new_state = ops.apply(action, state, ctx, now)
             result = self._backend.set_state(new_state.to_bytes(), self._token)
