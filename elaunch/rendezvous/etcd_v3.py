@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import queue
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -40,6 +39,7 @@ from elaunch.rendezvous.etcd_common import (
     parse_conf,
 )
 from elaunch.rendezvous.etcd_rendezvous import EtcdRendezvousHandler, EtcdStateBackend, build_handler
+from elaunch.rendezvous.etcd_v3_presence import Presence
 
 log = logging.getLogger(__name__)
 
@@ -224,72 +224,6 @@ class EtcdV3KV(FailoverKV):
             self.watch(key, timeout, exists=True)
         else:
             self.watch(key, timeout, start_revision=int(token) + 1)
-
-
-class Presence:
-    """This node's presence key on its own lease, kept alive by a daemon thread.
-
-    The lease's TTL is ``ttl`` seconds; it is refreshed every ``ttl / 3`` seconds and
-    re-granted (with the key written again) when etcd lost it (e.g. after a long
-    partition). :meth:`stop` revokes it, so the node disappears at once.
-
-    Args:
-        kv: a client of its own (not shared with the rendezvous, so a slow refresh
-            never blocks a join).
-        key: the presence key.
-        ttl: lease TTL in seconds (>= 2).
-    """
-
-    def __init__(self, kv: EtcdV3KV, key: str, ttl: int) -> None:
-        self.kv = kv
-        self.key = key
-        self.ttl = max(2, ttl)
-        self.lease_id: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _grant(self) -> None:
-        def op(client: Any) -> int:
-            lease = client.lease(self.ttl)
-            client.put(self.key, b"alive", lease=lease.id)
-            return int(lease.id)
-
-        self.lease_id = self.kv.call(f"granting a lease for {self.key}", op)
-
-    def start(self) -> None:
-        """Grant the lease, write the key and start the keep-alive thread.
-
-        Raises:
-            RendezvousConnectionError, RendezvousConfigError: etcd unreachable or refused.
-        """
-        self._grant()
-        self._thread = threading.Thread(target=self._loop, name="elaunch-etcd-presence", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                lease_id = self.lease_id
-                ttls = self.kv.call("refreshing the node lease",
-                                    lambda c: [r.TTL for r in c.refresh_lease(lease_id)], timeout=self.ttl / 3)
-                if not ttls or ttls[-1] <= 0:
-                    log.warning("etcd-v3: lease of %s expired; joining again with a new lease", self.key)
-                    self._grant()
-            except Exception as exc:  # noqa: BLE001 - retried at the next interval
-                log.debug("etcd-v3: refreshing %s failed: %s", self.key, exc)
-
-    def stop(self) -> None:
-        """Stop refreshing and revoke the lease (the key disappears); best effort."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.kv.conf.read_timeout)
-        if self.lease_id is not None:
-            try:
-                lease_id = self.lease_id
-                self.kv.call("revoking the node lease", lambda c: c.revoke_lease(lease_id), timeout=2.0)
-            except Exception as exc:  # noqa: BLE001 - it expires on its own
-                log.debug("etcd-v3: revoking the lease of %s failed: %s", self.key, exc)
-        self.kv.close()
 
 
 class EtcdV3StateBackend(EtcdStateBackend):

@@ -99,7 +99,8 @@ def test_wait_for_change_wakes_on_a_write(backend):
 
 
 def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
-    from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend, Presence
+    from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend
+    from elaunch.rendezvous.etcd_v3_presence import Presence
 
     conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "lease-job", 1, 2))
     base = f"{conf.prefix}/lease-job"
