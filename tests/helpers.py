@@ -100,3 +100,13 @@ def alive(pid: int) -> bool:
 
 def load_envs(out: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text())["env"] for p in sorted(out.glob("env_*.json"))}
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(states) and all(s in ("T", "t") for s in states)

@@ -22,6 +22,7 @@ from elaunch.rendezvous.api import (  # noqa: E402
     RendezvousParameters,
 )
 from tests.conftest import REPO, wait_for  # noqa: E402
+from tests.helpers import all_threads_stopped  # noqa: E402
 
 
 def free_port() -> int:
@@ -221,6 +222,9 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
         store.set("k", b"v")
         assert bytes(store.get("k")) == b"v"
         server.send_signal(signal.SIGSTOP)
+        # kill() returns before the server's threads have stopped; a request sent in
+        # that window is still answered (seen once in CI), so wait for the stop.
+        wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
         started = time.monotonic()
         with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}.*no answer to get"):
             store.get("k")
