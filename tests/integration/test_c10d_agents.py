@@ -74,7 +74,7 @@ def test_jobs_with_different_ids_never_merge(tmp_path):
 def test_scale_up_a_node_joins_a_running_job(tmp_path):
     # torchrun 2.13 deadlocks here: the joiner waits for a MASTER_ADDR nobody republishes.
     port = free_port()
-    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "4"]
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "300"]  # until `stop`
     first = _agent(port, "1:2", script)
     second = None
     try:
@@ -82,6 +82,7 @@ def test_scale_up_a_node_joins_a_running_job(tmp_path):
         second = _agent(port, "1:2", script)
         wait_for(lambda: (tmp_path / "progress_2").exists(), 90, what="world of 2 running")
     finally:
+        (tmp_path / "stop").touch()
         results = _finish([a for a in (first, second) if a])
     assert [code for code, _ in results] == [0, 0], results
 
@@ -91,7 +92,7 @@ def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
     # its own worker dying on the closed gloo socket after `fast` re-formed. With no
     # restarts left, counting that as a failure would end the job (torchrun does).
     port = free_port()
-    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "10"]
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "300"]  # until `stop`
     env = launcher_env(LOGLEVEL="INFO")
     fast = _agent(port, "2:3", script, "--max-restarts=0", env=env)
     wait_for(lambda: port_open(port), 60, what="store host listening")
@@ -102,6 +103,7 @@ def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
         late = _agent(port, "2:3", script, "--max-restarts=0", env=env)
         wait_for(lambda: (tmp_path / "progress_3").exists(), 90, what="world of 3 running")
     finally:
+        (tmp_path / "stop").touch()
         results = _finish([a for a in (fast, slow, late) if a])
     # each agent's own exit status and the end of its log (INFO), so a failure says who and why
     for name, (code, err) in zip(("fast (store host)", "slow", "late"), results):
@@ -112,7 +114,7 @@ def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
 
 def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):
     port = free_port()
-    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "6"]
+    script = [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "300"]  # until `stop`
     host = _agent(port, "1:2", script, "--max-restarts=3")
     # the first agent to bind the endpoint hosts the store: make sure it is `host`
     wait_for(lambda: port_open(port), 60, what="store host listening")
@@ -123,5 +125,6 @@ def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):
         kill_tree(other.pid)  # SIGKILL the non-host agent and its workers
         wait_for(lambda: (tmp_path / "progress_1").exists(), 90, what="world of 1 running again")
     finally:
+        (tmp_path / "stop").touch()
         results = _finish([host, other])
     assert results[0][0] == 0, results[0][1]
