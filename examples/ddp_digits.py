@@ -169,8 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     loss_fn = nn.CrossEntropyLoss()
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
-        if restart == 0 and rank == args.crash_rank and epoch == args.crash_epoch:
-            raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} (--crash-rank/--crash-epoch)")
+        if restart == 0 and epoch == args.crash_epoch:
+            # every rank waits here until rank 0 has saved the last epoch's checkpoint,
+            # so the injected crash cannot cut that save short
+            dist.barrier()
+            if rank == args.crash_rank:
+                raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} (--crash-rank/--crash-epoch)")
         sampler.set_epoch(epoch)
         total = torch.zeros(2, device=device)  # sum of losses, number of samples
         for xb, yb in loader:
