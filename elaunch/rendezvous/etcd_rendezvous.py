@@ -81,6 +81,7 @@ class EtcdRoundStores(RoundStoreFactory):
         self._base = base
         self._local_addr = local_addr
         self._read_timeout = read_timeout
+        self._port: int | None = None  # the last round's master port here: never handed out twice in a row
 
     def _key(self, round: int, name: str) -> str:
         return f"{self._base}/round/{round}/{name}"
@@ -93,7 +94,7 @@ class EtcdRoundStores(RoundStoreFactory):
         """
         key = self._key(round, "master_endpoint")
         if rank == 0:
-            port = free_port(self._local_addr)
+            port = self._port = free_port(self._local_addr, avoid=self._port)
             value = f"{self._local_addr}:{port}"
             self.kv.cas(key, value.encode(), None)
         deadline = time.monotonic() + self._read_timeout
