@@ -140,6 +140,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: the backend or a round store is unreachable.
             RendezvousStateError: the stored state is corrupt.
         """
+        started = time.monotonic()
         self._stop_heartbeats()
         s = self._settings
         previous_rank = -1 if self._current is None else self._current.rank
@@ -181,8 +182,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store=stores.store,
         )
         log.info(
-            "node %s joined round %d of rendezvous %r as rank %d of %d",
-            self._node_id, state.round, s.run_id, rank, world_size,
+            "node %s joined round %d of rendezvous %r as rank %d of %d in %.2f s",
+            self._node_id, state.round, s.run_id, rank, world_size, time.monotonic() - started,
         )
         return self._current
 
