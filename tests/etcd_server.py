@@ -31,11 +31,16 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or (("/usr/bin/etcd") if os.access("/usr/bin/etcd", os.X_OK) else None)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(host: str, n: int) -> list[int]:
+    """Return ``n`` distinct TCP ports free on ``host`` right now (all bound at once while picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass(frozen=True)
@@ -307,15 +312,20 @@ def start_cluster(base_dir: Path, size: int = 1, v2: bool = False, tls: TlsFiles
     base_dir = Path(base_dir)
     base_dir.mkdir(parents=True, exist_ok=True)
     hosts = hosts or ["127.0.0.1"] * size
-    members = []
-    for i in range(size):
-        host = hosts[i]
-        members.append(EtcdMember(f"m{i}", host, free_port(host if host.startswith("127.") else "0.0.0.0"),
-                                  free_port(host if host.startswith("127.") else "0.0.0.0"),
-                                  base_dir / f"m{i}.etcd", list((cmd_prefixes or [[]] * size)[i])))
-    cluster = EtcdCluster(members, v2, tls, base_dir)
-    try:
-        return cluster.start(timeout)
-    except BaseException:
-        cluster.stop()
-        raise
+    for attempt in (1, 2):  # a port picked here can be taken before etcd binds it: try once more
+        ports = iter(free_ports("0.0.0.0", 2 * size))  # free on 0.0.0.0: free on every address
+        members = [EtcdMember(f"m{i}", hosts[i], next(ports), next(ports), base_dir / f"m{i}.etcd",
+                              list((cmd_prefixes or [[]] * size)[i])) for i in range(size)]
+        cluster = EtcdCluster(members, v2, tls, base_dir)
+        try:
+            return cluster.start(timeout)
+        except TimeoutError:
+            cluster.stop()
+            if attempt == 2:
+                raise
+            for m in members:
+                shutil.rmtree(m.data_dir, ignore_errors=True)
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")

@@ -15,7 +15,7 @@ from elaunch.rendezvous.api import RendezvousClosedError, RendezvousConfigError,
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import REPO, wait_for
 from tests.etcd.conftest import make_params
-from tests.etcd_server import free_port
+from tests.helpers import free_port
 
 BACKENDS = ["etcd", "etcd-v2", "etcd-v3"]
 

@@ -57,12 +57,17 @@ def test_jobs_with_different_ids_never_merge(tmp_path):
     port = free_port()
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    # job a's agent hosts the shared store, so its worker stays until job b is done
-    host = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(a), "--wait-for", str(b / "env_0_0.json")],
-                  rdzv_id="job-a")
+    # job a's agent hosts the shared store, so its worker stays until job b's agent is done
+    release = tmp_path / "release"
+    host = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(a), "--wait-for", str(release)], rdzv_id="job-a")
     wait_for(lambda: port_open(port), 60, what="store host listening")
     other = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(b)], rdzv_id="job-b")
-    for code, err in _finish([other, host]):
+    try:
+        results = _finish([other])
+    finally:
+        release.touch()
+    results += _finish([host])
+    for code, err in results:
         assert code == 0, err
     for d in (a, b):
         envs = load_envs(d)

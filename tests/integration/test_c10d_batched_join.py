@@ -92,7 +92,7 @@ def test_a_node_waiting_for_the_next_round_is_combined_into_it(crowd):
 
 
 def test_heartbeats_live_in_per_node_keys_and_a_silent_member_is_lost(crowd):
-    a, b, c = crowd(3, 3, 3, keep_alive_interval=0.2, keep_alive_max_attempt=3, probe_timeout=0.8)
+    a, b, c = crowd(3, 3, 3, keep_alive_interval=0.2, keep_alive_max_attempt=10, probe_timeout=0.8)
     list(crowd.pool.map(lambda h: h.next_rendezvous(), (a, b, c)))
     state_writes = lambda: sum(h._backend._store.calls.count("compare_set") for h in (a, b, c))  # noqa: E731
     before, beats = state_writes(), c._backend._store.calls.count("set")

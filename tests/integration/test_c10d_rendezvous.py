@@ -217,7 +217,7 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
     )
     try:
         port = int(server.stdout.readline())
-        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
         store = BoundedStore(client, f"127.0.0.1:{port}", timeout=2.0)
         store.set("k", b"v")
         assert bytes(store.get("k")) == b"v"

@@ -81,7 +81,7 @@ def test_a_host_killed_the_rest_resume_from_the_checkpoint(net, agents, rdzv, tm
 
 def test_store_host_killed_every_other_agent_exits_and_says_why(net, agents, tmp_path):
     h1, h2, h3 = net.add_host(), net.add_host(), net.add_host()
-    extra = ("--max-restarts=3",)
+    extra = ("--max-restarts=3", "--tee=3")  # worker lines prefixed: a worker's traceback is not the agent's
     ep = f"{h1.addr}:{STORE_PORT}"
     a1, a2, a3 = (agents(h, agent_args(h, ep, nnodes="3", extra=extra) + [LOOP, str(tmp_path)], f"a{h.index}")
                   for h in (h1, h2, h3))
@@ -135,29 +135,38 @@ def test_a_host_added_while_the_job_runs_grows_the_world(net, agents, rdzv, tmp_
     codes = [x.wait(60) for x in (a1, a2, a3)]
     assert codes == [0, 0, 0], "\n".join(x.describe() for x in (a1, a2, a3))
     # a membership change is not a failure: the restart count stayed 0
-    assert [r for r in _rounds(tmp_path)] == [(4, 2, 0), (6, 3, 0)]
+    # (a world of 4 in between is allowed: the node whose workers died rejoins after the
+    # others if it misses the last call; that is still a re-form, not a restart)
+    rounds = _rounds(tmp_path)
+    assert rounds[0] == (4, 2, 0) and rounds[-1] == (6, 3, 0), rounds
+    assert all(restart == 0 for _, _, restart in rounds), rounds
     no_processes_in(net.hosts)
 
 
 def test_two_jobs_with_different_ids_on_one_endpoint_never_merge(net, agents, rdzv, tmp_path):
     h1, h2, h3 = net.add_host(), net.add_host(), net.add_host()
     ep = rdzv.endpoint(h1)
-    release = tmp_path / "release"
     dirs = {"job-a": tmp_path / "a", "job-b": tmp_path / "b"}
-    started = []
+    release = {job: tmp_path / f"release-{job}" for job in dirs}
+    started, of_job = [], {job: [] for job in dirs}
     for job, hosts in (("job-a", (h1, h2)), ("job-b", (h2, h3))):
         dirs[job].mkdir()
-        script = [str(SCRIPTS / "env_dump.py"), str(dirs[job]), "--wait-for", str(release)]
+        script = [str(SCRIPTS / "env_dump.py"), str(dirs[job]), "--wait-for", str(release[job])]
         for h in hosts:
-            started.append(agents(h, agent_args(h, ep, backend=rdzv.backend, nnodes="1:4", rdzv_id=job) + script, f"{job}-{h.index}"))
+            a = agents(h, agent_args(h, ep, backend=rdzv.backend, nnodes="1:4", rdzv_id=job) + script, f"{job}-{h.index}")
+            started.append(a)
+            of_job[job].append(a)
 
     def all_ranks_in(d):
         return sorted(p.name for p in d.glob("env_*.json"))
     # both jobs run at the same time: every worker waits for `release`
     wait_for(lambda: all(len(all_ranks_in(d)) >= 4 for d in dirs.values()) or
              any(a.proc.poll() is not None for a in started), 120, interval=0.2, what="both jobs running")
-    release.touch()
-    codes = [a.wait(60) for a in started]
+    # job b ends first: on c10d its rendezvous store lives in job a's agent on h1
+    release["job-b"].touch()
+    codes = [a.wait(60) for a in of_job["job-b"]]
+    release["job-a"].touch()
+    codes += [a.wait(60) for a in of_job["job-a"]]
     assert codes == [0, 0, 0, 0], "\n".join(a.describe() for a in started)
     for job, d in dirs.items():
         envs = load_envs(d)

@@ -37,8 +37,10 @@ doc = {
     "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),  # the real exec'd argv
 }
 rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-with open(os.path.join(sys.argv[1], f"probe_{rank}_{restart}.json"), "w") as f:
+path = os.path.join(sys.argv[1], f"probe_{rank}_{restart}.json")
+with open(path + ".tmp", "w") as f:  # whole or absent: rank 1 exits as soon as it sees rank 0's
     json.dump(doc, f)
+os.replace(path + ".tmp", path)
 if "--raise" in sys.argv:
     raise ValueError(f"probe failure on purpose (rank {rank})")
 if restart == "0" and rank == "1":
