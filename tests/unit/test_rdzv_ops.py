@@ -377,6 +377,40 @@ def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kep
     assert merge.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
 
 
+ROUND_OF_THREE = {"a": 0, "b": 1, "c": 2}  # a complete round of three
+
+
+@pytest.mark.parametrize(
+    "desc, state, intents, expected",
+    [
+        ("a forming round is not left this way", mk(ROUND_OF_THREE), [intent("a", round=1)], None),
+        ("a closed round is not left", mk(ROUND_OF_THREE, complete=True, closed=True), [intent("a", round=1)], None),
+        ("nobody posted for the next round", mk(ROUND_OF_THREE, complete=True), [intent("a", round=0)], None),
+        ("a node outside the round is not a leaver", mk(ROUND_OF_THREE, complete=True), [intent("z", round=1)], None),
+        ("leavers wait while others run", mk(ROUND_OF_THREE, complete=True),
+         [intent("a", round=1, at=NOW - 4), intent("b", round=1)], (0, {"c"}, {"a", "b"})),
+        ("an old post still leaves (a complete round takes no one back)", mk(ROUND_OF_THREE, complete=True),
+         [intent("a", round=1, at=NOW - 600)], (0, {"b", "c"}, {"a"})),
+        ("the last ones out open the next round", mk(ROUND_OF_THREE, complete=True, wait=["w"]),
+         [intent(n, round=1) for n in "abc"], (1, set(), {"w"})),
+    ],
+)
+def test_combine_exits(desc, state, intents, expected):
+    s = merge.combine_exits(state, intents, BATCH)
+    if expected is None:
+        assert s is None, desc
+        return
+    round, participants, waiting = expected
+    assert (s.round, set(s.participants), s.wait_list) == (round, participants, waiting), desc
+    assert s.complete == bool(participants), desc
+    for i in intents:  # a waiting leaver's heartbeat is its post; its info is kept
+        if i.node_id in s.wait_list:
+            assert s.last_heartbeats[i.node_id] == i.at and s.node_infos[i.node_id]["addr"] == i.node_id, desc
+        else:
+            assert i.node_id not in s.last_heartbeats and i.node_id not in s.node_infos, desc
+    assert set(state.participants) == set(ROUND_OF_THREE)  # pure
+
+
 @pytest.mark.parametrize(
     "desc, beats, expected",
     [

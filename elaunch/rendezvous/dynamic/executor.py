@@ -62,6 +62,7 @@ class OpExecutor:
         self._sleep = sleep
         self._state = RendezvousState()
         self._token: Token | None = None
+        self._leaving: BatchedJoin | None = None  # a batched exit's post, taken over by the next join
 
     @property
     def state(self) -> RendezvousState:
@@ -116,21 +117,53 @@ class OpExecutor:
         need_read = fresh
         batch = None
         if decide is ops.decide_join and self._backend.supports_intents:
-            batch = BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank, settings)
+            batch = self._leaving or BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank,
+                                                 settings)
+            need_read |= self._leaving is not None  # the log holds who left with us
+        self._leaving = None
         me = self._node_id
         if decide is ops.decide_join and self._backend.supports_heartbeat_keys:
             # our heartbeat key exists before we first appear in the state (readers rely on it)
             self._backend.put_heartbeat(me, self._clock())
         while True:
             if need_read:
-                if (batch is not None and batch.active(self._state) and not batch.notified
-                        and batch.may_add_self(self._clock())):
+                if batch is not None and ((batch.active(self._state) and not batch.notified
+                                           and batch.may_add_self(self._clock()))
+                                          or (batch.combiner and _leaving(batch, self._state))):
                     self._state, self._token = batch.read(self._state)  # with the log: we may combine
                 else:
                     self.read()
             now = self._clock()
             ctx = OpContext(me, self._node_info, settings, deadline, previous_rank, started)
             state = self._state
+            if (decide is ops.decide_exit and self._backend.supports_intents and state.complete
+                    and not state.closed and me in state.participants and now <= deadline):
+                # batched exit: post our join of the next round; its combiner removes us from this one
+                self._leaving = BatchedJoin(self._backend, me, self._node_info, previous_rank, settings)
+                self._leaving.post(state.round + 1, now)
+                log.debug("node %s: posted its exit from round %d%s", me, state.round,
+                          " (the combiner)" if self._leaving.combiner else "")
+                return state
+            leaving = batch is not None and _leaving(batch, state)
+            if leaving and batch.combiner:
+                combined = merge.combine_exits(state, batch.intents, settings)
+                if combined is not None:
+                    need_read = not self._write(Action.REMOVE_FROM_PARTICIPANTS, state, combined)
+                    continue
+            elif leaving and me in state.participants:
+                if not batch.may_add_self(now):  # the combiner removes us: wait for it, or for its round
+                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
+                    need_read = True
+                    continue
+                action = ops.decide_exit(state, ctx, now)  # it did not within grace: leave on our own
+                if action is Action.ERROR_TIMEOUT:
+                    raise RendezvousTimeoutError(
+                        f"rendezvous {settings.run_id!r} round {state.round}: could not leave it within "
+                        f"{timeout_name}={timeout:g} s")
+                need_read = not self._write(action, state, ops.apply(action, state, ctx, now))
+                continue
+            elif leaving:
+                batch.round = None  # moved to the wait list by the combiner: post again when the round opens
             action = decide(state, ctx, now)
             if action is Action.FINISH:
                 return state
@@ -163,7 +196,7 @@ class OpExecutor:
                 if batched and batch.combiner and me in state.participants:
                     combined = merge.combine_pending(state, batch.intents, settings, now)
                 if combined is None:
-                    self._wait(ctx, now, batch if batched else None)
+                    self._wait(ctx, now, batch if batched else None, batch if leaving else None)
                     need_read = True
                     continue
                 new_state = combined
@@ -180,30 +213,40 @@ class OpExecutor:
                 continue
             else:
                 new_state = ops.apply(action, state, ctx, now)
-            result = self._backend.set_state(new_state.to_bytes(), self._token)
-            if result is None:
-                need_read = True
-                continue
-            data, self._token, written = result
-            # the stored state's heartbeats can be old where they live in keys: keep what we read
-            self._state = merge.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
-            need_read = False
-            if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
-                self._backend.notify_round(new_state.round)
-            what = "COMBINE_JOINS" if action is Action.SYNC else action.value  # the combiner adding others
-            log.debug("node %s: %s %s (round %d)", me, what,
-                      "written" if written else "lost the race", self._state.round)
-            if not written:
-                # someone else wrote first: re-decide; a heartbeat is not urgent, so it backs off
-                # further (spreading a crowd of heartbeats instead of retrying them in lockstep)
-                lull = settings.keep_alive_interval / 20 if action is Action.KEEP_ALIVE else 0.01
-                self._sleep(random.uniform(0.0, lull))
-                if batched and batch.active(self._state) and not self._state.complete:
-                    need_read = True  # re-read the log too, to add everyone who posted since
-            elif action is Action.REMOVE_FROM_REDUNDANCY_LIST:
+            written = self._write(action, state, new_state)
+            need_read = written is None
+            if written is False and batched and batch.active(self._state) and not self._state.complete:
+                need_read = True  # re-read the log too, to add everyone who posted since
+            elif written and action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                 deadline = self._clock() + timeout  # REDUNDANT -> JOINING: fresh join deadline
 
-    def _wait(self, ctx: OpContext, now: float, batch: BatchedJoin | None) -> None:
+    def _write(self, action: Action, state: RendezvousState, new_state: RendezvousState) -> bool | None:
+        """Compare-and-set ``new_state`` (decided on ``state`` by ``action``); keep what is stored now.
+
+        Returns True (written), False (someone else wrote first; we backed off) or
+        None (nothing came back: read again). Announces a round that this write
+        completed or closed.
+        """
+        settings, me = self._settings, self._node_id
+        result = self._backend.set_state(new_state.to_bytes(), self._token)
+        if result is None:
+            return None
+        data, self._token, written = result
+        # the stored state's heartbeats can be old where they live in keys: keep what we read
+        self._state = merge.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
+        if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
+            self._backend.notify_round(new_state.round)
+        what = "COMBINE_JOINS" if action is Action.SYNC else action.value  # the combiner adding others
+        log.debug("node %s: %s %s (round %d)", me, what, "written" if written else "lost the race", self._state.round)
+        if not written:
+            # someone else wrote first: re-decide; a heartbeat is not urgent, so it backs off
+            # further (spreading a crowd of heartbeats instead of retrying them in lockstep)
+            lull = settings.keep_alive_interval / 20 if action is Action.KEEP_ALIVE else 0.01
+            self._sleep(random.uniform(0.0, lull))
+        return written
+
+    def _wait(self, ctx: OpContext, now: float, batch: BatchedJoin | None,
+              leaving: BatchedJoin | None = None) -> None:
         """Wait before reading again (SYNC): until a notice, a change, or the next timed step.
 
         A participant of a forming round joined through ``batch`` blocks in
@@ -213,6 +256,12 @@ class OpExecutor:
         when the backend has it, else a sleep of ``poll_interval`` seconds.
         """
         s, settings = self._state, self._settings
+        if leaving is not None and leaving.combiner:
+            # combiner of a batched exit: woken by the next node that leaves, to remove it
+            due = min(ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval)
+            self._backend.wait_for_arrival(leaving.round, leaving.position,
+                                           min(max(0.01, due - now + 0.005), settings.keep_alive_interval))
+            return
         if batch is not None and ctx.node_id in s.participants:
             due = [ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval]
             if s.deadline is not None:
@@ -224,6 +273,11 @@ class OpExecutor:
             wait_for_change(self._token, settings.poll_interval)
         else:
             self._sleep(settings.poll_interval)
+
+
+def _leaving(batch: BatchedJoin, state: RendezvousState) -> bool:
+    """True when ``batch`` posted a batched exit from ``state``'s round, which still runs."""
+    return batch.round == state.round + 1 and state.complete and not state.closed
 
 
 def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,

@@ -149,7 +149,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = self._clock() + s.join_timeout
         while True:
             with self._lock:
-                self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout")
+                self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout", previous_rank)
                 # decided on the state the exit just read or wrote: one read fewer per join
                 state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank,
                                            fresh=False)

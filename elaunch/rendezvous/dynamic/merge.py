@@ -29,6 +29,40 @@ def combine_joins(state: RendezvousState, ctx: OpContext, intents: list[JoinInte
     return s
 
 
+def combine_exits(state: RendezvousState, intents: list[JoinIntent],
+                  settings: RendezvousSettings) -> RendezvousState | None:
+    """Return ``state`` with every leaving participant removed, or None when nobody leaves (pure).
+
+    A participant of a complete round leaves it (to restart) by posting its join
+    intent for the next round (``state.round + 1``) instead of writing its own
+    REMOVE_FROM_PARTICIPANTS; the next round's combiner removes all who posted in
+    one write. Such an intent needs no freshness test: a complete round takes no
+    one back, so whoever posted for the next one has left this one. Once the last
+    participant is gone the next round opens (``ops.after_participant_removed``);
+    until then the leavers wait on the wait list with their post's time as
+    heartbeat (what ADD_TO_WAIT_LIST would have written), so the members still
+    running see them (``num_nodes_waiting``) and restart too.
+    """
+    if not state.complete or state.closed:
+        return None
+    leaving = {i.node_id: i for i in intents if i.round == state.round + 1 and i.node_id in state.participants}
+    if not leaving:
+        return None
+    s = state.copy()
+    for node in leaving:
+        del s.participants[node]
+        s.last_heartbeats.pop(node, None)
+    ops.after_participant_removed(s, settings)
+    if s.round == state.round:  # members still run: the leavers wait for the next round
+        for node, intent in leaving.items():
+            s.wait_list.add(node)
+            s.node_infos[node] = dict(intent.info)
+            s.last_heartbeats[node] = intent.at
+    members = set(s.participants) | s.wait_list | s.redundancy_list
+    s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
+    return s
+
+
 def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings,
                     now: float) -> RendezvousState | None:
     """Return ``state`` with the pending intents' nodes added, or None when none may join (pure).

@@ -246,7 +246,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     elif action is Action.REMOVE_FROM_PARTICIPANTS:
         s.participants.pop(me, None)
         s.last_heartbeats.pop(me, None)
-        _after_participant_removed(s, settings)
+        after_participant_removed(s, settings)
     elif action is Action.REMOVE_FROM_WAIT_LIST:
         s.wait_list.discard(me)
         s.last_heartbeats.pop(me, None)
@@ -262,7 +262,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
             s.wait_list.discard(node)
             s.redundancy_list.discard(node)
         if removed_participant:
-            _after_participant_removed(s, settings)
+            after_participant_removed(s, settings)
     elif action is Action.MARK_COMPLETE:
         _mark_complete(s)  # INCOMPLETE -> COMPLETE: last call expired
     elif action is Action.MARK_CLOSED:
@@ -299,7 +299,8 @@ def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: in
         _mark_complete(s)  # INCOMPLETE -> COMPLETE: world full
 
 
-def _after_participant_removed(s: RendezvousState, settings: RendezvousSettings) -> None:
+def after_participant_removed(s: RendezvousState, settings: RendezvousSettings) -> None:
+    """In place, after participants were removed: the next round opens once a complete round is empty."""
     if s.complete:
         if not s.participants:
             # COMPLETE -> INCOMPLETE: the last participant left; the next round opens
