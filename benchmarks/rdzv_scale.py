@@ -43,6 +43,12 @@ time is go -> the last agent's return, and an agent's operations are those it ma
 from the creation of its handler until its own ``next_rendezvous()`` returned
 (handler construction, heartbeats and lease keep-alives in that span included).
 
+The restart variant (c10d, keys ``restart_*``) times what a job restart costs the
+rendezvous: after such a first round has completed for all N agents, the
+orchestrator says "go" again and every agent calls ``next_rendezvous()`` a second
+time (it leaves the running round and joins the next, as an agent does after a
+worker failure); its time and operations are that second call's only.
+
 Run by hand: ``python -m benchmarks.rdzv_scale worker --impl elaunch --backend c10d
 --endpoint HOST:PORT --n N --count K --run-id R --timeout T`` (the orchestrator does this).
 """
@@ -329,6 +335,9 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--rounds", type=int, choices=(1, 2), default=1,
+                   help="2: after every agent of this process joined, print ROUND1, wait for GO on stdin "
+                        "and have every agent join again (a restart); report that second round")
     a = p.parse_args(argv)
     make = _make_etcd_handlers if a.backend == "etcd" else _make_handlers
     handlers = make(a.impl, a.endpoint, a.n, a.count, a.run_id, a.timeout)
@@ -337,17 +346,34 @@ def worker_main(argv: list[str]) -> None:
     if not line or line[0] != "GO":
         os._exit(3)
     results: list[dict[str, Any]] = [{} for _ in handlers]
+    all_joined = threading.Event()
+    first_round = threading.Barrier(len(handlers), action=all_joined.set) if a.rounds == 2 else None
+    again = threading.Event()  # GO for the second round
 
     def join(i: int, handler: Any, counter: Any) -> None:
+        base = 0
         try:
             handler.next_rendezvous()
-            results[i] = {"t": time.time(), "ops": counter.ops, "err": None}
+            if first_round is not None:
+                first_round.wait(a.timeout)
+                again.wait()
+                base = counter.ops  # the restart round's ops only
+                handler.next_rendezvous()
+            results[i] = {"t": time.time(), "ops": counter.ops - base, "err": None}
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
-            results[i] = {"t": time.time(), "ops": counter.ops, "err": f"{type(exc).__name__}: {exc}"[:300]}
+            if first_round is not None and not again.is_set():
+                first_round.abort()  # the others stop waiting for us
+            results[i] = {"t": time.time(), "ops": counter.ops - base, "err": f"{type(exc).__name__}: {exc}"[:300]}
 
     threads = [threading.Thread(target=join, args=(i, h, s), daemon=True) for i, (h, s) in enumerate(handlers)]
     for t in threads:
         t.start()
+    if first_round is not None:
+        while not all_joined.is_set() and not first_round.broken:
+            time.sleep(0.01)
+        print("ROUND1 " + ("failed" if first_round.broken else "ok"), flush=True)
+        sys.stdin.readline()
+        again.set()
     deadline = time.monotonic() + a.timeout + 5
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -359,12 +385,16 @@ def worker_main(argv: list[str]) -> None:
     os._exit(0)  # skip shutdown: closing 100s of handlers would only add noise
 
 
-def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint: str | None = None) -> dict[str, Any]:
+def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint: str | None = None,
+              restart: bool = False) -> dict[str, Any]:
     """Run one round of ``n`` agents of ``impl``.
 
     Args:
         backend: ``c10d`` (a TCPStore is hosted here for the round) or ``etcd``
             (the agents use the etcd server at ``endpoint``, ``HOST:PORT``).
+        restart: time a restart instead: once all ``n`` agents completed a first
+            round, all call ``next_rendezvous()`` again (leave it, join the next);
+            seconds run from that second "go" and ops count the second call only.
 
     Returns:
         ``{"seconds": float | None, "ops": [per-agent ops], "error": str | None}``;
@@ -392,7 +422,7 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
         for c in counts:
             cmd = [sys.executable, "-m", "benchmarks.rdzv_scale", "worker", "--impl", impl, "--backend", backend,
                    "--endpoint", endpoint, "--n", str(n), "--count", str(c), "--run-id", run_id,
-                   "--timeout", str(timeout)]
+                   "--timeout", str(timeout), "--rounds", "2" if restart else "1"]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True, env=launcher_env(), cwd=str(REPO)))
         for p in procs:
@@ -403,6 +433,17 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
         for p in procs:
             p.stdin.write(f"GO {go}\n")
             p.stdin.flush()
+        if restart:
+            firsts = [p.stdout.readline().split() for p in procs]  # ROUND1 ok|failed, once all agents joined
+            go = time.time()
+            log_line(f"rdzv_scale: {backend} {impl} N={n}: first round done, every agent joins again")
+            for p in procs:
+                p.stdin.write("GO\n")
+                p.stdin.flush()
+            if any(f != ["ROUND1", "ok"] for f in firsts):
+                for p in procs:
+                    p.stdout.readline()
+                return {"seconds": None, "ops": [], "error": f"the first round did not complete in {timeout:g} s"}
         agents: list[dict[str, Any]] = []
         for p in procs:
             line = p.stdout.readline()
@@ -459,7 +500,7 @@ def _measure(rec: Recorder, sizes: tuple[int, ...], timeout: float, prefix: str,
 
 
 #: What an "op" is, per metric prefix (see the module docstring).
-OPS_NAME = {"": "store ops", "etcd_": "etcd requests"}
+OPS_NAME = {"": "store ops", "restart_": "store ops", "etcd_": "etcd requests"}
 
 
 def bench_rdzv_scale(sizes: tuple[int, ...], timeout: float) -> Recorder:
@@ -474,6 +515,8 @@ def bench_rdzv_scale(sizes: tuple[int, ...], timeout: float) -> Recorder:
         return target_s, target_ops
 
     _measure(rec, sizes, timeout, "", "c10d", lambda impl, n: one_round(impl, n, timeout), targets)
+    _measure(rec, sizes, timeout, "restart_", "c10d, restart",
+             lambda impl, n: one_round(impl, n, timeout, restart=True))
     return rec
 
 

@@ -29,6 +29,7 @@ REQUIRED = [
     ("scale_down.running", LAUNCHERS), ("scale_down.ready", LAUNCHERS),
     ("rdzv_scale.seconds_2", LAUNCHERS), ("rdzv_scale.ops_2", LAUNCHERS),
     ("rdzv_scale.seconds_4", LAUNCHERS), ("rdzv_scale.ops_4", LAUNCHERS),
+    ("rdzv_scale.restart_seconds_4", LAUNCHERS), ("rdzv_scale.restart_ops_4", LAUNCHERS),
     ("overhead.cpu_per_min", LAUNCHERS), ("overhead.rss", LAUNCHERS),
 ]
 #: The etcd variant of rdzv_scale (elaunch etcd-v3 vs torchrun etcd-v2) at the quick run's sizes.
