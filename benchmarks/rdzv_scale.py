@@ -374,7 +374,7 @@ def worker_main(argv: list[str]) -> None:
         print("ROUND1 " + ("failed" if first_round.broken else "ok"), flush=True)
         sys.stdin.readline()
         again.set()
-    deadline = time.monotonic() + a.timeout + 5
+    deadline = time.monotonic() + a.timeout + 5  # from the (last) go
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     for r in results:

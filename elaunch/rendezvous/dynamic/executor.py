@@ -257,10 +257,11 @@ class OpExecutor:
         """
         s, settings = self._state, self._settings
         if leaving is not None and leaving.combiner:
-            # combiner of a batched exit: woken by the next node that leaves, to remove it
+            # combiner of a batched exit: woken at once by the next node that leaves, to remove
+            # it, and otherwise every poll_interval like any waiting node (probes, dead members)
             due = min(ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval)
             self._backend.wait_for_arrival(leaving.round, leaving.position,
-                                           min(max(0.01, due - now + 0.005), settings.keep_alive_interval))
+                                           min(max(0.01, due - now + 0.005), settings.poll_interval))
             return
         if batch is not None and ctx.node_id in s.participants:
             due = [ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval]
