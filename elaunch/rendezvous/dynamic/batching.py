@@ -19,6 +19,10 @@ heartbeat keys (``supports_heartbeat_keys``; every backend with an intent log
 has them); an intent's time also counts as a heartbeat of its node
 (``merge.fold_intents``). The state machine (``ops.decide_join``)
 is unchanged: batching only changes who writes the additions, and when.
+
+Restarts use the same log: a participant leaving a complete round posts its
+intent for the next round, and that round's combiner removes every poster in one
+write (``merge.combine_exits``; the executor drives it).
 Stdlib only.
 """
 

@@ -90,7 +90,10 @@ class OpExecutor:
         round to complete blocks in ``backend.wait_for_round`` (woken by the write
         that completes or closes the round) rather than polling, where the backend
         can. Together these make a join cost a bounded number of round trips,
-        however many nodes join at once.
+        however many nodes join at once. Leaving a complete round (a restart) is
+        batched the same way: the exit posts this node's intent for the next round
+        and returns; the join that follows waits for that round's combiner to
+        remove it (``merge.combine_exits``), or leaves on its own after the grace.
 
         Args:
             decide: one of the ``ops.decide_*`` functions.
