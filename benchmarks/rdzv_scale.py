@@ -346,8 +346,8 @@ def worker_main(argv: list[str]) -> None:
     if not line or line[0] != "GO":
         os._exit(3)
     results: list[dict[str, Any]] = [{} for _ in handlers]
-    all_joined = threading.Event()
-    first_round = threading.Barrier(len(handlers), action=all_joined.set) if a.rounds == 2 else None
+    first_done = threading.Event()  # every agent joined the first round, or one failed
+    first_round = threading.Barrier(len(handlers), action=first_done.set) if a.rounds == 2 else None
     again = threading.Event()  # GO for the second round
 
     def join(i: int, handler: Any, counter: Any) -> None:
@@ -363,14 +363,14 @@ def worker_main(argv: list[str]) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
             if first_round is not None and not again.is_set():
                 first_round.abort()  # the others stop waiting for us
+                first_done.set()
             results[i] = {"t": time.time(), "ops": counter.ops - base, "err": f"{type(exc).__name__}: {exc}"[:300]}
 
     threads = [threading.Thread(target=join, args=(i, h, s), daemon=True) for i, (h, s) in enumerate(handlers)]
     for t in threads:
         t.start()
     if first_round is not None:
-        while not all_joined.is_set() and not first_round.broken:
-            time.sleep(0.01)
+        first_done.wait()
         print("ROUND1 " + ("failed" if first_round.broken else "ok"), flush=True)
         sys.stdin.readline()
         again.set()

@@ -58,8 +58,7 @@ def combine_exits(state: RendezvousState, intents: list[JoinIntent],
             s.wait_list.add(node)
             s.node_infos[node] = dict(intent.info)
             s.last_heartbeats[node] = intent.at
-    members = set(s.participants) | s.wait_list | s.redundancy_list
-    s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
+    ops.prune_node_infos(s)
     return s
 
 
@@ -95,8 +94,7 @@ def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: Rendez
                          heartbeat=min(newest[intent.node_id], now))
         added = True
     if added:
-        members = set(s.participants) | s.wait_list | s.redundancy_list
-        s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
+        ops.prune_node_infos(s)
     return added
 
 

@@ -271,9 +271,14 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         s.probe_at = s.last_heartbeats[me] = now
     else:
         raise ValueError(f"apply({action}): not a write action")
+    prune_node_infos(s)
+    return s
+
+
+def prune_node_infos(s: RendezvousState) -> None:
+    """In place: drop the node infos of nodes that are no longer participant, waiting or redundant."""
     members = set(s.participants) | s.wait_list | s.redundancy_list
     s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
-    return s
 
 
 def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: int,
