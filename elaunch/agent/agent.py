@@ -20,8 +20,7 @@ from collections.abc import Mapping
 from elaunch.agent.decide import Step, Verdict, judge, next_step
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
-from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, line_prefix, start_reaper
-from elaunch.procs.warm import WarmPool
+from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
@@ -79,21 +78,19 @@ class ElasticAgent:
         self._logs = logs
         self._env_opts = env_opts
         self._shutdown_timeout = shutdown_timeout
-        self._errors_loaded = False
         self._exit_barrier_timeout = exit_barrier_timeout
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
+        self._launcher = WorkerLauncher(logs, env_opts.run_id, warm_modules)
+        self._errors_loaded = False
         self._procs: WorkerProcesses | None = None
         self._group: WorkerGroup | None = None
-        self._log_dir: RunLogDir | None = None
-        self._reaper = None
-        self._warm_modules = warm_modules
-        self._warm: WarmPool | None = None
+        self._attempt_logs: AttemptLogs | None = None
 
     @property
     def log_root(self) -> str | None:
         """The job-level log directory, once ``run()`` created it."""
-        return self._log_dir.root if self._log_dir else None
+        return self._launcher.log_root
 
     def run(self) -> RunResult:
         """Run to completion.
@@ -106,21 +103,18 @@ class ElasticAgent:
                 and stopped (SIGKILL after ``shutdown_timeout``) before this is raised.
             RendezvousError: the rendezvous failed (timeout, closed, unreachable).
         """
-        self._log_dir = RunLogDir(self._logs, self._env_opts.run_id)
-        self._reaper = start_reaper()
-        if self._warm_modules is not None:
-            self._warm = WarmPool(self._warm_modules, self._reaper)
+        self._launcher.open()
         try:
             return self._invoke_run()
         except SignalException as exc:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
-            self._close_warm()
+            self._launcher.no_more_attempts()
             self._stop_workers(exc.sigval)
             raise
         finally:
-            self._close_warm()
+            self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
-            self._reaper.close()
+            self._launcher.close()
 
     def _invoke_run(self) -> RunResult:
         restarts = 0
@@ -132,12 +126,12 @@ class ElasticAgent:
             verdict = self._monitor()
             step = next_step(verdict, restarts, self._spec.max_restarts)
             if step in (Step.FINISH_OK, Step.FINISH_FAILED):
-                self._close_warm()  # no attempt follows
+                self._launcher.no_more_attempts()
             if step is Step.FINISH_OK:
                 # HEALTHY -> SUCCEEDED: every worker exited 0
                 group.state = WorkerState.SUCCEEDED
                 self._procs.close()
-                self._log_dir.remove_if_temporary()
+                self._launcher.remove_log_dir_if_temporary()
                 self._rdzv.exit_barrier(self._exit_barrier_timeout)
                 return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
             # which workers failed is fixed now; their error files are read once the rest
@@ -180,25 +174,16 @@ class ElasticAgent:
         opts = self._env_opts
         if opts.use_agent_store != info.use_agent_store:
             opts = dataclasses.replace(opts, use_agent_store=info.use_agent_store)
-        warm = self._warm
-        logs = warm.logs_for(attempt) if warm is not None else None
-        if logs is None:
-            logs = self._log_dir.attempt(attempt, spec.local_world_size)
+        logs = self._launcher.attempt_logs(attempt, spec.local_world_size)
         cmds, envs, prefixes = {}, {}, {}
         for w in workers:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
             envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
-        adopt = warm.handoff if warm is not None else None
-        self._procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
+        may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
+        self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
-        if warm is not None:
-            warm.discard()  # spares this attempt did not use
-            may_follow = restarts < spec.max_restarts or self._rdzv.get_backend() not in ("standalone", "static")
-            if warm.enabled and may_follow:
-                # another attempt may follow: prepare its spares, writing to its log files
-                warm.prepare(attempt + 1, self._log_dir.attempt(attempt + 1, spec.local_world_size), cmds, envs)
         for w in workers:
             w.pid = self._procs.pids[w.local_rank]
         # INIT -> HEALTHY: workers started
@@ -287,10 +272,6 @@ class ElasticAgent:
                 error_time=_mtime(error_file) if data else None,
             )
         return out
-
-    def _close_warm(self) -> None:
-        if self._warm is not None:
-            self._warm.close()
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
         if self._procs is None:

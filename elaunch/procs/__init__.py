@@ -6,12 +6,14 @@ Public API (no torch import anywhere in this package; the agent imports it):
 * :class:`LogsSpec`, :class:`RunLogDir`, :class:`AttemptLogs`, :func:`line_prefix` — log layout.
 * :class:`WorkerProcesses` — one group's workers: ``start``/``wait``/``poll``/``stop``/``close``.
 * :func:`start_reaper`, :class:`Reaper` — the watchdog that kills worker trees if the agent dies.
+* :class:`WorkerLauncher` — one agent run's worker starts, log directory, watchdog and warm pool.
 """
 
 from .logs import AttemptLogs, LogsSpec, RunLogDir, line_prefix
 from .reaper import Reaper, start_reaper
 from .std import Std, std_for, to_map
 from .workers import WorkerProcesses
+from .launcher import WorkerLauncher
 
 __all__ = [
     "AttemptLogs",
@@ -19,6 +21,7 @@ __all__ = [
     "Reaper",
     "RunLogDir",
     "Std",
+    "WorkerLauncher",
     "WorkerProcesses",
     "line_prefix",
     "start_reaper",

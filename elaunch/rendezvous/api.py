@@ -234,6 +234,17 @@ class RendezvousHandler(abc.ABC):
         """
         return 0
 
+    def can_reform(self) -> bool:
+        """Return True when a later round may form without a failure restart.
+
+        True for the dynamic backends (c10d, etcd): nodes may join or leave, and a
+        membership change re-forms the group. False (the default) for static and
+        standalone rendezvous, whose only later rounds are failure restarts. The
+        agent asks this instead of comparing backend names (e.g. to decide whether
+        to prepare warm spares for another attempt).
+        """
+        return False
+
     @abc.abstractmethod
     def get_run_id(self) -> str:
         """Return the run id (``TORCHELASTIC_RUN_ID``)."""

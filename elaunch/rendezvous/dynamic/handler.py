@@ -122,6 +122,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Return the storage backend's name (``"c10d"``, ...)."""
         return self._backend.name
 
+    def can_reform(self) -> bool:
+        """Return True: nodes may join or leave, and each membership change forms a new round."""
+        return True
+
     def get_run_id(self) -> str:
         """Return the run id."""
         return self._settings.run_id

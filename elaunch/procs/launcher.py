@@ -1,0 +1,158 @@
+"""The worker launcher: starts each attempt's workers and owns what outlives one attempt.
+
+One :class:`WorkerLauncher` per agent run holds the run's log directory
+(:class:`~elaunch.procs.logs.RunLogDir`), the watchdog that kills the workers if
+the agent dies (:mod:`elaunch.procs.reaper`) and the warm pool
+(:class:`~elaunch.procs.warm.WarmPool`, or :class:`NoWarmPool` when
+``--warm-start`` is off), so the agent only says *what* to start. torch's
+``LocalElasticAgent`` keeps these in the agent itself.
+
+No torch import here: the agent imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Callable
+
+from .logs import AttemptLogs, LogsSpec, RunLogDir
+from .reaper import Reaper, start_reaper
+from .warm import WarmPool
+from .workers import WorkerProcesses
+
+log = logging.getLogger(__name__)
+
+
+class NoWarmPool:
+    """The warm pool when ``--warm-start`` is off: never has a spare, prepares none."""
+
+    enabled = False
+    used = 0
+
+    def logs_for(self, attempt: int) -> AttemptLogs | None:
+        """Return None: no spare ever writes logs."""
+        return None
+
+    def prepare(self, attempt: int, logs: AttemptLogs, cmds: Mapping, envs: Mapping) -> int:
+        """Start nothing; return 0."""
+        return 0
+
+    handoff = None  #: no adopt hook: every worker starts cold
+
+    def discard(self) -> None:
+        """Nothing to discard."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class WorkerLauncher:
+    """Starts the workers of each attempt of one agent run.
+
+    Args:
+        logs: where worker output goes (``--log-dir``, ``-r``, ``-t``, filters).
+        run_id: the job id, part of the log directory's name.
+        warm_modules: ``--warm-start``: modules each spare imports in advance, or
+            None for no warm pool (every worker starts cold, as under torchrun).
+        reaper_factory: starts the watchdog (injectable for tests).
+
+    Attributes:
+        pool: the warm pool (a :class:`NoWarmPool` when warm start is off, or before
+            :meth:`open`).
+    """
+
+    def __init__(
+        self,
+        logs: LogsSpec,
+        run_id: str,
+        warm_modules: tuple[str, ...] | None = None,
+        reaper_factory: Callable[[], Reaper] = start_reaper,
+    ) -> None:
+        self._logs = logs
+        self._run_id = run_id
+        self._warm_modules = warm_modules
+        self._reaper_factory = reaper_factory
+        self._log_dir: RunLogDir | None = None
+        self._reaper: Reaper | None = None
+        self.pool: WarmPool | NoWarmPool = NoWarmPool()
+
+    @property
+    def log_root(self) -> str | None:
+        """The run's log directory once :meth:`open` made it (``os.devnull`` when discarding)."""
+        return self._log_dir.root if self._log_dir is not None else None
+
+    def open(self) -> None:
+        """Create the run's log directory and start the watchdog (and the warm pool).
+
+        Raises:
+            NotADirectoryError: ``--log-dir`` names a file.
+            OSError: the directory or the watchdog cannot be created.
+        """
+        self._log_dir = RunLogDir(self._logs, self._run_id)
+        self._reaper = self._reaper_factory()
+        if self._warm_modules is not None:
+            self.pool = WarmPool(self._warm_modules, self._reaper)
+
+    def attempt_logs(self, attempt: int, local_world_size: int) -> AttemptLogs:
+        """Return the destinations of ``attempt``: its warm spares' when they are ready, else new ones.
+
+        Raises:
+            RuntimeError: :meth:`open` was not called.
+            OSError: the attempt's directories cannot be created.
+        """
+        ready = self.pool.logs_for(attempt)
+        return ready if ready is not None else self._run_dir().attempt(attempt, local_world_size)
+
+    def start(
+        self,
+        attempt: int,
+        logs: AttemptLogs,
+        cmds: dict[int, list[str]],
+        envs: dict[int, dict[str, str]],
+        prefixes: dict[int, str],
+        another_may_follow: bool,
+    ) -> WorkerProcesses:
+        """Start one worker per local rank (handing them to warm spares where possible).
+
+        Args:
+            attempt: the attempt number (>= 0), as given to :meth:`attempt_logs`.
+            logs: that attempt's destinations.
+            cmds, envs: local rank -> argv / full environment.
+            prefixes: local rank -> console prefix of tee'd lines.
+            another_may_follow: True when an attempt may follow this one; then the
+                warm pool prepares its spares while this one runs.
+
+        Raises:
+            OSError: a worker could not be started (those already started are killed).
+        """
+        pool = self.pool
+        procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper,
+                                      adopt=pool.handoff)
+        pool.discard()  # spares this attempt did not use
+        if pool.enabled and another_may_follow:
+            # prepare the next attempt's spares, writing to its log files
+            local_world_size = len(cmds)
+            pool.prepare(attempt + 1, self._run_dir().attempt(attempt + 1, local_world_size), cmds, envs)
+        return procs
+
+    def no_more_attempts(self) -> None:
+        """Kill the warm spares: nothing will use them."""
+        self.pool.close()
+
+    def remove_log_dir_if_temporary(self) -> None:
+        """Delete the log directory when it is a temporary one (after a successful run)."""
+        if self._log_dir is not None:
+            self._log_dir.remove_if_temporary()
+
+    def close(self) -> None:
+        """Kill the spares and stop the watchdog. Idempotent; the log directory is kept."""
+        self.pool.close()
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
+
+    def _run_dir(self) -> RunLogDir:
+        if self._log_dir is None:
+            raise RuntimeError("WorkerLauncher.open() was not called")
+        return self._log_dir
