@@ -163,8 +163,14 @@ def launch(config: LaunchConfig) -> int:
         with _SignalHandlers(config.signals_to_handle):
             try:
                 result = agent.run()
-            finally:
+            except SignalException:
+                # a node that leaves: the others re-form without it (they may still meet MIN nodes)
+                handler.leave()
+                raise
+            except BaseException:
                 handler.shutdown()
+                raise
+            handler.shutdown()
     except SignalException as exc:
         return 128 + exc.sigval
     except RendezvousGracefulExitError as exc:
@@ -177,6 +183,6 @@ def launch(config: LaunchConfig) -> int:
         from elaunch.errors import format_failure_summary  # only on failure: keeps start-up light
 
         title = f"{entrypoint_name(config.cmd)} FAILED"
-        print(format_failure_summary(result.failures, title=title), file=sys.stderr)
+        print(format_failure_summary(result.failures, title=title, first=result.root_rank), file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

@@ -140,6 +140,10 @@ class ProcessFailure:
         error_time: when the error file was written (its mtime, seconds since the
             epoch, sub-second precision), or None. The file's own timestamp has
             whole seconds only, too coarse to order two ranks failing together.
+        remote: True when another node's agent reported this failure through the
+            rendezvous (the job's root cause, seen from a node that did not fail).
+        detail: text shown as the traceback when there is no error file: a remote
+            failure's message, or a hung worker's stacks.
     """
 
     local_rank: int
@@ -152,6 +156,8 @@ class ProcessFailure:
     error_data: dict | None = None
     stderr_tail: str = ""
     error_time: float | None = None
+    remote: bool = False
+    detail: str = ""
 
     @property
     def signal_name(self) -> str:
@@ -173,12 +179,16 @@ class RunResult:
     Attributes:
         state: SUCCEEDED or FAILED (UNKNOWN if the agent itself broke).
         failures: the failed workers of the last round, keyed by global rank.
-        restarts: failed-group restarts used.
+        restarts: failed-group restarts used (the job's, where the rendezvous counts them).
+        root_rank: global rank of the job's root cause when it is known from the
+            rendezvous (possibly another node's worker), else None: the earliest of
+            ``failures``.
     """
 
     state: WorkerState
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     restarts: int = 0
+    root_rank: int | None = None
 
     def is_failed(self) -> bool:
         return self.state is not WorkerState.SUCCEEDED

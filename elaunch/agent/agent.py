@@ -17,11 +17,19 @@ import socket
 import time
 from collections.abc import Mapping
 
-from elaunch.agent.decide import Step, Verdict, judge, next_step
+from elaunch.agent.decide import Step, Verdict, judge, next_step, sits_out
+from elaunch.agent.failures import from_record, to_record, with_root
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
-from elaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
+from elaunch.rendezvous.api import (
+    FailureRecord,
+    JobState,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousJobFailedError,
+)
 from elaunch.spec import ProcessFailure, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
 log = logging.getLogger("elaunch.agent")
@@ -86,6 +94,7 @@ class ElasticAgent:
         self._procs: WorkerProcesses | None = None
         self._group: WorkerGroup | None = None
         self._attempt_logs: AttemptLogs | None = None
+        self._job = JobState()  # the job's shared facts as last read (static: stays empty)
 
     @property
     def log_root(self) -> str | None:
@@ -117,18 +126,26 @@ class ElasticAgent:
             self._launcher.close()
 
     def _invoke_run(self) -> RunResult:
-        restarts = 0
+        restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)
         attempt = 0
         while True:
-            info = self._rdzv.next_rendezvous()
-            group = self._start_workers(info, restarts, attempt)
+            try:
+                info = self._rdzv.next_rendezvous()
+            except RendezvousJobFailedError as exc:
+                # JOINING -> FAILED: another node declared the job failed while we joined
+                return self._failed_elsewhere(exc.failure, restarts)
+            if info.restart_count is not None:
+                restarts = info.restart_count
+            try:
+                group = self._start_workers(info, restarts, attempt)
+            except OSError as exc:
+                # INIT -> FAILED: the workers cannot even start; no restart fixes that
+                return self._unstartable(info, exc, restarts)
             attempt += 1
             verdict = self._monitor()
-            step = next_step(verdict, restarts, self._spec.max_restarts)
-            if step in (Step.FINISH_OK, Step.FINISH_FAILED):
-                self._launcher.no_more_attempts()
-            if step is Step.FINISH_OK:
+            if verdict is Verdict.SUCCEEDED:
                 # HEALTHY -> SUCCEEDED: every worker exited 0
+                self._launcher.no_more_attempts()
                 group.state = WorkerState.SUCCEEDED
                 self._procs.close()
                 self._launcher.remove_log_dir_if_temporary()
@@ -138,26 +155,95 @@ class ElasticAgent:
             # are stopped, so a restart does not wait for that
             exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
             self._stop_workers(signal.SIGTERM)
-            failures = self._failures(group, *exited) if exited else {}
-            if step is Step.FINISH_FAILED:
-                # HEALTHY -> FAILED: a worker failed and no restart is left
+            if verdict is Verdict.JOB_FAILED:
+                # HEALTHY -> FAILED: the job failed on another node; it published the root cause
                 group.state = WorkerState.FAILED
-                return RunResult(WorkerState.FAILED, failures=failures, restarts=restarts)
-            # HEALTHY -> STOPPED: restart after a failure (counted) or a membership change
+                return self._failed_elsewhere(self._job.failure, restarts)
+            if verdict is Verdict.MEMBERSHIP_CHANGE:
+                # HEALTHY -> STOPPED: re-form with the new membership (not counted)
+                group.state = WorkerState.STOPPED
+                continue
+            failures = self._failures(group, *exited)
+            step, restarts, root = self._count_failure(info.round, failures, restarts)
+            if step is Step.FINISH_FAILED:
+                # HEALTHY -> FAILED: no restart is left for the job
+                self._launcher.no_more_attempts()
+                group.state = WorkerState.FAILED
+                return RunResult(WorkerState.FAILED, failures=with_root(failures, root, self._job.node),
+                                 restarts=restarts, root_rank=root.rank)
+            # HEALTHY -> STOPPED: restart after a failure (counted once for the job)
             group.state = WorkerState.STOPPED
-            if step is Step.RESTART:
-                restarts += 1
-                from elaunch.errors import root_cause
+            log.warning(
+                "worker group failed (rank %d on %s, exitcode %d%s); restart %d/%d",
+                root.rank, root.host, root.exitcode,
+                f" {_signal_name(root.exitcode)}" if root.exitcode < 0 else "",
+                restarts, self._spec.max_restarts,
+            )
+            self._sit_out_if_blamed()
 
-                first = root_cause(failures)
-                log.warning(
-                    "worker group failed (rank %d exitcode %d%s); restart %d/%d",
-                    first.global_rank,
-                    first.exitcode,
-                    f" {first.signal_name}" if first.signal_name else "",
-                    restarts,
-                    self._spec.max_restarts,
-                )
+    def _count_failure(self, round: int, failures: dict[int, ProcessFailure],
+                       restarts: int) -> tuple[Step, int, FailureRecord]:
+        """Count this round's failure for the job; on a spent budget declare the job failed.
+
+        Returns:
+            (RESTART or FINISH_FAILED, the job's restarts after this failure, the job's root cause).
+        """
+        from elaunch.errors import failure_text, failure_time, root_cause
+
+        first = root_cause(failures)
+        record = to_record(first, round, failure_text(first), failure_time(first))
+        job = self._rdzv.record_failure(record)
+        if job is not None:
+            self._job = job
+            if job.failed:  # declared failed by another node meanwhile
+                self._rdzv.acknowledge_failure()
+                root = job.failure or record
+                return Step.FINISH_FAILED, job.restarts, root
+            used = job.restarts - 1  # before this round's failure
+        else:
+            used = restarts  # no job state: this agent counts alone (static, standalone)
+        step = next_step(Verdict.FAILED, used, self._spec.max_restarts)
+        if step is Step.FINISH_FAILED:
+            root = self._rdzv.fail_job(record)
+            return step, used, root
+        root = job.failure if job is not None and job.failure is not None else record
+        return step, used + 1, root
+
+    def _failed_elsewhere(self, root: FailureRecord | None, restarts: int) -> RunResult:
+        """The job failed on another node: report its root cause (this node's workers are stopped)."""
+        self._launcher.no_more_attempts()
+        self._rdzv.acknowledge_failure()
+        if root is None:  # failed without a record: say so rather than invent one
+            root = FailureRecord(round=-1, at=time.time(), host="<unknown>", message="the job was declared failed")
+        log.info("the job failed on %s (rank %d, exitcode %d); this node's workers are stopped",
+                  root.host, root.rank, root.exitcode)
+        return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=restarts,
+                         root_rank=root.rank)
+
+    def _unstartable(self, info: RendezvousInfo, exc: OSError, restarts: int) -> RunResult:
+        """The workers could not be started (e.g. no such program): the job fails at once."""
+        self._launcher.no_more_attempts()
+        failure = ProcessFailure(local_rank=0, global_rank=info.rank * self._spec.local_world_size, pid=-1,
+                                 exitcode=1, timestamp=time.time(), hostname=self._hostname,
+                                 detail=f"could not start the workers: {exc}")
+        record = to_record(failure, info.round, failure.detail, failure.timestamp)
+        root = self._rdzv.fail_job(record)
+        return RunResult(WorkerState.FAILED, failures=with_root({failure.global_rank: failure}, root, self._job.node),
+                         restarts=restarts, root_rank=root.rank)
+
+    def _sit_out_if_blamed(self) -> None:
+        """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so."""
+        job = self._job
+        if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes):
+            return
+        log.warning(
+            "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
+            "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
+            job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
+        )
+        self._rdzv.leave(rejoin=True)
+        time.sleep(job.exclude_cooldown)  # a handled signal still interrupts this
+        log.info("exclusion over; rejoining the job")
 
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec
@@ -203,11 +289,17 @@ class ElasticAgent:
         return group
 
     def _monitor(self) -> Verdict:
-        """Wait until the group is no longer RUNNING; child exits wake this at once."""
+        """Wait until the group is no longer RUNNING; child exits wake this at once.
+
+        Every ``monitor_interval`` seconds it also reads the job's shared state (the
+        same read as the waiting count): a job declared failed on another node ends
+        the group here too.
+        """
         interval = self._spec.monitor_interval
         while True:
             codes = self._procs.poll()
-            verdict = judge(codes, 0)
+            job = self._read_job()
+            verdict = judge(codes, 0, job_failed=job.failed)
             if verdict is Verdict.FAILED:
                 new = self._new_nodes()
                 verdict = judge(codes, 0, new)
@@ -224,6 +316,9 @@ class ElasticAgent:
                         "membership changed (%d node(s) waiting to join, %d lost); re-forming the group"
                         " (not counted as a restart)", waiting, lost,
                     )
+            elif verdict is Verdict.JOB_FAILED and job.failure is not None:
+                log.warning("the job failed on %s (rank %d); stopping this node's workers",
+                            job.failure.host, job.failure.rank)
             if verdict is not Verdict.RUNNING:
                 return verdict
             self._procs.wait(interval)
@@ -231,6 +326,17 @@ class ElasticAgent:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def _read_job(self) -> JobState:
+        """The job's shared state from the monitor's read; the last one known when it cannot be read."""
+        try:
+            job = self._rdzv.job_state()
+        except RendezvousError as exc:
+            log.warning("could not read the job's state: %s", exc)
+            return self._job
+        if job is not None:
+            self._job = job
+        return self._job
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
@@ -286,6 +392,13 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns / 1e9
     except OSError:
         return None
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def _describe_exits(codes: Mapping[int, int | None]) -> str:

@@ -1,14 +1,16 @@
 """The agent's decisions, as pure functions of what it observed (no processes).
 
-``judge`` turns the workers' exit codes and the rendezvous' waiting count into a
-verdict; ``next_step`` turns a verdict and the restart budget into what the agent
-does next. The loop in ``agent.py`` only observes and applies.
+``judge`` turns the workers' exit codes, the rendezvous' waiting count and the
+job's shared state into a verdict; ``next_step`` turns a verdict and the job's
+restart budget into what the agent does next; ``hung_ranks`` is the hang verdict
+and ``sits_out`` the bad-node exclusion. The loop in ``agent.py`` only observes
+and applies.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 class Verdict(enum.Enum):
@@ -18,6 +20,7 @@ class Verdict(enum.Enum):
     SUCCEEDED = "succeeded"  # every worker exited 0
     FAILED = "failed"  # some worker exited non-zero or was killed
     MEMBERSHIP_CHANGE = "membership_change"  # healthy, but nodes wait to join or members are gone
+    JOB_FAILED = "job_failed"  # another node declared the whole job failed
 
 
 class Step(enum.Enum):
@@ -29,7 +32,8 @@ class Step(enum.Enum):
     FINISH_FAILED = "finish_failed"
 
 
-def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0) -> Verdict:
+def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0,
+          job_failed: bool = False, hung: Sequence[int] = ()) -> Verdict:
     """Classify the group, as torch's ``_monitor_workers`` + ``_invoke_run`` do.
 
     Args:
@@ -38,14 +42,21 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
             running round that are gone (>= 0).
         new_nodes: nodes outside the running round that joined since it formed
             (``RendezvousHandler.num_nodes_new``, >= 0).
+        job_failed: another agent declared the job failed (``JobState.failed``).
+        hung: local ranks found hung (:func:`hung_ranks`).
 
     Returns:
-        FAILED if any worker failed, unless new nodes joined: then the failure is
-        the scale-up's doing (another node re-formed first and closed the workers'
-        sockets) and the verdict is MEMBERSHIP_CHANGE. Else SUCCEEDED when all
-        exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
+        JOB_FAILED when the job failed elsewhere: nothing here can change that.
+        FAILED if any worker failed or hangs, unless new nodes joined: then the
+        failure is the scale-up's doing (another node re-formed first and closed
+        the workers' sockets) and the verdict is MEMBERSHIP_CHANGE. Else SUCCEEDED
+        when all exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
     """
+    if job_failed:
+        return Verdict.JOB_FAILED
     codes = list(exit_codes.values())
+    if hung:
+        return Verdict.FAILED
     if any(c is not None and c != 0 for c in codes):
         return Verdict.MEMBERSHIP_CHANGE if new_nodes > 0 else Verdict.FAILED
     if codes and all(c == 0 for c in codes):
@@ -55,17 +66,24 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
     return Verdict.RUNNING
 
 
-def next_step(verdict: Verdict, restarts_used: int, max_restarts: int) -> Step:
+def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: bool = True) -> Step:
     """Decide what follows a stopped group (``--max-restarts`` semantics of torchrun).
 
     Args:
-        verdict: SUCCEEDED, FAILED or MEMBERSHIP_CHANGE (RUNNING is not a stop).
-        restarts_used: failed-group restarts already spent.
-        max_restarts: the budget (>= 0).
+        verdict: SUCCEEDED, FAILED, MEMBERSHIP_CHANGE or JOB_FAILED (RUNNING is not a stop).
+        restarts_used: failed-group restarts the job spent before this failure (the
+            job's count, shared by every node, where the rendezvous keeps one).
+        max_restarts: the budget for the whole job (>= 0).
+        fixable: False for a failure no restart can fix (the workers could not be
+            started at all, e.g. a bad script path): then the job fails at once.
 
     Raises:
         ValueError: ``verdict`` is RUNNING.
     """
+    if verdict is Verdict.JOB_FAILED:
+        return Step.FINISH_FAILED
+    if verdict is Verdict.FAILED and not fixable:
+        return Step.FINISH_FAILED
     if verdict is Verdict.SUCCEEDED:
         return Step.FINISH_OK
     if verdict is Verdict.MEMBERSHIP_CHANGE:
@@ -74,3 +92,44 @@ def next_step(verdict: Verdict, restarts_used: int, max_restarts: int) -> Step:
     if verdict is Verdict.FAILED:
         return Step.RESTART if restarts_used < max_restarts else Step.FINISH_FAILED
     raise ValueError(f"no step follows verdict {verdict}")
+
+
+def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[int, int | None],
+               hang_timeout: float) -> list[int]:
+    """Return the local ranks that hang (sorted): the hang verdict of ``--hang-timeout``.
+
+    Args:
+        progress: local rank -> (it called ``elaunch.progress()`` at least once,
+            seconds since its counter last changed).
+        exit_codes: local rank -> exit code, None while running (exited ranks do not hang).
+        hang_timeout: seconds without progress that make a rank hung; 0 = off.
+
+    Returns:
+        The running ranks that reported progress once and then not for more than
+        ``hang_timeout`` seconds. A rank that never reported is not judged (it may
+        not call ``elaunch.progress()`` at all).
+    """
+    if hang_timeout <= 0:
+        return []
+    return sorted(lr for lr, (reported, quiet) in progress.items()
+                  if reported and quiet > hang_timeout and exit_codes.get(lr) is None)
+
+
+def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, min_nodes: int) -> bool:
+    """Decide whether ``node`` sits out the next rounds (bad-node exclusion).
+
+    Args:
+        blame: node ids of the root causes of the job's latest counted failures, oldest first.
+        node: this node's id.
+        exclude_after: failures in a row it must be the root cause of (0 = never exclude).
+        others: live nodes of the job besides this one.
+        min_nodes: the job's minimum number of nodes.
+
+    Returns:
+        True when the last ``exclude_after`` failures were all this node's and the
+        others still make ``min_nodes`` without it (Horovod's host blacklist and
+        NVIDIA's fault-tolerance launcher do the same).
+    """
+    if exclude_after <= 0 or len(blame) < exclude_after or others < min_nodes:
+        return False
+    return all(b == node for b in blame[-exclude_after:])

@@ -16,6 +16,7 @@ from elaunch.errors.errorfile import (
 from elaunch.errors.record import ERROR_FILE_ENV, ErrorHandler, exception_error_data, record
 from elaunch.errors.summary import (
     ChildFailedError,
+    failure_text,
     failure_time,
     format_failure,
     format_failure_summary,
@@ -30,6 +31,7 @@ __all__ = [
     "error_timestamp",
     "error_traceback",
     "exception_error_data",
+    "failure_text",
     "failure_time",
     "format_failure",
     "format_failure_summary",

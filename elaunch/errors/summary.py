@@ -90,7 +90,9 @@ def _describe(failure: ProcessFailure) -> tuple[str, str]:
         if data.get(UNREADABLE_KEY) and failure.stderr_tail:
             stderr_block = _stderr_block(failure.stderr_tail)
         return tb.rstrip("\n"), stderr_block
-    if failure.exitcode < 0:
+    if failure.detail:
+        tb = failure.detail
+    elif failure.exitcode < 0:
         tb = f"Signal {-failure.exitcode} ({failure.signal_name}) received by PID {failure.pid}"
     elif failure.stderr_tail:
         tb = "<N/A> (no error file; decorate the entrypoint with @record to get one)"
@@ -107,6 +109,12 @@ def _stderr_block(tail: str) -> str:
     return head + "\n" + "\n".join("    " + line for line in lines)
 
 
+def failure_text(failure: ProcessFailure) -> str:
+    """Return what the summary shows of ``failure`` as its traceback (and stderr tail), as one text."""
+    tb, stderr_block = _describe(failure)
+    return tb + ("\n" + stderr_block if stderr_block else "")
+
+
 def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     """Return one ``[idx]:`` block of the table (no trailing newline)."""
     when = datetime.fromtimestamp(int(failure_time(failure))).isoformat(sep="_")
@@ -115,7 +123,8 @@ def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     lines = [
         f"[{idx}]:",
         f"  time      : {when}",
-        f"  host      : {failure.hostname or socket.getfqdn()}",
+        f"  host      : {failure.hostname or socket.getfqdn()}"
+        + (" (reported by that node's agent through the rendezvous)" if failure.remote else ""),
         f"  rank      : {rank} (local_rank: {failure.local_rank})",
         f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal}",
         # as torch: the path only when the worker wrote the file
@@ -127,12 +136,15 @@ def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     return "\n".join(lines)
 
 
-def format_failure_summary(failures: dict[int, ProcessFailure], *, title: str) -> str:
+def format_failure_summary(failures: dict[int, ProcessFailure], *, title: str, first: int | None = None) -> str:
     """Return the failure table, root cause first, then the others by time.
 
     Args:
         failures: failed workers keyed by global rank.
         title: the heading line, e.g. ``"train.py FAILED"`` (used verbatim).
+        first: global rank of the root cause when the job decided it (the same on
+            every node, possibly another node's worker); None or a rank not in
+            ``failures``: the earliest failure (:func:`root_cause`).
 
     Returns:
         The table, lines joined by ``"\\n"``, without leading or trailing newline.
@@ -144,6 +156,8 @@ def format_failure_summary(failures: dict[int, ProcessFailure], *, title: str) -
     if not failures:
         raise ValueError("format_failure_summary: failures is empty ({})")
     order = _order(failures)
+    if first in failures:
+        order = [first] + [rank for rank in order if rank != first]
     blocks = [format_failure(idx, rank, failures[rank]) for idx, rank in enumerate(order)]
     width = max(len(line) for text in [title, *blocks] for line in text.split("\n"))
     width = min(width, _MAX_WIDTH)

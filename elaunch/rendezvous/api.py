@@ -49,6 +49,106 @@ class RendezvousGracefulExitError(RendezvousError):
     """This node is not needed (e.g. more nodes than MAX); it should exit 0."""
 
 
+class RendezvousJobFailedError(RendezvousClosedError):
+    """The rendezvous was closed because the job failed on some node (an elaunch addition).
+
+    Attributes:
+        failure: the job's root cause as that node's agent published it.
+    """
+
+    def __init__(self, message: str, failure: "FailureRecord") -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+#: Longest ``FailureRecord.message`` kept in the rendezvous state (characters).
+MAX_FAILURE_MESSAGE = 4000
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One worker failure as published to every agent of the job through the rendezvous.
+
+    Attributes:
+        round: the rendezvous round whose workers failed (one failure counts once per round).
+        at: when the failure happened, seconds since the epoch (the earliest one of
+            a round is its root cause).
+        node: the rendezvous node id of the agent that saw it ("" until published).
+        host: that agent's host name.
+        rank, local_rank: the failed worker's global and local rank (-1 if unknown).
+        pid: its process id (-1 if unknown).
+        exitcode: its exit status; negative for death by signal (``-signum``).
+        message: the error file's traceback, or its stderr tail, or a description
+            (at most :data:`MAX_FAILURE_MESSAGE` characters).
+        hung: True when the worker was stopped for making no progress (``--hang-timeout``).
+    """
+
+    round: int
+    at: float
+    node: str = ""
+    host: str = ""
+    rank: int = -1
+    local_rank: int = -1
+    pid: int = -1
+    exitcode: int = 1
+    message: str = ""
+    hung: bool = False
+
+    def to_dict(self) -> dict:
+        """Return the record as a JSON-ready dict."""
+        return {"round": self.round, "at": self.at, "node": self.node, "host": self.host, "rank": self.rank,
+                "local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
+                "message": self.message[-MAX_FAILURE_MESSAGE:], "hung": self.hung}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "FailureRecord":
+        """Decode :meth:`to_dict`'s output.
+
+        Raises:
+            TypeError, ValueError, KeyError: a field is missing or of the wrong type.
+        """
+        return cls(round=int(doc["round"]), at=float(doc["at"]), node=str(doc.get("node", "")),
+                   host=str(doc.get("host", "")), rank=int(doc.get("rank", -1)),
+                   local_rank=int(doc.get("local_rank", -1)), pid=int(doc.get("pid", -1)),
+                   exitcode=int(doc.get("exitcode", 1)), message=str(doc.get("message", "")),
+                   hung=bool(doc.get("hung", False)))
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the rendezvous knows about the whole job (an elaunch addition; torch has none).
+
+    Attributes:
+        restarts: failure restarts the job used so far (one per failed round, whichever
+            node saw it); every worker of a round gets it as ``TORCHELASTIC_RESTART_COUNT``.
+        failure: the root cause of the latest counted failure, or None.
+        failed: True once an agent declared the job failed (its budget was spent, or
+            the failure cannot be fixed by a restart); the rendezvous is then closed.
+        dump_id: increases each time an agent asks every agent to dump its workers'
+            stacks (a hang was found); 0 = never.
+        dump_by: who asked for the latest dump (the hung worker), or None.
+        blame: node ids of the root causes of the latest counted failures, oldest first.
+        node: this handler's own node id (compare with ``blame`` and ``failure.node``).
+        others: live members of this node's round besides itself.
+        min_nodes: the job's minimum number of nodes.
+        exclude_after: failures in a row of which a node is the root cause after which it
+            sits out (conf ``exclude_after``; 0 = never).
+        exclude_cooldown: seconds a node sits out (conf ``exclude_cooldown``).
+    """
+
+    restarts: int = 0
+    failure: FailureRecord | None = None
+    failed: bool = False
+    dump_id: int = 0
+    dump_by: FailureRecord | None = None
+    blame: tuple[str, ...] = ()
+    node: str = ""
+    others: int = 0
+    min_nodes: int = 1
+    exclude_after: int = 0
+    exclude_cooldown: float = 0.0
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """What a node declares when it joins: enough to assign ranks without a store.
@@ -83,6 +183,9 @@ class RendezvousInfo:
         store: an agent-side key/value store namespaced to this round, or None.
             Objects here have at least ``set(key, bytes)``, ``get(key) -> bytes``,
             ``add(key, int) -> int`` (torch ``Store`` semantics).
+        restart_count: the job's failure restarts before this round, the same on
+            every node (``TORCHELASTIC_RESTART_COUNT``); None when the backend keeps
+            no job state (static, standalone: the agent counts its own).
     """
 
     round: int
@@ -93,6 +196,7 @@ class RendezvousInfo:
     use_agent_store: bool = False
     nodes: tuple[NodeInfo, ...] = ()
     store: Any = field(default=None, compare=False, repr=False)
+    restart_count: int | None = None
 
 
 @dataclass
@@ -252,6 +356,75 @@ class RendezvousHandler(abc.ABC):
     def shutdown(self) -> bool:
         """Release this node's resources (heartbeats, stores); True on success."""
         return True
+
+    def leave(self, rejoin: bool = False) -> None:
+        """Leave the job as a node that goes away, without closing the rendezvous.
+
+        For an agent stopped by a signal, and for a node that sits out a cooldown
+        (bad-node exclusion, ``rejoin=True``: a later ``next_rendezvous`` joins
+        again). The other nodes see a lost member and re-form without this one
+        when they still meet ``min_nodes``. Default: :meth:`shutdown` unless
+        ``rejoin`` (backends without membership changes end the job with the node).
+        """
+        if not rejoin:
+            self.shutdown()
+
+    # -- the job, not just the round (elaunch additions; torch's handlers have none) ----
+
+    def job_state(self) -> JobState | None:
+        """Return the job's shared facts, or None when the backend keeps none (static, standalone).
+
+        Cheap: the dynamic backends answer from the same read as
+        ``num_nodes_waiting`` (at most ``poll_interval`` seconds old), so the agent's
+        monitor asks every ``--monitor-interval`` at no extra cost.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return None
+
+    def record_failure(self, failure: FailureRecord) -> JobState | None:
+        """Count ``failure.round``'s failure once for the whole job; return the job state after it.
+
+        The first record of a round counts one restart; later records of the same
+        round (peers whose collectives broke) only replace the round's root cause
+        when they happened earlier. Returns None when the backend keeps no job state.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return None
+
+    def fail_job(self, failure: FailureRecord) -> FailureRecord:
+        """Declare the job failed with ``failure`` as its root cause, and close the rendezvous.
+
+        Every other agent sees it at its next check and stops. When another node
+        already declared it (or recorded an earlier failure of the same round), that
+        root cause is kept and returned.
+
+        Returns:
+            The job's root cause (``failure`` for backends without job state).
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return failure
+
+    def acknowledge_failure(self) -> None:
+        """Tell the node that declared the job failed that this node saw it and stopped (best effort).
+
+        That node waits for every live node's acknowledgement before it exits (it
+        may host the store the others read). No-op for backends without job state.
+        """
+
+    def request_stack_dump(self, by: FailureRecord) -> None:
+        """Ask every agent of the job to dump its workers' Python stacks (``by``: the hung worker).
+
+        No-op for backends without job state.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
 
     def exit_barrier(self, timeout: float) -> None:
         """Wait, up to ``timeout`` seconds, until every node of the round finished.

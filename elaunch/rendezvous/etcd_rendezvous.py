@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from elaunch.rendezvous.api import NodeInfo, RendezvousConnectionError, RendezvousParameters
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
@@ -176,12 +176,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def num_nodes_new(self) -> int:
         return self._tolerant(super().num_nodes_new)
 
+    def job_state(self):
+        """The job's shared facts; while etcd is away (within ``outage_timeout``) the last ones read."""
+        state = self._tolerant(super().job_state, fallback=None)
+        if state is not None:
+            self._last_job = state
+        return self._last_job
+
     def next_rendezvous(self):
         info = super().next_rendezvous()
         self._last_reached = time.monotonic()
         return info
 
-    def _tolerant(self, count: Callable[[], int]) -> int:
+    _last_job = None
+
+    def _tolerant(self, count: Callable[[], Any], fallback: Any = 0) -> Any:
         try:
             n = count()
         except RendezvousConnectionError as exc:
@@ -194,7 +203,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 log.warning("etcd unreachable while workers run (%s); they keep running for up to "
                             "outage_timeout=%g s", exc, self._outage_timeout)
             self._warned = True
-            return 0
+            return fallback
         self._warned = False
         self._last_reached = time.monotonic()
         return n

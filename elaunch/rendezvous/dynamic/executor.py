@@ -223,6 +223,33 @@ class OpExecutor:
             elif written and action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                 deadline = self._clock() + timeout  # REDUNDANT -> JOINING: fresh join deadline
 
+    def update(self, transform: Callable[[RendezvousState], RendezvousState | None], timeout: float,
+               timeout_name: str) -> RendezvousState:
+        """Read -> ``transform`` -> compare-and-set until written, or ``transform`` returns None.
+
+        For the job-wide facts (``job.py``): one write, retried on a lost race
+        against whatever is stored then.
+
+        Returns:
+            The state after the write (or as read, when there was nothing to write).
+
+        Raises:
+            RendezvousTimeoutError: not written within ``timeout`` seconds.
+            RendezvousConnectionError, RendezvousStateError: from the backend.
+        """
+        deadline = self._clock() + timeout
+        while True:
+            state = self.read()
+            new_state = transform(state)
+            if new_state is None:
+                return state
+            if self._write(Action.UPDATE_JOB, state, new_state):
+                return self._state
+            if self._clock() > deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous {self._settings.run_id!r}: could not update the job state within "
+                    f"{timeout_name}={timeout:g} s")
+
     def _write(self, action: Action, state: RendezvousState, new_state: RendezvousState) -> bool | None:
         """Compare-and-set ``new_state`` (decided on ``state`` by ``action``); keep what is stored now.
 

@@ -10,6 +10,7 @@ late joiners through ``num_nodes_waiting()``. What a round's workers connect to
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,14 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elaunch.rendezvous.api import (
+    FailureRecord,
+    JobState,
     NodeInfo,
+    RendezvousClosedError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousJobFailedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor, read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -107,6 +112,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._current: RendezvousInfo | None = None
         self._members: frozenset[str] = frozenset()
         self._cached: tuple[float, RendezvousState] | None = None
+        self._declared_failure = False  # this node declared the job failed (fail_job)
 
     @property
     def node_id(self) -> str:
@@ -138,12 +144,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rendezvous closes, as in torch).
 
         Raises:
+            RendezvousJobFailedError: the job failed on another node (its root cause attached).
             RendezvousClosedError: the rendezvous was closed.
             RendezvousTimeoutError: the round did not complete within ``join_timeout``.
             RendezvousGracefulExitError: closed while this node was redundant.
             RendezvousConnectionError: the backend or a round store is unreachable.
             RendezvousStateError: the stored state is corrupt.
         """
+        try:
+            return self._next_rendezvous()
+        except RendezvousClosedError as exc:
+            state = self._executor.state
+            if state.job_failed and state.failure is not None:
+                root = job.job_state(state, self._node_id, 0, self._settings).failure
+                raise RendezvousJobFailedError(
+                    f"rendezvous {self._settings.run_id!r} is closed: the job failed on {root.host} "
+                    f"(rank {root.rank})", root) from exc
+            raise
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
         self._stop_heartbeats()
         s = self._settings
@@ -184,6 +203,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             use_agent_store=stores.use_agent_store,
             nodes=nodes,
             store=stores.store,
+            restart_count=state.restarts,
         )
         log.info(
             "node %s joined round %d of rendezvous %r as rank %d of %d in %.2f s",
@@ -288,12 +308,136 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeats()
         try:
             self.set_closed()
+            if self._declared_failure:
+                self._await_acknowledgements()
             return True
         except RendezvousError as exc:
             log.warning("node %s could not close rendezvous %r: %s", self._node_id, self._settings.run_id, exc)
             return False
         finally:
             self._stores.close()
+
+    def leave(self, rejoin: bool = False) -> None:
+        """Leave the job without closing it (a signal stopped this agent, or it sits out).
+
+        Removes this node from the round (or the wait and redundancy lists) in one
+        write, so the others see a lost member at once and re-form without it when
+        they still meet ``min_nodes``; then, unless ``rejoin``, releases the hosted
+        round stores. Errors are logged, not raised.
+        """
+        self._stop_heartbeats()
+        me = self._node_id
+
+        def remove_me(state):
+            if me not in state.participants and me not in state.wait_list and me not in state.redundancy_list:
+                return None
+            now = self._clock()
+            ctx = ops.OpContext(me, self._node, self._settings, now + self._settings.close_timeout)
+            s = ops.apply(ops.Action.REMOVE_FROM_PARTICIPANTS, state, ctx, now)
+            s.wait_list.discard(me)
+            s.redundancy_list.discard(me)
+            ops.prune_node_infos(s)
+            return s
+
+        try:
+            with self._lock:
+                self._executor.update(remove_me, self._settings.close_timeout, "close_timeout")
+            log.info("node %s left rendezvous %r", me, self._settings.run_id)
+        except RendezvousError as exc:
+            log.warning("node %s could not leave rendezvous %r: %s", me, self._settings.run_id, exc)
+        finally:
+            self._cached = None
+            if not rejoin:
+                self._stores.close()
+
+    # -- the job (job.py) -------------------------------------------------------------
+
+    def job_state(self) -> JobState:
+        """Return the job's shared facts from the monitor's read (at most ``poll_interval`` s old).
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+            RendezvousStateError: the stored state is corrupt.
+        """
+        state = self._read()
+        others = 0
+        if self._current is not None:
+            lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
+            others = max(0, len(self._members) - 1 - lost)
+        return job.job_state(state, self._node_id, others, self._settings)
+
+    def _update_job(self, transform) -> RendezvousState:
+        with self._lock:
+            state = self._executor.update(transform, self._settings.close_timeout, "close_timeout")
+        self._cached = None
+        return state
+
+    def record_failure(self, failure: FailureRecord) -> JobState:
+        """Count the failure of ``failure.round`` once for the job (see ``job.count_failure``).
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(failure, node=self._node_id)
+        state = self._update_job(lambda s: job.count_failure(s, mine))
+        others = max(0, len(self._members) - 1)
+        return job.job_state(state, self._node_id, others, self._settings)
+
+    def fail_job(self, failure: FailureRecord) -> FailureRecord:
+        """Declare the job failed and close the rendezvous; return the job's root cause.
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(failure, node=self._node_id)
+        state = self._update_job(lambda s: job.fail_job(s, mine))
+        self._declared_failure = True
+        log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
+                    self._node_id, mine.rank, mine.host, self._settings.run_id)
+        root = job.job_state(state, self._node_id, 0, self._settings).failure
+        return root if root is not None else mine
+
+    def acknowledge_failure(self) -> None:
+        """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
+        me = self._node_id
+        try:
+            self._update_job(lambda s: job.acknowledge_failure(s, me))
+        except RendezvousError as exc:
+            log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
+
+    def _await_acknowledgements(self) -> None:
+        """After declaring the job failed: wait (``close_timeout`` s at most) until every live node saw it.
+
+        This node may host the store the others read; leaving before they read the
+        verdict would leave them with a lost store instead of the root cause.
+        """
+        deadline = time.monotonic() + self._settings.close_timeout
+        pending: list[str] = []
+        while time.monotonic() < deadline:
+            try:
+                state = self._executor.read()
+            except RendezvousError as exc:
+                log.debug("waiting for acknowledgements: %s", exc)
+                return
+            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
+            pending = job.unacknowledged(state, self._members, self._node_id, dead)
+            if not pending:
+                return
+            self._sleep(min(0.05, self._settings.poll_interval))
+        log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
+                    ", ".join(pending), self._settings.close_timeout)
+
+    def request_stack_dump(self, by: FailureRecord) -> None:
+        """Ask every agent to dump its workers' stacks (``by``: the hung worker).
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(by, node=self._node_id)
+        self._update_job(lambda s: job.request_dump(s, mine))
 
     # -- keep-alive -------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class Action(enum.Enum):
     PROBE = "PROBE"  # ask the complete round's participants to heart-beat now
     MARK_COMPLETE = "MARK_COMPLETE"
     MARK_CLOSED = "MARK_CLOSED"
+    UPDATE_JOB = "UPDATE_JOB"  # a job-wide fact (job.py): restart count, failure, stack-dump request
     SYNC = "SYNC"  # nothing to write: wait a poll interval and read again
     FINISH = "FINISH"
     ERROR_CLOSED = "ERROR_CLOSED"
@@ -62,6 +63,7 @@ WRITE_ACTIONS = frozenset(
         Action.MARK_COMPLETE,
         Action.MARK_CLOSED,
         Action.PROBE,
+        Action.UPDATE_JOB,
     }
 )
 #: Actions that end an operation with an error.

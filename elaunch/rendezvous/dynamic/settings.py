@@ -44,6 +44,11 @@ class RendezvousSettings:
             declared dead (conf ``probe_timeout``, 3); live agents answer within about
             ``probe_timeout / 4``. An elaunch addition: torch only has the
             ``keep_alive_interval * keep_alive_max_attempt`` rule, which still applies.
+        exclude_after: a node whose workers are the root cause of this many counted
+            failures in a row sits out the next rounds (conf ``exclude_after``, 2;
+            0 = never), when the others still meet ``min_nodes``. An elaunch addition.
+        exclude_cooldown: seconds such a node sits out before it rejoins (conf
+            ``exclude_cooldown``, 600).
     """
 
     run_id: str
@@ -59,6 +64,8 @@ class RendezvousSettings:
     poll_interval: float = 0.2
     probe_delay: float = 1.0
     probe_timeout: float = 3.0
+    exclude_after: int = 2
+    exclude_cooldown: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -67,6 +74,8 @@ class RendezvousSettings:
             raise RendezvousConfigError(
                 f"--nnodes={self.min_nodes}:{self.max_nodes}: need 1 <= MIN ({self.min_nodes}) <= MAX ({self.max_nodes})"
             )
+        if self.exclude_after < 0:
+            raise RendezvousConfigError(f"--rdzv-conf exclude_after={self.exclude_after}: must be >= 0 (0 = never)")
         if self.keep_alive_max_attempt < 1:
             raise RendezvousConfigError(
                 f"--rdzv-conf keep_alive_max_attempt={self.keep_alive_max_attempt}: must be >= 1"
@@ -106,4 +115,6 @@ class RendezvousSettings:
             poll_interval=params.get_as_seconds("poll_interval", d["poll_interval"].default),
             probe_delay=params.get_as_seconds("probe_delay", d["probe_delay"].default),
             probe_timeout=params.get_as_seconds("probe_timeout", d["probe_timeout"].default),
+            exclude_after=params.get_as_int("exclude_after", d["exclude_after"].default),
+            exclude_cooldown=params.get_as_seconds("exclude_cooldown", d["exclude_cooldown"].default),
         )

@@ -42,6 +42,15 @@ class RendezvousState:
             reached plus ``last_call_timeout``), seconds since the epoch, or None.
         probe_at: when a waiting node last asked the complete round's participants to
             prove they are alive (seconds since the epoch), or None; see ``ops.dead_nodes``.
+        restarts: failure restarts the job used (one per failed round); see ``job.py``.
+        failure: ``FailureRecord.to_dict()`` of the latest counted failure's root cause, or None.
+        job_failed: True once an agent declared the job failed (``closed`` is then True too).
+        dump_id: increases with each request to dump every worker's stacks (0: none).
+        dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None.
+        blame: node ids of the root causes of the latest counted failures, oldest first
+            (at most ``job.BLAME_KEPT``).
+        failure_acks: node ids that saw the job's failure and stopped; the node that
+            declared it waits for them before it exits (it may host the store).
     """
 
     round: int = 0
@@ -55,6 +64,13 @@ class RendezvousState:
     last_heartbeats: dict[str, float] = field(default_factory=dict)
     last_call_deadline: float | None = None
     probe_at: float | None = None
+    restarts: int = 0
+    failure: dict | None = None
+    job_failed: bool = False
+    dump_id: int = 0
+    dump_by: dict | None = None
+    blame: list[str] = field(default_factory=list)
+    failure_acks: list[str] = field(default_factory=list)
 
     def copy(self) -> RendezvousState:
         """Return a deep copy (the ops mutate copies, never the state they decided on)."""
@@ -70,6 +86,13 @@ class RendezvousState:
             last_heartbeats=dict(self.last_heartbeats),
             last_call_deadline=self.last_call_deadline,
             probe_at=self.probe_at,
+            restarts=self.restarts,
+            failure=None if self.failure is None else dict(self.failure),
+            job_failed=self.job_failed,
+            dump_id=self.dump_id,
+            dump_by=None if self.dump_by is None else dict(self.dump_by),
+            blame=list(self.blame),
+            failure_acks=list(self.failure_acks),
         )
 
     def ranked_nodes(self) -> tuple[NodeInfo, ...]:
@@ -101,6 +124,13 @@ class RendezvousState:
             "last_heartbeats": self.last_heartbeats,
             "last_call_deadline": self.last_call_deadline,
             "probe_at": self.probe_at,
+            "restarts": self.restarts,
+            "failure": self.failure,
+            "job_failed": self.job_failed,
+            "dump_id": self.dump_id,
+            "dump_by": self.dump_by,
+            "blame": self.blame,
+            "failure_acks": self.failure_acks,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
 
@@ -140,6 +170,14 @@ class RendezvousState:
                 last_heartbeats={str(k): float(v) for k, v in _dict(doc["last_heartbeats"]).items()},
                 last_call_deadline=None if hard is None else float(hard),
                 probe_at=None if probe is None else float(probe),
+                # job-wide fields: absent in states written before they existed
+                restarts=_int(doc.get("restarts", 0)),
+                failure=_opt_dict(doc.get("failure")),
+                job_failed=_bool(doc.get("job_failed", False)),
+                dump_id=_int(doc.get("dump_id", 0)),
+                dump_by=_opt_dict(doc.get("dump_by")),
+                blame=[str(n) for n in _list(doc.get("blame", []))],
+                failure_acks=[str(n) for n in _list(doc.get("failure_acks", []))],
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             head = data[:80] if isinstance(data, (bytes, str)) else repr(data)
@@ -163,6 +201,10 @@ def _dict(v) -> dict:
     if not isinstance(v, dict):
         raise TypeError(f"expected an object, got {v!r}")
     return v
+
+
+def _opt_dict(v) -> dict | None:
+    return None if v is None else dict(_dict(v))
 
 
 def _list(v) -> list:

@@ -1,0 +1,106 @@
+"""Job-wide supervision with two agents on one rendezvous (c10d, etcd-v2, etcd-v3).
+
+One node's failure ends or restarts the whole job: the other agent stops its
+blocked workers when the failing agent declares the job failed, with the same
+root cause; the restart count is the job's, the same on every node.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURE_PIDS
+from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3  # noqa: F401 - fixtures
+from tests.helpers import SCRIPTS, free_port, kill_tree, start
+
+pytestmark = pytest.mark.slow
+
+FAULT = str(SCRIPTS / "job_fault.py")
+CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
+BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
+
+
+@pytest.fixture
+def endpoint(request):
+    backend = request.param
+    if backend == "c10d":
+        return backend, f"127.0.0.1:{free_port()}"
+    cluster = request.getfixturevalue("etcd_v3" if backend == "etcd-v3" else "etcd_v2")
+    FIXTURE_PIDS.update(m.proc.pid for m in cluster.members if m.proc is not None)  # module-scoped servers
+    return backend, cluster.endpoints
+
+
+def _agents(endpoint, schedule: dict, out: Path, *extra: str, rdzv_id: str, n: int = 2):
+    backend, ep = endpoint
+    conf = CONF if backend == "c10d" else CONF + ",read_timeout=20"
+    return [
+        start("elaunch", f"--nnodes={n}", "--nproc-per-node=2", f"--rdzv-backend={backend}",
+              f"--rdzv-endpoint={ep}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}", "--local-addr=127.0.0.1",
+              "--monitor-interval=0.1", *extra, FAULT, json.dumps(schedule), str(out))
+        for _ in range(n)
+    ]
+
+
+def _finish(agents, timeout=90):
+    results = []
+    try:
+        for a in agents:
+            _out, err = a.communicate(timeout=timeout)
+            results.append((a.returncode, err, time.monotonic()))
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    return results
+
+
+def _starts(out: Path) -> list[tuple[int, int]]:
+    rows = [line.split() for line in (out / "starts.log").read_text().splitlines()]
+    return sorted((int(r[0]), int(r[1])) for r in rows)
+
+
+@pytest.mark.parametrize("endpoint", BACKENDS, indirect=True)
+def test_a_spent_budget_on_one_node_stops_every_node_with_the_same_root_cause(endpoint, tmp_path):
+    # global rank 3 exits 1; every other rank blocks, as NCCL ranks do when a peer is gone
+    agents = _agents(endpoint, {"*:3": 7, "*:*": "hang"}, tmp_path, rdzv_id=f"fail-{endpoint[0]}")
+    results = _finish(agents)
+    assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
+    for _code, err, _ in results:
+        root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
+        assert "rank      : 3 (local_rank: 1)" in root, err[-3000:]
+        assert "exitcode  : 7" in root, err[-3000:]
+    healthy = [err for _, err, _ in results if "exiting with 7 on purpose" not in err.split("Root Cause")[0]
+               or "reported by that node's agent" in err]
+    assert any("reported by that node's agent through the rendezvous" in err for err in healthy), \
+        [err[-2000:] for _, err, _ in results]
+    # both agents were done at about the same time (the blocked node did not wait forever)
+    assert abs(results[0][2] - results[1][2]) < 15
+
+
+@pytest.mark.parametrize("endpoint", BACKENDS, indirect=True)
+def test_the_restart_count_is_the_jobs_the_same_on_every_node(endpoint, tmp_path):
+    # restart 0: rank 3 fails, the others block; restart 1: everyone exits 0
+    agents = _agents(endpoint, {"0:3": 1, "0:*": "hang"}, tmp_path, "--max-restarts=1",
+                     rdzv_id=f"count-{endpoint[0]}")
+    results = _finish(agents)
+    assert [code for code, _, _ in results] == [0, 0], [err[-3000:] for _, err, _ in results]
+    starts = _starts(tmp_path)
+    # every worker of the second round saw TORCHELASTIC_RESTART_COUNT=1, on both nodes
+    assert [s for s in starts if s[0] == 1] == [(1, 0), (1, 1), (1, 2), (1, 3)], starts
+    assert [s for s in starts if s[0] == 0] == [(0, 0), (0, 1), (0, 2), (0, 3)], starts
+
+
+@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+def test_max_restarts_is_a_budget_for_the_whole_job(endpoint, tmp_path):
+    # one failure on each node, in two rounds: a per-node budget of 1 would allow both
+    agents = _agents(endpoint, {"0:3": 1, "1:0": 1, "*:*": "hang"}, tmp_path, "--max-restarts=1",
+                     rdzv_id="budget")
+    results = _finish(agents)
+    assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
+    assert {r for r, _ in _starts(tmp_path)} == {0, 1}  # no third round
+    for _code, err, _ in results:
+        root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
+        assert "rank      : 0 (local_rank: 0)" in root, err[-3000:]
