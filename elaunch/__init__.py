@@ -1,3 +1,27 @@
-"""elaunch: a drop-in replacement for torchrun, the PyTorch elastic launcher."""
+"""elaunch: a drop-in replacement for torchrun, the PyTorch elastic launcher.
+
+:func:`progress` is the one worker-side call: training scripts call it once per step
+so the agent can tell a hung rank from a slow one. It is loaded on first access
+(``elaunch.progress`` or ``from elaunch import progress``), so ``import elaunch``
+imports nothing else; loading it imports only the stdlib-only
+:mod:`elaunch._progress` (no torch).
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~2 ms; checkers accept this
+if TYPE_CHECKING:
+    from ._progress import progress
 
 __version__ = "0.1.0"
+__all__ = ["progress"]
+
+
+def __getattr__(name: str):
+    """Load :func:`progress` lazily (PEP 562); any other missing name is an AttributeError."""
+    if name == "progress":
+        from ._progress import progress
+
+        globals()["progress"] = progress
+        return progress
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: ``--forward-signals`` default: notices (Slurm's ``--signal=B:USR1@120``), not stops.
+DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 _HOST_RE = re.compile(r"^[\w.-]+$")
 _IPV6_RE = re.compile(r"^[0-9A-Za-z:.%_-]+$")
@@ -80,7 +82,15 @@ class LaunchConfig:
             rendezvous publishes them.
         local_addr: this node's address as others reach it, None for the FQDN.
         shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
-        signals_to_handle: signal names the agent forwards to workers (``"SIGTERM"``, ...).
+        signals_to_handle: signal names the agent forwards to workers before stopping
+            them and exiting 128 + signum (``"SIGTERM"``, ...).
+        forward_signals: signal names the agent forwards to every worker's process
+            group while it keeps running (``--forward-signals``, elaunch only; default
+            ``("SIGUSR1", "SIGUSR2")`` minus any in ``signals_to_handle``); disjoint
+            from ``signals_to_handle``.
+        hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
+            made one) before it counts as hung, stacks dumped, a failure of its rank;
+            0.0 is off (``--hang-timeout``, elaunch only), >= 0.
         event_log_handler: torch event handler name (``--event-log-handler``).
         logs_specs: ``torchrun.logs_specs`` entry-point name, or None for the default.
         virtual_local_rank: set LOCAL_RANK=0 for every worker (``--virtual-local-rank``).
@@ -118,6 +128,8 @@ class LaunchConfig:
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
+    forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
+    hang_timeout: float = 0.0
     event_log_handler: str = "null"
     logs_specs: str | None = None
     virtual_local_rank: bool = False
@@ -248,6 +260,30 @@ def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     return value
 
 
+def _signal_sets(handle: tuple[str, ...] | None, forward: tuple[str, ...] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Resolve ``(signals_to_handle, forward_signals)``; a signal is a stop or a notice, not both.
+
+    Args:
+        handle: ``--signals-to-handle`` names, None for the default.
+        forward: ``--forward-signals`` names, None when not given: then the default
+            leaves out what ``handle`` names (``--signals-to-handle SIGUSR1`` keeps
+            working as under torchrun).
+
+    Raises:
+        ConfigError: an explicit ``--forward-signals`` names a signal also handled.
+    """
+    handle = tuple(handle or DEFAULT_SIGNALS)
+    if forward is None:
+        return handle, tuple(s for s in DEFAULT_FORWARD_SIGNALS if s not in handle)
+    for name in forward:
+        if name in handle:
+            raise ConfigError(
+                f"--forward-signals={','.join(forward)}: {name} is also in --signals-to-handle="
+                f"{','.join(handle)}; a signal either stops the workers or is forwarded as a notice"
+            )
+    return handle, tuple(forward)
+
+
 def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Resolve parsed options into a LaunchConfig (torch ``run`` + ``config_from_args``).
 
@@ -256,7 +292,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
             click ParamTypes in ``elaunch.cli.params`` produce them: ``nnodes``
             ``(min, max)``, ``nproc_per_node`` int or keyword, ``rdzv_conf`` dict,
             ``redirects``/``tee`` Std values, ``local_ranks_filter`` frozenset or None,
-            ``signals_to_handle`` tuple, ``shutdown_timeout`` float or None,
+            ``signals_to_handle`` tuple, ``forward_signals`` tuple or None (default),
+            ``shutdown_timeout`` float or None, ``hang_timeout`` float (seconds),
             ``training_script`` str, ``training_script_args`` tuple, flags as bools.
             Missing keys take torchrun's defaults.
         environ: the environment to read (default ``os.environ``).
@@ -328,6 +365,10 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
     shutdown = _env_shutdown_timeout(env) if shutdown is None else float(shutdown)
     if not shutdown >= 0:
         raise ConfigError(f"--shutdown-timeout={shutdown}: must be >= 0 seconds")
+    hang_timeout = float(get("hang_timeout") or 0.0)
+    if not 0 <= hang_timeout < float("inf"):
+        raise ConfigError(f"--hang-timeout={hang_timeout}: must be >= 0 seconds (0 is off)")
+    handle, forward = _signal_sets(get("signals_to_handle"), get("forward_signals"))
     monitor_interval = float(0.1 if get("monitor_interval") is None else get("monitor_interval"))
     if not monitor_interval > 0:
         raise ConfigError(f"--monitor-interval={monitor_interval}: must be > 0 seconds")
@@ -372,7 +413,9 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
         master_port=out_port,
         local_addr=get("local_addr") or None,
         shutdown_timeout=shutdown,
-        signals_to_handle=tuple(get("signals_to_handle") or DEFAULT_SIGNALS),
+        signals_to_handle=handle,
+        forward_signals=forward,
+        hang_timeout=hang_timeout,
         event_log_handler=get("event_log_handler") or "null",
         logs_specs=get("logs_specs") or None,
         virtual_local_rank=bool(get("virtual_local_rank")),

@@ -20,10 +20,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from elaunch import __version__
 from elaunch.cli import params as P
-from elaunch.config import DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
+from elaunch.config import DEFAULT_FORWARD_SIGNALS, DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
 from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
 
@@ -157,6 +158,15 @@ _CONTEXT = {
 @_opt("--signals-to-handle", "--signals_to_handle", "signals_to_handle", group=_WORKERS, type=P.SignalList(),
       default=",".join(DEFAULT_SIGNALS), metavar="SIG,...",
       help="Signals the agent catches and forwards to the workers before stopping them.")
+@_opt("--forward-signals", "--forward_signals", "forward_signals", group=_WORKERS, type=P.SignalList(True),
+      default=",".join(DEFAULT_FORWARD_SIGNALS), metavar="SIG,...|none",
+      help="Signals the agent forwards to every worker's process group while it keeps running: a "
+           "notice such as Slurm's preemption warning, not a stop. '' or none forwards none; the "
+           "default leaves out any signal named by --signals-to-handle (elaunch only).")
+@_opt("--hang-timeout", "--hang_timeout", "hang_timeout", group=_WORKERS, type=P.Seconds(True), default="0",
+      metavar="SECONDS",
+      help="A worker that called elaunch.progress() at least once and then not for SECONDS is hung: "
+           "its stacks are dumped and it counts as that rank's failure. 0 turns this off (elaunch only).")
 @_flag("--virtual-local-rank", "--virtual_local_rank", "virtual_local_rank", group=_WORKERS,
        help="Give every worker LOCAL_RANK=0 and restrict CUDA_VISIBLE_DEVICES to its own GPU.")
 @_opt("--numa-binding", "--numa_binding", "numa_binding", group=_WORKERS, type=P.NUMA_MODE, default=None,
@@ -195,7 +205,10 @@ def main(**options: Any) -> LaunchConfig:
     SCRIPT (a Python file, a module with -m, or a program with --no-python) and
     everything after it are passed to each worker untouched.
     """
-    environ = click.get_current_context().find_root().obj
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("forward_signals") is ParameterSource.DEFAULT:
+        options["forward_signals"] = None  # the default yields to --signals-to-handle
+    environ = ctx.find_root().obj
     return build_config(options, environ if isinstance(environ, Mapping) else os.environ)
 
 

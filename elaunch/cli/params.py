@@ -170,12 +170,20 @@ def parse_comma_list(text: str) -> tuple[str, ...]:
     return tuple(i.replace(placeholder, ",") for i in items if i)
 
 
-def parse_signals(text: str, label: str = "--signals-to-handle") -> tuple[str, ...]:
+def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bool = False) -> tuple[str, ...]:
     """Parse ``SIGTERM,SIGUSR1`` into validated signal names (``TERM`` and lower case accepted).
 
+    Args:
+        text: comma-separated names; duplicates are dropped, order is kept.
+        label: the flag or env var named in errors.
+        allow_empty: accept ``""`` or ``none`` as the empty tuple (``--forward-signals``).
+
     Raises:
-        ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), or an empty list.
+        ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), or an
+            empty list when ``allow_empty`` is false.
     """
+    if allow_empty and str(text).strip().lower() in ("", "none"):
+        return ()
     names = []
     for raw in str(text).split(","):
         name = raw.strip().upper()
@@ -335,13 +343,19 @@ class CommaList(_Parsed):
 
 
 class SignalList(_Parsed):
-    """``--signals-to-handle``: ``SIGTERM,SIGINT`` -> tuple of validated names."""
+    """``--signals-to-handle``/``--forward-signals``: ``SIGTERM,SIGINT`` -> tuple of names.
+
+    ``allow_empty`` (``--forward-signals``) admits ``""`` and ``none`` as ``()``.
+    """
 
     name = "SIG,SIG,..."
     passthrough = (tuple,)
 
+    def __init__(self, allow_empty: bool = False) -> None:
+        self.allow_empty = allow_empty
+
     def parse(self, text, label):
-        return parse_signals(text, label)
+        return parse_signals(text, label, self.allow_empty)
 
 
 class PetFlag(click.types.BoolParamType):

@@ -53,6 +53,12 @@ def script(tmp_path):
         ("--numa_binding", "node", "numa_binding", "node"),
         ("--signals-to-handle", "SIGUSR1", "signals_to_handle", ("SIGUSR1",)),
         ("--signals_to_handle", "SIGTERM,SIGUSR2", "signals_to_handle", ("SIGTERM", "SIGUSR2")),
+        ("--forward-signals", "SIGUSR2,winch", "forward_signals", ("SIGUSR2", "SIGWINCH")),
+        ("--forward_signals", "SIGUSR1", "forward_signals", ("SIGUSR1",)),
+        ("--forward-signals", "none", "forward_signals", ()),
+        ("--forward-signals", "", "forward_signals", ()),
+        ("--hang-timeout", "2.5", "hang_timeout", 2.5),
+        ("--hang_timeout", "0", "hang_timeout", 0.0),
         ("--shutdown-timeout", "5", "shutdown_timeout", 5.0),
         ("--shutdown_timeout", "0", "shutdown_timeout", 0.0),
         ("--rdzv-conf", "a=1", "rdzv_configs", {"a": "1"}),
@@ -116,6 +122,47 @@ def test_pet_env_fallback_and_command_line_wins(script):
     assert (c.nproc_per_node, c.max_restarts) == (2, 0)
 
 
+def test_forward_signals_and_hang_timeout_defaults_and_env(script):
+    c = parse_config([script], {})
+    assert (c.forward_signals, c.hang_timeout) == (("SIGUSR1", "SIGUSR2"), 0.0)
+    c = parse_config([script], {"PET_FORWARD_SIGNALS": "SIGUSR2", "PET_HANG_TIMEOUT": "30"})
+    assert (c.forward_signals, c.hang_timeout) == (("SIGUSR2",), 30.0)
+    assert parse_config([script], {"PET_FORWARD_SIGNALS": "none"}).forward_signals == ()
+    assert parse_config([script], {"PET_FORWARD_SIGNALS": ""}).forward_signals == ("SIGUSR1", "SIGUSR2")  # unset
+    c = parse_config(["--forward-signals=SIGUSR1", "--hang-timeout=1", script],
+                     {"PET_FORWARD_SIGNALS": "SIGUSR2", "PET_HANG_TIMEOUT": "30"})
+    assert (c.forward_signals, c.hang_timeout) == (("SIGUSR1",), 1.0)
+
+
+def test_default_forward_signals_yield_to_signals_to_handle(script):
+    # torchrun users' --signals-to-handle SIGUSR1 keeps its meaning (stop); only the default yields
+    c = parse_config(["--signals-to-handle=SIGUSR1,SIGTERM", script], {})
+    assert (c.signals_to_handle, c.forward_signals) == (("SIGUSR1", "SIGTERM"), ("SIGUSR2",))
+    c = parse_config([script], {"PET_SIGNALS_TO_HANDLE": "SIGUSR2"})
+    assert (c.signals_to_handle, c.forward_signals) == (("SIGUSR2",), ("SIGUSR1",))
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--forward-signals=SIGUSR1", "--signals-to-handle=SIGUSR1"], {},
+         "--forward-signals=SIGUSR1: SIGUSR1 is also in --signals-to-handle=SIGUSR1"),
+        (["--forward-signals=SIGUSR2,SIGTERM"], {}, "SIGTERM is also in --signals-to-handle=SIGTERM,"),
+        ([], {"PET_FORWARD_SIGNALS": "SIGINT"}, "SIGINT is also in --signals-to-handle"),
+        (["--forward-signals=SIGKILL"], {}, "--forward-signals=SIGKILL: SIGKILL cannot be handled"),
+        (["--forward-signals=SIGUSR1,SIGFOO"], {}, "--forward-signals=SIGUSR1,SIGFOO: unknown signal 'SIGFOO'"),
+        ([], {"PET_FORWARD_SIGNALS": "STOP"}, "PET_FORWARD_SIGNALS=STOP: SIGSTOP cannot be handled"),
+        (["--hang-timeout=-1"], {}, "--hang-timeout=-1: must be >= 0 seconds"),
+        (["--hang-timeout=soon"], {}, "--hang-timeout=soon: expected seconds"),
+        ([], {"PET_HANG_TIMEOUT": "inf"}, "PET_HANG_TIMEOUT=inf: must be >= 0 seconds"),
+    ],
+)
+def test_forward_signals_and_hang_timeout_reject(script, argv, env, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config([*argv, script], env)
+    assert message in str(info.value)
+
+
 def test_pet_flags_follow_check_env(script):
     assert parse_config([script], {"PET_STANDALONE": "1"}).standalone is True
     assert parse_config([script], {"PET_STANDALONE": "0"}).standalone is False
@@ -144,7 +191,8 @@ def test_help_groups_and_version(capsys):
     assert info.value.exit_code == 0
     out = " ".join(capsys.readouterr().out.split())
     for text in ("Rendezvous:", "Worker launch:", "Logging and output:", "PET_NNODES", "default: 1:1",
-                 "--nproc-per-node", "SECONDS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+                 "--nproc-per-node", "SECONDS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                 "PET_FORWARD_SIGNALS", "default: SIGUSR1,SIGUSR2", "PET_HANG_TIMEOUT", "elaunch.progress()"):
         assert text in out
     assert "--nproc_per_node" not in out  # aliases parse but do not clutter the help
     assert run_argv(["--version"], {}) == 0

@@ -35,6 +35,7 @@ def test_defaults_become_standalone_for_single_node_static(script):
     assert c.master_addr is None and c.master_port is None
     assert c.cmd == (sys.executable, "-u", script)
     assert c.shutdown_timeout == 30.0 and c.signals_to_handle == C.DEFAULT_SIGNALS
+    assert c.forward_signals == ("SIGUSR1", "SIGUSR2") and c.hang_timeout == 0.0
     assert c.redirects == Std.NONE and c.tee == Std.NONE
 
 
@@ -91,6 +92,10 @@ def test_etcd_endpoint_list_allowed(script):
         ({"max_restarts": -1}, "-1"),
         ({"monitor_interval": 0}, "--monitor-interval=0"),
         ({"shutdown_timeout": -1}, "--shutdown-timeout=-1"),
+        ({"hang_timeout": -0.5}, "--hang-timeout=-0.5: must be >= 0"),
+        ({"hang_timeout": float("nan")}, "--hang-timeout=nan"),
+        ({"forward_signals": ("SIGHUP",)}, "--forward-signals=SIGHUP: SIGHUP is also in --signals-to-handle"),
+        ({"forward_signals": ("SIGUSR1",), "signals_to_handle": ("SIGUSR1",)}, "SIGUSR1 is also in"),
         ({"nproc_per_node": 0}, "--nproc-per-node=0"),
         ({"standalone": True, "nnodes": (1, 2)}, "--nnodes=1:2: --standalone"),
         ({"module": True, "no_python": True}, "--no-python"),
@@ -100,6 +105,22 @@ def test_invalid_combinations(script, options, needle):
     with pytest.raises(ConfigError) as info:
         cfg(script, **options)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "handle, forward, expected",
+    [
+        (None, None, (C.DEFAULT_SIGNALS, ("SIGUSR1", "SIGUSR2"))),
+        (("SIGUSR1",), None, (("SIGUSR1",), ("SIGUSR2",))),  # the default yields to an explicit stop
+        (("SIGUSR1", "SIGUSR2"), None, (("SIGUSR1", "SIGUSR2"), ())),
+        (None, (), (C.DEFAULT_SIGNALS, ())),
+        (("SIGTERM",), ("SIGUSR1", "SIGINT"), (("SIGTERM",), ("SIGUSR1", "SIGINT"))),
+    ],
+)
+def test_signal_sets(script, handle, forward, expected):
+    c = cfg(script, signals_to_handle=handle, forward_signals=forward, hang_timeout=12.5)
+    assert (c.signals_to_handle, c.forward_signals) == expected
+    assert c.hang_timeout == 12.5
 
 
 def test_missing_script_and_missing_file(tmp_path):
@@ -201,6 +222,9 @@ def test_importing_cli_and_config_does_not_import_torch():
         (P.parse_comma_list, "a,,b,c", ("a,b", "c")),
         (P.parse_comma_list, "", ()),
         (P.parse_signals, "SIGUSR1,term,SIGUSR1", ("SIGUSR1", "SIGTERM")),
+        (lambda t: P.parse_signals(t, "--forward-signals", allow_empty=True), "", ()),
+        (lambda t: P.parse_signals(t, "--forward-signals", allow_empty=True), " None ", ()),
+        (lambda t: P.parse_signals(t, "--forward-signals", allow_empty=True), "usr1,USR2", ("SIGUSR1", "SIGUSR2")),
         (lambda t: P.parse_std(t, "-r"), "0:1,1:2", {0: Std.OUT, 1: Std.ERR}),
         (lambda t: P.parse_std(t, "-r"), "3", Std.ALL),
         (lambda t: P.parse_seconds(t, "--x", True), "0", 0.0),
@@ -227,6 +251,8 @@ def test_parsers_accept(fn, text, expected):
         (P.parse_signals, "SIGFOO", "SIGFOO"),
         (P.parse_signals, "SIGKILL", "cannot be handled"),
         (P.parse_signals, ",", "expected"),
+        (P.parse_signals, "none", "unknown signal 'none'"),  # only --forward-signals may be empty
+        (lambda t: P.parse_signals(t, "--forward-signals", True), "SIGSTOP", "--forward-signals=SIGSTOP: SIGSTOP"),
         (lambda t: P.parse_std(t, "--tee"), "4", "--tee=4"),
         (lambda t: P.parse_seconds(t, "--monitor-interval", False), "0", "--monitor-interval=0: must be > 0"),
         (lambda t: P.parse_seconds(t, "--x", True), "nan", "--x=nan"),

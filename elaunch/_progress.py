@@ -1,0 +1,151 @@
+"""Worker side of progress reporting: ``elaunch.progress()``.
+
+A training worker calls :func:`progress` once per step. The agent gives each worker
+a small zero-filled file (``$ELAUNCH_PROGRESS_FILE``); this module maps it into memory
+and bumps a native-endian ``uint64`` at offset 0 on every call. The agent maps the same
+file and reads the counter without any system call on either side (see
+:mod:`elaunch.procs.progress`).
+
+Stdlib only, nothing imported at module level beyond ``os``: ``import elaunch`` stays
+cheap and never imports torch. ``mmap``, ``faulthandler`` and ``warnings`` are imported
+on the first call only.
+
+Guarantees, deliberately weak where strength would cost per call:
+
+* Thread safety: the increment is a read then a write of the mapped word. Threads
+  racing on it may lose increments (the counter then grows by less than the number of
+  calls). The agent only asks "did it change", so a lost increment is harmless.
+* Fork: a child forked after the first call keeps the shared mapping, so its calls
+  count for the parent's rank (e.g. a fork-started DataLoader worker that calls
+  ``progress()``). It also inherits the stacks signal handler and file. Acceptable: a
+  forked child is still part of that rank's work.
+* Torn reads: the agent may read the word while a worker writes it; an aligned 8-byte
+  store is a single instruction on x86-64 and aarch64, and even a torn value only
+  reads as "changed".
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Path of this worker's progress file (created and zero-filled by the agent).
+PROGRESS_FILE_ENV = "ELAUNCH_PROGRESS_FILE"
+#: Path of the file faulthandler appends this worker's Python stacks to.
+STACKS_FILE_ENV = "ELAUNCH_STACKS_FILE"
+#: Number of the signal that makes the worker dump its stacks into the stacks file.
+STACKS_SIGNAL_ENV = "ELAUNCH_STACKS_SIGNAL"
+#: Bytes of the progress file that this module maps (the counter is the first 8).
+COUNTER_BYTES = 8
+#: Prefix of the line written to the stacks file when the signal handler is registered:
+#: ``elaunch-stacks pid=<pid> signal=<signum>``. The agent sends the signal only to a pid
+#: named on such a line, since the default action of a real-time signal is to terminate.
+STACKS_HEADER = "elaunch-stacks"
+
+# Module state. ``_counter`` is a one-element memoryview of format "Q" once set up.
+_counter = None
+_initialised = False
+# Kept referenced for the process lifetime: faulthandler writes to this file's fd.
+_stacks_file = None
+
+
+def progress() -> None:
+    """Record that this rank made progress (call once per training step).
+
+    The first call reads ``$ELAUNCH_PROGRESS_FILE``; when it is unset or empty,
+    this and every later call is a no-op. Otherwise the first call maps the file
+    and, when ``$ELAUNCH_STACKS_FILE`` and ``$ELAUNCH_STACKS_SIGNAL`` are set,
+    registers ``faulthandler`` on that signal so the agent can ask for this
+    process's Python stacks without ptrace. Each later call increments the counter
+    at offset 0 of the file.
+
+    Cost: the first call a few system calls (open, fstat, mmap, close, and for the
+    stacks file open, write, rt_sigaction); every later call none, about the cost of
+    a global lookup and an integer add (see ``python -m benchmarks.progress_cost``).
+
+    Never raises: a file that cannot be opened or mapped (missing, shorter than 8
+    bytes, not writable) or a bad signal number issues one ``RuntimeWarning`` and
+    disables that part.
+    """
+    counter = _counter
+    if counter is not None:
+        # Lost increments under thread races are acceptable (module docstring). No
+        # wrap-around mask: 2**64 calls take millennia, and the mask costs ~10 ns.
+        counter[0] += 1
+    elif not _initialised:
+        _initialise()
+
+
+def _initialise() -> None:
+    """First call: map the counter, register the stack dumper. Idempotent."""
+    global _counter, _initialised
+    _initialised = True
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        return
+    try:
+        _register_stacks(os.environ.get(STACKS_FILE_ENV), os.environ.get(STACKS_SIGNAL_ENV))
+    except (OSError, ValueError, RuntimeError) as exc:
+        _warn(f"elaunch.progress(): stack dumps disabled: {exc}")
+    try:
+        counter = _map_counter(path)
+    except (OSError, ValueError) as exc:
+        _warn(f"elaunch.progress(): progress reporting disabled: {PROGRESS_FILE_ENV}={path!r}: {exc}")
+        return
+    counter[0] += 1  # this first call counts too
+    _counter = counter
+
+
+def _map_counter(path: str) -> memoryview:
+    """Map the first 8 bytes of ``path`` read-write, shared; return a ``"Q"`` view.
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+        ValueError: the file is shorter than 8 bytes.
+    """
+    import mmap
+
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size < COUNTER_BYTES:
+            raise ValueError(f"file is {size} bytes, needs at least {COUNTER_BYTES}")
+        mapped = mmap.mmap(fd, COUNTER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+    return memoryview(mapped).cast("Q")
+
+
+def _register_stacks(path: str | None, signum: str | None) -> None:
+    """Have ``signum`` make faulthandler append all threads' stacks to ``path``.
+
+    Writes the ``elaunch-stacks pid=... signal=...`` line first, so the agent knows
+    this pid handles the signal. Does nothing when either is unset.
+
+    Raises:
+        ValueError: ``signum`` is not an integer.
+        OSError: the file cannot be opened or written.
+        RuntimeError: faulthandler refuses the signal (e.g. SIGKILL).
+    """
+    global _stacks_file
+    if not path or not signum:
+        return
+    import faulthandler
+
+    number = int(signum)
+    # Append mode: the agent finds a new dump past the size it saw before signalling.
+    stacks = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open for faulthandler
+    try:
+        faulthandler.register(number, file=stacks, all_threads=True, chain=False)
+        stacks.write(f"{STACKS_HEADER} pid={os.getpid()} signal={number}\n")
+        stacks.flush()
+    except BaseException:
+        faulthandler.unregister(number)
+        stacks.close()
+        raise
+    _stacks_file = stacks
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
