@@ -260,7 +260,9 @@ def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     return value
 
 
-def _signal_sets(handle: tuple[str, ...] | None, forward: tuple[str, ...] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _signal_sets(
+    handle: tuple[str, ...] | None, forward: tuple[str, ...] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Resolve ``(signals_to_handle, forward_signals)``; a signal is a stop or a notice, not both.
 
     Args:

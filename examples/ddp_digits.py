@@ -9,11 +9,38 @@ Data: ``sklearn.datasets.load_digits`` (1,797 8x8 images bundled with
 scikit-learn, no download), split 80/20 with a fixed seed, features scaled.
 Backend: gloo on CPU, nccl when CUDA is available (device ``cuda:LOCAL_RANK``).
 
-Rank 0 writes a checkpoint atomically after every epoch and every rank loads it
-on start, so a restarted group resumes where it stopped. ``--crash-rank R
---crash-epoch E`` makes rank R raise at the start of epoch E on the first attempt
-only (``TORCHELASTIC_RESTART_COUNT == 0``); with ``--max-restarts >= 1`` the
-launcher restarts the group, which resumes from the checkpoint of epoch E-1.
+Checkpoints. Rank 0 writes one atomically (temporary file, then ``os.replace``)
+after every epoch, every ``--save-every`` steps, and on a preemption notice; every
+rank loads it on start, so a restarted group resumes where it stopped. A
+checkpoint holds the model, the optimizer, the epoch, the steps done within the
+next epoch and the torch RNG state; the data order of an epoch is a function of
+``(--seed, epoch)`` (``DistributedSampler.set_epoch``), and a mid-epoch resume
+skips the steps already done. So a run interrupted any number of times ends with
+parameters bit-identical to an uninterrupted run with the same seed and world
+size (``--final-params`` writes their SHA-256 to compare).
+
+Signals (the decision is all-reduced at every step boundary, so all ranks act on
+the same step, whichever rank received the signal):
+
+* SIGUSR1, SIGUSR2 (a notice, e.g. Slurm's preemption warning, which elaunch's
+  ``--forward-signals`` passes on): rank 0 saves a checkpoint, prints
+  ``preemption notice (SIGUSR1): checkpoint saved at epoch E step S`` (S steps of
+  epoch E done), and training continues.
+* SIGTERM: the same save and line, then every rank kills itself with SIGTERM
+  (default action): the exit status is what a worker killed by SIGTERM shows
+  (-15, shell 143), never 0, so no launcher mistakes a stopped run for a finished
+  one (a launcher that sent the SIGTERM is stopping anyway; otherwise it sees a
+  failed worker and, with restarts left, the new group resumes from that step).
+  A rank that reaches no step boundary within ``--stop-grace`` seconds (default
+  10; e.g. blocked in a collective with a dead or hung peer) dies of SIGTERM then.
+
+Hang detection: ``elaunch.progress()`` is called every step when elaunch is
+importable (a no-op otherwise, and under torchrun).
+
+Fault injection: ``--crash-rank R --crash-epoch E`` makes rank R raise at the
+start of epoch E on the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``).
+``--crash-at R:E:S,...`` is a schedule: its k-th entry makes rank R raise before
+step S (0-based) of epoch E on attempt k (``TORCHELASTIC_RESTART_COUNT == k``).
 
 Output (rank 0): one line per epoch, ``epoch 3/20 loss 0.123 test_acc 0.961
 restart 0``, then ``final test accuracy: 0.97``.
@@ -23,9 +50,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import os
+import signal
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 import torch
@@ -35,7 +67,6 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:
@@ -43,8 +74,14 @@ try:
 except ImportError:  # elaunch not installed: torch's decorator writes the same file
     from torch.distributed.elastic.multiprocessing.errors import record
 
-CHECKPOINT_FORMAT = "elaunch-example-ddp_digits/1"
-SEED = 0
+CHECKPOINT_FORMAT = "elaunch-example-ddp_digits/2"
+#: Older checkpoints (epoch boundaries only) still resume.
+CHECKPOINT_FORMATS = ("elaunch-example-ddp_digits/1", CHECKPOINT_FORMAT)
+#: Seed of the train/test split (the dataset itself; --seed drives the training).
+SPLIT_SEED = 0
+#: Signal -> code all-reduced with MAX at each step boundary (a stop outranks a notice).
+NOTICE_CODES = {signal.SIGUSR1: 1, signal.SIGUSR2: 2, signal.SIGTERM: 3}
+STOP_CODE = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,17 +90,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--hidden", type=int, default=64, help="hidden layer width (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and data order (default 0)")
     p.add_argument(
         "--run-dir",
         default=None,
         help="directory for the checkpoint (default ./runs/ddp_digits-$TORCHELASTIC_RUN_ID)",
     )
     p.add_argument("--checkpoint", default=None, help="checkpoint path (default RUN_DIR/checkpoint.pt)")
+    p.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                   help="also checkpoint every STEPS optimizer steps (default 0: at epoch ends only)")
+    p.add_argument("--final-params", default=None, metavar="FILE",
+                   help="rank 0 writes the SHA-256 of the final parameters to FILE (JSON)")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep SECONDS after every step: a longer run, the same results (fault tests)")
+    p.add_argument("--stop-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="after SIGTERM, die of it within SECONDS even without reaching a step boundary "
+                        "(default 10)")
     p.add_argument("--crash-rank", type=int, default=None, help="global rank that crashes once")
     p.add_argument("--crash-epoch", type=int, default=None, help="epoch (1-based) at whose start it crashes")
+    p.add_argument("--crash-at", type=parse_crash_schedule, default=(), metavar="R:E:S,...",
+                   help="k-th entry: rank R raises before step S (0-based) of epoch E on attempt k "
+                        "(TORCHELASTIC_RESTART_COUNT == k)")
     args = p.parse_args(argv)
     if args.epochs < 1:
         p.error(f"--epochs={args.epochs}: must be >= 1")
+    if args.save_every < 0:
+        p.error(f"--save-every={args.save_every}: must be >= 0")
+    if not args.step_sleep >= 0:
+        p.error(f"--step-sleep={args.step_sleep}: must be >= 0 seconds")
+    if not args.stop_grace > 0:
+        p.error(f"--stop-grace={args.stop_grace}: must be > 0 seconds")
     if (args.crash_rank is None) != (args.crash_epoch is None):
         p.error("--crash-rank and --crash-epoch go together")
     if args.checkpoint is None:
@@ -74,11 +130,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_crash_schedule(text: str) -> tuple[tuple[int, int, int], ...]:
+    """Parse ``R:E:S,R:E:S`` into ``((rank, epoch, step), ...)`` (entry k: attempt k)."""
+    out = []
+    for entry in filter(None, text.split(",")):
+        try:
+            rank, epoch, step = (int(x) for x in entry.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not RANK:EPOCH:STEP (integers)") from None
+        if rank < 0 or epoch < 1 or step < 0:
+            raise argparse.ArgumentTypeError(f"{entry!r}: need RANK >= 0, EPOCH >= 1, STEP >= 0")
+        out.append((rank, epoch, step))
+    return tuple(out)
+
+
+def die_of_sigterm() -> None:
+    """End this process as SIGTERM's default action would (status -15, shell 143)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # not reached: the signal is delivered before os.kill returns
+    os._exit(128 + signal.SIGTERM)
+
+
+class Notices:
+    """Signals received since the last step boundary, as NOTICE_CODES (handlers only append).
+
+    Args:
+        stop_grace: seconds after a SIGTERM before the process dies of it even if it
+            never reached a step boundary (blocked in a collective with a dead peer).
+    """
+
+    def __init__(self, stop_grace: float) -> None:
+        self._codes: list[int] = []
+        self._stop_grace = stop_grace
+        self._timer: threading.Timer | None = None
+
+    def install(self) -> None:
+        for sig in NOTICE_CODES:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self._codes.append(NOTICE_CODES[signal.Signals(signum)])
+        if signum == signal.SIGTERM and self._timer is None:
+            # not "a second SIGTERM kills": a launcher may deliver one stop twice
+            # (to the process group and to the pid)
+            self._timer = threading.Timer(self._stop_grace, die_of_sigterm)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def take(self) -> int:
+        """Return the highest code received since the last call (0 for none) and forget them."""
+        n = len(self._codes)
+        code = max(self._codes[:n], default=0)
+        del self._codes[:n]  # a signal arriving meanwhile was appended after n: kept
+        return code
+
+
+def progress_function():
+    """``elaunch.progress`` when elaunch is importable, else a no-op."""
+    try:
+        from elaunch import progress
+    except ImportError:
+        return lambda: None
+    return progress
+
+
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (x_train, y_train, x_test, y_test); identical on every rank (fixed seed)."""
     digits = load_digits()
     x_tr, x_te, y_tr, y_te = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=SEED, stratify=digits.target
+        digits.data, digits.target, test_size=0.2, random_state=SPLIT_SEED, stratify=digits.target
     )
     scaler = StandardScaler().fit(x_tr)
     as_x = lambda a: torch.tensor(scaler.transform(a), dtype=torch.float32)  # noqa: E731
@@ -103,7 +224,7 @@ def load_checkpoint(path: str) -> dict | None:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise SystemExit(f"--checkpoint {path}: not readable as a checkpoint ({exc}); refusing to overwrite it")
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in CHECKPOINT_FORMATS:
         raise SystemExit(f"--checkpoint {path}: not a ddp_digits checkpoint; refusing to overwrite it")
     return state
 
@@ -123,6 +244,16 @@ def save_checkpoint(path: str, state: dict) -> None:
         raise
 
 
+def params_digest(model: nn.Module) -> str:
+    """SHA-256 (hex) over the parameters' names, shapes, dtypes and raw bytes, in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
@@ -134,6 +265,9 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    notices = Notices(args.stop_grace)
+    notices.install()  # before anything slow: a notice during start-up is acted on at step 0
+    progress = progress_function()
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -144,46 +278,92 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(SEED)
+    crash_at = args.crash_at[restart] if restart < len(args.crash_at) else None
+    torch.manual_seed(args.seed)
 
     x_tr, y_tr, x_te, y_te = load_data()
-    x_te, y_te = x_te.to(device), y_te.to(device)
-    train = TensorDataset(x_tr, y_tr)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+    x_tr, y_tr, x_te, y_te = x_tr.to(device), y_tr.to(device), x_te.to(device), y_te.to(device)
+    sampler = DistributedSampler(x_tr, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
 
     model = make_model(args.hidden).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    start_epoch = 0
+    # position: `done_epochs` epochs complete, then `done_steps` steps of the next one;
+    # `partial` is the all-reduced (loss sum, samples) of those steps, for the epoch line
+    done_epochs, done_steps, partial = 0, 0, torch.zeros(2)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"]
-    # Every rank read the file; make sure all start from rank 0's epoch.
-    epoch_t = torch.tensor([start_epoch], device=device)
-    dist.broadcast(epoch_t, src=0)
-    start_epoch = int(epoch_t.item())
+        done_epochs, done_steps = state["epoch"], state.get("step", 0)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
+        if done_steps and state.get("world_size") != world:
+            if rank == 0:
+                print(f"world size changed ({state.get('world_size')} -> {world}): "
+                      f"epoch {done_epochs + 1} restarts from its first step", flush=True)
+            done_steps = 0
+        elif done_steps:
+            partial = state["partial"]
+    # Every rank read the file; make sure all start from rank 0's position.
+    pos = torch.tensor([done_epochs, done_steps], device=device)
+    dist.broadcast(pos, src=0)
+    done_epochs, done_steps = (int(v) for v in pos.tolist())
     if rank == 0 and state is not None:
-        print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
+        where = f"at epoch {done_epochs + 1} step {done_steps}" if done_steps else f"after epoch {done_epochs}"
+        print(f"resumed from {args.checkpoint} {where}", flush=True)
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)  # broadcasts rank 0's weights
     loss_fn = nn.CrossEntropyLoss()
 
-    for epoch in range(start_epoch + 1, args.epochs + 1):
+    def checkpoint(epochs: int, steps: int, total: torch.Tensor) -> None:
+        """Rank 0 saves position (epochs complete, steps of the next); ``total`` already reduced."""
+        if rank == 0:
+            save_checkpoint(args.checkpoint, {
+                "format": CHECKPOINT_FORMAT, "epoch": epochs, "step": steps, "world_size": world,
+                "seed": args.seed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(), "partial": total.cpu(),
+            })
+
+    for epoch in range(done_epochs + 1, args.epochs + 1):
         if restart == 0 and epoch == args.crash_epoch:
             # every rank waits here until rank 0 has saved the last epoch's checkpoint,
             # so the injected crash cannot cut that save short
             dist.barrier()
             if rank == args.crash_rank:
                 raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} (--crash-rank/--crash-epoch)")
-        sampler.set_epoch(epoch)
-        total = torch.zeros(2, device=device)  # sum of losses, number of samples
-        for xb, yb in loader:
-            xb, yb = xb.to(device), yb.to(device)
+        sampler.set_epoch(epoch)  # the epoch's order: a function of (seed, epoch) only
+        order = torch.tensor(list(sampler), dtype=torch.long, device=device)
+        batches = order.split(args.batch_size)
+        first = done_steps if epoch == done_epochs + 1 else 0
+        # sum of losses, number of samples; rank 0 carries the resumed part of the epoch
+        total = (partial.to(device) if first and rank == 0 else torch.zeros(2)).to(device)
+        for step in range(first, len(batches)):
+            progress()
+            if crash_at == (rank, epoch, step):
+                raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} step {step} "
+                                   f"on attempt {restart} (--crash-at)")
+            code = torch.tensor([notices.take()], device=device)
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)  # every rank acts on the same step
+            code = int(code.item())
+            position = (epoch - 1) * len(batches) + step  # steps since the start: same on every attempt
+            periodic = args.save_every and step != first and position % args.save_every == 0
+            if code or periodic:
+                reduced = total.clone()
+                dist.all_reduce(reduced)
+                checkpoint(epoch - 1, step, reduced)
+                if code and rank == 0:
+                    name = next(s.name for s, c in NOTICE_CODES.items() if c == code)
+                    print(f"preemption notice ({name}): checkpoint saved at epoch {epoch} step {step}", flush=True)
+                if code == STOP_CODE:
+                    dist.barrier()  # nobody leaves before rank 0's checkpoint is on disk
+                    die_of_sigterm()  # a stop, not a success: exit as a SIGTERM-killed worker would
+            idx = batches[step]
+            xb, yb = x_tr[idx], y_tr[idx]
             optimizer.zero_grad()
             loss = loss_fn(ddp(xb), yb)
             loss.backward()
             optimizer.step()
             total += torch.stack([loss.detach() * len(yb), torch.tensor(float(len(yb)), device=device)])
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
         dist.all_reduce(total)
         if rank == 0:
             acc = accuracy(model, x_te, y_te)
@@ -192,18 +372,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"test_acc {acc:.3f} restart {restart}",
                 flush=True,
             )
-            save_checkpoint(
-                args.checkpoint,
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "epoch": epoch,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                },
-            )
+        checkpoint(epoch, 0, torch.zeros(2))
 
     if rank == 0:
         print(f"final test accuracy: {accuracy(model, x_te, y_te):.2f}", flush=True)
+        if args.final_params:
+            with open(args.final_params, "w") as fp:
+                json.dump({"sha256": params_digest(model), "epochs": args.epochs, "world_size": world,
+                           "seed": args.seed}, fp)
+                fp.write("\n")
     dist.barrier()
     # DDP's reducer holds the process group (in reference cycles): free it now, so the
     # group's C++ threads are torn down here and not during interpreter shutdown,
