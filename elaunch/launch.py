@@ -38,12 +38,21 @@ class _SignalHandlers:
     """Installs handlers that turn the first handled signal into SignalException.
 
     Later signals are remembered but do not interrupt the shutdown in progress.
+    Signals in ``forward`` (``--forward-signals``) are notices instead: each is
+    passed to ``on_notice`` and the job keeps running.
     """
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], forward: tuple[str, ...] = (),
+                 on_notice=None) -> None:
         self._names = names
+        self._forward = forward
+        self._on_notice = on_notice
         self._previous: dict[int, object] = {}
         self._received: int | None = None
+
+    def _notice(self, signum: int, frame) -> None:
+        if self._received is None and self._on_notice is not None:
+            self._on_notice(signum)
 
     def _handle(self, signum: int, frame) -> None:
         if self._received is not None:
@@ -55,6 +64,9 @@ class _SignalHandlers:
         for name in self._names:
             sig = signal.Signals[name]
             self._previous[sig] = signal.signal(sig, self._handle)
+        for name in self._forward:
+            sig = signal.Signals[name]
+            self._previous[sig] = signal.signal(sig, self._notice)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,9 +170,10 @@ def launch(config: LaunchConfig) -> int:
         shutdown_timeout=config.shutdown_timeout,
         base_env=base_env,
         warm_modules=config.warm_start_modules,
+        hang_timeout=config.hang_timeout,
     )
     try:
-        with _SignalHandlers(config.signals_to_handle):
+        with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):
             try:
                 result = agent.run()
             except SignalException:

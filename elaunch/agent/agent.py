@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from elaunch.agent.decide import Step, Verdict, judge, next_step, sits_out
 from elaunch.agent.failures import from_record, to_record, with_root
+from elaunch.agent.hangs import HangWatch
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
@@ -66,6 +67,8 @@ class ElasticAgent:
         warm_modules: ``--warm-start``: while a group runs, keep one spare interpreter per
             local rank with these modules imported, to run the next attempt's workers
             (``elaunch.procs.warm``); None (default) starts every worker cold, as torchrun.
+        hang_timeout: ``--hang-timeout``: seconds without ``elaunch.progress()`` (after a
+            first call) that make a worker hung; 0 (default) = off.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class ElasticAgent:
         base_env: Mapping[str, str] | None = None,
         hostname: str | None = None,
         warm_modules: tuple[str, ...] | None = None,
+        hang_timeout: float = 0.0,
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -95,6 +99,12 @@ class ElasticAgent:
         self._group: WorkerGroup | None = None
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobState()  # the job's shared facts as last read (static: stays empty)
+        self._hang_timeout = hang_timeout
+        self._hangs: HangWatch | None = None
+        self._hung: dict[int, ProcessFailure] = {}  # this attempt's hung workers, by global rank
+        self._dumps_seen: int | None = None  # the job's stack-dump requests answered (None: not read yet)
+        self._round = -1
+        self._file_timer = None
 
     @property
     def log_root(self) -> str | None:
@@ -113,6 +123,8 @@ class ElasticAgent:
             RendezvousError: the rendezvous failed (timeout, closed, unreachable).
         """
         self._launcher.open()
+        self._hangs = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
+        self._start_file_timer()
         try:
             return self._invoke_run()
         except SignalException as exc:
@@ -124,6 +136,33 @@ class ElasticAgent:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._launcher.close()
+            self._hangs.close()
+            if self._file_timer is not None:
+                self._file_timer.stop()
+
+    def forward_signal(self, sig: int) -> None:
+        """Forward a notice (``--forward-signals``, e.g. Slurm's SIGUSR1) to every worker; keep running.
+
+        Safe to call from a signal handler in the main thread.
+        """
+        procs = self._procs
+        if procs is not None:
+            procs.notify(sig)
+        log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", _signal_name(-sig))
+
+    def _start_file_timer(self) -> None:
+        """torch's hang guard: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves ``FileTimerClient`` scopes."""
+        from elaunch.procs.filetimer import FILE_ENV, file_timer_env
+
+        enabled, path = file_timer_env(self._base_env)
+        if path:
+            self._base_env[FILE_ENV] = path  # as torch: the workers get the path
+        if enabled:
+            from elaunch.procs.filetimer import FileTimerServer
+
+            self._file_timer = FileTimerServer(path)
+            self._file_timer.start()
+            log.info("file timer server on %s (TORCHELASTIC_ENABLE_FILE_TIMER=1)", path)
 
     def _invoke_run(self) -> RunResult:
         restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)
@@ -163,7 +202,7 @@ class ElasticAgent:
                 # HEALTHY -> STOPPED: re-form with the new membership (not counted)
                 group.state = WorkerState.STOPPED
                 continue
-            failures = self._failures(group, *exited)
+            failures = {**self._failures(group, *exited), **self._hung}
             step, restarts, root = self._count_failure(info.round, failures, restarts)
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
@@ -191,7 +230,8 @@ class ElasticAgent:
         from elaunch.errors import failure_text, failure_time, root_cause
 
         first = root_cause(failures)
-        record = to_record(first, round, failure_text(first), failure_time(first))
+        record = to_record(first, round, failure_text(first), failure_time(first),
+                           hung=first.global_rank in self._hung)
         job = self._rdzv.record_failure(record)
         if job is not None:
             self._job = job
@@ -265,8 +305,11 @@ class ElasticAgent:
         for w in workers:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
-            envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
+            envs[lr] = {**worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts),
+                        **self._hangs.env(lr)}
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
+        self._hangs.new_attempt()
+        self._hung, self._dumps_seen, self._round = {}, None, info.round
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
@@ -299,7 +342,12 @@ class ElasticAgent:
         while True:
             codes = self._procs.poll()
             job = self._read_job()
-            verdict = judge(codes, 0, job_failed=job.failed)
+            self._answer_dump_request(job)
+            hung = self._hangs.hung(codes)
+            verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
+            if hung and verdict is Verdict.FAILED:
+                self._on_hang(hung)
+                return verdict
             if verdict is Verdict.FAILED:
                 new = self._new_nodes()
                 verdict = judge(codes, 0, new)
@@ -326,6 +374,48 @@ class ElasticAgent:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def _answer_dump_request(self, job: JobState) -> None:
+        """Dump this node's worker stacks when another agent asked for it since the last look."""
+        if self._dumps_seen is None:
+            self._dumps_seen = job.dump_id  # requests from before this attempt are not ours to answer
+            return
+        if job.dump_id <= self._dumps_seen:
+            return
+        self._dumps_seen = job.dump_id
+        by = job.dump_by
+        why = (f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
+               if by is not None else "stacks requested through the rendezvous")
+        _dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
+        log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
+
+    def _on_hang(self, hung: list[int]) -> None:
+        """Hung workers: ask every node for stacks, dump ours, kill the hung ones (a failure of theirs)."""
+        group, now = self._group, time.time()
+        by_lr = {w.local_rank: w for w in group.workers}
+        first = by_lr[hung[0]]
+        quiet = self._hangs.quiet_for(hung[0])
+        why = (f"HUNG: rank {first.global_rank} (local rank {hung[0]}) made no progress for {quiet:.1f} s "
+               f"(--hang-timeout={self._hang_timeout:g})")
+        log.error("%s; dumping the stacks of every worker of the job", why)
+        record = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
+                               local_rank=hung[0], pid=first.pid or -1, exitcode=-signal.SIGKILL,
+                               message=why, hung=True)
+        try:
+            self._rdzv.request_stack_dump(record)  # first: the other nodes dump while ours is taken
+        except RendezvousError as exc:
+            log.warning("could not ask the other nodes for their stacks: %s", exc)
+        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang", why)
+        self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
+        for lr in hung:
+            w = by_lr[lr]
+            d = dumps.get(lr)
+            stacks = f"stacks ({d.method}{': ' + d.reason if d.reason else ''}):\n{d.text.rstrip()}" if d else ""
+            detail = (f"HUNG: no progress for {self._hangs.quiet_for(lr):.1f} s (--hang-timeout="
+                      f"{self._hang_timeout:g}); killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
+            self._hung[w.global_rank] = ProcessFailure(
+                local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
+                timestamp=now, hostname=self._hostname, detail=detail)
 
     def _read_job(self) -> JobState:
         """The job's shared state from the monitor's read; the last one known when it cannot be read."""

@@ -296,6 +296,18 @@ class WorkerProcesses:
         _proctree.killpg(self._unreaped_groups(), sig)
         _proctree.kill(fam.values(), sig)
 
+    def notify(self, sig: int, local_ranks: "list[int] | None" = None) -> None:
+        """Send ``sig`` to the process group of each running worker (all, or ``local_ranks``).
+
+        For notices the workers handle (a forwarded SIGUSR1) and for killing hung
+        workers: one ``killpg`` per worker, no scan of the process table, so it is
+        cheap enough for a signal handler.
+        """
+        self._refresh()
+        groups = [self.pids[lr] for lr, c in self._codes.items()
+                  if c is None and (local_ranks is None or lr in local_ranks)]
+        _proctree.killpg(groups, sig)
+
     def stop(self, sig: int = _signal.SIGTERM, grace: float = 30.0) -> None:
         """Stop every worker tree: ``sig``, up to ``grace`` seconds, then SIGKILL; reap. Idempotent.
 

@@ -8,12 +8,15 @@ root cause; the restart count is the job's, the same on every node.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.conftest import FIXTURE_PIDS
+from tests.conftest import FIXTURE_PIDS, wait_for
 from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3  # noqa: F401 - fixtures
 from tests.helpers import SCRIPTS, free_port, kill_tree, start
 
@@ -104,3 +107,88 @@ def test_max_restarts_is_a_budget_for_the_whole_job(endpoint, tmp_path):
     for _code, err, _ in results:
         root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
         assert "rank      : 0 (local_rank: 0)" in root, err[-3000:]
+
+
+@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+def test_a_hung_rank_is_found_its_stacks_dumped_on_every_node_and_the_job_stopped(endpoint, tmp_path):
+    # global rank 3 reports progress once, then hangs; the others block without ever reporting
+    logs = [tmp_path / "logs0", tmp_path / "logs1"]
+    backend, ep = endpoint
+    conf = CONF if backend == "c10d" else CONF + ",read_timeout=20"
+    agents = [
+        start("elaunch", "--nnodes=2", "--nproc-per-node=2", f"--rdzv-backend={backend}", f"--rdzv-endpoint={ep}",
+              f"--rdzv-id=hang-{backend}", f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", "--monitor-interval=0.1",
+              "--hang-timeout=2", f"--log-dir={log}", FAULT,
+              json.dumps({"*:3": "hang-progress", "*:*": "hang"}), str(tmp_path))
+        for log in logs
+    ]
+    results = _finish(agents)
+    assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
+    for _code, err, _ in results:
+        root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
+        assert "rank      : 3 (local_rank: 1)" in root and "HUNG: no progress for" in root, err[-3000:]
+        assert "(job_fault.py:" in root, err[-3000:]  # the hung rank's stack, where it blocks
+    stacks = sorted(str(p) for log in logs for p in log.rglob("stacks/*.txt"))
+    assert len(stacks) == 2 and any("_hang_" in s for s in stacks) and any("_requested_" in s for s in stacks), stacks
+    for path in stacks:  # every worker of the job, on both nodes, with its stack
+        text = Path(path).read_text()
+        assert text.count("--- local rank") == 2 and "stacks by py-spy" in text, text
+        assert "job_fault.py" in text, text
+
+
+def test_a_forwarded_notice_reaches_every_worker_and_the_job_keeps_running(tmp_path):
+    script = tmp_path / "notice.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "out = sys.argv[1]\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+        "open(os.path.join(out, f'ready_{os.environ[\"RANK\"]}'), 'w').close()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not got and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
+        "open(os.path.join(out, f'notice_{os.environ[\"RANK\"]}'), 'w').close()\n"
+    )
+    agent = start("elaunch", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path))
+    try:
+        wait_for(lambda: all((tmp_path / f"ready_{r}").exists() for r in (0, 1)), 60, what="workers ready")
+        os.kill(agent.pid, signal.SIGUSR1)
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 0, err
+    assert all((tmp_path / f"notice_{r}").exists() for r in (0, 1))
+    assert "forwarded to the workers" in err
+
+
+@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+def test_an_agent_stopped_by_a_signal_leaves_and_the_others_go_on(endpoint, tmp_path):
+    # 2 nodes of --nnodes=1:2; SIGTERM to one agent: the other re-forms alone (not a failure)
+    backend, ep = endpoint
+    script = [str(SCRIPTS / "env_dump.py"), str(tmp_path), "--wait-for", str(tmp_path / "release")]
+    agents = [start("elaunch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-backend={backend}",
+                    f"--rdzv-endpoint={ep}", "--rdzv-id=leave", f"--rdzv-conf={CONF}", "--local-addr=127.0.0.1",
+                    "--monitor-interval=0.1", *script) for _ in range(2)]
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("env_*.json"))) >= 2, 60, what="a world of two")
+        sizes = {p.name: json.loads(p.read_text())["env"]["WORLD_SIZE"] for p in tmp_path.glob("env_*.json")}
+        assert set(sizes.values()) == {"2"}, sizes
+        for p in tmp_path.glob("env_*.json"):
+            p.unlink()
+        # stop the agent that does not host the store (whichever bound the endpoint first hosts it)
+        port = int(ep.rsplit(":", 1)[1])
+        host = next(a for a in agents if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                             for c in psutil.Process(a.pid).net_connections("tcp")))
+        victim, survivor = (agents[1], agents[0]) if host is agents[0] else (agents[0], agents[1])
+        victim.send_signal(signal.SIGTERM)
+        _out, err = victim.communicate(timeout=60)
+        assert victim.returncode == 128 + signal.SIGTERM, err
+        wait_for(lambda: any(json.loads(p.read_text())["env"]["WORLD_SIZE"] == "1"
+                             for p in tmp_path.glob("env_*.json")), 60, what="the survivor re-formed alone")
+        (tmp_path / "release").touch()
+        _out, err = survivor.communicate(timeout=60)
+        assert survivor.returncode == 0, err
+    finally:
+        (tmp_path / "release").touch()
+        for a in agents:
+            kill_tree(a.pid)

@@ -1,0 +1,120 @@
+"""Hang detection for one node's workers (``--hang-timeout``) and stack dumps on request.
+
+Workers call ``elaunch.progress()`` each step; it bumps a counter in a file this
+module creates per local rank (``procs.progress``). The agent reads the counters
+every monitor tick (no system call), the pure verdict ``decide.hung_ranks`` names
+the ranks that went quiet, and the Python stacks of every worker are dumped with
+py-spy (or the faulthandler fallback, ``procs.stacks``) into the log directory:
+on a hang here, and when another node asks through the rendezvous. torchrun has
+no such check (pytorch#122694: a hung job shows no stack).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Callable
+
+from elaunch.agent.decide import hung_ranks
+
+log = logging.getLogger("elaunch.agent")
+
+#: Seconds one worker's stack dump may take (py-spy, then the fallback: twice at most).
+DUMP_TIMEOUT = 10.0
+
+
+class HangWatch:
+    """Progress counters and stack dumps of one agent's workers, across its attempts.
+
+    Args:
+        hang_timeout: seconds without progress (after a first ``elaunch.progress()``)
+            that make a rank hung; 0 turns detection off (no files are made, and
+            stack dumps use py-spy only).
+        local_ranks: this node's local ranks.
+        clock: monotonic seconds (injectable for tests).
+
+    Raises:
+        OSError: the progress files cannot be created.
+    """
+
+    def __init__(self, hang_timeout: float, local_ranks: range | list[int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.hang_timeout = hang_timeout
+        self._clock = clock
+        self._files = None
+        self._watch = None
+        if hang_timeout > 0:
+            from elaunch.procs.progress import ProgressFiles, ProgressWatch
+
+            self._files = ProgressFiles(local_ranks)
+            self._watch = ProgressWatch()
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """Variables for ``local_rank``'s worker (``ELAUNCH_PROGRESS_FILE``...); {} when off."""
+        return self._files.env(local_rank) if self._files is not None else {}
+
+    def new_attempt(self) -> None:
+        """Zero the counters and stacks files: a new attempt's workers start afresh."""
+        if self._files is not None:
+            self._files.reset()
+            self._watch.reset()
+
+    def hung(self, exit_codes: Mapping[int, int | None]) -> list[int]:
+        """Return the local ranks that hang now (sorted); [] when detection is off."""
+        if self._files is None:
+            return []
+        table = self._watch.update(self._files.read(), self._clock())
+        progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
+        return hung_ranks(progress, exit_codes, self.hang_timeout)
+
+    def quiet_for(self, local_rank: int) -> float:
+        """Seconds since ``local_rank`` last made progress (0 when unknown)."""
+        if self._watch is None:
+            return 0.0
+        row = self._watch.table().get(local_rank)
+        return row.seconds_since_last_change if row is not None else 0.0
+
+    def dump(self, pids: Mapping[int, int], log_root: str | None, label: str, why: str) -> tuple[dict, str | None]:
+        """Dump the Python stacks of every worker; write them under ``log_root/stacks/``.
+
+        Args:
+            pids: local rank -> worker pid (running workers).
+            log_root: the run's log directory (None or ``os.devnull``: not written).
+            label: names the file, e.g. ``"round3_rank2"``.
+            why: the first line of the file (what asked for the dump).
+
+        Returns:
+            (local rank -> ``StackDump``, the file written or None).
+        """
+        from elaunch.procs.stacks import dump_stacks
+
+        files = self._files.stacks_files() if self._files is not None else None
+        dumps = dump_stacks(pids, files, DUMP_TIMEOUT)
+        path = None
+        if log_root and log_root != os.devnull:
+            path = os.path.join(log_root, "stacks", f"{label}_{int(time.time() * 1000)}.txt")
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(why + "\n\n" + format_dumps(dumps, pids))
+            except OSError as exc:
+                log.warning("could not write the stacks to %s: %s", path, exc)
+                path = None
+        return dumps, path
+
+    def close(self) -> None:
+        """Remove the progress files. Idempotent."""
+        if self._files is not None:
+            self._files.close()
+
+
+def format_dumps(dumps: Mapping, pids: Mapping[int, int]) -> str:
+    """Return the dumps as text: a header per local rank (pid, method) and its stacks."""
+    parts = []
+    for lr in sorted(dumps):
+        d = dumps[lr]
+        how = d.method + (f" ({d.reason})" if d.reason else "")
+        parts.append(f"--- local rank {lr} (pid {pids.get(lr, '?')}), stacks by {how}\n{d.text.rstrip()}\n")
+    return "\n".join(parts)
