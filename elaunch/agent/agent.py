@@ -26,6 +26,7 @@ from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
 from elaunch.rendezvous.api import (
     FailureRecord,
     JobState,
+    RendezvousClosedError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -167,12 +168,20 @@ class ElasticAgent:
     def _invoke_run(self) -> RunResult:
         restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)
         attempt = 0
+        sat_out = False  # this node just sat out a cooldown (bad-node exclusion)
         while True:
             try:
                 info = self._rdzv.next_rendezvous()
             except RendezvousJobFailedError as exc:
                 # JOINING -> FAILED: another node declared the job failed while we joined
                 return self._failed_elsewhere(exc.failure, restarts)
+            except RendezvousClosedError:
+                if not sat_out:
+                    raise
+                # JOINING -> SUCCEEDED: the others finished the job while this node sat out
+                log.warning("the job finished while this node sat out; nothing left to run")
+                return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
+            sat_out = False
             if info.restart_count is not None:
                 restarts = info.restart_count
             try:
@@ -218,7 +227,7 @@ class ElasticAgent:
                 f" {_signal_name(root.exitcode)}" if root.exitcode < 0 else "",
                 restarts, self._spec.max_restarts,
             )
-            self._sit_out_if_blamed()
+            sat_out = self._sit_out_if_blamed()
 
     def _count_failure(self, round: int, failures: dict[int, ProcessFailure],
                        restarts: int) -> tuple[Step, int, FailureRecord]:
@@ -271,11 +280,15 @@ class ElasticAgent:
         return RunResult(WorkerState.FAILED, failures=with_root({failure.global_rank: failure}, root, self._job.node),
                          restarts=restarts, root_rank=root.rank)
 
-    def _sit_out_if_blamed(self) -> None:
-        """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so."""
+    def _sit_out_if_blamed(self) -> bool:
+        """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so.
+
+        Returns:
+            True when this node sat out.
+        """
         job = self._job
         if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes):
-            return
+            return False
         log.warning(
             "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
             "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
@@ -283,7 +296,8 @@ class ElasticAgent:
         )
         self._rdzv.leave(rejoin=True)
         time.sleep(job.exclude_cooldown)  # a handled signal still interrupts this
-        log.info("exclusion over; rejoining the job")
+        log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
+        return True
 
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import FIXTURE_PIDS, wait_for
 from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3  # noqa: F401 - fixtures
-from tests.helpers import SCRIPTS, free_port, kill_tree, start
+from tests.helpers import SCRIPTS, free_port, kill_tree, launcher_env, port_open, start
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +192,49 @@ def test_an_agent_stopped_by_a_signal_leaves_and_the_others_go_on(endpoint, tmp_
         (tmp_path / "release").touch()
         for a in agents:
             kill_tree(a.pid)
+
+
+BAD_NODE = (
+    "import os, sys, time\n"
+    "out = sys.argv[1]\n"
+    "with open(os.path.join(out, 'starts.log'), 'a') as f:\n"
+    "    f.write(f\"{os.environ['TORCHELASTIC_RESTART_COUNT']} {os.environ['WORLD_SIZE']} "
+    "{os.environ.get('BAD_NODE', '0')}\\n\")\n"
+    "if os.environ.get('BAD_NODE') == '1':\n"
+    "    sys.exit(3)  # this node's workers fail every time\n"
+    "if os.environ['WORLD_SIZE'] == '2':\n"
+    "    sys.exit(0)  # the world without the bad node finishes the job\n"
+    "while True:\n"
+    "    time.sleep(3600)\n"
+)
+
+
+def test_a_node_that_causes_failures_in_a_row_sits_out_and_the_others_go_on(tmp_path):
+    script = tmp_path / "bad_node.py"
+    script.write_text(BAD_NODE)
+    port = free_port()
+    conf = CONF + ",exclude_after=2,exclude_cooldown=4"
+    env_bad = launcher_env(BAD_NODE="1")
+    def agent(env=None):
+        return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=exclude", f"--rdzv-conf={conf}",
+                     "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=5", str(script),
+                     str(tmp_path), env=env)
+
+    # the bad node hosts the c10d store, so it can still read that the job finished when it rejoins
+    bad = agent(env_bad)
+    try:
+        wait_for(lambda: port_open(port), 60, what="the store host listening")
+    except BaseException:
+        kill_tree(bad.pid)
+        raise
+    results = _finish([agent(), agent(), bad])
+    (bad_code, bad_err, _), good = results[2], results[:2]
+    assert [code for code, _, _ in good] == [0, 0], [err[-3000:] for _, err, _ in good]
+    assert "sitting out the next rounds for 4 s" in bad_err, bad_err[-3000:]
+    assert bad_code == 0, bad_err[-3000:]
+    rows = [line.split() for line in (tmp_path / "starts.log").read_text().splitlines()]
+    bad_starts = [r for r in rows if r[2] == "1"]
+    assert len(bad_starts) == 2, rows  # failed twice in a row, then sat out
+    # the others finished in a world of two, at the job's restart count 2
+    assert ["2", "2", "0"] in rows, rows

@@ -151,6 +151,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: the backend or a round store is unreachable.
             RendezvousStateError: the stored state is corrupt.
         """
+        self._say_if_below_min()
         try:
             return self._next_rendezvous()
         except RendezvousClosedError as exc:
@@ -161,6 +162,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     f"rendezvous {self._settings.run_id!r} is closed: the job failed on {root.host} "
                     f"(rank {root.rank})", root) from exc
             raise
+
+    def _say_if_below_min(self) -> None:
+        """One line when the last round's live nodes no longer make ``min_nodes`` (we wait for more)."""
+        info, s = self._current, self._settings
+        if info is None:
+            return
+        state = self._cached[1] if self._cached is not None else self._executor.state
+        lost = ops.lost_members(state, info.round, self._members, self._node_id, s)
+        alive = len(self._members) - lost
+        if alive < s.min_nodes:
+            log.warning("only %d of the job's nodes are left (--nnodes=%d:%d); waiting up to join_timeout=%g s "
+                        "for more to join", alive, s.min_nodes, s.max_nodes, s.join_timeout)
 
     def _next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
