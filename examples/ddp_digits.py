@@ -41,6 +41,12 @@ Fault injection: ``--crash-rank R --crash-epoch E`` makes rank R raise at the
 start of epoch E on the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``).
 ``--crash-at R:E:S,...`` is a schedule: its k-th entry makes rank R raise before
 step S (0-based) of epoch E on attempt k (``TORCHELASTIC_RESTART_COUNT == k``).
+``--hang-at R:E:S[:block],...`` schedules hangs the same way: on attempt k rank R
+calls ``elaunch.progress()`` for step S of epoch E, then stops itself with SIGSTOP
+(or, with ``:block``, sleeps forever; it still dies of SIGTERM after
+``--stop-grace``), for ``--hang-timeout`` to find. In both schedules an entry
+``none`` means "no fault on this attempt", so crashes and hangs can alternate:
+``--crash-at 1:1:7,none,0:2:3 --hang-at none,0:1:12``.
 
 Output (rank 0): one line per epoch, ``epoch 3/20 loss 0.123 test_acc 0.961
 restart 0``, then ``final test accuracy: 0.97``.
@@ -82,6 +88,8 @@ SPLIT_SEED = 0
 #: Signal -> code all-reduced with MAX at each step boundary (a stop outranks a notice).
 NOTICE_CODES = {signal.SIGUSR1: 1, signal.SIGUSR2: 2, signal.SIGTERM: 3}
 STOP_CODE = 3
+#: A --crash-at/--hang-at entry for an attempt without that fault.
+NO_FAULT = "none"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-epoch", type=int, default=None, help="epoch (1-based) at whose start it crashes")
     p.add_argument("--crash-at", type=parse_crash_schedule, default=(), metavar="R:E:S,...",
                    help="k-th entry: rank R raises before step S (0-based) of epoch E on attempt k "
-                        "(TORCHELASTIC_RESTART_COUNT == k)")
+                        "(TORCHELASTIC_RESTART_COUNT == k); 'none' = no crash on attempt k")
+    p.add_argument("--hang-at", type=parse_hang_schedule, default=(), metavar="R:E:S[:block],...",
+                   help="k-th entry: on attempt k rank R reports progress for step S of epoch E, then "
+                        "stops itself with SIGSTOP (':block': sleeps forever); 'none' = no hang on attempt k")
     args = p.parse_args(argv)
     if args.epochs < 1:
         p.error(f"--epochs={args.epochs}: must be >= 1")
@@ -130,18 +141,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def parse_crash_schedule(text: str) -> tuple[tuple[int, int, int], ...]:
-    """Parse ``R:E:S,R:E:S`` into ``((rank, epoch, step), ...)`` (entry k: attempt k)."""
+def parse_crash_schedule(text: str) -> tuple[tuple[int, int, int] | None, ...]:
+    """Parse ``R:E:S,none,R:E:S`` into ``((rank, epoch, step), None, ...)`` (entry k: attempt k)."""
+    return tuple(None if entry == NO_FAULT else _fault_point(entry) for entry in filter(None, text.split(",")))
+
+
+def parse_hang_schedule(text: str) -> tuple[tuple[int, int, int, str] | None, ...]:
+    """Parse ``R:E:S[:block],none,...`` into ``((rank, epoch, step, "stop" | "block"), None, ...)``."""
     out = []
     for entry in filter(None, text.split(",")):
-        try:
-            rank, epoch, step = (int(x) for x in entry.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{entry!r} is not RANK:EPOCH:STEP (integers)") from None
-        if rank < 0 or epoch < 1 or step < 0:
-            raise argparse.ArgumentTypeError(f"{entry!r}: need RANK >= 0, EPOCH >= 1, STEP >= 0")
-        out.append((rank, epoch, step))
+        if entry == NO_FAULT:
+            out.append(None)
+            continue
+        how = "stop"
+        if entry.endswith(":block"):
+            entry, how = entry[: -len(":block")], "block"
+        out.append((*_fault_point(entry), how))
     return tuple(out)
+
+
+def _fault_point(entry: str) -> tuple[int, int, int]:
+    try:
+        rank, epoch, step = (int(x) for x in entry.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{entry!r} is not RANK:EPOCH:STEP (integers) or {NO_FAULT!r}") from None
+    if rank < 0 or epoch < 1 or step < 0:
+        raise argparse.ArgumentTypeError(f"{entry!r}: need RANK >= 0, EPOCH >= 1, STEP >= 0")
+    return rank, epoch, step
+
+
+def hang_forever(how: str, where: str) -> None:
+    """Simulate a hung rank: SIGSTOP itself (``how == "stop"``) or sleep forever (``"block"``)."""
+    print(f"injected hang ({how}): {where} (--hang-at)", file=sys.stderr, flush=True)
+    if how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # only a SIGKILL (or SIGCONT) ends this
+    while True:
+        time.sleep(3600)
 
 
 def die_of_sigterm() -> None:
@@ -279,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     crash_at = args.crash_at[restart] if restart < len(args.crash_at) else None
+    hang_at = args.hang_at[restart] if restart < len(args.hang_at) else None
     torch.manual_seed(args.seed)
 
     x_tr, y_tr, x_te, y_te = load_data()
@@ -340,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
             if crash_at == (rank, epoch, step):
                 raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} step {step} "
                                    f"on attempt {restart} (--crash-at)")
+            if hang_at is not None and hang_at[:3] == (rank, epoch, step):
+                hang_forever(hang_at[3], f"rank {rank} at epoch {epoch} step {step} on attempt {restart}")
             code = torch.tensor([notices.take()], device=device)
             dist.all_reduce(code, op=dist.ReduceOp.MAX)  # every rank acts on the same step
             code = int(code.item())
