@@ -1,0 +1,490 @@
+"""Job-wide supervision as tables: job.py over the rendezvous state, the agent's new decisions,
+failure records to and from the rendezvous, the state's new JSON fields and the summary's root cause.
+
+No processes, no backend: every function here is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from elaunch.agent.decide import Step, Verdict, hung_ranks, judge, next_step, sits_out
+from elaunch.agent.failures import from_record, to_record, with_root
+from elaunch.errors.summary import failure_text, format_failure_summary
+from elaunch.rendezvous.api import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
+from elaunch.rendezvous.dynamic import job
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.spec import ProcessFailure
+
+REMOTE = " (reported by that node's agent through the rendezvous)"
+
+
+def rec(round: int, at: float, node: str, rank: int = 0) -> FailureRecord:
+    """A failure of ``rank`` in ``round`` at ``at``, published by ``node``."""
+    return FailureRecord(round=round, at=at, node=node, host=f"host-{node}", rank=rank, local_rank=rank,
+                         pid=1000 + rank, exitcode=1, message=f"boom on {node}")
+
+
+def state(restarts: int = 0, root: FailureRecord | None = None, failed: bool = False,
+          blame: list[str] | tuple[str, ...] = (), acks: list[str] | tuple[str, ...] = ()) -> RendezvousState:
+    return RendezvousState(restarts=restarts, failure=None if root is None else root.to_dict(),
+                           job_failed=failed, closed=failed, blame=list(blame), failure_acks=list(acks))
+
+
+def key(record_doc: dict | None):
+    """(round, at, node) of a stored record: what the tables compare."""
+    return None if record_doc is None else (record_doc["round"], record_doc["at"], record_doc["node"])
+
+
+# ---------------------------------------------------------------- job.count_failure
+
+A0 = rec(0, 10.0, "a")
+A1 = rec(1, 10.0, "a")
+
+FULL_BLAME = [f"n{i}" for i in range(job.BLAME_KEPT)]
+
+
+@pytest.mark.parametrize(
+    "before, report, expected",
+    [
+        # the first failure of a round counts one restart and is the root cause
+        (state(), rec(0, 10.0, "a"), (1, (0, 10.0, "a"), ["a"])),
+        (state(3, A0, blame=["a"]), rec(2, 30.0, "b"), (4, (2, 30.0, "b"), ["a", "b"])),
+        # a second report of the same round does not count again ...
+        (state(1, A0, blame=["a"]), rec(0, 11.0, "b"), None),
+        (state(1, A0, blame=["a"]), rec(0, 10.0, "b"), None),  # a tie keeps the first root cause
+        # ... and replaces the root cause only when it happened earlier
+        (state(1, A0, blame=["a"]), rec(0, 9.5, "b"), (1, (0, 9.5, "b"), ["b"])),
+        (state(2, A0, blame=["x", "a"]), rec(0, 9.5, "b"), (2, (0, 9.5, "b"), ["x", "b"])),
+        # a report of an older round changes nothing, even an earlier one
+        (state(2, A1, blame=["a", "a"]), rec(0, 1.0, "b"), None),
+        # nothing after the job failed
+        (state(1, A0, failed=True, blame=["a"]), rec(1, 20.0, "b"), None),
+        (state(1, A0, failed=True, blame=["a"]), rec(0, 1.0, "b"), None),
+        (state(0, None, failed=True), rec(0, 1.0, "b"), None),
+        # blame keeps the latest BLAME_KEPT root causes
+        (state(16, rec(15, 1.0, "n15"), blame=FULL_BLAME), rec(16, 2.0, "z"), (17, (16, 2.0, "z"), FULL_BLAME[1:] + ["z"])),
+    ],
+)
+def test_count_failure(before, report, expected):
+    snapshot = before.to_bytes()
+    after = job.count_failure(before, report)
+    assert before.to_bytes() == snapshot  # decides on a copy
+    if expected is None:
+        assert after is None
+        return
+    restarts, root, blame = expected
+    assert (after.restarts, key(after.failure), after.blame) == (restarts, root, blame)
+    assert after.job_failed is False and after.closed is False
+
+
+def test_count_failure_stores_the_whole_record():
+    report = FailureRecord(round=4, at=12.25, node="b", host="h2", rank=7, local_rank=3, pid=99, exitcode=-9,
+                           message="x" * (MAX_FAILURE_MESSAGE + 10) + "END", hung=True)
+    after = job.count_failure(state(), report)
+    stored = FailureRecord.from_dict(after.failure)
+    assert stored.message == ("x" * (MAX_FAILURE_MESSAGE + 10) + "END")[-MAX_FAILURE_MESSAGE:]
+    assert stored == FailureRecord(round=4, at=12.25, node="b", host="h2", rank=7, local_rank=3, pid=99,
+                                   exitcode=-9, message=stored.message, hung=True)
+
+
+def test_count_failure_twice_counts_once():
+    once = job.count_failure(state(), rec(0, 10.0, "a"))
+    assert job.count_failure(once, rec(0, 10.0, "a")) is None
+    assert once.restarts == 1
+
+
+def test_count_failure_refuses_a_corrupt_root_cause():
+    bad = RendezvousState(restarts=1, failure={"round": "zero", "at": 1.0})
+    with pytest.raises(RendezvousStateError, match="corrupt failure record"):
+        job.count_failure(bad, rec(0, 1.0, "a"))
+
+
+# ---------------------------------------------------------------- job.fail_job
+
+
+@pytest.mark.parametrize(
+    "before, report, root",
+    [
+        (state(), rec(0, 10.0, "a"), (0, 10.0, "a")),
+        # the earliest root cause of the latest failed round is kept
+        (state(1, A0, blame=["a"]), rec(0, 12.0, "b"), (0, 10.0, "a")),
+        (state(1, A0, blame=["a"]), rec(0, 10.0, "b"), (0, 10.0, "a")),
+        (state(1, A0, blame=["a"]), rec(0, 8.0, "b"), (0, 8.0, "b")),
+        (state(1, A0, blame=["a"]), rec(1, 20.0, "b"), (1, 20.0, "b")),
+        (state(2, rec(2, 10.0, "a"), blame=["a"]), rec(1, 5.0, "b"), (2, 10.0, "a")),
+    ],
+)
+def test_fail_job_keeps_the_earliest_root_cause_of_the_latest_round_and_closes(before, report, root):
+    after = job.fail_job(before, report)
+    assert key(after.failure) == root
+    assert (after.job_failed, after.closed) == (True, True)
+    # declaring is not counting
+    assert (after.restarts, after.blame) == (before.restarts, before.blame)
+    assert (before.job_failed, before.closed) == (False, False)
+
+
+def test_fail_job_once():
+    failed = job.fail_job(state(1, A0), rec(0, 1.0, "b"))
+    assert job.fail_job(failed, rec(0, 0.5, "c")) is None
+    assert key(failed.failure) == (0, 1.0, "b")
+
+
+# ---------------------------------------------------------------- acknowledgements
+
+
+@pytest.mark.parametrize(
+    "before, node, acks",
+    [
+        (state(), "a", None),  # nothing to acknowledge: the job did not fail
+        (state(failed=True), "a", ["a"]),
+        (state(failed=True, acks=["a"]), "a", None),
+        (state(failed=True, acks=["a"]), "b", ["a", "b"]),
+    ],
+)
+def test_acknowledge_failure(before, node, acks):
+    after = job.acknowledge_failure(before, node)
+    assert (after.failure_acks if after is not None else None) == acks
+
+
+def test_acknowledge_failure_is_idempotent():
+    once = job.acknowledge_failure(state(failed=True), "b")
+    assert job.acknowledge_failure(once, "b") is None
+    assert once.failure_acks == ["b"]
+
+
+def acks_state(heartbeats=("a", "b", "c"), participants=(), waiting=(), acks=()) -> RendezvousState:
+    return RendezvousState(job_failed=True, closed=True, last_heartbeats={n: 1.0 for n in heartbeats},
+                           participants={n: i for i, n in enumerate(participants)}, wait_list=set(waiting),
+                           failure_acks=list(acks))
+
+
+@pytest.mark.parametrize(
+    "st, members, dead, pending",
+    [
+        (acks_state(), {"a", "b", "c"}, set(), ["b", "c"]),  # never self ("a")
+        (acks_state(acks=["c"]), {"a", "b", "c"}, set(), ["b"]),
+        (acks_state(acks=["b", "c"]), {"a", "b", "c"}, set(), []),
+        (acks_state(), {"a", "b", "c"}, {"c"}, ["b"]),  # the dead never acknowledge
+        (acks_state(acks=["b"]), {"a", "b", "c"}, {"c"}, []),
+        # a waiting node must see the verdict too
+        (acks_state(heartbeats=("a", "b", "d"), waiting=("d",)), {"a", "b"}, set(), ["b", "d"]),
+        # a member gone from the state (no heartbeat, not a participant) has left
+        (acks_state(heartbeats=("a",)), {"a", "b"}, set(), []),
+        (acks_state(heartbeats=("a",), participants=("a", "b")), {"a", "b"}, set(), ["b"]),
+        (acks_state(acks=["a"]), {"a"}, set(), []),
+    ],
+)
+def test_unacknowledged(st, members, dead, pending):
+    assert job.unacknowledged(st, frozenset(members), "a", dead) == pending
+
+
+# ---------------------------------------------------------------- dumps and the job state
+
+
+@pytest.mark.parametrize("dump_id", [0, 1, 4])
+def test_request_dump_increments(dump_id):
+    before = RendezvousState(dump_id=dump_id, dump_by=rec(0, 1.0, "z").to_dict())
+    hung = FailureRecord(round=2, at=3.5, node="b", host="hb", rank=3, local_rank=1, pid=7, exitcode=-9,
+                         message="HUNG", hung=True)
+    after = job.request_dump(before, hung)
+    assert after.dump_id == dump_id + 1
+    assert FailureRecord.from_dict(after.dump_by) == hung
+    assert before.dump_id == dump_id and before.dump_by["node"] == "z"
+
+
+def test_request_dump_twice_is_two_requests():
+    once = job.request_dump(RendezvousState(), rec(0, 1.0, "a"))
+    assert job.request_dump(once, rec(0, 1.0, "a")).dump_id == 2
+
+
+SETTINGS = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4, exclude_after=3, exclude_cooldown=60.0)
+
+
+def test_job_state_reads_every_field():
+    hung = rec(2, 5.0, "c", rank=5)
+    st = RendezvousState(restarts=2, failure=A1.to_dict(), job_failed=True, closed=True, dump_id=3,
+                         dump_by=hung.to_dict(), blame=["b", "a"])
+    assert job.job_state(st, "a", 2, SETTINGS) == JobState(
+        restarts=2, failure=A1, failed=True, dump_id=3, dump_by=hung, blame=("b", "a"), node="a", others=2,
+        min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
+
+
+def test_job_state_of_a_fresh_state():
+    assert job.job_state(RendezvousState(), "x", 0, SETTINGS) == JobState(
+        restarts=0, failure=None, failed=False, dump_id=0, dump_by=None, blame=(), node="x", others=0,
+        min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
+
+
+@pytest.mark.parametrize("field", ["failure", "dump_by"])
+def test_job_state_refuses_a_corrupt_record(field):
+    st = RendezvousState(**{field: {"at": 1.0}})  # no round
+    with pytest.raises(RendezvousStateError, match="corrupt failure record"):
+        job.job_state(st, "a", 0, SETTINGS)
+
+
+# ---------------------------------------------------------------- decide: judge and next_step
+
+
+@pytest.mark.parametrize(
+    "codes, changes, new, failed, hung, expected",
+    [
+        # the job failed elsewhere: whatever happens here
+        ({0: None, 1: None}, 0, 0, True, (), Verdict.JOB_FAILED),
+        ({0: 1, 1: None}, 0, 0, True, (), Verdict.JOB_FAILED),
+        ({0: 0, 1: 0}, 0, 0, True, (), Verdict.JOB_FAILED),
+        ({0: None, 1: None}, 2, 1, True, (1,), Verdict.JOB_FAILED),
+        # a hung rank fails the group, even with newcomers or membership changes
+        ({0: None, 1: None}, 0, 0, False, (1,), Verdict.FAILED),
+        ({0: None, 1: None}, 3, 0, False, (0,), Verdict.FAILED),
+        ({0: 1, 1: None}, 0, 2, False, (1,), Verdict.FAILED),
+        ({0: 0, 1: None}, 0, 0, False, (1,), Verdict.FAILED),
+        # neither: the old verdicts
+        ({0: None, 1: None}, 0, 0, False, (), Verdict.RUNNING),
+        ({0: 1, 1: None}, 0, 2, False, (), Verdict.MEMBERSHIP_CHANGE),
+        ({0: 0, 1: 0}, 0, 0, False, (), Verdict.SUCCEEDED),
+    ],
+)
+def test_judge_job_failed_and_hung(codes, changes, new, failed, hung, expected):
+    assert judge(codes, changes, new, job_failed=failed, hung=list(hung)) is expected
+
+
+@pytest.mark.parametrize(
+    "verdict, used, budget, fixable, expected",
+    [
+        (Verdict.JOB_FAILED, 0, 5, True, Step.FINISH_FAILED),  # budget left: the job failed anyway
+        (Verdict.JOB_FAILED, 0, 0, True, Step.FINISH_FAILED),
+        (Verdict.JOB_FAILED, 0, 5, False, Step.FINISH_FAILED),
+        (Verdict.FAILED, 0, 5, False, Step.FINISH_FAILED),  # no restart fixes it
+        (Verdict.FAILED, 0, 5, True, Step.RESTART),
+        (Verdict.FAILED, 5, 5, True, Step.FINISH_FAILED),
+        (Verdict.SUCCEEDED, 0, 0, False, Step.FINISH_OK),  # fixable only matters for a failure
+        (Verdict.MEMBERSHIP_CHANGE, 9, 0, False, Step.REJOIN),
+    ],
+)
+def test_next_step_job_failed_and_unfixable(verdict, used, budget, fixable, expected):
+    assert next_step(verdict, used, budget, fixable=fixable) is expected
+
+
+def test_next_step_rejects_running_even_unfixable():
+    with pytest.raises(ValueError, match="RUNNING"):
+        next_step(Verdict.RUNNING, 0, 1, fixable=False)
+
+
+# ---------------------------------------------------------------- decide: hung_ranks
+
+
+@pytest.mark.parametrize(
+    "progress, codes, timeout, expected",
+    [
+        ({0: (True, 5.0), 1: (True, 0.5)}, {0: None, 1: None}, 2.0, [0]),
+        ({0: (True, 5.0), 1: (True, 9.0)}, {0: None, 1: None}, 2.0, [0, 1]),
+        ({3: (True, 9.0), 1: (True, 9.0)}, {1: None, 3: None}, 2.0, [1, 3]),  # sorted
+        # never reported: not judged, however long
+        ({0: (False, 1e6), 1: (True, 3.0)}, {0: None, 1: None}, 2.0, [1]),
+        # exited ranks do not hang, whatever their exit code
+        ({0: (True, 5.0), 1: (True, 5.0)}, {0: 0, 1: -9}, 2.0, []),
+        ({0: (True, 5.0), 1: (True, 5.0)}, {0: 1, 1: None}, 2.0, [1]),
+        # strictly longer than the timeout
+        ({0: (True, 2.0)}, {0: None}, 2.0, []),
+        ({0: (True, 2.01)}, {0: None}, 2.0, [0]),
+        # 0 turns the watch off
+        ({0: (True, 1e6)}, {0: None}, 0.0, []),
+        ({0: (True, 1e6)}, {0: None}, -1.0, []),
+        ({}, {0: None}, 2.0, []),
+    ],
+)
+def test_hung_ranks(progress, codes, timeout, expected):
+    assert hung_ranks(progress, codes, timeout) == expected
+
+
+# ---------------------------------------------------------------- decide: sits_out
+
+
+@pytest.mark.parametrize(
+    "blame, node, exclude_after, others, min_nodes, expected",
+    [
+        (["a", "a"], "a", 2, 1, 1, True),
+        (["b", "a", "a"], "a", 2, 1, 1, True),  # the last two count
+        (["a", "a", "b"], "a", 2, 1, 1, False),  # the streak ended
+        (["a", "b", "a"], "a", 2, 1, 1, False),
+        (["a"], "a", 2, 1, 1, False),  # streak too short
+        ([], "a", 1, 1, 1, False),
+        (["a"], "a", 1, 1, 1, True),
+        (["a", "a"], "b", 2, 1, 1, False),  # someone else's streak
+        (["a", "a", "a"], "a", 3, 3, 3, True),
+        (["a", "a", "a"], "a", 0, 5, 1, False),  # 0: never exclude
+        # the others must still make min_nodes without this node
+        (["a", "a"], "a", 2, 1, 2, False),
+        (["a", "a"], "a", 2, 2, 2, True),
+        (["a", "a"], "a", 2, 0, 1, False),
+    ],
+)
+def test_sits_out(blame, node, exclude_after, others, min_nodes, expected):
+    assert sits_out(blame, node, exclude_after, others, min_nodes) is expected
+
+
+# ---------------------------------------------------------------- failures.py
+
+LOCAL = ProcessFailure(local_rank=1, global_rank=3, pid=4242, exitcode=-9, timestamp=100.0, hostname="node-b",
+                       error_file="/r/3/error.json", stderr_tail="last line")
+
+
+@pytest.mark.parametrize("hung", [False, True])
+def test_to_record(hung):
+    assert to_record(LOCAL, 2, "the text", 99.5, hung=hung) == FailureRecord(
+        round=2, at=99.5, node="", host="node-b", rank=3, local_rank=1, pid=4242, exitcode=-9,
+        message="the text", hung=hung)
+
+
+def test_from_record_is_a_remote_failure():
+    record = FailureRecord(round=2, at=99.5, node="n1", host="node-b", rank=3, local_rank=1, pid=4242,
+                           exitcode=-9, message="the text")
+    assert from_record(record) == ProcessFailure(local_rank=1, global_rank=3, pid=4242, exitcode=-9,
+                                                 timestamp=99.5, hostname="node-b", remote=True, detail="the text")
+
+
+def test_record_round_trip_through_the_state_json():
+    record = to_record(LOCAL, 2, "the text", 99.5, hung=True)
+    back = FailureRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+    assert back == record
+    again = from_record(back)
+    assert (again.global_rank, again.local_rank, again.pid, again.exitcode, again.hostname, again.detail) == (
+        3, 1, 4242, -9, "node-b", "the text")
+
+
+MINE = {3: LOCAL}
+
+
+@pytest.mark.parametrize(
+    "root, ranks, remote",
+    [
+        (FailureRecord(round=0, at=1.0, node="me", rank=0), [3], set()),  # our own root cause: nothing added
+        (FailureRecord(round=0, at=1.0, node="other", rank=3), [3], set()),  # already known here
+        (FailureRecord(round=0, at=1.0, node="other", rank=0, host="node-a"), [0, 3], {0}),
+        (FailureRecord(round=0, at=1.0, node="", rank=7), [3, 7], {7}),
+    ],
+)
+def test_with_root(root, ranks, remote):
+    out = with_root(MINE, root, "me")
+    assert sorted(out) == ranks
+    assert {r for r, f in out.items() if f.remote} == remote
+    assert out[3] is LOCAL
+    assert out is not MINE and sorted(MINE) == [3]
+
+
+def test_with_root_for_static_where_no_node_has_an_id():
+    # static/standalone: records are never published (node "" on both sides)
+    out = with_root(MINE, FailureRecord(round=0, at=1.0, node="", rank=9), "")
+    assert sorted(out) == [3]
+
+
+# ---------------------------------------------------------------- the state's new fields in JSON
+
+NEW_FIELDS = ("restarts", "failure", "job_failed", "dump_id", "dump_by", "blame", "failure_acks")
+
+
+def job_failed_state() -> RendezvousState:
+    return RendezvousState(round=4, complete=True, closed=True, participants={"a": 0, "b": 1},
+                           last_heartbeats={"a": 1.0, "b": 2.0}, restarts=3, failure=A1.to_dict(),
+                           job_failed=True, dump_id=2, dump_by=rec(3, 4.5, "b", rank=2).to_dict(),
+                           blame=["b", "a"], failure_acks=["b"])
+
+
+def test_state_round_trip_of_the_job_fields():
+    st = job_failed_state()
+    data = st.to_bytes()
+    doc = json.loads(data)
+    assert {k: doc[k] for k in NEW_FIELDS} == {
+        "restarts": 3, "failure": A1.to_dict(), "job_failed": True, "dump_id": 2,
+        "dump_by": rec(3, 4.5, "b", rank=2).to_dict(), "blame": ["b", "a"], "failure_acks": ["b"]}
+    back = RendezvousState.from_bytes(data)
+    assert back == st
+    assert back.to_bytes() == data
+
+
+def test_an_old_state_without_the_job_fields_decodes_with_defaults():
+    doc = json.loads(job_failed_state().to_bytes())
+    for k in NEW_FIELDS:
+        del doc[k]
+    back = RendezvousState.from_bytes(json.dumps(doc))
+    assert (back.restarts, back.failure, back.job_failed, back.dump_id, back.dump_by, back.blame,
+            back.failure_acks) == (0, None, False, 0, None, [], [])
+    assert back.participants == {"a": 0, "b": 1} and back.closed is True
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("restarts", "1"), ("restarts", True), ("failure", ["x"]), ("job_failed", 1), ("dump_id", 1.5),
+    ("dump_by", "x"), ("blame", "ab"), ("failure_acks", {"a": 1}),
+])
+def test_job_fields_of_the_wrong_type_are_refused(field, bad):
+    doc = json.loads(RendezvousState().to_bytes())
+    doc[field] = bad
+    with pytest.raises(RendezvousStateError, match="corrupt rendezvous state"):
+        RendezvousState.from_bytes(json.dumps(doc))
+
+
+def test_copy_does_not_share_the_job_fields():
+    st = job_failed_state()
+    c = st.copy()
+    c.failure["round"] = 99
+    c.dump_by["rank"] = 99
+    c.blame.append("z")
+    c.failure_acks.append("z")
+    assert st == job_failed_state()
+
+
+# ---------------------------------------------------------------- the summary's root cause
+
+
+def pf(rank: int, t: float, remote: bool = False, detail: str = "") -> ProcessFailure:
+    return ProcessFailure(local_rank=rank % 2, global_rank=rank, pid=100 + rank, exitcode=1, timestamp=t,
+                          hostname=f"h{rank}", remote=remote, detail=detail)
+
+
+FOUR = {0: pf(0, 40.0), 1: pf(1, 10.0), 2: pf(2, 30.0), 3: pf(3, 20.0)}
+
+
+@pytest.mark.parametrize(
+    "first, order",
+    [
+        (None, [1, 3, 2, 0]),  # by time
+        (1, [1, 3, 2, 0]),
+        (0, [0, 1, 3, 2]),  # the job's root cause first, the others by time
+        (2, [2, 1, 3, 0]),
+        (9, [1, 3, 2, 0]),  # not among the failures: by time
+    ],
+)
+def test_summary_first_puts_the_jobs_root_cause_first(first, order):
+    text = format_failure_summary(FOUR, title="t FAILED", first=first)
+    assert [int(m) for m in re.findall(r"^  rank      : (\d+) ", text, re.M)] == order
+    root = text.split("Root Cause (first observed failure):\n", 1)[1].split("\nOther Failures:\n", 1)[0]
+    assert root.startswith(f"[0]:\n  time      : ")
+    assert f"  rank      : {order[0]} (local_rank: {order[0] % 2})" in root
+
+
+def test_summary_marks_a_remote_root_cause():
+    failures = {0: pf(0, 5.0), 3: pf(3, 9.0, remote=True, detail="Traceback: ValueError: bad batch")}
+    text = format_failure_summary(failures, title="t FAILED", first=3)
+    lines = text.split("\n")
+    assert lines[lines.index("Root Cause (first observed failure):") + 3] == "  host      : h3" + REMOTE
+    assert "  traceback : Traceback: ValueError: bad batch" in text
+    assert "  host      : h0\n" in text  # the local one is not marked
+    assert text.count(REMOTE) == 1
+
+
+@pytest.mark.parametrize(
+    "failure, text",
+    [
+        (pf(0, 1.0, detail="remote text"), "remote text"),
+        (ProcessFailure(0, 0, 42, -9, 1.0, detail="HUNG: no progress", stderr_tail="a\nb"),
+         "HUNG: no progress\n  stderr tail (last 2 lines of the worker's stderr):\n    a\n    b"),
+        (ProcessFailure(0, 0, 42, -9, 1.0), "Signal 9 (SIGKILL) received by PID 42"),
+    ],
+)
+def test_failure_text(failure, text):
+    assert failure_text(failure) == text
