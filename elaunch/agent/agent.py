@@ -17,9 +17,10 @@ import socket
 import time
 from collections.abc import Mapping
 
-from elaunch.agent.decide import Step, Verdict, judge, next_step, sits_out
-from elaunch.agent.failures import from_record, to_record, with_root
+from elaunch.agent.decide import Step, Verdict, judge
+from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
 from elaunch.agent.hangs import HangWatch
+from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
@@ -99,7 +100,7 @@ class ElasticAgent:
         self._procs: WorkerProcesses | None = None
         self._group: WorkerGroup | None = None
         self._attempt_logs: AttemptLogs | None = None
-        self._job = JobState()  # the job's shared facts as last read (static: stays empty)
+        self._job = JobView(rdzv, spec.max_restarts)
         self._hang_timeout = hang_timeout
         self._hangs: HangWatch | None = None
         self._hung: dict[int, ProcessFailure] = {}  # this attempt's hung workers, by global rank
@@ -149,10 +150,12 @@ class ElasticAgent:
         procs = self._procs
         if procs is not None:
             procs.notify(sig)
-        log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", _signal_name(-sig))
+        log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
 
     def _start_file_timer(self) -> None:
         """torch's hang guard: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves ``FileTimerClient`` scopes."""
+        if not {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_TIMER_FILE"} & self._base_env.keys():
+            return  # the usual case: not even the module is loaded
         from elaunch.procs.filetimer import FILE_ENV, file_timer_env
 
         enabled, path = file_timer_env(self._base_env)
@@ -174,7 +177,8 @@ class ElasticAgent:
                 info = self._rdzv.next_rendezvous()
             except RendezvousJobFailedError as exc:
                 # JOINING -> FAILED: another node declared the job failed while we joined
-                return self._failed_elsewhere(exc.failure, restarts)
+                self._launcher.no_more_attempts()
+                return self._job.failed_elsewhere(exc.failure, restarts)
             except RendezvousClosedError:
                 if not sat_out:
                     raise
@@ -206,68 +210,33 @@ class ElasticAgent:
             if verdict is Verdict.JOB_FAILED:
                 # HEALTHY -> FAILED: the job failed on another node; it published the root cause
                 group.state = WorkerState.FAILED
-                return self._failed_elsewhere(self._job.failure, restarts)
+                self._launcher.no_more_attempts()
+                return self._job.failed_elsewhere(self._job.state.failure, restarts)
             if verdict is Verdict.MEMBERSHIP_CHANGE:
                 # HEALTHY -> STOPPED: re-form with the new membership (not counted)
                 group.state = WorkerState.STOPPED
                 continue
             failures = {**self._failures(group, *exited), **self._hung}
-            step, restarts, root = self._count_failure(info.round, failures, restarts)
+            from elaunch.errors import root_cause
+
+            first = root_cause(failures)
+            record = local_record(first, info.round, hung=first.global_rank in self._hung)
+            step, restarts, root = self._job.count_failure(record, restarts)
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
                 self._launcher.no_more_attempts()
                 group.state = WorkerState.FAILED
-                return RunResult(WorkerState.FAILED, failures=with_root(failures, root, self._job.node),
+                return RunResult(WorkerState.FAILED, failures=with_root(failures, root, self._job.state.node),
                                  restarts=restarts, root_rank=root.rank)
             # HEALTHY -> STOPPED: restart after a failure (counted once for the job)
             group.state = WorkerState.STOPPED
             log.warning(
                 "worker group failed (rank %d on %s, exitcode %d%s); restart %d/%d",
                 root.rank, root.host, root.exitcode,
-                f" {_signal_name(root.exitcode)}" if root.exitcode < 0 else "",
+                f" {signal_name(root.exitcode)}" if root.exitcode < 0 else "",
                 restarts, self._spec.max_restarts,
             )
-            sat_out = self._sit_out_if_blamed()
-
-    def _count_failure(self, round: int, failures: dict[int, ProcessFailure],
-                       restarts: int) -> tuple[Step, int, FailureRecord]:
-        """Count this round's failure for the job; on a spent budget declare the job failed.
-
-        Returns:
-            (RESTART or FINISH_FAILED, the job's restarts after this failure, the job's root cause).
-        """
-        from elaunch.errors import failure_text, failure_time, root_cause
-
-        first = root_cause(failures)
-        record = to_record(first, round, failure_text(first), failure_time(first),
-                           hung=first.global_rank in self._hung)
-        job = self._rdzv.record_failure(record)
-        if job is not None:
-            self._job = job
-            if job.failed:  # declared failed by another node meanwhile
-                self._rdzv.acknowledge_failure()
-                root = job.failure or record
-                return Step.FINISH_FAILED, job.restarts, root
-            used = job.restarts - 1  # before this round's failure
-        else:
-            used = restarts  # no job state: this agent counts alone (static, standalone)
-        step = next_step(Verdict.FAILED, used, self._spec.max_restarts)
-        if step is Step.FINISH_FAILED:
-            root = self._rdzv.fail_job(record)
-            return step, used, root
-        root = job.failure if job is not None and job.failure is not None else record
-        return step, used + 1, root
-
-    def _failed_elsewhere(self, root: FailureRecord | None, restarts: int) -> RunResult:
-        """The job failed on another node: report its root cause (this node's workers are stopped)."""
-        self._launcher.no_more_attempts()
-        self._rdzv.acknowledge_failure()
-        if root is None:  # failed without a record: say so rather than invent one
-            root = FailureRecord(round=-1, at=time.time(), host="<unknown>", message="the job was declared failed")
-        log.info("the job failed on %s (rank %d, exitcode %d); this node's workers are stopped",
-                  root.host, root.rank, root.exitcode)
-        return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=restarts,
-                         root_rank=root.rank)
+            sat_out = self._job.sit_out_if_blamed()
 
     def _unstartable(self, info: RendezvousInfo, exc: OSError, restarts: int) -> RunResult:
         """The workers could not be started (e.g. no such program): the job fails at once."""
@@ -275,29 +244,10 @@ class ElasticAgent:
         failure = ProcessFailure(local_rank=0, global_rank=info.rank * self._spec.local_world_size, pid=-1,
                                  exitcode=1, timestamp=time.time(), hostname=self._hostname,
                                  detail=f"could not start the workers: {exc}")
-        record = to_record(failure, info.round, failure.detail, failure.timestamp)
-        root = self._rdzv.fail_job(record)
-        return RunResult(WorkerState.FAILED, failures=with_root({failure.global_rank: failure}, root, self._job.node),
+        root = self._job.fail(local_record(failure, info.round))
+        return RunResult(WorkerState.FAILED,
+                         failures=with_root({failure.global_rank: failure}, root, self._job.state.node),
                          restarts=restarts, root_rank=root.rank)
-
-    def _sit_out_if_blamed(self) -> bool:
-        """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so.
-
-        Returns:
-            True when this node sat out.
-        """
-        job = self._job
-        if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes):
-            return False
-        log.warning(
-            "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
-            "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
-            job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
-        )
-        self._rdzv.leave(rejoin=True)
-        time.sleep(job.exclude_cooldown)  # a handled signal still interrupts this
-        log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
-        return True
 
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec
@@ -355,7 +305,7 @@ class ElasticAgent:
         interval = self._spec.monitor_interval
         while True:
             codes = self._procs.poll()
-            job = self._read_job()
+            job = self._job.read()
             self._answer_dump_request(job)
             hung = self._hangs.hung(codes)
             verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
@@ -368,7 +318,7 @@ class ElasticAgent:
                 if verdict is Verdict.MEMBERSHIP_CHANGE:
                     log.warning(
                         "workers exited (%s) while %d new node(s) joined; re-forming the group"
-                        " (a scale-up, not counted as a restart)", _describe_exits(codes), new,
+                        " (a scale-up, not counted as a restart)", describe_exits(codes), new,
                     )
             elif verdict is Verdict.RUNNING:
                 waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
@@ -431,17 +381,6 @@ class ElasticAgent:
                 local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
                 timestamp=now, hostname=self._hostname, detail=detail)
 
-    def _read_job(self) -> JobState:
-        """The job's shared state from the monitor's read; the last one known when it cannot be read."""
-        try:
-            job = self._rdzv.job_state()
-        except RendezvousError as exc:
-            log.warning("could not read the job's state: %s", exc)
-            return self._job
-        if job is not None:
-            self._job = job
-        return self._job
-
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
         try:
@@ -450,73 +389,13 @@ class ElasticAgent:
             log.warning("could not check for new nodes after a worker failure: %s", exc)
             return 0
 
-    def _failures(
-        self, group: WorkerGroup, codes: dict[int, int | None], times: dict[int, float]
-    ) -> dict[int, ProcessFailure]:
-        from elaunch.errors import read_error_file, tail_file  # only on failure: keeps start-up light
-
-        out: dict[int, ProcessFailure] = {}
-        final = self._procs.poll()  # after the stop: what the survivors of the check became
-        for w in group.workers:
-            code = codes.get(w.local_rank)
-            error_file = self._attempt_logs.error_file[w.local_rank]
-            data = read_error_file(error_file)
-            if code is None or code == 0:
-                # Still running when the failure was seen. If it wrote an error file it
-                # failed on its own (often first: a peer then crashed on its closed
-                # socket before this one finished exiting), so it is reported too.
-                if not data or data.get("unreadable"):
-                    continue
-                code = final.get(w.local_rank) or 1
-            stderr_path = self._attempt_logs.stderr.get(w.local_rank)
-            out[w.global_rank] = ProcessFailure(
-                local_rank=w.local_rank,
-                global_rank=w.global_rank,
-                pid=w.pid or -1,
-                exitcode=code,
-                timestamp=times.get(w.local_rank, time.time()),
-                hostname=self._hostname,
-                error_file=error_file,
-                error_data=data,
-                stderr_tail=tail_file(stderr_path) if data is None or data.get("unreadable") else "",
-                error_time=_mtime(error_file) if data else None,
-            )
-        return out
+    def _failures(self, group: WorkerGroup, codes: dict[int, int | None],
+                  times: dict[int, float]) -> dict[int, ProcessFailure]:
+        return collect_failures(group.workers, codes, times, self._procs.poll(), self._attempt_logs,
+                                self._hostname)
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
         if self._procs is None:
             return
         self._procs.stop(sig, self._shutdown_timeout if grace is None else grace)
         self._procs.close()
-
-
-def _mtime(path: str) -> float | None:
-    """Return ``path``'s modification time in seconds (float), None if it is gone."""
-    try:
-        return os.stat(path).st_mtime_ns / 1e9
-    except OSError:
-        return None
-
-
-def _signal_name(exitcode: int) -> str:
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
-def _describe_exits(codes: Mapping[int, int | None]) -> str:
-    """``"local rank 0: exitcode 1, local rank 1: SIGTERM"`` for the workers that failed."""
-    parts = []
-    for lr, code in sorted(codes.items()):
-        if code is None or code == 0:
-            continue
-        if code < 0:
-            try:
-                what = signal.Signals(-code).name
-            except ValueError:
-                what = f"signal {-code}"
-        else:
-            what = f"exitcode {code}"
-        parts.append(f"local rank {lr}: {what}")
-    return ", ".join(parts)

@@ -1,0 +1,122 @@
+"""The agent's view of the whole job through the rendezvous (job-wide supervision).
+
+What one agent learns that ends or restarts the job goes through the rendezvous,
+where every agent's monitor already looks: the job's restart count (one per failed
+round, whichever node saw it), the verdict that the job failed with its root
+cause, and the bad-node exclusion. :class:`JobView` applies the pure decisions of
+``decide.py`` to the rendezvous handler; backends without job state (static,
+standalone) make it count alone, as torchrun's agent does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from elaunch.agent.decide import Step, Verdict, next_step, sits_out
+from elaunch.agent.failures import from_record, to_record
+from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
+from elaunch.spec import ProcessFailure, RunResult, WorkerState
+
+log = logging.getLogger("elaunch.agent")
+
+
+class JobView:
+    """Reads and writes the job's shared facts for one agent.
+
+    Args:
+        rdzv: the rendezvous handler.
+        max_restarts: ``--max-restarts``, the job's budget of failure restarts.
+        sleep: sleeps a number of seconds (the exclusion cooldown; injectable for tests).
+
+    Attributes:
+        state: the job's facts as last read (empty until a backend with job state answers).
+    """
+
+    def __init__(self, rdzv: RendezvousHandler, max_restarts: int, sleep=time.sleep) -> None:
+        self._rdzv = rdzv
+        self._max_restarts = max_restarts
+        self._sleep = sleep
+        self.state = JobState()
+
+    def read(self) -> JobState:
+        """The job's facts from the monitor's read; the last ones known when it cannot be read."""
+        try:
+            job = self._rdzv.job_state()
+        except RendezvousError as exc:
+            log.warning("could not read the job's state: %s", exc)
+            return self.state
+        if job is not None:
+            self.state = job
+        return self.state
+
+    def count_failure(self, record: FailureRecord, restarts: int) -> tuple[Step, int, FailureRecord]:
+        """Count a failed round for the job; on a spent budget declare the job failed.
+
+        Args:
+            record: the round's root cause as this node saw it.
+            restarts: the restarts this agent knows of (used where the backend keeps no count).
+
+        Returns:
+            (RESTART or FINISH_FAILED, the job's restarts after it, the job's root cause).
+
+        Raises:
+            RendezvousError: the rendezvous could not be written.
+        """
+        job = self._rdzv.record_failure(record)
+        if job is not None:
+            self.state = job
+            if job.failed:  # declared failed by another node meanwhile
+                self._rdzv.acknowledge_failure()
+                return Step.FINISH_FAILED, job.restarts, job.failure or record
+            used = job.restarts - 1  # before this round's failure
+        else:
+            used = restarts  # no job state: this agent counts alone (static, standalone)
+        step = next_step(Verdict.FAILED, used, self._max_restarts)
+        if step is Step.FINISH_FAILED:
+            return step, used, self._rdzv.fail_job(record)
+        root = job.failure if job is not None and job.failure is not None else record
+        return step, used + 1, root
+
+    def fail(self, record: FailureRecord) -> FailureRecord:
+        """Declare the job failed at once (a failure no restart fixes); return the job's root cause."""
+        return self._rdzv.fail_job(record)
+
+    def failed_elsewhere(self, root: FailureRecord | None, restarts: int) -> RunResult:
+        """The job failed on another node: acknowledge it and report its root cause."""
+        self._rdzv.acknowledge_failure()
+        if root is None:  # failed without a record: say so rather than invent one
+            root = FailureRecord(round=-1, at=time.time(), host="<unknown>", message="the job was declared failed")
+        log.info("the job failed on %s (rank %d, exitcode %d); this node's workers are stopped",
+                 root.host, root.rank, root.exitcode)
+        return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=restarts,
+                         root_rank=root.rank)
+
+    def sit_out_if_blamed(self) -> bool:
+        """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so.
+
+        Leaves the round (the others re-form without this node) and sleeps; a
+        handled signal still interrupts the sleep.
+
+        Returns:
+            True when this node sat out.
+        """
+        job = self.state
+        if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes):
+            return False
+        log.warning(
+            "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
+            "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
+            job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
+        )
+        self._rdzv.leave(rejoin=True)
+        self._sleep(job.exclude_cooldown)
+        log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
+        return True
+
+
+def local_record(failure: ProcessFailure, round: int, hung: bool = False) -> FailureRecord:
+    """The record of this node's failure as the rendezvous carries it (text as in the summary)."""
+    from elaunch.errors import failure_text, failure_time
+
+    return to_record(failure, round, failure_text(failure), failure_time(failure), hung=hung)
