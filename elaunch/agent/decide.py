@@ -115,7 +115,8 @@ def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[i
                   if reported and quiet > hang_timeout and exit_codes.get(lr) is None)
 
 
-def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, min_nodes: int) -> bool:
+def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, min_nodes: int,
+             restarts: int | None = None, fresh_after: int = 0) -> bool:
     """Decide whether ``node`` sits out the next rounds (bad-node exclusion).
 
     Args:
@@ -124,12 +125,18 @@ def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, m
         exclude_after: failures in a row it must be the root cause of (0 = never exclude).
         others: live nodes of the job besides this one.
         min_nodes: the job's minimum number of nodes.
+        restarts: the job's counted failures so far (``blame[-1]`` is the latest of them),
+            or None to judge ``blame`` alone.
+        fresh_after: the job's count when this node last came back from sitting out;
+            only failures after it make a new streak.
 
     Returns:
-        True when the last ``exclude_after`` failures were all this node's and the
-        others still make ``min_nodes`` without it (Horovod's host blacklist and
-        NVIDIA's fault-tolerance launcher do the same).
+        True when the last ``exclude_after`` failures were all this node's (since it
+        last sat out) and the others still make ``min_nodes`` without it (Horovod's
+        host blacklist and NVIDIA's fault-tolerance launcher do the same).
     """
     if exclude_after <= 0 or len(blame) < exclude_after or others < min_nodes:
         return False
+    if restarts is not None and restarts - exclude_after < fresh_after:
+        return False  # part of the streak happened before this node last sat out
     return all(b == node for b in blame[-exclude_after:])

@@ -37,6 +37,7 @@ class JobView:
         self._rdzv = rdzv
         self._max_restarts = max_restarts
         self._sleep = sleep
+        self._fresh_after = 0  # the job's restarts when this node last came back from sitting out
         self.state = JobState()
 
     def read(self) -> JobState:
@@ -102,7 +103,8 @@ class JobView:
             True when this node sat out.
         """
         job = self.state
-        if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes):
+        if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes,
+                        job.restarts, self._fresh_after):
             return False
         log.warning(
             "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
@@ -111,6 +113,7 @@ class JobView:
         )
         self._rdzv.leave(rejoin=True)
         self._sleep(job.exclude_cooldown)
+        self._fresh_after = job.restarts  # a new streak starts from here
         log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
         return True
 

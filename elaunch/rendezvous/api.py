@@ -65,6 +65,15 @@ class RendezvousJobFailedError(RendezvousClosedError):
 MAX_FAILURE_MESSAGE = 4000
 
 
+def _clip(text: str) -> str:
+    """``text`` cut to :data:`MAX_FAILURE_MESSAGE` characters: its head (what it is) and tail (where)."""
+    if len(text) <= MAX_FAILURE_MESSAGE:
+        return text
+    head = MAX_FAILURE_MESSAGE // 4
+    cut = "\n[... cut ...]\n"
+    return text[:head] + cut + text[-(MAX_FAILURE_MESSAGE - head - len(cut)):]
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """One worker failure as published to every agent of the job through the rendezvous.
@@ -79,7 +88,7 @@ class FailureRecord:
         pid: its process id (-1 if unknown).
         exitcode: its exit status; negative for death by signal (``-signum``).
         message: the error file's traceback, or its stderr tail, or a description
-            (at most :data:`MAX_FAILURE_MESSAGE` characters).
+            (at most :data:`MAX_FAILURE_MESSAGE` characters are published: the head and the tail).
         hung: True when the worker was stopped for making no progress (``--hang-timeout``).
     """
 
@@ -98,7 +107,7 @@ class FailureRecord:
         """Return the record as a JSON-ready dict."""
         return {"round": self.round, "at": self.at, "node": self.node, "host": self.host, "rank": self.rank,
                 "local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
-                "message": self.message[-MAX_FAILURE_MESSAGE:], "hung": self.hung}
+                "message": _clip(self.message), "hung": self.hung}
 
     @classmethod
     def from_dict(cls, doc: dict) -> "FailureRecord":

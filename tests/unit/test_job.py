@@ -87,7 +87,8 @@ def test_count_failure_stores_the_whole_record():
                            message="x" * (MAX_FAILURE_MESSAGE + 10) + "END", hung=True)
     after = job.count_failure(state(), report)
     stored = FailureRecord.from_dict(after.failure)
-    assert stored.message == ("x" * (MAX_FAILURE_MESSAGE + 10) + "END")[-MAX_FAILURE_MESSAGE:]
+    assert len(stored.message) == MAX_FAILURE_MESSAGE and stored.message.endswith("END")
+    assert "[... cut ...]" in stored.message  # head and tail kept, the middle cut
     assert stored == FailureRecord(round=4, at=12.25, node="b", host="h2", rank=7, local_rank=3, pid=99,
                                    exitcode=-9, message=stored.message, hung=True)
 
@@ -488,3 +489,26 @@ def test_summary_marks_a_remote_root_cause():
 )
 def test_failure_text(failure, text):
     assert failure_text(failure) == text
+
+
+def test_a_long_hung_stack_keeps_its_hung_header_when_published():
+    from elaunch.agent.failures import from_record
+    from elaunch.rendezvous.api import FailureRecord
+    from elaunch.errors import format_failure_summary
+
+    text = "HUNG: no progress for 3.0 s\nstacks (py-spy):\n" + "\n".join(f"  frame {i} (x.py:{i})" for i in range(400))
+    doc = FailureRecord(round=0, at=1.0, rank=3, exitcode=-9, message=text, hung=True).to_dict()
+    assert len(doc["message"]) <= 4000
+    summary = format_failure_summary({3: from_record(FailureRecord.from_dict(doc))}, title="t FAILED")
+    assert "HUNG: no progress for 3.0 s" in summary and "frame 399 (x.py:399)" in summary
+
+
+@pytest.mark.parametrize("blame, restarts, fresh_after, expected", [
+    (["a", "a"], 2, 0, True),
+    (["a", "a", "a"], 3, 2, False),  # came back after 2: one failure since is no streak yet
+    (["a", "a", "a", "a"], 4, 2, True),  # two in a row since it came back
+])
+def test_a_streak_starts_afresh_after_sitting_out(blame, restarts, fresh_after, expected):
+    from elaunch.agent.decide import sits_out
+
+    assert sits_out(blame, "a", 2, 2, 2, restarts, fresh_after) is expected

@@ -373,11 +373,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousStateError: the stored state is corrupt.
         """
         state = self._read()
-        others = 0
-        if self._current is not None:
-            lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
-            others = max(0, len(self._members) - 1 - lost)
-        return job.job_state(state, self._node_id, others, self._settings)
+        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+
+    def _live_others(self, state: RendezvousState) -> int:
+        """Members of this node's round, besides itself, that ``state`` does not show as lost."""
+        if self._current is None:
+            return 0
+        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
+        return max(0, len(self._members) - 1 - lost)
 
     def _update_job(self, transform) -> RendezvousState:
         with self._lock:
@@ -394,8 +397,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         mine = dataclasses.replace(failure, node=self._node_id)
         state = self._update_job(lambda s: job.count_failure(s, mine))
-        others = max(0, len(self._members) - 1)
-        return job.job_state(state, self._node_id, others, self._settings)
+        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
 
     def fail_job(self, failure: FailureRecord) -> FailureRecord:
         """Declare the job failed and close the rendezvous; return the job's root cause.
