@@ -218,10 +218,11 @@ class Metric:
     Attributes:
         key: stable identifier (``scenario.metric``).
         label: what a reader sees in the table.
-        unit: ``s``, ``MiB``, ``s/min`` or ``ops``.
+        unit: ``s``, ``MiB``, ``s/min``, ``ops`` or ``bool`` (samples 1.0 = yes, 0.0 = no).
         values: launcher -> list of samples (None: that repeat did not complete).
         notes: launcher -> why samples are missing.
-        target: None, or ``{"kind": "ratio_le"|"abs_le"|"flat", "value": x, "text": str}``.
+        target: None, or ``{"kind": "ratio_le"|"abs_le"|"all_le"|"flat", "value": x, "text": str}``
+            (``abs_le`` judges the median, ``all_le`` every repeat).
     """
 
     key: str

@@ -22,6 +22,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value:.2f} s/min"
     if unit == "ops":
         return f"{value:g}"
+    if unit == "bool":
+        return "yes" if value else "no"
     return f"{value:.1f} {unit}"
 
 
@@ -34,6 +36,9 @@ def target_status(metric: dict[str, Any], by_key: dict[str, dict[str, Any]]) -> 
     kind, value = target["kind"], target["value"]
     if kind == "abs_le":
         return "met" if e <= value else "not met"
+    if kind == "all_le":  # every repeat, not the median: a missed repeat is a miss
+        samples = metric["values"]["elaunch"]
+        return "met" if samples and all(v is not None and v <= value for v in samples) else "not met"
     if kind == "ratio_le":
         t = metric["median"]["torchrun"]
         if t is None:  # torchrun did not complete: any completion beats it
@@ -45,8 +50,25 @@ def target_status(metric: dict[str, Any], by_key: dict[str, dict[str, Any]]) -> 
     return ""
 
 
+def _never(metric: dict[str, Any], which: str) -> bool:
+    """True when ``which`` never finished this metric (its note says "never (> T s)")."""
+    return metric["median"][which] is None and any(n.startswith("never") for n in metric["notes"][which])
+
+
+def _ratio(metric: dict[str, Any]) -> str:
+    if metric["ratio"] is not None:
+        return f"{metric['ratio']:.2f}×"
+    if _never(metric, "torchrun") and metric["median"]["elaunch"] is not None:
+        return "— (torchrun never)"
+    return "—"
+
+
 def _cell(metric: dict[str, Any], which: str) -> str:
     value = metric["median"][which]
+    if metric["unit"] == "bool" and value is not None:
+        done = [v for v in metric["values"][which] if v is not None]
+        yes = sum(1 for v in done if v)
+        return ("yes" if yes == len(done) else "no" if yes == 0 else "sometimes") + f" ({yes} of {len(done)})"
     if value is not None:
         n = len([v for v in metric["values"][which] if v is not None])
         missing = len(metric["values"][which]) - n
@@ -76,9 +98,10 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines += ["", "| scenario | elaunch | torchrun | ratio | target | met? |", "|---|---|---|---|---|---|"]
     for scenario in result["scenarios"]:
         for m in scenario["metrics"]:
-            ratio = f"{m['ratio']:.2f}×" if m["ratio"] is not None else "—"
+            ratio = _ratio(m)
             target = (m.get("target") or {}).get("text", "")
-            lines.append(f"| {m['label']} ({m['unit']}) | {_cell(m, 'elaunch')} | {_cell(m, 'torchrun')} | "
+            unit = "" if m["unit"] == "bool" else f" ({m['unit']})"
+            lines.append(f"| {m['label']}{unit} | {_cell(m, 'elaunch')} | {_cell(m, 'torchrun')} | "
                          f"{ratio} | {target} | {target_status(m, by_key)} |")
     return "\n".join(lines) + "\n"
 
@@ -117,9 +140,10 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
         vals = [m["median"][which] for m in timed]
         ax.barh([y + off for y in ys], [v if v is not None else 0 for v in vals], height=0.4,
                 color=colors[which], label=which)
-        for y, v in zip(ys, vals):
+        for y, v, m in zip(ys, vals, timed):
             if v is None:
-                ax.text(0.011, y + off, "did not complete", va="center", fontsize=7, color=colors[which])
+                what = "never" if _never(m, which) else "did not complete"
+                ax.text(0.011, y + off, what, va="center", fontsize=7, color=colors[which])
     ax.set_yticks(list(ys), [textwrap.fill(m["label"], 44) for m in timed], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
@@ -157,19 +181,56 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.report RESULTS.json [OUT_DIR]``: re-render md + png without re-running."""
-    import json
-    import sys
+def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
+    """Return ``base`` with the scenarios of each ``later`` result replacing or appended to its own.
 
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m benchmarks.report RESULTS.json [OUT_DIR (default docs/)]", file=sys.stderr)
-        return 2
-    result = json.loads(Path(args[0]).read_text())
-    out = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parents[1] / "docs"
+    The run facts stay ``base``'s; each later result adds a note naming its
+    scenarios, command, date, repeats and load average, so the table says which
+    rows come from which run.
+    """
+    out = {"meta": dict(base["meta"]), "scenarios": list(base["scenarios"])}
+    out["meta"]["notes"] = list(base["meta"].get("notes", []))
+    for extra in later:
+        names = [s["name"] for s in extra["scenarios"]]
+        out["scenarios"] = [s for s in out["scenarios"] if s["name"] not in names] + extra["scenarios"]
+        m = extra["meta"]
+        out["meta"]["notes"].append(
+            f"rows of {', '.join(names)}: from `{m['command']}` on {m['date']} "
+            f"({'quick' if m['quick'] else 'full'} mode, {m['repeat']} repeat(s), load average at its start "
+            f"{m['loadavg']}, {m['duration_s']:.0f} s), not from the run above")
+        out["meta"]["notes"].extend(f"{', '.join(names)}: {n}" for n in m.get("notes", []))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.report RESULTS.json [MORE.json ...] [OUT_DIR]``: re-render md + png without re-running.
+
+    With more than one results file, the later files' scenarios replace (or are
+    appended to) the first's, and the table names the run each came from
+    (:func:`merge`). ``--json PATH`` saves the merged results; ``--no-png`` keeps
+    the existing plot (and its link) as it is.
+    """
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", type=Path, help="RESULTS.json files, then optionally OUT_DIR (default docs/)")
+    p.add_argument("--json", type=Path, default=None, help="write the merged results here")
+    p.add_argument("--no-png", action="store_true", help="do not redraw benchmarks.png")
+    a = p.parse_args(argv)
+    files = [x for x in a.paths if x.suffix == ".json"]
+    dirs = [x for x in a.paths if x.suffix != ".json"]
+    if not files or len(dirs) > 1:
+        p.error("expected RESULTS.json [MORE.json ...] [OUT_DIR]")
+    result = merge(*(json.loads(f.read_text()) for f in files))
+    out = dirs[0] if dirs else Path(__file__).resolve().parents[1] / "docs"
     out.mkdir(parents=True, exist_ok=True)
-    has_png = write_png(result, out / "benchmarks.png")
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    if a.no_png:
+        has_png = (out / "benchmarks.png").exists()
+    else:
+        has_png = write_png(result, out / "benchmarks.png")
     write_markdown(result, out / "benchmarks.md", "benchmarks.png" if has_png else None)
     return 0
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.run [--quick] [--repeat N] [--only launch,restart,...] [--out-dir DIR]``.
+"""``python -m benchmarks.run [--quick] [--repeat N] [--only launch,restart,job_abort,...] [--out-dir DIR]``.
 
 Runs elaunch and torchrun side by side (interleaved, repeated), prints progress
 to stderr and writes ``benchmarks.md`` (the generated part only; hand-written
@@ -6,7 +6,7 @@ text around it is kept) and ``benchmarks.png`` into ``--out-dir`` (default
 docs/), plus the raw results as JSON (``--json``, default
 ``benchmarks/last_run.json``, or ``OUT_DIR/benchmarks.json`` with ``--out-dir``).
 
-A full run takes about 15 minutes on 2 cores; ``--quick`` about 2 minutes.
+A full run takes about 17 minutes on 2 cores; ``--quick`` about 2.5 minutes.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import rdzv_scale, report, scenarios
+from benchmarks import failures, rdzv_scale, report, scenarios
 from benchmarks.common import REPO, log_line
 
-SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "rdzv_scale", "overhead")
+SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "rdzv_scale", "overhead",
+             "job_abort", "hang")
 
 
 def _machine() -> str:
@@ -58,7 +59,7 @@ def _versions() -> tuple[str, str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes and short bounds (~2 min); proves the suite works")
+    p.add_argument("--quick", action="store_true", help="small sizes and short bounds (~2.5 min); proves the suite works")
     p.add_argument("--repeat", type=int, default=None, help="repeats per launcher and scenario (default 3, quick 1)")
     p.add_argument("--only", default=",".join(SCENARIOS),
                    help=f"comma-separated scenarios (default all): {','.join(SCENARIOS)}")
@@ -103,6 +104,7 @@ def run(a: argparse.Namespace) -> dict:
             scale_timeout=20.0 if a.quick else 30.0,
             overhead_seconds=2.0 if a.quick else 15.0,
             rdzv_sizes=a.rdzv_sizes, rdzv_timeout=30.0,
+            failure_bound=8.0 if a.quick else 20.0,
         )
         recs = []
         for name in a.only:
@@ -128,6 +130,10 @@ def run(a: argparse.Namespace) -> dict:
                 recs.append(rec)
             elif name == "overhead":
                 recs.append(scenarios.bench_overhead(cfg))
+            elif name == "job_abort":
+                recs.append(failures.bench_job_abort(cfg))
+            elif name == "hang":
+                recs.append(failures.bench_hang(cfg))
     cmd = "python -m benchmarks.run" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:]))
     return {
         "meta": {

@@ -3,7 +3,8 @@
 Each ``bench_*`` function runs both launchers interleaved (elaunch, torchrun,
 elaunch, torchrun, ...) ``cfg.repeat`` times and returns a :class:`Recorder`.
 A repeat that does not finish within its bound is recorded as None with a note
-("did not complete in T s"); once a launcher misses a bound, its later repeats
+("did not complete in T s", or "never (> T s)" when the launcher is not expected to
+finish at all: :class:`Never`); once a launcher misses a bound, its later repeats
 of that scenario are skipped (they would only cost the same T again).
 """
 
@@ -50,6 +51,8 @@ class BenchConfig:
         overhead_seconds: seconds the agent-overhead window lasts.
         rdzv_sizes: N values of the rendezvous-scale scenario.
         rdzv_timeout: seconds one rendezvous round of N agents may take.
+        failure_bound: seconds the failure scenarios (job-wide abort, hang) wait for
+            a launcher to stop before recording "never".
     """
 
     quick: bool
@@ -60,6 +63,7 @@ class BenchConfig:
     overhead_seconds: float
     rdzv_sizes: tuple[int, ...]
     rdzv_timeout: float
+    failure_bound: float = 20.0
 
     def scratch(self, name: str) -> Path:
         """Return a fresh, empty directory ``tmp/name``."""
@@ -67,6 +71,20 @@ class BenchConfig:
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
+
+
+class Never(DidNotComplete):
+    """The launcher did not stop within the bound: a "never (> T s)" result, not a slow one.
+
+    Args:
+        message: starts with ``never (> T s)``.
+        values: metric name -> value for the metrics this repeat did measure
+            (the others are recorded as None with ``message``).
+    """
+
+    def __init__(self, message: str, values: dict[str, float | None] | None = None) -> None:
+        super().__init__(message)
+        self.values = values or {}
 
 
 def _runs(cfg: BenchConfig, rec: Recorder, name: str):
@@ -95,13 +113,18 @@ def _drive(cfg: BenchConfig, rec: Recorder, name: str, once) -> Recorder:
                 for metric, value in once(which, log, out).items():
                     rec.add(metric, which, value)
             except Exception as exc:  # noqa: BLE001 - one failed repeat must not end the run
-                failed = isinstance(exc, DidNotComplete) and "did not complete" in str(exc)
+                failed = isinstance(exc, Never) or (isinstance(exc, DidNotComplete) and "did not complete" in str(exc))
+                measured = exc.values if isinstance(exc, Never) else {}
                 if not isinstance(exc, DidNotComplete):
                     exc = DidNotComplete(f"{type(exc).__name__}: {exc}")
                 tail = _tail(log)
                 log_line(f"{name}: {which}: {exc}{tail}")
                 for metric in list(rec.metrics):
-                    rec.add(metric.split(".", 1)[1], which, None, str(exc))
+                    short = metric.split(".", 1)[1]
+                    if measured.get(short) is not None:
+                        rec.add(short, which, measured[short])
+                    else:
+                        rec.add(short, which, None, str(exc))
             step = gen.send(failed)
     except StopIteration:
         pass

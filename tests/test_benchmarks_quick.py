@@ -20,7 +20,8 @@ from tests.helpers import kill_tree, launcher_env
 pytestmark = pytest.mark.slow
 
 LAUNCHERS = ("elaunch", "torchrun")
-#: (metric key, launchers that must have produced a number); torchrun never completes a scale-up.
+#: (metric key, launchers that must have produced a number); torchrun never completes a scale-up,
+#: never stops the healthy node of a job whose other node failed, and has no hang detection.
 REQUIRED = [
     ("launch.wall", LAUNCHERS), ("launch.cpu", LAUNCHERS), ("launch.rss", LAUNCHERS),
     ("restart.respawned", LAUNCHERS), ("restart.ready", LAUNCHERS),
@@ -31,7 +32,11 @@ REQUIRED = [
     ("rdzv_scale.seconds_4", LAUNCHERS), ("rdzv_scale.ops_4", LAUNCHERS),
     ("rdzv_scale.restart_seconds_4", LAUNCHERS), ("rdzv_scale.restart_ops_4", LAUNCHERS),
     ("overhead.cpu_per_min", LAUNCHERS), ("overhead.rss", LAUNCHERS),
+    ("job_abort.last_agent", ("elaunch",)), ("job_abort.first_agent", LAUNCHERS),
+    ("hang.total", ("elaunch",)), ("hang.overhead", ("elaunch",)), ("hang.stacks", LAUNCHERS),
 ]
+#: Metrics torchrun is expected never to finish: bounded (8 s in quick mode) and recorded as "never".
+NEVER = ("job_abort.last_agent", "hang.total", "hang.overhead")
 #: The etcd variant of rdzv_scale (elaunch etcd-v3 vs torchrun etcd-v2) at the quick run's sizes.
 ETCD_REQUIRED = [f"rdzv_scale.etcd_{k}_{n}" for n in (2, 4) for k in ("seconds", "ops", "ops_max")]
 #: The benchmark can run its etcd variant here: an etcd server binary and both Python clients.
@@ -72,6 +77,22 @@ def test_every_scenario_produced_numbers_for_both_launchers(quick_run):
     if result["meta"]["warm_start"]:
         assert "restart_warm.ready" in metrics
     assert result["meta"]["torch"] and result["meta"]["elaunch"] and result["meta"]["machine"]
+
+
+def test_failure_scenarios_say_never_for_a_launcher_that_does_not_stop(quick_run):
+    out, result, _stdout, _stderr = quick_run
+    metrics = {m["key"]: m for s in result["scenarios"] for m in s["metrics"]}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in (out / "benchmarks.md").read_text().splitlines()
+            if line.startswith("| ")}
+    for key in NEVER:
+        m = metrics[key]
+        if m["median"]["torchrun"] is not None:  # a torchrun that learned to stop: nothing to check
+            continue
+        assert m["notes"]["torchrun"][0].startswith("never (> 8 s)"), m["notes"]["torchrun"]
+        row = next(r for label, r in rows.items() if label.startswith(m["label"]))
+        assert "never (> 8 s)" in row and "torchrun never" in row, row
+    stacks = metrics["hang.stacks"]
+    assert all(v in (0.0, 1.0) for w in LAUNCHERS for v in stacks["values"][w]), stacks["values"]
 
 
 def test_etcd_variant_produced_numbers_or_says_why_not(quick_run):
