@@ -17,9 +17,9 @@ import socket
 import time
 from collections.abc import Mapping
 
-from elaunch.agent.decide import Step, Verdict, judge
+from elaunch.agent.decide import Step, Verdict, judge, order_hung
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
-from elaunch.agent.hangs import HangWatch
+from elaunch.agent.hangs import HangWatch, waits_on_peer
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
@@ -104,6 +104,7 @@ class ElasticAgent:
         self._hang_timeout = hang_timeout
         self._hangs: HangWatch | None = None
         self._hung: dict[int, ProcessFailure] = {}  # this attempt's hung workers, by global rank
+        self._hang_culprit: int | None = None  # the global rank the other hung ones wait behind
         self._dumps_seen: int | None = None  # the job's stack-dump requests answered (None: not read yet)
         self._round = -1
         self._file_timer = None
@@ -219,7 +220,7 @@ class ElasticAgent:
             failures = {**self._failures(group, *exited), **self._hung}
             from elaunch.errors import root_cause
 
-            first = root_cause(failures)
+            first = failures.get(self._hang_culprit) or root_cause(failures)
             record = local_record(first, info.round, hung=first.global_rank in self._hung)
             step, restarts, root = self._job.count_failure(record, restarts)
             if step is Step.FINISH_FAILED:
@@ -273,7 +274,7 @@ class ElasticAgent:
                         **self._hangs.env(lr)}
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
         self._hangs.new_attempt()
-        self._hung, self._dumps_seen, self._round = {}, None, info.round
+        self._hung, self._hang_culprit, self._dumps_seen, self._round = {}, None, None, info.round
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
@@ -308,6 +309,9 @@ class ElasticAgent:
             job = self._job.read()
             self._answer_dump_request(job)
             hung = self._hangs.hung(codes)
+            if hung and self._recorded_an_error(hung):
+                # HEALTHY -> FAILED: quiet because it is failing (it raised and is still exiting), not hung
+                return Verdict.FAILED
             verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
             if hung and verdict is Verdict.FAILED:
                 self._on_hang(hung)
@@ -353,33 +357,52 @@ class ElasticAgent:
         _dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
         log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
 
+    def _recorded_an_error(self, local_ranks: list[int]) -> bool:
+        """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
+        files = self._attempt_logs.error_file
+        return any(files.get(lr) and os.path.exists(files[lr]) for lr in local_ranks)
+
     def _on_hang(self, hung: list[int]) -> None:
-        """Hung workers: ask every node for stacks, dump ours, kill the hung ones (a failure of theirs)."""
+        """Hung workers: ask every node for stacks, dump ours, kill the hung ones (a failure of theirs).
+
+        The root cause is the rank the others are blocked behind (``decide.order_hung``):
+        a peer stuck in the same collective goes quiet at the same moment.
+        """
         group, now = self._group, time.time()
         by_lr = {w.local_rank: w for w in group.workers}
+        quiet = {lr: self._hangs.quiet_for(lr) for lr in hung}
         first = by_lr[hung[0]]
-        quiet = self._hangs.quiet_for(hung[0])
-        why = (f"HUNG: rank {first.global_rank} (local rank {hung[0]}) made no progress for {quiet:.1f} s "
-               f"(--hang-timeout={self._hang_timeout:g})")
-        log.error("%s; dumping the stacks of every worker of the job", why)
-        record = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
-                               local_rank=hung[0], pid=first.pid or -1, exitcode=-signal.SIGKILL,
-                               message=why, hung=True)
+        asked = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
+                              local_rank=hung[0], pid=first.pid or -1, exitcode=-signal.SIGKILL,
+                              message=f"HUNG: no progress for {quiet[hung[0]]:.1f} s", hung=True)
+        log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
+                  "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
         try:
-            self._rdzv.request_stack_dump(record)  # first: the other nodes dump while ours is taken
+            self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
         except RendezvousError as exc:
             log.warning("could not ask the other nodes for their stacks: %s", exc)
-        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang", why)
+        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang",
+                                       f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
+                                       f"{self._hang_timeout:g})")
         self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
-        for lr in hung:
+        order = order_hung(hung, {lr: self._hangs.counter(lr) for lr in hung}, quiet,
+                           {lr: waits_on_peer(d.text) for lr, d in dumps.items()})
+        culprit = by_lr[order[0]]
+        log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s; stacks in %s",
+                  culprit.global_rank, order[0], quiet[order[0]],
+                  "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")
+        for idx, lr in enumerate(order):
             w = by_lr[lr]
             d = dumps.get(lr)
             stacks = f"stacks ({d.method}{': ' + d.reason if d.reason else ''}):\n{d.text.rstrip()}" if d else ""
-            detail = (f"HUNG: no progress for {self._hangs.quiet_for(lr):.1f} s (--hang-timeout="
-                      f"{self._hang_timeout:g}); killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
+            role = "" if idx == 0 else f" (blocked behind rank {culprit.global_rank})"
+            detail = (f"HUNG{role}: no progress for {quiet[lr]:.1f} s (--hang-timeout={self._hang_timeout:g}); "
+                      f"killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
+            # went quiet at now - quiet; the culprit first among equals
             self._hung[w.global_rank] = ProcessFailure(
                 local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
-                timestamp=now, hostname=self._hostname, detail=detail)
+                timestamp=now - quiet[lr] + idx * 1e-3, hostname=self._hostname, detail=detail)
+        self._hang_culprit = culprit.global_rank
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""

@@ -140,3 +140,24 @@ def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, m
     if restarts is not None and restarts - exclude_after < fresh_after:
         return False  # part of the streak happened before this node last sat out
     return all(b == node for b in blame[-exclude_after:])
+
+
+def order_hung(hung: Sequence[int], counters: Mapping[int, int], quiet: Mapping[int, float],
+               waits_on_peer: Mapping[int, bool]) -> list[int]:
+    """Order hung local ranks culprit first: the one the others are blocked behind.
+
+    A rank stuck in a collective (its stack is inside ``torch.distributed``) is
+    usually waiting for a peer that stopped; every such peer goes quiet at about
+    the same moment, so the time alone cannot tell them apart.
+
+    Args:
+        hung: the hung local ranks.
+        counters: local rank -> its progress counter (a rank behind the others is
+            the likelier culprit).
+        quiet: local rank -> seconds since its last progress.
+        waits_on_peer: local rank -> its stack shows it inside a collective.
+
+    Returns:
+        ``hung`` sorted by: lowest counter, not waiting on a peer, longest quiet, rank.
+    """
+    return sorted(hung, key=lambda lr: (counters.get(lr, 0), bool(waits_on_peer.get(lr)), -quiet.get(lr, 0.0), lr))

@@ -69,6 +69,13 @@ class HangWatch:
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
         return hung_ranks(progress, exit_codes, self.hang_timeout)
 
+    def counter(self, local_rank: int) -> int:
+        """``local_rank``'s progress counter as last read (0 when unknown)."""
+        if self._watch is None:
+            return 0
+        row = self._watch.table().get(local_rank)
+        return row.counter if row is not None else 0
+
     def quiet_for(self, local_rank: int) -> float:
         """Seconds since ``local_rank`` last made progress (0 when unknown)."""
         if self._watch is None:
@@ -108,6 +115,16 @@ class HangWatch:
         """Remove the progress files. Idempotent."""
         if self._files is not None:
             self._files.close()
+
+
+#: Frames that show a worker blocked in a collective, waiting for its peers (py-spy and
+#: faulthandler both print the file path).
+_COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\")
+
+
+def waits_on_peer(stack_text: str) -> bool:
+    """True when a dumped stack shows the worker inside ``torch.distributed`` (a collective, a barrier)."""
+    return any(marker in stack_text for marker in _COLLECTIVE_MARKERS)
 
 
 def format_dumps(dumps: Mapping, pids: Mapping[int, int]) -> str:

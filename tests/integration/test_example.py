@@ -180,7 +180,7 @@ def test_sigterm_to_a_worker_saves_stops_and_the_restart_resumes_from_that_step(
     job.worker(1).send_signal(signal.SIGTERM)
     saved = job.wait_line(r"preemption notice \(SIGTERM\): checkpoint saved at epoch (\d) step (\d+)$", timeout=30)
     assert job.finish(timeout=90) == 0, job.stderr()[-3000:]
-    failed = re.search(r"worker group failed \(rank \d exitcode -15\b[^)]*\); restart 1/1", job.stderr())
+    failed = re.search(r"worker group failed \(rank \d on \S+, exitcode -15\b[^)]*\); restart 1/1", job.stderr())
     assert failed, job.stderr()[-3000:]
     out = "\n".join(job.lines)
     resume = f"at epoch {saved[1]} step {saved[2]}" if saved[2] != "0" else f"after epoch {int(saved[1]) - 1}"

@@ -109,7 +109,7 @@ def test_max_restarts_is_a_budget_for_the_whole_job(endpoint, tmp_path):
         assert "rank      : 0 (local_rank: 0)" in root, err[-3000:]
 
 
-@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+@pytest.mark.parametrize("endpoint", BACKENDS, indirect=True)
 def test_a_hung_rank_is_found_its_stacks_dumped_on_every_node_and_the_job_stopped(endpoint, tmp_path):
     # global rank 3 reports progress once, then hangs; the others block without ever reporting
     logs = [tmp_path / "logs0", tmp_path / "logs1"]
@@ -161,25 +161,28 @@ def test_a_forwarded_notice_reaches_every_worker_and_the_job_keeps_running(tmp_p
     assert "forwarded to the workers" in err
 
 
-@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+@pytest.mark.parametrize("endpoint", BACKENDS, indirect=True)
 def test_an_agent_stopped_by_a_signal_leaves_and_the_others_go_on(endpoint, tmp_path):
     # 2 nodes of --nnodes=1:2; SIGTERM to one agent: the other re-forms alone (not a failure)
     backend, ep = endpoint
     script = [str(SCRIPTS / "env_dump.py"), str(tmp_path), "--wait-for", str(tmp_path / "release")]
+    conf = CONF if backend == "c10d" else CONF + ",read_timeout=20"
     agents = [start("elaunch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-backend={backend}",
-                    f"--rdzv-endpoint={ep}", "--rdzv-id=leave", f"--rdzv-conf={CONF}", "--local-addr=127.0.0.1",
-                    "--monitor-interval=0.1", *script) for _ in range(2)]
+                    f"--rdzv-endpoint={ep}", f"--rdzv-id=leave-{backend}", f"--rdzv-conf={conf}",
+                    "--local-addr=127.0.0.1", "--monitor-interval=0.1", *script) for _ in range(2)]
     try:
         wait_for(lambda: len(list(tmp_path.glob("env_*.json"))) >= 2, 60, what="a world of two")
         sizes = {p.name: json.loads(p.read_text())["env"]["WORLD_SIZE"] for p in tmp_path.glob("env_*.json")}
         assert set(sizes.values()) == {"2"}, sizes
         for p in tmp_path.glob("env_*.json"):
             p.unlink()
-        # stop the agent that does not host the store (whichever bound the endpoint first hosts it)
-        port = int(ep.rsplit(":", 1)[1])
-        host = next(a for a in agents if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                             for c in psutil.Process(a.pid).net_connections("tcp")))
-        victim, survivor = (agents[1], agents[0]) if host is agents[0] else (agents[0], agents[1])
+        victim, survivor = agents[1], agents[0]
+        if backend == "c10d":
+            # stop the agent that does not host the store (whichever bound the endpoint first hosts it)
+            port = int(ep.rsplit(":", 1)[1])
+            host = next(a for a in agents if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                                 for c in psutil.Process(a.pid).net_connections("tcp")))
+            victim, survivor = (agents[1], agents[0]) if host is agents[0] else (agents[0], agents[1])
         victim.send_signal(signal.SIGTERM)
         _out, err = victim.communicate(timeout=60)
         assert victim.returncode == 128 + signal.SIGTERM, err
@@ -209,25 +212,28 @@ BAD_NODE = (
 )
 
 
-def test_a_node_that_causes_failures_in_a_row_sits_out_and_the_others_go_on(tmp_path):
+@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+def test_a_node_that_causes_failures_in_a_row_sits_out_and_the_others_go_on(endpoint, tmp_path):
     script = tmp_path / "bad_node.py"
     script.write_text(BAD_NODE)
-    port = free_port()
-    conf = CONF + ",exclude_after=2,exclude_cooldown=4"
+    backend, ep = endpoint
+    conf = CONF + ",exclude_after=2,exclude_cooldown=4" + ("" if backend == "c10d" else ",read_timeout=20")
     env_bad = launcher_env(BAD_NODE="1")
+
     def agent(env=None):
-        return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=exclude", f"--rdzv-conf={conf}",
+        return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", f"--rdzv-backend={backend}",
+                     f"--rdzv-endpoint={ep}", f"--rdzv-id=exclude-{backend}", f"--rdzv-conf={conf}",
                      "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=5", str(script),
                      str(tmp_path), env=env)
 
-    # the bad node hosts the c10d store, so it can still read that the job finished when it rejoins
     bad = agent(env_bad)
-    try:
-        wait_for(lambda: port_open(port), 60, what="the store host listening")
-    except BaseException:
-        kill_tree(bad.pid)
-        raise
+    if backend == "c10d":
+        # the bad node hosts the c10d store, so it can still read that the job finished when it rejoins
+        try:
+            wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="the store host listening")
+        except BaseException:
+            kill_tree(bad.pid)
+            raise
     results = _finish([agent(), agent(), bad])
     (bad_code, bad_err, _), good = results[2], results[:2]
     assert [code for code, _, _ in good] == [0, 0], [err[-3000:] for _, err, _ in good]

@@ -512,3 +512,22 @@ def test_a_streak_starts_afresh_after_sitting_out(blame, restarts, fresh_after, 
     from elaunch.agent.decide import sits_out
 
     assert sits_out(blame, "a", 2, 2, 2, restarts, fresh_after) is expected
+
+
+@pytest.mark.parametrize("hung, counters, quiet, waits, expected", [
+    ([0, 1], {0: 5, 1: 5}, {0: 3.0, 1: 3.0}, {0: True, 1: False}, [1, 0]),  # rank 0 waits in a collective
+    ([0, 1], {0: 6, 1: 5}, {0: 3.0, 1: 3.0}, {0: False, 1: False}, [1, 0]),  # rank 1 is a step behind
+    ([0, 1], {0: 5, 1: 5}, {0: 3.0, 1: 4.0}, {}, [1, 0]),  # quiet longer
+    ([1, 0], {0: 5, 1: 5}, {0: 3.0, 1: 3.0}, {}, [0, 1]),  # a tie: the lower rank
+])
+def test_order_hung_puts_the_rank_the_others_wait_behind_first(hung, counters, quiet, waits, expected):
+    from elaunch.agent.decide import order_hung
+
+    assert order_hung(hung, counters, quiet, waits) == expected
+
+
+def test_waits_on_peer_reads_a_collective_in_the_stack():
+    from elaunch.agent.hangs import waits_on_peer
+
+    assert waits_on_peer("Thread 1 (idle)\n    all_reduce (torch/distributed/distributed_c10d.py:2501)\n")
+    assert not waits_on_peer("Thread 1 (idle)\n    hang_forever (ddp_digits.py:120)\n")
