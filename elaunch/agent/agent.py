@@ -105,6 +105,7 @@ class ElasticAgent:
         self._hangs: HangWatch | None = None
         self._hung: dict[int, ProcessFailure] = {}  # this attempt's hung workers, by global rank
         self._hang_culprit: int | None = None  # the global rank the other hung ones wait behind
+        self._hang_blocked = False  # that rank itself looked blocked behind a peer on another node
         self._dumps_seen: int | None = None  # the job's stack-dump requests answered (None: not read yet)
         self._round = -1
         self._file_timer = None
@@ -173,6 +174,7 @@ class ElasticAgent:
         restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)
         attempt = 0
         sat_out = False  # this node just sat out a cooldown (bad-node exclusion)
+        announce: tuple[int, FailureRecord, int] | None = None  # a restart to log once the next round formed
         while True:
             try:
                 info = self._rdzv.next_rendezvous()
@@ -187,6 +189,11 @@ class ElasticAgent:
                 log.warning("the job finished while this node sat out; nothing left to run")
                 return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
             sat_out = False
+            if announce is not None:
+                # every node of the failed round recorded its report before this round formed:
+                # the root cause read now is the job's final one, the same on every node
+                self._announce_restart(*announce)
+                announce = None
             if info.restart_count is not None:
                 restarts = info.restart_count
             try:
@@ -221,7 +228,8 @@ class ElasticAgent:
             from elaunch.errors import root_cause
 
             first = failures.get(self._hang_culprit) or root_cause(failures)
-            record = local_record(first, info.round, hung=first.global_rank in self._hung)
+            record = local_record(first, info.round, hung=first.global_rank in self._hung,
+                                  blocked=first.global_rank == self._hang_culprit and self._hang_blocked)
             step, restarts, root = self._job.count_failure(record, restarts)
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
@@ -231,13 +239,21 @@ class ElasticAgent:
                                  restarts=restarts, root_rank=root.rank)
             # HEALTHY -> STOPPED: restart after a failure (counted once for the job)
             group.state = WorkerState.STOPPED
-            log.warning(
-                "worker group failed (rank %d on %s, exitcode %d%s); restart %d/%d",
-                root.rank, root.host, root.exitcode,
-                f" {signal_name(root.exitcode)}" if root.exitcode < 0 else "",
-                restarts, self._spec.max_restarts,
-            )
+            announce = (info.round, root, restarts)
+            if not self._job.state.node:  # no job state: this agent alone knows the root cause
+                self._announce_restart(*announce)
+                announce = None
             sat_out = self._job.sit_out_if_blamed()
+
+    def _announce_restart(self, round: int, root: FailureRecord, restarts: int) -> None:
+        """Log a counted restart with the job's root cause of ``round`` (as the rendezvous has it now)."""
+        final = self._job.root_of(round)
+        root = final if final is not None else root
+        log.warning(
+            "worker group failed (rank %d on %s, exitcode %d%s); restart %d/%d",
+            root.rank, root.host, root.exitcode, f" {signal_name(root.exitcode)}" if root.exitcode < 0 else "",
+            restarts, self._spec.max_restarts,
+        )
 
     def _unstartable(self, info: RendezvousInfo, exc: OSError, restarts: int) -> RunResult:
         """The workers could not be started (e.g. no such program): the job fails at once."""
@@ -274,7 +290,8 @@ class ElasticAgent:
                         **self._hangs.env(lr)}
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
         self._hangs.new_attempt()
-        self._hung, self._hang_culprit, self._dumps_seen, self._round = {}, None, None, info.round
+        self._hung, self._hang_culprit, self._hang_blocked = {}, None, False
+        self._dumps_seen, self._round = None, info.round
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
@@ -385,9 +402,14 @@ class ElasticAgent:
                                        f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
                                        f"{self._hang_timeout:g})")
         self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
-        order = order_hung(hung, {lr: self._hangs.counter(lr) for lr in hung}, quiet,
-                           {lr: waits_on_peer(d.text) for lr, d in dumps.items()})
+        counters = {lr: self._hangs.counter(lr) for lr in by_lr}
+        stopped = {lr: self._hangs.states.get(lr) in ("T", "t") for lr in hung}
+        waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}
+        order = order_hung(hung, counters, quiet, waiting, stopped)
         culprit = by_lr[order[0]]
+        # likely a victim: it waits in a collective like its peers, is not stopped and not behind them
+        self._hang_blocked = (waiting.get(order[0], False) and not stopped[order[0]]
+                              and counters[order[0]] >= max(counters.values()))
         log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s; stacks in %s",
                   culprit.global_rank, order[0], quiet[order[0]],
                   "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")

@@ -143,7 +143,7 @@ def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, m
 
 
 def order_hung(hung: Sequence[int], counters: Mapping[int, int], quiet: Mapping[int, float],
-               waits_on_peer: Mapping[int, bool]) -> list[int]:
+               waits_on_peer: Mapping[int, bool], stopped: Mapping[int, bool] | None = None) -> list[int]:
     """Order hung local ranks culprit first: the one the others are blocked behind.
 
     A rank stuck in a collective (its stack is inside ``torch.distributed``) is
@@ -156,8 +156,12 @@ def order_hung(hung: Sequence[int], counters: Mapping[int, int], quiet: Mapping[
             the likelier culprit).
         quiet: local rank -> seconds since its last progress.
         waits_on_peer: local rank -> its stack shows it inside a collective.
+        stopped: local rank -> the process is stopped (SIGSTOP, a debugger): the culprit
+            whatever its stack shows.
 
     Returns:
-        ``hung`` sorted by: lowest counter, not waiting on a peer, longest quiet, rank.
+        ``hung`` sorted by: stopped, lowest counter, not waiting on a peer, longest quiet, rank.
     """
-    return sorted(hung, key=lambda lr: (counters.get(lr, 0), bool(waits_on_peer.get(lr)), -quiet.get(lr, 0.0), lr))
+    stopped = stopped or {}
+    return sorted(hung, key=lambda lr: (not stopped.get(lr), counters.get(lr, 0), bool(waits_on_peer.get(lr)),
+                                        -quiet.get(lr, 0.0), lr))

@@ -18,7 +18,8 @@ from elaunch.rendezvous.api import FailureRecord
 from elaunch.spec import ProcessFailure
 
 
-def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: bool = False) -> FailureRecord:
+def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: bool = False,
+              blocked: bool = False) -> FailureRecord:
     """Return the record of a local failure for the rendezvous.
 
     Args:
@@ -27,10 +28,11 @@ def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: b
         text: what the summary shows as its traceback (``errors.failure_text``).
         at: when it happened, seconds since the epoch (``errors.failure_time``).
         hung: True when the worker was stopped for making no progress.
+        blocked: True for a hung worker that itself waited on a peer (see ``FailureRecord``).
     """
     return FailureRecord(round=round, at=at, host=failure.hostname, rank=failure.global_rank,
                          local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
-                         message=text, hung=hung)
+                         message=text, hung=hung, blocked=blocked)
 
 
 def from_record(record: FailureRecord) -> ProcessFailure:

@@ -45,6 +45,7 @@ class HangWatch:
         self._clock = clock
         self._files = None
         self._watch = None
+        self.states: dict[int, str] = {}  # local rank -> /proc state at the last dump ("T": stopped)
         if hang_timeout > 0:
             from elaunch.procs.progress import ProgressFiles, ProgressWatch
 
@@ -95,8 +96,9 @@ class HangWatch:
         Returns:
             (local rank -> ``StackDump``, the file written or None).
         """
-        from elaunch.procs.stacks import dump_stacks
+        from elaunch.procs.stacks import dump_stacks, process_state
 
+        states = {lr: process_state(pid) for lr, pid in pids.items()}  # before py-spy touches them
         files = self._files.stacks_files() if self._files is not None else None
         dumps = dump_stacks(pids, files, DUMP_TIMEOUT)
         path = None
@@ -105,10 +107,11 @@ class HangWatch:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "w") as f:
-                    f.write(why + "\n\n" + format_dumps(dumps, pids))
+                    f.write(why + "\n\n" + format_dumps(dumps, pids, states))
             except OSError as exc:
                 log.warning("could not write the stacks to %s: %s", path, exc)
                 path = None
+        self.states = states
         return dumps, path
 
     def close(self) -> None:
@@ -127,11 +130,13 @@ def waits_on_peer(stack_text: str) -> bool:
     return any(marker in stack_text for marker in _COLLECTIVE_MARKERS)
 
 
-def format_dumps(dumps: Mapping, pids: Mapping[int, int]) -> str:
-    """Return the dumps as text: a header per local rank (pid, method) and its stacks."""
+def format_dumps(dumps: Mapping, pids: Mapping[int, int], states: Mapping[int, str] | None = None) -> str:
+    """Return the dumps as text: a header per local rank (pid, stopped or not, method) and its stacks."""
     parts = []
+    states = states or {}
     for lr in sorted(dumps):
         d = dumps[lr]
         how = d.method + (f" ({d.reason})" if d.reason else "")
-        parts.append(f"--- local rank {lr} (pid {pids.get(lr, '?')}), stacks by {how}\n{d.text.rstrip()}\n")
+        stopped = ", STOPPED (SIGSTOP or a debugger)" if states.get(lr) in ("T", "t") else ""
+        parts.append(f"--- local rank {lr} (pid {pids.get(lr, '?')}{stopped}), stacks by {how}\n{d.text.rstrip()}\n")
     return "\n".join(parts)

@@ -51,6 +51,13 @@ class JobView:
             self.state = job
         return self.state
 
+    def root_of(self, round: int) -> FailureRecord | None:
+        """The job's root cause of ``round``'s failure from a fresh read, or None (not known, or no job state)."""
+        job = self.read() if self.state.node else None
+        if job is None or job.failure is None or job.failure.round != round:
+            return None
+        return job.failure
+
     def count_failure(self, record: FailureRecord, restarts: int) -> tuple[Step, int, FailureRecord]:
         """Count a failed round for the job; on a spent budget declare the job failed.
 
@@ -118,8 +125,8 @@ class JobView:
         return True
 
 
-def local_record(failure: ProcessFailure, round: int, hung: bool = False) -> FailureRecord:
+def local_record(failure: ProcessFailure, round: int, hung: bool = False, blocked: bool = False) -> FailureRecord:
     """The record of this node's failure as the rendezvous carries it (text as in the summary)."""
     from elaunch.errors import failure_text, failure_time
 
-    return to_record(failure, round, failure_text(failure), failure_time(failure), hung=hung)
+    return to_record(failure, round, failure_text(failure), failure_time(failure), hung=hung, blocked=blocked)

@@ -140,8 +140,8 @@ def dump_stacks(
     return {rank: out[rank] for rank in pids}
 
 
-def _proc_state(pid: int) -> str:
-    """The one-letter /proc state of ``pid`` ("" if gone or unreadable)."""
+def process_state(pid: int) -> str:
+    """The one-letter /proc state of ``pid`` ("" if gone or unreadable): R, S, D, T (stopped), t, Z..."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -157,7 +157,7 @@ def _py_spy_all(exe: str, pids: Mapping[int, int], timeout: float) -> dict[int, 
     was_stopped: dict[int, bool] = {}
     for rank, pid in pids.items():
         argv = [exe, "dump", "--pid", str(pid)]
-        state = _proc_state(pid)
+        state = process_state(pid)
         was_stopped[rank] = state in ("T", "t")
         if state in _NONBLOCKING_STATES:
             argv.insert(2, "--nonblocking")
@@ -200,7 +200,7 @@ def _resume_if_left_stopped(pid: int, was_stopped: bool) -> None:
     py-spy attaches with PTRACE_ATTACH, which queues a SIGSTOP; killed between attach
     and consuming that stop, it can leave the target stopped once the kernel detaches it.
     """
-    if not was_stopped and _proc_state(pid) == "T":
+    if not was_stopped and process_state(pid) == "T":
         try:
             os.kill(pid, signal.SIGCONT)
         except OSError:
@@ -266,7 +266,7 @@ def _faulthandler_all(
                 "", UNAVAILABLE, f"{why[rank]}; pid {pid} never called elaunch.progress(), so has no stack signal handler"
             )
             continue
-        state = _proc_state(pid)
+        state = process_state(pid)
         if state in ("T", "t"):
             out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; pid {pid} is stopped and cannot run its signal handler")
             continue

@@ -90,6 +90,9 @@ class FailureRecord:
         message: the error file's traceback, or its stderr tail, or a description
             (at most :data:`MAX_FAILURE_MESSAGE` characters are published: the head and the tail).
         hung: True when the worker was stopped for making no progress (``--hang-timeout``).
+        blocked: True for a hung worker that was itself waiting on a peer (its stack
+            inside ``torch.distributed``, not stopped, not behind): likely not the
+            cause. Any other report of the same round ranks before it as root cause.
     """
 
     round: int
@@ -102,12 +105,13 @@ class FailureRecord:
     exitcode: int = 1
     message: str = ""
     hung: bool = False
+    blocked: bool = False
 
     def to_dict(self) -> dict:
         """Return the record as a JSON-ready dict."""
         return {"round": self.round, "at": self.at, "node": self.node, "host": self.host, "rank": self.rank,
                 "local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
-                "message": _clip(self.message), "hung": self.hung}
+                "message": _clip(self.message), "hung": self.hung, "blocked": self.blocked}
 
     @classmethod
     def from_dict(cls, doc: dict) -> "FailureRecord":
@@ -120,7 +124,15 @@ class FailureRecord:
                    host=str(doc.get("host", "")), rank=int(doc.get("rank", -1)),
                    local_rank=int(doc.get("local_rank", -1)), pid=int(doc.get("pid", -1)),
                    exitcode=int(doc.get("exitcode", 1)), message=str(doc.get("message", "")),
-                   hung=bool(doc.get("hung", False)))
+                   hung=bool(doc.get("hung", False)), blocked=bool(doc.get("blocked", False)))
+
+    def precedes(self, other: "FailureRecord") -> bool:
+        """True when this report is the better root cause of a round than ``other``.
+
+        A worker that was not waiting on a peer beats one that was (``blocked``);
+        then the earlier failure (``at``) wins.
+        """
+        return (self.blocked, self.at) < (other.blocked, other.at)
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,10 @@ class FailoverKV(EtcdKV):
             except Exception:  # noqa: BLE001 - closing a broken client is best effort
                 pass
 
+    def _describe(self, exc: BaseException) -> str:
+        """One line naming a client error for messages (subclasses translate their client's errors)."""
+        return first_line(exc)
+
     def call(self, what: str, fn: Any, timeout: float | None = None) -> Any:
         """Run ``fn(client)``; on transient errors try the next endpoint until ``timeout`` s passed.
 
@@ -280,15 +284,15 @@ class FailoverKV(EtcdKV):
                 if kind is None:
                     raise
                 if kind == "config":
-                    raise RendezvousConfigError(f"{where}: {what} failed: {first_line(exc)}") from exc
+                    raise RendezvousConfigError(f"{where}: {what} failed: {self._describe(exc)}") from exc
                 self._drop_client(index)
                 if kind == "retry":
                     self._current = (index + 1) % len(self.conf.endpoints)
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"{self.backend} rendezvous: etcd at {self.endpoint} unreachable: {what} failed "
-                        f"within read_timeout={self.conf.read_timeout:g} s: {first_line(exc)}") from exc
-                log.debug("%s: %s failed (%s); retrying", where, what, first_line(exc))
+                        f"within read_timeout={self.conf.read_timeout:g} s: {self._describe(exc)}") from exc
+                log.debug("%s: %s failed (%s); retrying", where, what, self._describe(exc))
                 if self._current == 0 or len(self.conf.endpoints) == 1:
                     time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                     delay = min(delay * 2, 1.0)

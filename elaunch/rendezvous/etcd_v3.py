@@ -90,6 +90,18 @@ class EtcdV3KV(FailoverKV):
         client.call_credentials = None  # the token travels as metadata: call credentials need TLS
         return client
 
+    def _describe(self, exc: BaseException) -> str:
+        """A gRPC error as ``UNAVAILABLE: <details>``, never the client's multi-line repr."""
+        grpc = self._grpc
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            try:
+                code, details = exc.code(), str(exc.details() or "").strip()
+            except Exception:  # noqa: BLE001 - a half-built error: fall back to its type
+                return type(exc).__name__
+            name = getattr(code, "name", str(code))
+            return f"{name}: {details.splitlines()[0]}" if details else name
+        return super()._describe(exc)
+
     def _classify(self, exc: BaseException) -> str | None:
         grpc, errors = self._grpc, self._pyetcd.exceptions
         if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):

@@ -531,3 +531,21 @@ def test_waits_on_peer_reads_a_collective_in_the_stack():
 
     assert waits_on_peer("Thread 1 (idle)\n    all_reduce (torch/distributed/distributed_c10d.py:2501)\n")
     assert not waits_on_peer("Thread 1 (idle)\n    hang_forever (ddp_digits.py:120)\n")
+
+
+@pytest.mark.parametrize("known, report, root_after", [
+    # a worker not blocked behind a peer beats one that was, whatever the time
+    (dict(at=1.0, rank=0, blocked=True), dict(at=2.0, rank=3, blocked=False), 3),
+    (dict(at=2.0, rank=3, blocked=False), dict(at=1.0, rank=0, blocked=True), 3),
+    # among equals, the earlier one
+    (dict(at=2.0, rank=3), dict(at=1.0, rank=0), 0),
+    (dict(at=1.0, rank=3, blocked=True), dict(at=0.5, rank=0, blocked=True), 0),
+])
+def test_a_report_not_blocked_behind_a_peer_is_the_rounds_root_cause(known, report, root_after):
+    first = job.count_failure(state(), FailureRecord(round=2, node="a", hung=True, **known))
+    second = job.count_failure(first, FailureRecord(round=2, node="b", hung=True, **report))
+    final = second if second is not None else first
+    assert final.restarts == 1
+    assert FailureRecord.from_dict(final.failure).rank == root_after
+    failed = job.fail_job(first, FailureRecord(round=2, node="b", hung=True, **report))
+    assert FailureRecord.from_dict(failed.failure).rank == root_after

@@ -37,7 +37,8 @@ def count_failure(state: RendezvousState, failure: FailureRecord) -> RendezvousS
 
     The first failure of a round counts one job restart and becomes the round's
     root cause; a later report of the same round only replaces the root cause
-    when it happened earlier (``at``), without counting again. Reports of older
+    when it precedes it (``FailureRecord.precedes``: not blocked behind a peer,
+    or earlier), without counting again. Reports of older
     rounds, and anything after the job failed, change nothing.
     """
     if state.job_failed:
@@ -47,9 +48,9 @@ def count_failure(state: RendezvousState, failure: FailureRecord) -> RendezvousS
         return None  # a report from a round already superseded by a later failure
     s = state.copy()
     if known is not None and known.round == failure.round:
-        if failure.at >= known.at:
+        if not failure.precedes(known):
             return None
-        # an earlier failure of the same round: the real root cause
+        # an earlier failure of the same round (or one not blocked behind a peer): the real root cause
         s.failure = failure.to_dict()
         if s.blame:
             s.blame[-1] = failure.node
@@ -71,7 +72,7 @@ def fail_job(state: RendezvousState, failure: FailureRecord) -> RendezvousState 
         return None
     s = state.copy()
     known = _root(state)
-    if known is None or known.round < failure.round or (known.round == failure.round and failure.at < known.at):
+    if known is None or known.round < failure.round or (known.round == failure.round and failure.precedes(known)):
         s.failure = failure.to_dict()
     # OPEN -> FAILED (closed): every agent stops at its next check
     s.job_failed = True
