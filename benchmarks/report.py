@@ -80,6 +80,13 @@ def _cell(metric: dict[str, Any], which: str) -> str:
     return note if len(note) <= 90 else note[:87] + "..."
 
 
+def _load(meta: dict[str, Any]) -> str:
+    """The run's load averages (1, 5, 15 min) at its start and end; older results kept only the end's."""
+    if "loadavg_start" in meta:
+        return f"{meta['loadavg_start']} when the run started, {meta['loadavg_end']} when it ended"
+    return f"{meta.get('loadavg', '?')} when the run ended"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """Return the generated section: run facts and one table row per metric."""
     meta = result["meta"]
@@ -89,9 +96,10 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{meta['repeat']} repeat(s), medians; ratio = elaunch / torchrun).",
         "",
         f"- machine: {meta['machine']}",
-        f"- python {meta['python']}, torch {meta['torch']} (torchrun), elaunch {meta['elaunch']}",
+        f"- python {meta['python']}, torch {meta['torch']} (torchrun), elaunch {meta['elaunch']}"
+        + (f" at commit {meta['commit']}" if meta.get("commit") else ""),
         f"- elaunch warm start: {meta['warm_start'] or 'not available (elaunch --help lists no --warm-start)'}",
-        f"- load average when the run started: {meta['loadavg']}",
+        f"- load average: {_load(meta)}",
         f"- wall time of the whole run: {meta['duration_s']:.0f} s",
     ]
     lines += [f"- {note}" for note in meta.get("notes", [])]
@@ -194,10 +202,14 @@ def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
         names = [s["name"] for s in extra["scenarios"]]
         out["scenarios"] = [s for s in out["scenarios"] if s["name"] not in names] + extra["scenarios"]
         m = extra["meta"]
+        where = "".join(f", {label} {m[k]}" for k, label in (("machine", "machine"), ("python", "python"),
+                                                               ("torch", "torch"))
+                        if m.get(k) != base["meta"].get(k))
         out["meta"]["notes"].append(
-            f"rows of {', '.join(names)}: from `{m['command']}` on {m['date']} "
-            f"({'quick' if m['quick'] else 'full'} mode, {m['repeat']} repeat(s), load average at its start "
-            f"{m['loadavg']}, {m['duration_s']:.0f} s), not from the run above")
+            f"rows of {', '.join(names)}: from `{m['command']}` on {m['date']}"
+            + (f" at commit {m['commit']}" if m.get("commit") else "") + " "
+            f"({'quick' if m['quick'] else 'full'} mode, {m['repeat']} repeat(s), "
+            f"load average {_load(m)}, {m['duration_s']:.0f} s{where}), not from the run above")
         out["meta"]["notes"].extend(f"{', '.join(names)}: {n}" for n in m.get("notes", []))
     return out
 

@@ -57,6 +57,26 @@ def _versions() -> tuple[str, str]:
     return torch_v, elaunch_v
 
 
+def _commit() -> str:
+    """The checkout's commit, ``-dirty`` when elaunch/ has uncommitted changes; ``?`` outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "elaunch"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    if head.returncode != 0:
+        return "?"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and short bounds (~2.5 min); proves the suite works")
@@ -92,6 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(a: argparse.Namespace) -> dict:
     """Run the selected scenarios; return the JSON-able result."""
     t_start = time.monotonic()
+    load_start = _loadavg()
     torch_v, elaunch_v = _versions()
     warm = scenarios.elaunch_warm_start_flag()
     notes: list[str] = []
@@ -139,8 +160,8 @@ def run(a: argparse.Namespace) -> dict:
         "meta": {
             "command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": a.quick,
             "repeat": a.repeat, "machine": _machine(), "python": platform.python_version(),
-            "torch": torch_v, "elaunch": elaunch_v, "warm_start": warm,
-            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?",
+            "torch": torch_v, "elaunch": elaunch_v, "commit": _commit(), "warm_start": warm,
+            "loadavg_start": load_start, "loadavg_end": _loadavg(),
             "duration_s": time.monotonic() - t_start, "scenarios_run": a.only, "notes": notes,
         },
         "scenarios": [{"name": r.scenario, "metrics": [m.to_json() for m in r.metrics.values()]} for r in recs],
