@@ -385,13 +385,18 @@ class ElasticAgent:
         The root cause is the rank the others are blocked behind (``decide.order_hung``):
         a peer stuck in the same collective goes quiet at the same moment.
         """
+        from elaunch.procs.stacks import process_state
+
         group, now = self._group, time.time()
         by_lr = {w.local_rank: w for w in group.workers}
         quiet = {lr: self._hangs.quiet_for(lr) for lr in hung}
-        first = by_lr[hung[0]]
+        counters = {lr: self._hangs.counter(lr) for lr in by_lr}
+        stopped = {lr: process_state(by_lr[lr].pid or -1) in ("T", "t") for lr in hung}
+        likely = order_hung(hung, counters, quiet, {}, stopped)[0]  # before the stacks tell more
+        first = by_lr[likely]
         asked = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
-                              local_rank=hung[0], pid=first.pid or -1, exitcode=-signal.SIGKILL,
-                              message=f"HUNG: no progress for {quiet[hung[0]]:.1f} s", hung=True)
+                              local_rank=likely, pid=first.pid or -1, exitcode=-signal.SIGKILL,
+                              message=f"HUNG: no progress for {quiet[likely]:.1f} s", hung=True)
         log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
                   "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
         try:
@@ -402,8 +407,6 @@ class ElasticAgent:
                                        f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
                                        f"{self._hang_timeout:g})")
         self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
-        counters = {lr: self._hangs.counter(lr) for lr in by_lr}
-        stopped = {lr: self._hangs.states.get(lr) in ("T", "t") for lr in hung}
         waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}
         order = order_hung(hung, counters, quiet, waiting, stopped)
         culprit = by_lr[order[0]]

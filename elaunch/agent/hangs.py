@@ -45,7 +45,6 @@ class HangWatch:
         self._clock = clock
         self._files = None
         self._watch = None
-        self.states: dict[int, str] = {}  # local rank -> /proc state at the last dump ("T": stopped)
         if hang_timeout > 0:
             from elaunch.procs.progress import ProgressFiles, ProgressWatch
 
@@ -111,7 +110,6 @@ class HangWatch:
             except OSError as exc:
                 log.warning("could not write the stacks to %s: %s", path, exc)
                 path = None
-        self.states = states
         return dumps, path
 
     def close(self) -> None:
