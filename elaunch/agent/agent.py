@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from elaunch.agent.decide import Step, Verdict, judge, order_hung
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
-from elaunch.agent.hangs import HangWatch, waits_on_peer
+from elaunch.agent.hangs import DUMP_TIMEOUT, HangWatch, waits_on_peer
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
@@ -373,6 +373,7 @@ class ElasticAgent:
                if by is not None else "stacks requested through the rendezvous")
         _dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
         log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
+        self._rdzv.acknowledge_dump(job.dump_id)
 
     def _recorded_an_error(self, local_ranks: list[int]) -> bool:
         """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
@@ -399,13 +400,20 @@ class ElasticAgent:
                               message=f"HUNG: no progress for {quiet[likely]:.1f} s", hung=True)
         log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
                   "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
+        dump_id = 0
         try:
-            self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
+            dump_id = self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
+            self._dumps_seen = max(self._dumps_seen or 0, dump_id)  # ours: nothing to answer
         except RendezvousError as exc:
             log.warning("could not ask the other nodes for their stacks: %s", exc)
         dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang",
                                        f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
                                        f"{self._hang_timeout:g})")
+        if dump_id:
+            # the others' workers stay blocked where the hang left them until we kill ours
+            missing = self._rdzv.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)
+            if missing:
+                log.warning("no stacks from node(s) %s within %g s", ", ".join(missing), DUMP_TIMEOUT)
         self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
         waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}
         order = order_hung(hung, counters, quiet, waiting, stopped)

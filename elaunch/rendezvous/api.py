@@ -438,14 +438,30 @@ class RendezvousHandler(abc.ABC):
         may host the store the others read). No-op for backends without job state.
         """
 
-    def request_stack_dump(self, by: FailureRecord) -> None:
+    def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent of the job to dump its workers' Python stacks (``by``: the hung worker).
 
-        No-op for backends without job state.
+        Returns:
+            The request's id (``JobState.dump_id``); 0 for backends without job state (no-op).
 
         Raises:
             RendezvousConnectionError: the backend is unreachable.
         """
+        return 0
+
+    def acknowledge_dump(self, dump_id: int) -> None:
+        """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
+
+    def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until every live member of this node's round answered ``dump_id``.
+
+        The asking node kills its hung workers only then: the others' workers are
+        still blocked where the hang left them while they are dumped.
+
+        Returns:
+            The node ids that did not answer in time ([] for backends without job state).
+        """
+        return []
 
     def exit_barrier(self, timeout: float) -> None:
         """Wait, up to ``timeout`` seconds, until every node of the round finished.

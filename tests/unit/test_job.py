@@ -549,3 +549,15 @@ def test_a_report_not_blocked_behind_a_peer_is_the_rounds_root_cause(known, repo
     assert FailureRecord.from_dict(final.failure).rank == root_after
     failed = job.fail_job(first, FailureRecord(round=2, node="b", hung=True, **report))
     assert FailureRecord.from_dict(failed.failure).rank == root_after
+
+
+def test_dump_acknowledgements_belong_to_their_request():
+    asked = job.request_dump(state(), FailureRecord(round=0, at=1.0, rank=3))
+    assert asked.dump_id == 1 and asked.dump_acks == []
+    acked = job.acknowledge_dump(asked, "b", 1)
+    assert acked.dump_acks == ["b"] and job.acknowledge_dump(acked, "b", 1) is None
+    assert job.acknowledge_dump(acked, "c", 0) is None  # an answer to an older request
+    assert job.dumps_pending(acked, 1, {"b", "c"}) == ["c"]
+    again = job.request_dump(acked, FailureRecord(round=0, at=2.0, rank=4))
+    assert again.dump_id == 2 and again.dump_acks == []  # a new request starts afresh
+    assert job.dumps_pending(again, 1, {"b", "c"}) == []  # the old one is superseded

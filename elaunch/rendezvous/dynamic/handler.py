@@ -444,15 +444,49 @@ class DynamicRendezvousHandler(RendezvousHandler):
         log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
                     ", ".join(pending), self._settings.close_timeout)
 
-    def request_stack_dump(self, by: FailureRecord) -> None:
-        """Ask every agent to dump its workers' stacks (``by``: the hung worker).
+    def request_stack_dump(self, by: FailureRecord) -> int:
+        """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.
 
         Raises:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
         mine = dataclasses.replace(by, node=self._node_id)
-        self._update_job(lambda s: job.request_dump(s, mine))
+        return self._update_job(lambda s: job.request_dump(s, mine)).dump_id
+
+    def acknowledge_dump(self, dump_id: int) -> None:
+        """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
+        me = self._node_id
+        try:
+            self._update_job(lambda s: job.acknowledge_dump(s, me, dump_id))
+        except RendezvousError as exc:
+            log.debug("node %s could not acknowledge stack dump %d: %s", me, dump_id, exc)
+
+    def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until the live members of this round answered ``dump_id``.
+
+        Returns:
+            The node ids that did not answer in time (lost and dead members are not waited for).
+        """
+        deadline = time.monotonic() + timeout
+        pending: list[str] = []
+        while True:
+            try:
+                state = self._executor.read()
+            except RendezvousError as exc:
+                log.debug("waiting for stack dumps: %s", exc)
+                return pending
+            if state.dump_id > dump_id:
+                # another node found the hang too and asked again: our stacks are written, so we
+                # answer its request and wait for the others' answers to it instead
+                dump_id = state.dump_id
+                self.acknowledge_dump(dump_id)
+                continue
+            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._members - set(state.participants))
+            pending = job.dumps_pending(state, dump_id, self._members - {self._node_id} - gone)
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            self._sleep(min(0.05, self._settings.poll_interval))
 
     # -- keep-alive -------------------------------------------------------------------
 

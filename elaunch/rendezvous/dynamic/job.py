@@ -105,7 +105,24 @@ def request_dump(state: RendezvousState, by: FailureRecord) -> RendezvousState:
     s = state.copy()
     s.dump_id += 1
     s.dump_by = by.to_dict()
+    s.dump_acks = []
     return s
+
+
+def acknowledge_dump(state: RendezvousState, node: str, dump_id: int) -> RendezvousState | None:
+    """Return the state with ``node`` among those that answered request ``dump_id``, or None."""
+    if state.dump_id != dump_id or node in state.dump_acks:
+        return None
+    s = state.copy()
+    s.dump_acks.append(node)
+    return s
+
+
+def dumps_pending(state: RendezvousState, dump_id: int, nodes: frozenset[str] | set[str]) -> list[str]:
+    """Return the ``nodes`` (sorted) that have not answered request ``dump_id`` (all of them once superseded)."""
+    if state.dump_id != dump_id:
+        return []  # a newer request replaced it: nothing more to wait for
+    return sorted(set(nodes) - set(state.dump_acks))
 
 
 def job_state(state: RendezvousState, node: str, others: int, settings: RendezvousSettings) -> JobState:

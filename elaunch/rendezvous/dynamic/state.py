@@ -51,6 +51,8 @@ class RendezvousState:
             (at most ``job.BLAME_KEPT``).
         failure_acks: node ids that saw the job's failure and stopped; the node that
             declared it waits for them before it exits (it may host the store).
+        dump_acks: node ids that dumped their workers' stacks for request ``dump_id``;
+            the node that asked waits for them before it kills its hung workers.
     """
 
     round: int = 0
@@ -71,6 +73,7 @@ class RendezvousState:
     dump_by: dict | None = None
     blame: list[str] = field(default_factory=list)
     failure_acks: list[str] = field(default_factory=list)
+    dump_acks: list[str] = field(default_factory=list)
 
     def copy(self) -> RendezvousState:
         """Return a deep copy (the ops mutate copies, never the state they decided on)."""
@@ -93,6 +96,7 @@ class RendezvousState:
             dump_by=None if self.dump_by is None else dict(self.dump_by),
             blame=list(self.blame),
             failure_acks=list(self.failure_acks),
+            dump_acks=list(self.dump_acks),
         )
 
     def ranked_nodes(self) -> tuple[NodeInfo, ...]:
@@ -131,6 +135,7 @@ class RendezvousState:
             "dump_by": self.dump_by,
             "blame": self.blame,
             "failure_acks": self.failure_acks,
+            "dump_acks": self.dump_acks,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
 
@@ -178,6 +183,7 @@ class RendezvousState:
                 dump_by=_opt_dict(doc.get("dump_by")),
                 blame=[str(n) for n in _list(doc.get("blame", []))],
                 failure_acks=[str(n) for n in _list(doc.get("failure_acks", []))],
+                dump_acks=[str(n) for n in _list(doc.get("dump_acks", []))],
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             head = data[:80] if isinstance(data, (bytes, str)) else repr(data)
