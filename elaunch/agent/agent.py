@@ -107,6 +107,7 @@ class ElasticAgent:
         self._hang_culprit: int | None = None  # the global rank the other hung ones wait behind
         self._hang_blocked = False  # that rank itself looked blocked behind a peer on another node
         self._dumps_seen: int | None = None  # the job's stack-dump requests answered (None: not read yet)
+        self._answered: tuple[dict, str | None] | None = None  # this round's stacks taken for another node
         self._round = -1
         self._file_timer = None
 
@@ -291,7 +292,7 @@ class ElasticAgent:
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
         self._hangs.new_attempt()
         self._hung, self._hang_culprit, self._hang_blocked = {}, None, False
-        self._dumps_seen, self._round = None, info.round
+        self._dumps_seen, self._answered, self._round = None, None, info.round
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
@@ -371,9 +372,11 @@ class ElasticAgent:
         by = job.dump_by
         why = (f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
                if by is not None else "stacks requested through the rendezvous")
-        _dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
+        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
         log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
         self._rdzv.acknowledge_dump(job.dump_id)
+        if by is not None and by.round == self._round:
+            self._answered = (dumps, path)  # this round's stacks, should our own ranks be found hung too
 
     def _recorded_an_error(self, local_ranks: list[int]) -> bool:
         """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
@@ -398,17 +401,25 @@ class ElasticAgent:
         asked = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
                               local_rank=likely, pid=first.pid or -1, exitcode=-signal.SIGKILL,
                               message=f"HUNG: no progress for {quiet[likely]:.1f} s", hung=True)
-        log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
-                  "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
         dump_id = 0
-        try:
-            dump_id = self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
-            self._dumps_seen = max(self._dumps_seen or 0, dump_id)  # ours: nothing to answer
-        except RendezvousError as exc:
-            log.warning("could not ask the other nodes for their stacks: %s", exc)
-        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang",
-                                       f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
-                                       f"{self._hang_timeout:g})")
+        likely_cause = stopped[likely] or counters[likely] < max(counters.values())
+        if self._answered is not None and not likely_cause:
+            # another node found the hang first and our stacks are already taken for it: only
+            # our own ranks' failure is left to report (a victim's request would only add noise)
+            log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g), as another "
+                      "node found too", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
+            dumps, path = self._answered
+        else:
+            log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
+                      "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
+            try:
+                dump_id = self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
+                self._dumps_seen = max(self._dumps_seen or 0, dump_id)  # ours: nothing to answer
+            except RendezvousError as exc:
+                log.warning("could not ask the other nodes for their stacks: %s", exc)
+            dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang",
+                                           f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
+                                           f"{self._hang_timeout:g})")
         if dump_id:
             # the others' workers stay blocked where the hang left them until we kill ours
             missing = self._rdzv.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)

@@ -7,7 +7,6 @@ digests), and the example's answer to SIGUSR1 (checkpoint, continue) and SIGTERM
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import EXAMPLES, wait_for
+from tests.integration.conftest import EXAMPLE, SHORT, final_digest
 from tests.helpers import kill_tree, run, start
 
 pytestmark = pytest.mark.slow
@@ -51,25 +51,9 @@ def test_example_recovers_from_a_crashed_rank(tmp_path):
 # ---- deterministic resume, preemption notices ----
 # A short run (3 epochs of 23 steps per rank at world size 2) so that many attempts fit.
 
-EXAMPLE = str(EXAMPLES / "ddp_digits.py")
-SHORT = ("--epochs", "3")
 #: attempt k crashes rank R before step S of epoch E: mid-epoch (resumed from a
 #: --save-every checkpoint), at an epoch start, on either rank, all at different points
 CRASHES = "1:1:7,0:1:19,1:2:3,0:2:12,1:3:0,0:3:21"
-
-
-def _digest(path) -> str:
-    return json.loads(path.read_text())["sha256"]
-
-
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory) -> str:
-    """SHA-256 of the final parameters of an uninterrupted short run (seed 0, world size 2)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    r = run("elaunch", "--standalone", "--nproc-per-node=2", EXAMPLE, *SHORT,
-            "--checkpoint", str(tmp / "ck.pt"), "--final-params", str(tmp / "final.json"), timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return _digest(tmp / "final.json")
 
 
 def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, reference_digest):
@@ -81,7 +65,7 @@ def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, referen
     assert re.search(r"restart 6/6", r.stderr), r.stderr[-3000:]
     resumed = re.findall(r"resumed from .* (at epoch \d step \d+|after epoch \d)$", r.stdout, re.M)
     assert "at epoch 1 step 5" in resumed and "after epoch 2" in resumed, r.stdout  # mid-epoch and boundary
-    assert _digest(tmp_path / "final.json") == reference_digest
+    assert final_digest(tmp_path / "final.json") == reference_digest
 
 
 class _Launch:
@@ -167,7 +151,7 @@ def test_sigusr1_to_a_worker_saves_a_checkpoint_and_training_continues(tmp_path,
     assert job.finish(timeout=60) == 0, job.stderr()[-3000:]
     assert re.search(r"^final test accuracy: \d\.\d+$", "\n".join(job.lines), re.M), job.lines
     assert "worker group failed" not in job.stderr()
-    assert _digest(tmp_path / "final.json") == reference_digest
+    assert final_digest(tmp_path / "final.json") == reference_digest
 
 
 def test_sigterm_to_a_worker_saves_stops_and_the_restart_resumes_from_that_step(tmp_path, reference_digest, launch):
@@ -185,4 +169,4 @@ def test_sigterm_to_a_worker_saves_stops_and_the_restart_resumes_from_that_step(
     out = "\n".join(job.lines)
     resume = f"at epoch {saved[1]} step {saved[2]}" if saved[2] != "0" else f"after epoch {int(saved[1]) - 1}"
     assert re.search(rf"^resumed from .* {resume}$", out, re.M), out
-    assert _digest(tmp_path / "final.json") == reference_digest
+    assert final_digest(tmp_path / "final.json") == reference_digest

@@ -10,40 +10,22 @@ six faults the final parameters' SHA-256 equals an uninterrupted run's.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES
+from tests.integration.conftest import EXAMPLE, SHORT, final_digest
 from tests.helpers import run
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = str(EXAMPLES / "ddp_digits.py")
-#: 3 epochs of 23 steps per rank at world size 2 (checkpoints every 5 steps below)
-SHORT = ("--epochs", "3")
 #: attempt k: a crash (--crash-at) or a hang (--hang-at), never both; mid-epoch and at an
 #: epoch's first step, on either rank; hangs by SIGSTOP and by a blocked (sleeping) rank
 CRASHES = "1:1:7,none,1:2:3,none,none,0:3:21"
 HANGS = "none,0:1:19,none,1:2:12:block,0:3:0,none"
 N_CRASHES, N_HANGS = 3, 3
-
-
-def _digest(path: Path) -> str:
-    return json.loads(path.read_text())["sha256"]
-
-
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory) -> str:
-    """SHA-256 of the final parameters of an uninterrupted short run (seed 0, world size 2)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    r = run("elaunch", "--standalone", "--nproc-per-node=2", EXAMPLE, *SHORT,
-            "--checkpoint", str(tmp / "ck.pt"), "--final-params", str(tmp / "final.json"), timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return _digest(tmp / "final.json")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +64,7 @@ def test_crashes_and_hangs_end_bit_identical_to_an_uninterrupted_run(faulted, re
     resumed = re.findall(r"resumed from .* (at epoch \d step \d+|after epoch \d)$", out, re.M)
     assert len(resumed) == N_CRASHES + N_HANGS, out
     assert "after epoch 2" in resumed and any(x.startswith("at epoch") for x in resumed), resumed
-    assert _digest(tmp / "final.json") == reference_digest
+    assert final_digest(tmp / "final.json") == reference_digest
 
 
 def test_each_hang_names_the_rank_that_hung(faulted):

@@ -289,7 +289,9 @@ def test_the_hang_is_blamed_on_the_stopped_worker(chaos):
     named = _restart_lines(chaos)
     assert named[2] == {chaos.stopped_rank}, (named, chaos.stopped_rank, chaos.segments["hang"])
     requested = re.findall(r"stacks requested through the rendezvous: rank (\d+) on", chaos.segments["hang"])
-    assert set(map(int, requested)) <= {chaos.stopped_rank}, (requested, chaos.segments["hang"])
+    # the stopped worker's node asked; a node whose ranks only waited behind it may have asked in
+    # the same instant (before it saw that request), never after
+    assert chaos.stopped_rank in set(map(int, requested)), (requested, chaos.segments["hang"])
 
 
 def test_the_agents_agree_on_each_restart_root_cause(chaos):
