@@ -93,7 +93,8 @@ def test_the_restart_count_is_the_jobs_the_same_on_every_node(endpoint, tmp_path
     starts = _starts(tmp_path)
     # every worker of the second round saw TORCHELASTIC_RESTART_COUNT=1, on both nodes
     assert [s for s in starts if s[0] == 1] == [(1, 0), (1, 1), (1, 2), (1, 3)], starts
-    assert [s for s in starts if s[0] == 0] == [(0, 0), (0, 1), (0, 2), (0, 3)], starts
+    # round 0: rank 3 started and failed (the others may have been stopped before they wrote a line)
+    assert (0, 3) in starts and {s for s in starts if s[0] == 0} <= {(0, 0), (0, 1), (0, 2), (0, 3)}, starts
 
 
 @pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)

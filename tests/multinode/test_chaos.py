@@ -261,6 +261,9 @@ def test_every_fault_is_named_in_the_logs(chaos):
     assert re.search(r"\[(a1|a2)\] .*(membership changed \(1 node\(s\) waiting to join|1 new node\(s\) joined)",
                      seg["rejoin"]), seg["rejoin"]
     # the survivors re-form (as a membership change, or after their workers failed on the closed sockets)
+    # the killed host is named: the next round formed without it (its agent's node id starts with its address)
+    h2 = re.escape(chaos.agents["a2"].host.addr)
+    assert re.search(rf"\[(a1|a3b)\] .*formed without 1 node\(s\) of round \d+: {h2}_", seg["kill9"]), seg["kill9"]
     for fault, survivors in (("sigterm", "a1|a2"), ("kill9", "a1|a3b"), ("cut", "a1")):
         assert re.search(rf"\[({survivors})\] .*(membership changed|worker group failed)", seg[fault]), (
             fault, seg[fault])
@@ -274,6 +277,7 @@ def test_every_node_dumped_its_stacks_for_the_hang(chaos):
         assert stacks, (name, chaos.segments["hang"])
     text = "".join(p.read_text() for p in (chaos.tmp / "logs" / "a2").rglob("stacks/*.txt"))
     assert "local rank 1 (pid " in text, text  # the stopped worker's own stacks
+    assert re.search(r"local rank 1 \(pid \d+, STOPPED", text), text  # marked as stopped
 
 
 def test_each_failure_is_counted_once_for_the_job(chaos):
@@ -288,10 +292,8 @@ def test_each_failure_is_counted_once_for_the_job(chaos):
 def test_the_hang_is_blamed_on_the_stopped_worker(chaos):
     named = _restart_lines(chaos)
     assert named[2] == {chaos.stopped_rank}, (named, chaos.stopped_rank, chaos.segments["hang"])
-    requested = re.findall(r"stacks requested through the rendezvous: rank (\d+) on", chaos.segments["hang"])
-    # the stopped worker's node asked; a node whose ranks only waited behind it may also have
-    # asked, if it found the hang before it saw that request
-    assert chaos.stopped_rank in set(map(int, requested)), (requested, chaos.segments["hang"])
+    # which node's request the others answered first is a race (a node whose ranks only wait
+    # behind the stopped one may ask first); what must hold is the root cause above
 
 
 def test_the_agents_agree_on_each_restart_root_cause(chaos):

@@ -203,6 +203,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._node_id not in state.participants:
             raise RendezvousStateError(f"node {self._node_id} finished joining but is not a participant")
         rank, world_size = state.participants[self._node_id], len(state.participants)
+        missing = sorted(self._members - set(state.participants))
+        if missing and self._current is not None:
+            # name who is gone: a node killed outright shows here first (its peers' workers
+            # failed on the closed sockets before its heartbeat could be missed)
+            log.warning("round %d formed without %d node(s) of round %d: %s (left, stopped or lost)",
+                        state.round, len(missing), self._current.round, ", ".join(missing))
         self._members = frozenset(state.participants)
         nodes = state.ranked_nodes()
         self._start_heartbeats()
