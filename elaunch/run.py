@@ -319,8 +319,10 @@ def _torch_failure(failure: Any) -> Any:
 
     out = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
                          error_file=failure.error_file or "")
+    if os.path.isfile(out.error_file):
+        return out  # torch read it: message, traceback and timestamp are the error's
     data = failure.error_data
-    if not os.path.isfile(out.error_file) and isinstance(data, dict):
+    if isinstance(data, dict):  # the file is gone (a temporary log dir); elaunch kept its data
         out.error_file_data = data
         message = data.get("message")
         if isinstance(message, dict):
