@@ -110,6 +110,12 @@ SPELLINGS = [
     (["--event-log=x"], "event_log_handler"),
     (["--event=x"], None),
     (["--bogus=1"], None),
+    # short options: not abbreviations, but the same outcomes
+    (["-r3"], "redirects"),
+    (["-t", "1"], "tee"),
+    (["-mr3"], "redirects"),
+    (["-mod"], None),
+    (["-nproc-per-node=2"], None),
     # elaunch's own flags: torchrun has no such option; elaunch takes them only in full
     (["--hang=1"], None),
     (["--warm"], None),
