@@ -25,7 +25,7 @@ from elaunch.rendezvous.api import (
     RendezvousParameters,
 )
 from elaunch.rendezvous.registry import create_handler
-from elaunch.spec import WorkerSpec
+from elaunch.spec import RunResult, WorkerSpec
 
 log = logging.getLogger("elaunch")
 
@@ -123,11 +123,22 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
     return [(flag, value) for flag, value in given if value]
 
 
-def launch(config: LaunchConfig) -> int:
-    """Run the job a LaunchConfig describes on this node; return the exit status.
+def run_job(config: LaunchConfig) -> RunResult | None:
+    """Run the job a LaunchConfig describes on this node; return its RunResult.
 
-    Never raises for an expected failure: rendezvous errors and worker failures are
-    reported on stderr (one line, or the failure summary) and mapped to a status.
+    Mirrors ``torch.distributed.launcher.api.launch_agent`` minus the exception it
+    builds from a failed result: the caller decides (``launch`` prints the summary
+    and returns 1, ``elaunch.run.run`` raises torch's ``ChildFailedError``).
+
+    Returns:
+        The agent's RunResult (``is_failed()`` tells a failed job), or None when the
+        rendezvous said this node is not needed (torch's graceful exit).
+
+    Raises:
+        RendezvousConfigError: a backend rejected its configuration (a ValueError).
+        RendezvousError: the rendezvous failed.
+        SignalException: a handled signal (``--signals-to-handle``) stopped the job;
+            the workers are stopped and this node left the rendezvous.
     """
     setup_logging(os.environ)
     for flag, value in _unimplemented(config):
@@ -142,14 +153,7 @@ def launch(config: LaunchConfig) -> int:
     # the workers' environment: snapshot it before a backend adjusts the agent's own
     # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
     base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
-    try:
-        handler = create_handler(rendezvous_parameters(config))
-    except RendezvousConfigError as exc:
-        print(f"elaunch: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RendezvousError as exc:
-        print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    handler = create_handler(rendezvous_parameters(config))
     agent = ElasticAgent(
         build_spec(config),
         handler,
@@ -184,15 +188,31 @@ def launch(config: LaunchConfig) -> int:
                 handler.shutdown()
                 raise
             handler.shutdown()
-    except SignalException as exc:
-        return 128 + exc.sigval
     except RendezvousGracefulExitError as exc:
         log.warning("this node is not needed: %s", exc)
-        return EXIT_OK
+        return None
+    return result
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job a LaunchConfig describes on this node; return the exit status.
+
+    Never raises for an expected failure: rendezvous errors and worker failures are
+    reported on stderr (one line, or the failure summary) and mapped to a status:
+    0 success, 1 failed workers or rendezvous, 2 a rendezvous configuration
+    error, ``128 + signum`` after a handled signal.
+    """
+    try:
+        result = run_job(config)
+    except SignalException as exc:
+        return 128 + exc.sigval
+    except RendezvousConfigError as exc:
+        print(f"elaunch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except RendezvousError as exc:
         print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if result.is_failed():
+    if result is not None and result.is_failed():
         from elaunch.errors import format_failure_summary  # only on failure: keeps start-up light
 
         title = f"{entrypoint_name(config.cmd)} FAILED"

@@ -1,38 +1,412 @@
-"""``elaunch.run.main``: the programmatic entry point, as ``torch.distributed.run.main``.
+"""``elaunch.run``: torchrun's Python API, as ``torch.distributed.run`` offers it.
 
-Example::
+The public functions of ``torch.distributed.run`` (torch 2.13), with the same
+signatures, return shapes and exceptions::
 
-    from elaunch.run import main
-    main(["--nproc-per-node=2", "train.py", "--lr=0.1"])
+    from elaunch.run import parse_args, run
+    args = parse_args(["--nproc-per-node=2", "train.py", "--lr=0.1"])
+    run(args)          # raises torch's ChildFailedError when a worker failed
+
+Exceptions (torch's classes, or subclasses of them):
+
+* ``ValueError`` for bad configuration (``elaunch.badinput.ConfigError`` and
+  ``elaunch.rendezvous.api.RendezvousConfigError`` are ValueErrors), e.g.
+  ``--no-python`` with ``--module`` or ``--nproc-per-node=unknown``;
+* ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` (a
+  subclass whose ``get_first_failure()`` is elaunch's root cause and whose
+  ``format_msg()`` is elaunch's failure summary) when the workers failed;
+* ``torch.distributed.elastic.multiprocessing.api.SignalException`` when a
+  handled signal (``--signals-to-handle``) stopped the job;
+* ``SystemExit(2)`` from ``parse_args`` for an unknown or ambiguous option, as
+  argparse's.
+
+``parse_args`` returns torchrun's ``argparse.Namespace`` shape: the same
+attribute names and value types as torch's parser (``nnodes="1:1"``,
+``nproc_per_node="1"``, ``max_restarts=0``, ``rdzv_conf=""``, ...), plus
+elaunch's own flags (``warm_start``, ``warm_start_modules``, ``hang_timeout``,
+``forward_signals``). ``config_from_args`` accepts that Namespace (or any object
+with those attributes; a missing one takes the default) and returns elaunch's
+:class:`elaunch.config.LaunchConfig`, whose fields carry torch's ``LaunchConfig``
+names. The ``elaunch`` command does not use this module's exceptions: it prints
+one ``elaunch: error:`` line (exit 2), the failure summary (exit 1) or exits
+``128 + signum`` (``python -m elaunch.run`` is that command too).
+
+torch is imported only when a job fails or is signalled (to build its exception
+classes), so ``import elaunch.run`` stays light.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elaunch.badinput import ConfigError
+
+__all__ = [
+    "config_from_args",
+    "determine_local_world_size",
+    "get_args_parser",
+    "get_rdzv_endpoint",
+    "get_use_env",
+    "main",
+    "parse_args",
+    "parse_min_max_nnodes",
+    "run",
+    "run_script_path",
+]
+
+#: torchrun's value types where they are not ``str`` (``--shutdown-timeout`` is a
+#: float here, seconds; torchrun's is an int).
+_TYPES: dict[str, Callable[[str], Any]] = {
+    "max_restarts": int,
+    "monitor_interval": float,
+    "node_rank": int,
+    "master_port": int,
+    "shutdown_timeout": float,
+    "hang_timeout": float,
+}
+_LISTS = frozenset({"duplicate_stdout_filters", "duplicate_stderr_filters", "warm_start_modules"})
+_CHOICES = {"start_method": ("spawn", "fork", "forkserver"), "numa_binding": ("node", "socket", "exclusive", "core-complex")}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse ``argv`` (default ``sys.argv[1:]``) like torchrun and run the job.
+def _comma_list(value: str) -> list[str]:
+    from elaunch.cli.params import parse_comma_list
 
-    Mirrors ``torch.distributed.run.main(args)``.
+    return list(parse_comma_list(value))
 
-    Args:
-        argv: the command line without the program name.
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, with torchrun's abbreviations resolved by ``elaunch.cli.abbrev``.
+
+    Built with ``allow_abbrev=False``: the abbreviations argparse would accept
+    among torchrun's options are expanded before parsing (``--redirect=3``), and
+    elaunch's own options take none, exactly as the ``elaunch`` command.
+    """
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        kw["allow_abbrev"] = False
+        self._elaunch_only: set[str] = set()
+        self._registered: list[argparse.Action] = []
+        super().__init__(*a, **kw)
+
+    def add_argument(self, *a: Any, **kw: Any) -> argparse.Action:
+        action = super().add_argument(*a, **kw)
+        self._registered.append(action)
+        return action
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
+        from elaunch.cli.abbrev import AmbiguousOptionError, expand_abbreviations
+
+        argv = sys.argv[1:] if args is None else list(args)
+        torchrun: list[str] = []
+        known: set[str] = {"-h", "--help"}
+        valued: set[str] = set()
+        for action in self._registered:
+            known.update(action.option_strings)
+            if action.nargs != 0:
+                valued.update(action.option_strings)
+            if action.dest not in self._elaunch_only:
+                torchrun.extend(o for o in action.option_strings if o.startswith("--"))
+        try:
+            argv = expand_abbreviations(argv, [*torchrun, "--help"], known, valued)
+        except AmbiguousOptionError as exc:
+            self.error(str(exc))  # SystemExit(2), as argparse's own "ambiguous option"
+        return super().parse_known_args(argv, namespace)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the ``argparse`` parser for torchrun's flags plus elaunch's own.
+
+    Mirrors ``torch.distributed.run.get_args_parser()``: the same option strings
+    (dash and ``--under_score`` spellings), ``dest`` names and value types; the
+    defaults fall back to ``PET_<DEST>`` read from ``os.environ`` now, as torch's
+    ``env``/``check_env`` actions (an empty value counts as unset; a flag's
+    ``PET_`` value must be an integer, non-zero meaning set). The options are
+    generated from the ``elaunch`` command's, so both always agree.
 
     Returns:
-        None when the job succeeded (exit status 0).
+        An ``argparse.ArgumentParser``; ``parse_args`` on it returns the Namespace
+        described in the module docstring.
 
     Raises:
-        SystemExit: with the non-zero exit status otherwise (2 for bad input,
-            after one ``elaunch: error: ...`` line on stderr).
+        ConfigError: a flag's ``PET_<FLAG>`` is not an integer (a ValueError;
+            torch raises ValueError from ``int()`` there too).
     """
-    from elaunch.cli import run_argv
+    import click
 
-    status = run_argv(sys.argv[1:] if argv is None else list(argv))
-    if status:
-        raise SystemExit(status)
+    from elaunch.cli import ELAUNCH_ONLY_OPTIONS
+    from elaunch.cli import main as command
+    from elaunch.cli.params import parse_pet_flag
+
+    parser = _ArgumentParser(description="elaunch: a drop-in replacement for torchrun (Torch Distributed Elastic Training Launcher)")
+    for param in command.params:
+        if not isinstance(param, click.Option) or not param.expose_value or param.name is None:
+            continue
+        name = param.name
+        envvar = param.envvar if isinstance(param.envvar, str) else None
+        raw = os.environ.get(envvar) if envvar else None
+        if name in ELAUNCH_ONLY_OPTIONS:
+            parser._elaunch_only.add(name)
+        if param.is_flag:
+            flag_default = parse_pet_flag(raw, envvar) if raw else False
+            parser.add_argument(*param.opts, dest=name, action="store_const", const=True, default=flag_default,
+                                help=param.help)
+            continue
+        default = raw if raw else param.default
+        if name == "forward_signals" and not raw:
+            default = None  # unset: the default yields to --signals-to-handle
+        if name in _LISTS:
+            kind: Callable[[str], Any] = _comma_list
+            default = _comma_list(default) if isinstance(default, str) else default
+        else:
+            kind = _TYPES.get(name, str)
+        parser.add_argument(*param.opts, dest=name, type=kind, default=default, choices=_CHOICES.get(name),
+                            help=param.help)
+    parser.add_argument("training_script", type=str, help="The training script, module (-m) or program (--no-python).")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
+    """Parse torchrun's command line (without the program name) into a Namespace.
+
+    Mirrors ``torch.distributed.run.parse_args(args)``; ``None`` parses ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: status 2 after argparse's usage message, for an unknown, ambiguous
+            or incomplete option or a missing training script; status 0 after ``--help``.
+    """
+    return get_args_parser().parse_args(args)
+
+
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """Split ``--nnodes`` (``"N"`` or ``"MIN:MAX"``) into ``(min_nodes, max_nodes)``.
+
+    Mirrors ``torch.distributed.run.parse_min_max_nnodes``: only the format is checked
+    here (``"4:1"`` gives ``(4, 1)``); ``config_from_args`` checks the bounds.
+
+    Raises:
+        RuntimeError: more than one ``:``.
+        ValueError: a part is not an integer.
+    """
+    parts = nnodes.split(":")
+    if len(parts) > 2:
+        raise RuntimeError(f'nnodes={nnodes} is not in "MIN:MAX" format')
+    try:
+        bounds = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--nnodes={nnodes}: expected N or MIN:MAX with integer N, MIN, MAX") from None
+    return bounds[0], bounds[-1]
+
+
+def determine_local_world_size(nproc_per_node: str) -> int:
+    """Return the number of workers ``--nproc-per-node`` asks for on this host.
+
+    Mirrors ``torch.distributed.run.determine_local_world_size``: an integer string
+    is returned as an int unchecked; ``cpu`` counts the CPUs this process may use,
+    ``gpu`` CUDA devices, ``xpu`` XPU devices, ``auto`` accelerators else CPUs.
+    (torch also accepts its privateuse1 backend's name; elaunch does not.)
+
+    Raises:
+        ValueError: an unknown keyword, or ``gpu``/``xpu`` without such a device
+            (a ``ConfigError`` naming the flag).
+    """
+    from elaunch.config import resolve_nproc
+
+    try:
+        return int(nproc_per_node)
+    except ValueError:
+        pass
+    return resolve_nproc(nproc_per_node)
+
+
+def get_rdzv_endpoint(args: Any) -> str:
+    """Return ``args.rdzv_endpoint``, or ``"master_addr:master_port"`` for static without one.
+
+    Mirrors ``torch.distributed.run.get_rdzv_endpoint`` (no brackets are added to
+    an IPv6 ``master_addr``; ``config_from_args`` adds them).
+    """
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        return f"{args.master_addr}:{args.master_port}"
+    return args.rdzv_endpoint
+
+
+def get_use_env(args: Any) -> bool:
+    """Return ``args.use_env``, True when absent (``torch.distributed.launch``'s legacy flag).
+
+    Mirrors ``torch.distributed.run.get_use_env``. elaunch always passes the ranks
+    in the environment; a False value is accepted and has no effect.
+    """
+    return getattr(args, "use_env", True)
+
+
+def _options_from(args: Any) -> dict[str, Any]:
+    """Convert a parsed Namespace into the typed options ``build_config`` takes."""
+    import click
+
+    from elaunch.cli import main as command
+
+    options: dict[str, Any] = {}
+    for param in command.params:
+        if not param.expose_value or param.name is None or not hasattr(args, param.name):
+            continue
+        value = getattr(args, param.name)
+        if param.name == "training_script_args":
+            options[param.name] = tuple(value or ())
+        elif value is None or isinstance(param, click.Argument):
+            options[param.name] = value
+        else:
+            options[param.name] = param.type.convert(value, param, None)
+    return options
+
+
+def config_from_args(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
+    """Build the launch configuration and the worker command from parsed args.
+
+    Mirrors ``torch.distributed.run.config_from_args``, and also applies what torch's
+    ``run`` does first (``--standalone`` and a single-node static job without an
+    endpoint get a local rendezvous on a free port; ``master_port`` defaults to 29500).
+
+    Args:
+        args: what :func:`parse_args` returns (torch's ``parse_args`` result works
+            too); missing attributes take torchrun's defaults.
+
+    Returns:
+        ``(config, cmd, cmd_args)``: an :class:`elaunch.config.LaunchConfig` (torch's
+        ``LaunchConfig`` field names: ``min_nodes``, ``max_nodes``,
+        ``nproc_per_node``, ``run_id``, ``rdzv_backend``, ``rdzv_configs``, ...); and,
+        as torch, ``cmd`` the python executable (``$PYTHON_EXEC`` or
+        ``sys.executable``) with ``cmd_args`` ``["-u", ["-m",] script, *script_args]``,
+        or ``cmd`` the program and ``cmd_args`` its args with ``--no-python``, or
+        ``cmd`` :func:`run_script_path` and ``cmd_args`` ``[script, *script_args]``
+        with ``--run-path``.
+
+    Raises:
+        ValueError: a bad value or combination (``ConfigError``, naming the flag),
+            e.g. ``--no-python`` with ``--module``, ``--nproc-per-node=unknown``,
+            ``--nnodes=4:1`` or ``--max-restarts=-1`` (torch raises AssertionError
+            for the last two), or a training script that does not exist.
+        RuntimeError: ``--nnodes`` with more than one ``:``.
+    """
+    from elaunch.config import build_config
+
+    if isinstance(getattr(args, "nnodes", None), str):
+        parse_min_max_nnodes(args.nnodes)  # torch's RuntimeError for "1:2:3"
+    config = build_config(_options_from(args), os.environ)
+    if getattr(args, "run_path", False):
+        return config, run_script_path, [args.training_script, *getattr(args, "training_script_args", ())]
+    return config, config.cmd[0], list(config.cmd[1:])
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """Run ``training_script`` in this interpreter as ``__main__`` with ``sys.argv`` set.
+
+    Mirrors ``torch.distributed.run.run_script_path`` (``runpy.run_path``); the
+    ``--run-path`` workers run it through ``python -m elaunch.runpath``.
+    """
+    from elaunch.runpath import run as run_path
+
+    run_path([training_script, *training_script_args])
+
+
+def _torch_failure(failure: Any) -> Any:
+    """Build torch's ``ProcessFailure`` from elaunch's (same rank, pid, exit code, error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    out = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
+                         error_file=failure.error_file or "")
+    if os.path.isfile(out.error_file):
+        return out  # torch read it: message, traceback and timestamp are the error's
+    data = failure.error_data
+    if isinstance(data, dict):  # the file is gone (a temporary log dir); elaunch kept its data
+        out.error_file_data = data
+        message = data.get("message")
+        if isinstance(message, dict):
+            message = message.get("message")
+        if message:
+            out.message = str(message)
+    out.timestamp = int(failure.timestamp)
+    return out
+
+
+def _child_failed_error(name: str, result: Any) -> Exception:
+    """Return torch's ``ChildFailedError`` (a subclass) for a failed RunResult.
+
+    ``failures`` holds torch ``ProcessFailure`` objects keyed by global rank;
+    ``get_first_failure()`` returns elaunch's root cause (the rendezvous' job-wide
+    one when known, not only the earliest local timestamp) and ``format_msg()``
+    elaunch's failure summary, the table the ``elaunch`` command prints.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError as TorchChildFailedError
+
+    from elaunch.errors import format_failure_summary
+
+    class ChildFailedError(TorchChildFailedError):
+        def __init__(self) -> None:
+            self.elaunch_failures = dict(result.failures)
+            self.root_rank = result.root_rank
+            super().__init__(name, {rank: _torch_failure(f) for rank, f in result.failures.items()})
+
+        def get_first_failure(self):
+            if self.root_rank in self.failures:
+                return self.root_rank, self.failures[self.root_rank]
+            return super().get_first_failure()
+
+        def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+            return format_failure_summary(self.elaunch_failures, title=f"{self.name} FAILED", first=self.root_rank)
+
+    ChildFailedError.__module__ = __name__
+    return ChildFailedError()
+
+
+def run(args: Any) -> None:
+    """Run the job ``args`` describes on this node; return when it succeeded.
+
+    Mirrors ``torch.distributed.run.run(args)`` (which hands the config to
+    ``elastic_launch``). A node the rendezvous does not need returns normally.
+
+    Args:
+        args: what :func:`parse_args` returns.
+
+    Raises:
+        ValueError: bad configuration (see :func:`config_from_args`), also a
+            rendezvous backend rejecting its ``--rdzv-conf``.
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: the
+            workers failed (after ``--max-restarts`` restarts).
+        torch.distributed.elastic.multiprocessing.api.SignalException: a handled
+            signal stopped the job; ``sigval`` is the ``signal.Signals`` received.
+        elaunch.rendezvous.api.RendezvousError: the rendezvous failed.
+    """
+    from elaunch.agent import SignalException as ElaunchSignalException
+    from elaunch.launch import entrypoint_name, run_job
+
+    config, _, _ = config_from_args(args)
+    try:
+        result = run_job(config)
+    except ElaunchSignalException as exc:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(exc.sigval)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig) from exc
+    if result is not None and result.is_failed():
+        raise _child_failed_error(entrypoint_name(config.cmd), result)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Parse ``args`` (default ``sys.argv[1:]``) and run the job: ``run(parse_args(args))``.
+
+    Mirrors ``torch.distributed.run.main(args)``; raises what :func:`parse_args` and
+    :func:`run` raise. The ``elaunch`` command (``elaunch.cli.main``) is the one that
+    turns these into exit statuses.
+    """
+    run(parse_args(args))
 
 
 if __name__ == "__main__":
-    main()
+    from elaunch.cli import main as _command
+
+    _command()

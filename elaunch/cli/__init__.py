@@ -76,8 +76,47 @@ class PetOption(click.Option):
             self.opts = saved
 
 
+#: Options elaunch adds to torchrun's: they take no abbreviation (see ``elaunch.cli.abbrev``).
+ELAUNCH_ONLY_OPTIONS = frozenset({"warm_start", "warm_start_modules", "hang_timeout", "forward_signals", "version"})
+
+
+def option_tables(command: click.Command) -> tuple[list[str], set[str], set[str]]:
+    """Return ``(torchrun_long_options, all_option_strings, value_taking_option_strings)``.
+
+    ``torchrun_long_options`` lists, in declaration order, the long spellings of the
+    options torchrun has too, and ``--help``: the strings an abbreviation may expand to.
+    """
+    torchrun: list[str] = []
+    known: set[str] = set()
+    valued: set[str] = set()
+    for param in command.params:
+        if not isinstance(param, click.Option):
+            continue
+        opts = [*param.opts, *param.secondary_opts]
+        known.update(opts)
+        if not param.is_flag:
+            valued.update(opts)
+        if param.name not in ELAUNCH_ONLY_OPTIONS:
+            torchrun.extend(o for o in opts if o.startswith("--"))
+    known.update(("-h", "--help"))
+    return [*torchrun, "--help"], known, valued
+
+
 class ElaunchCommand(click.Command):
-    """A click command that groups options in --help and reports errors in one line."""
+    """A click command that groups options in --help and reports errors in one line.
+
+    Abbreviated long options are expanded first, as torchrun's argparse parser
+    does (``--redirect=3`` is ``--redirects=3``; see ``elaunch.cli.abbrev``).
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from elaunch.cli.abbrev import AmbiguousOptionError, expand_abbreviations
+
+        try:
+            args = expand_abbreviations(args, *option_tables(self))
+        except AmbiguousOptionError as exc:
+            raise click.UsageError(str(exc), ctx) from None
+        return super().parse_args(ctx, args)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows: dict[str, list[tuple[str, str]]] = {g: [] for g in _GROUPS}

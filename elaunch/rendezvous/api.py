@@ -232,6 +232,9 @@ class RendezvousParameters:
         config: ``--rdzv-conf`` entries, string values as given by the user.
         local_addr: this node's address (``--local-addr``) or None for the FQDN.
         role, local_world_size: this node's NodeInfo fields.
+        read_keys: the ``config`` keys a backend asked for through ``get``/``get_as_*``
+            (shared with copies made by ``dataclasses.replace``), so the registry can
+            name the keys the backend did not use (:meth:`unused_keys`).
     """
 
     backend: str
@@ -243,10 +246,20 @@ class RendezvousParameters:
     local_addr: str | None = None
     role: str = "default"
     local_world_size: int = 1
+    read_keys: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Return the raw ``--rdzv-conf`` value of ``key`` or ``default``."""
+        """Return the raw ``--rdzv-conf`` value of ``key`` or ``default`` (the key counts as used)."""
+        self.read_keys.add(key)
         return self.config.get(key, default)
+
+    def unused_keys(self, given: Any = None) -> list[str]:
+        """Return the keys of ``given`` (default: ``config``) no backend read, in order.
+
+        A backend reads its keys while it is built, so after ``create_handler`` these
+        are the keys it ignores: torch's backends ignore unknown keys too.
+        """
+        return [key for key in (self.config if given is None else given) if key not in self.read_keys]
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
         """Return ``key`` as a bool (1/0, true/false, yes/no, on/off; any case).
@@ -254,7 +267,7 @@ class RendezvousParameters:
         Raises:
             RendezvousConfigError: the value is none of those.
         """
-        value = self.config.get(key)
+        value = self.get(key)
         if value is None or isinstance(value, bool):
             return default if value is None else value
         low = str(value).strip().lower()
@@ -270,7 +283,7 @@ class RendezvousParameters:
         Raises:
             RendezvousConfigError: the value is not an integer.
         """
-        value = self.config.get(key)
+        value = self.get(key)
         if value is None:
             return default
         try:
@@ -284,7 +297,7 @@ class RendezvousParameters:
         Raises:
             RendezvousConfigError: not a number, or not positive.
         """
-        value = self.config.get(key)
+        value = self.get(key)
         if value is None:
             return default
         try:

@@ -330,15 +330,17 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
 
     Conf keys (besides the dynamic rendezvous' timeouts, see RendezvousSettings):
     ``store_type`` (``tcp``, default, or ``file``: the endpoint is a file path),
-    ``read_timeout`` (alias ``timeout``; seconds, default 60), ``is_host`` (bool;
-    default: whether the endpoint host is this machine), ``use_libuv`` (bool, default true).
+    ``read_timeout`` (seconds, default 60), ``is_host`` (bool; default: whether the
+    endpoint host is this machine), ``use_libuv`` (bool, default true). Like torch's
+    c10d backend it does not read ``timeout`` (etcd's join timeout): the registry
+    names it in its "does not use" warning.
 
     Raises:
         RendezvousConfigError: a bad conf value or endpoint; the message names it.
         RendezvousConnectionError: the store cannot be hosted or reached.
     """
     settings = RendezvousSettings.from_params(params)
-    read_timeout = params.get_as_seconds("read_timeout", params.get_as_seconds("timeout", DEFAULT_READ_TIMEOUT))
+    read_timeout = params.get_as_seconds("read_timeout", DEFAULT_READ_TIMEOUT)
     use_libuv = bool(params.get_as_bool("use_libuv", True))
     local_addr = params.local_addr or socket.getfqdn()
     store_type = str(params.get("store_type", "tcp")).strip().lower()

@@ -123,7 +123,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     Raises:
         RendezvousConfigError: bad conf value, or python-etcd missing (``pip install 'elaunch[etcd]'``).
     """
-    if "timeout" in params.config and "join_timeout" not in params.config:
+    if params.get("timeout") is not None and "join_timeout" not in params.config:
         params = replace(params, config={**params.config, "join_timeout": params.config["timeout"]})
     conf = parse_conf(params)
     kv = EtcdV2KV(conf, params.backend or "etcd-v2")

@@ -363,7 +363,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """
     config = dict(params.config)
     config.setdefault("poll_interval", str(DEFAULT_POLL_INTERVAL))
-    if "timeout" in config and "join_timeout" not in config:
+    if params.get("timeout") is not None and "join_timeout" not in config:
         config["join_timeout"] = config["timeout"]
     params = replace(params, config=config)
     conf = parse_conf(params)

@@ -7,6 +7,7 @@ when their factory runs, so ``import elaunch.agent`` stays light.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Callable
 
 from elaunch.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
@@ -44,6 +45,10 @@ def register(name: str, factory: Factory) -> None:
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler of ``params.backend`` (torch: ``rendezvous_handler_registry.create_handler``).
 
+    ``--rdzv-conf`` keys the backend does not read are accepted, as torch's backends
+    ignore them, and named in one warning line (``--rdzv-conf: the c10d rendezvous
+    does not use timeout; ignored``); the keys it reads keep their strict checks.
+
     Raises:
         RendezvousConfigError: unknown backend name (the message lists the known
             ones), or a parameter the backend rejects.
@@ -54,4 +59,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise RendezvousConfigError(
             f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(backend_names())})"
         )
-    return factory(params)
+    given = dict(params.config)
+    handler = factory(params)
+    unused = params.unused_keys(given)
+    if unused:
+        logging.getLogger("elaunch").warning(
+            "--rdzv-conf: the %s rendezvous does not use %s; ignored", params.backend, ", ".join(unused))
+    return handler

@@ -87,3 +87,50 @@ def test_parse_endpoint(endpoint, expected):
 def test_parse_endpoint_rejects(endpoint):
     with pytest.raises(RendezvousConfigError, match="--rdzv-endpoint="):
         parse_endpoint(endpoint, 7)
+
+
+def _settings_backend(p):
+    """A backend that reads the dynamic rendezvous' keys only (real RendezvousSettings)."""
+    from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+
+    RendezvousSettings.from_params(p)
+    return object()
+
+
+def test_unused_conf_keys_are_accepted_and_named_in_one_warning(monkeypatch, caplog):
+    monkeypatch.setitem(registry._FACTORIES, "settings-only", _settings_backend)
+    with caplog.at_level("WARNING", logger="elaunch"):
+        registry.create_handler(params("settings-only", join_timeout=5, timeout="5'", foo="bar"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["--rdzv-conf: the settings-only rendezvous does not use timeout, foo; ignored"]
+
+
+def test_used_conf_keys_keep_strict_validation(monkeypatch):
+    monkeypatch.setitem(registry._FACTORIES, "settings-only", _settings_backend)
+    with pytest.raises(RendezvousConfigError, match=r"--rdzv-conf join_timeout=5': expected seconds"):
+        registry.create_handler(params("settings-only", join_timeout="5'"))
+
+
+def test_no_warning_when_every_key_is_used(monkeypatch, caplog):
+    monkeypatch.setitem(registry._FACTORIES, "settings-only", _settings_backend)
+    with caplog.at_level("WARNING", logger="elaunch"):
+        registry.create_handler(params("settings-only", join_timeout=5, last_call_timeout=1))
+    assert caplog.records == []
+
+
+def test_c10d_ignores_timeout_as_torch_does(tmp_path, caplog):
+    pytest.importorskip("torch")
+    path = str(tmp_path / "store")
+    with caplog.at_level("WARNING", logger="elaunch"):
+        registry.create_handler(params("c10d", path, store_type="file", timeout="5'", read_timeout=7))
+    assert [r.getMessage() for r in caplog.records] == [
+        "--rdzv-conf: the c10d rendezvous does not use timeout; ignored"]
+    with pytest.raises(RendezvousConfigError, match="read_timeout=7'"):
+        registry.create_handler(params("c10d", path, store_type="file", read_timeout="7'"))
+
+
+def test_static_reads_only_rank(caplog):
+    with caplog.at_level("WARNING", logger="elaunch"):
+        registry.create_handler(params("static", "127.0.0.1:29599", max_nodes=2, rank=1, join_timeout=5))
+    assert [r.getMessage() for r in caplog.records] == [
+        "--rdzv-conf: the static rendezvous does not use join_timeout; ignored"]
