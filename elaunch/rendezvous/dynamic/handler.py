@@ -10,7 +10,6 @@ late joiners through ``num_nodes_waiting()``. What a round's workers connect to
 from __future__ import annotations
 
 import abc
-import dataclasses
 import itertools
 import logging
 import os
@@ -21,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elaunch.rendezvous.api import (
-    FailureRecord,
-    JobState,
     NodeInfo,
     RendezvousClosedError,
     RendezvousError,
@@ -35,6 +32,7 @@ from elaunch.rendezvous.api import (
 from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor, read_state
+from elaunch.rendezvous.dynamic.job_facts import JobFacts
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -77,7 +75,7 @@ class RoundStoreFactory(abc.ABC):
         """Release the stores this node hosts."""
 
 
-class DynamicRendezvousHandler(RendezvousHandler):
+class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
     """Joins rounds through a shared, compare-and-set state (torch ``DynamicRendezvousHandler``).
 
     Args:
@@ -368,131 +366,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._cached = None
             if not rejoin:
                 self._stores.close()
-
-    # -- the job (job.py) -------------------------------------------------------------
-
-    def job_state(self) -> JobState:
-        """Return the job's shared facts from the monitor's read (at most ``poll_interval`` s old).
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-            RendezvousStateError: the stored state is corrupt.
-        """
-        state = self._read()
-        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
-
-    def _live_others(self, state: RendezvousState) -> int:
-        """Members of this node's round, besides itself, that ``state`` does not show as lost."""
-        if self._current is None:
-            return 0
-        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
-        return max(0, len(self._members) - 1 - lost)
-
-    def _update_job(self, transform) -> RendezvousState:
-        with self._lock:
-            state = self._executor.update(transform, self._settings.close_timeout, "close_timeout")
-        self._cached = None
-        return state
-
-    def record_failure(self, failure: FailureRecord) -> JobState:
-        """Count the failure of ``failure.round`` once for the job (see ``job.count_failure``).
-
-        Raises:
-            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        mine = dataclasses.replace(failure, node=self._node_id)
-        state = self._update_job(lambda s: job.count_failure(s, mine))
-        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
-
-    def fail_job(self, failure: FailureRecord) -> FailureRecord:
-        """Declare the job failed and close the rendezvous; return the job's root cause.
-
-        Raises:
-            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        mine = dataclasses.replace(failure, node=self._node_id)
-        state = self._update_job(lambda s: job.fail_job(s, mine))
-        self._declared_failure = True
-        log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
-                    self._node_id, mine.rank, mine.host, self._settings.run_id)
-        root = job.job_state(state, self._node_id, 0, self._settings).failure
-        return root if root is not None else mine
-
-    def acknowledge_failure(self) -> None:
-        """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
-        me = self._node_id
-        try:
-            self._update_job(lambda s: job.acknowledge_failure(s, me))
-        except RendezvousError as exc:
-            log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
-
-    def _await_acknowledgements(self) -> None:
-        """After declaring the job failed: wait (``close_timeout`` s at most) until every live node saw it.
-
-        This node may host the store the others read; leaving before they read the
-        verdict would leave them with a lost store instead of the root cause.
-        """
-        deadline = time.monotonic() + self._settings.close_timeout
-        pending: list[str] = []
-        while time.monotonic() < deadline:
-            try:
-                state = self._executor.read()
-            except RendezvousError as exc:
-                log.debug("waiting for acknowledgements: %s", exc)
-                return
-            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
-            pending = job.unacknowledged(state, self._members, self._node_id, dead)
-            if not pending:
-                return
-            self._sleep(min(0.05, self._settings.poll_interval))
-        log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
-                    ", ".join(pending), self._settings.close_timeout)
-
-    def request_stack_dump(self, by: FailureRecord) -> int:
-        """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.
-
-        Raises:
-            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        mine = dataclasses.replace(by, node=self._node_id)
-        return self._update_job(lambda s: job.request_dump(s, mine)).dump_id
-
-    def acknowledge_dump(self, dump_id: int) -> None:
-        """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
-        me = self._node_id
-        try:
-            self._update_job(lambda s: job.acknowledge_dump(s, me, dump_id))
-        except RendezvousError as exc:
-            log.debug("node %s could not acknowledge stack dump %d: %s", me, dump_id, exc)
-
-    def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
-        """Wait up to ``timeout`` seconds until the live members of this round answered ``dump_id``.
-
-        Returns:
-            The node ids that did not answer in time (lost and dead members are not waited for).
-        """
-        deadline = time.monotonic() + timeout
-        pending: list[str] = []
-        while True:
-            try:
-                state = self._executor.read()
-            except RendezvousError as exc:
-                log.debug("waiting for stack dumps: %s", exc)
-                return pending
-            if state.dump_id > dump_id:
-                # another node found the hang too and asked again: our stacks are written, so we
-                # answer its request and wait for the others' answers to it instead
-                dump_id = state.dump_id
-                self.acknowledge_dump(dump_id)
-                continue
-            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._members - set(state.participants))
-            pending = job.dumps_pending(state, dump_id, self._members - {self._node_id} - gone)
-            if not pending or time.monotonic() >= deadline:
-                return pending
-            self._sleep(min(0.05, self._settings.poll_interval))
 
     # -- keep-alive -------------------------------------------------------------------
 

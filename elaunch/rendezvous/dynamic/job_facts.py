@@ -1,0 +1,156 @@
+"""The job-wide facts of a dynamic rendezvous, as methods of its handler (see ``job.py``).
+
+A mixin of :class:`~elaunch.rendezvous.dynamic.handler.DynamicRendezvousHandler`,
+kept apart so the handler's module holds the rounds and this one the job: the
+restart count, the failure verdict and its acknowledgements, and stack-dump
+requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
+``_members``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``,
+``_read()`` and ``_declared_failure`` (all set by the handler's ``__init__``).
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
+from elaunch.rendezvous.dynamic import job, ops
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
+
+
+class JobFacts:
+    """The ``RendezvousHandler`` job methods over the shared state (the dynamic backends)."""
+
+    def job_state(self) -> JobState:
+        """Return the job's shared facts from the monitor's read (at most ``poll_interval`` s old).
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+            RendezvousStateError: the stored state is corrupt.
+        """
+        state = self._read()
+        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+
+    def _live_others(self, state: RendezvousState) -> int:
+        """Members of this node's round, besides itself, that ``state`` does not show as lost."""
+        if self._current is None:
+            return 0
+        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
+        return max(0, len(self._members) - 1 - lost)
+
+    def _update_job(self, transform) -> RendezvousState:
+        with self._lock:
+            state = self._executor.update(transform, self._settings.close_timeout, "close_timeout")
+        self._cached = None
+        return state
+
+    def record_failure(self, failure: FailureRecord) -> JobState:
+        """Count the failure of ``failure.round`` once for the job (see ``job.count_failure``).
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(failure, node=self._node_id)
+        state = self._update_job(lambda s: job.count_failure(s, mine))
+        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+
+    def fail_job(self, failure: FailureRecord) -> FailureRecord:
+        """Declare the job failed and close the rendezvous; return the job's root cause.
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(failure, node=self._node_id)
+        state = self._update_job(lambda s: job.fail_job(s, mine))
+        self._declared_failure = True
+        log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
+                    self._node_id, mine.rank, mine.host, self._settings.run_id)
+        root = job.job_state(state, self._node_id, 0, self._settings).failure
+        return root if root is not None else mine
+
+    def acknowledge_failure(self) -> None:
+        """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
+        me = self._node_id
+        try:
+            self._update_job(lambda s: job.acknowledge_failure(s, me))
+        except RendezvousError as exc:
+            log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
+
+    def _await_acknowledgements(self) -> None:
+        """After declaring the job failed: wait (``close_timeout`` s at most) until every live node saw it.
+
+        This node may host the store the others read; leaving before they read the
+        verdict would leave them with a lost store instead of the root cause.
+        """
+        def pending(state: RendezvousState) -> list[str]:
+            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
+            return job.unacknowledged(state, self._members, self._node_id, dead)
+
+        left = self._await_others(pending, self._settings.close_timeout, "acknowledgements")
+        if left:
+            log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
+                        ", ".join(left), self._settings.close_timeout)
+
+    def request_stack_dump(self, by: FailureRecord) -> int:
+        """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        mine = dataclasses.replace(by, node=self._node_id)
+        return self._update_job(lambda s: job.request_dump(s, mine)).dump_id
+
+    def acknowledge_dump(self, dump_id: int) -> None:
+        """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
+        me = self._node_id
+        try:
+            self._update_job(lambda s: job.acknowledge_dump(s, me, dump_id))
+        except RendezvousError as exc:
+            log.debug("node %s could not acknowledge stack dump %d: %s", me, dump_id, exc)
+
+    def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until the live members of this round answered ``dump_id``.
+
+        Returns:
+            The node ids that did not answer in time (lost and dead members are not waited for).
+        """
+        asked = dump_id
+
+        def pending(state: RendezvousState) -> list[str]:
+            nonlocal asked
+            if state.dump_id > asked:
+                # another node found the hang too and asked again: our stacks are written, so we
+                # answer its request and wait for the others' answers to it instead
+                asked = state.dump_id
+                self.acknowledge_dump(asked)
+            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._members - set(state.participants))
+            return job.dumps_pending(state, asked, self._members - {self._node_id} - gone)
+
+        return self._await_others(pending, timeout, "stack dumps")
+
+    def _await_others(self, pending: Callable[[RendezvousState], list[str]], timeout: float,
+                      what: str) -> list[str]:
+        """Read the state until ``pending(state)`` is empty or ``timeout`` seconds passed; return what is left.
+
+        A backend error ends the wait (logged at DEBUG): the caller is on its way out.
+        """
+        deadline = time.monotonic() + timeout
+        left: list[str] = []
+        while True:
+            try:
+                state = self._executor.read()
+            except RendezvousError as exc:
+                log.debug("waiting for %s: %s", what, exc)
+                return left
+            left = pending(state)
+            if not left or time.monotonic() >= deadline:
+                return left
+            self._sleep(min(0.05, self._settings.poll_interval))
