@@ -17,16 +17,16 @@ import socket
 import time
 from collections.abc import Mapping
 
-from elaunch.agent.decide import Step, Verdict, judge, order_hung
+from elaunch.agent.decide import Step, Verdict, judge
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
-from elaunch.agent.hangs import DUMP_TIMEOUT, HangWatch, waits_on_peer
+from elaunch.agent.hang_response import HangResponse
+from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import (
     FailureRecord,
-    JobState,
     RendezvousClosedError,
     RendezvousError,
     RendezvousHandler,
@@ -102,13 +102,7 @@ class ElasticAgent:
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobView(rdzv, spec.max_restarts)
         self._hang_timeout = hang_timeout
-        self._hangs: HangWatch | None = None
-        self._hung: dict[int, ProcessFailure] = {}  # this attempt's hung workers, by global rank
-        self._hang_culprit: int | None = None  # the global rank the other hung ones wait behind
-        self._hang_blocked = False  # that rank itself looked blocked behind a peer on another node
-        self._dumps_seen: int | None = None  # the job's stack-dump requests answered (None: not read yet)
-        self._answered: tuple[dict, str | None] | None = None  # this round's stacks taken for another node
-        self._round = -1
+        self._hangs: HangResponse | None = None  # made in run(): it creates the progress files
         self._file_timer = None
 
     @property
@@ -128,7 +122,8 @@ class ElasticAgent:
             RendezvousError: the rendezvous failed (timeout, closed, unreachable).
         """
         self._launcher.open()
-        self._hangs = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
+        watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
+        self._hangs = HangResponse(watch, self._rdzv, self._hostname)
         self._start_file_timer()
         try:
             return self._invoke_run()
@@ -141,7 +136,7 @@ class ElasticAgent:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._launcher.close()
-            self._hangs.close()
+            self._hangs.watch.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
 
@@ -225,12 +220,13 @@ class ElasticAgent:
                 # HEALTHY -> STOPPED: re-form with the new membership (not counted)
                 group.state = WorkerState.STOPPED
                 continue
-            failures = {**self._failures(group, *exited), **self._hung}
+            hangs = self._hangs
+            failures = {**self._failures(group, *exited), **hangs.hung}
             from elaunch.errors import root_cause
 
-            first = failures.get(self._hang_culprit) or root_cause(failures)
-            record = local_record(first, info.round, hung=first.global_rank in self._hung,
-                                  blocked=first.global_rank == self._hang_culprit and self._hang_blocked)
+            first = failures.get(hangs.culprit) or root_cause(failures)
+            record = local_record(first, info.round, hung=first.global_rank in hangs.hung,
+                                  blocked=first.global_rank == hangs.culprit and hangs.blocked)
             step, restarts, root = self._job.count_failure(record, restarts)
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
@@ -288,11 +284,9 @@ class ElasticAgent:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
             envs[lr] = {**worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts),
-                        **self._hangs.env(lr)}
+                        **self._hangs.watch.env(lr)}
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
-        self._hangs.new_attempt()
-        self._hung, self._hang_culprit, self._hang_blocked = {}, None, False
-        self._dumps_seen, self._answered, self._round = None, None, info.round
+        self._hangs.new_attempt(info.round)
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
@@ -325,14 +319,14 @@ class ElasticAgent:
         while True:
             codes = self._procs.poll()
             job = self._job.read()
-            self._answer_dump_request(job)
-            hung = self._hangs.hung(codes)
+            self._hangs.answer(job, self._procs.pids, self.log_root)
+            hung = self._hangs.watch.hung(codes)
             if hung and self._recorded_an_error(hung):
                 # HEALTHY -> FAILED: quiet because it is failing (it raised and is still exiting), not hung
                 return Verdict.FAILED
             verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
             if hung and verdict is Verdict.FAILED:
-                self._on_hang(hung)
+                self._hangs.on_hang(hung, self._group.workers, self.log_root, self._procs.notify)
                 return verdict
             if verdict is Verdict.FAILED:
                 new = self._new_nodes()
@@ -361,92 +355,10 @@ class ElasticAgent:
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
 
-    def _answer_dump_request(self, job: JobState) -> None:
-        """Dump this node's worker stacks when another agent asked for it since the last look."""
-        if self._dumps_seen is None:
-            self._dumps_seen = job.dump_id  # requests from before this attempt are not ours to answer
-            return
-        if job.dump_id <= self._dumps_seen:
-            return
-        self._dumps_seen = job.dump_id
-        by = job.dump_by
-        why = (f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
-               if by is not None else "stacks requested through the rendezvous")
-        dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_requested", why)
-        log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
-        self._rdzv.acknowledge_dump(job.dump_id)
-        if by is not None and by.round == self._round:
-            self._answered = (dumps, path)  # this round's stacks, should our own ranks be found hung too
-
     def _recorded_an_error(self, local_ranks: list[int]) -> bool:
         """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
         files = self._attempt_logs.error_file
         return any(files.get(lr) and os.path.exists(files[lr]) for lr in local_ranks)
-
-    def _on_hang(self, hung: list[int]) -> None:
-        """Hung workers: ask every node for stacks, dump ours, kill the hung ones (a failure of theirs).
-
-        The root cause is the rank the others are blocked behind (``decide.order_hung``):
-        a peer stuck in the same collective goes quiet at the same moment.
-        """
-        from elaunch.procs.stacks import process_state
-
-        group, now = self._group, time.time()
-        by_lr = {w.local_rank: w for w in group.workers}
-        quiet = {lr: self._hangs.quiet_for(lr) for lr in hung}
-        counters = {lr: self._hangs.counter(lr) for lr in by_lr}
-        stopped = {lr: process_state(by_lr[lr].pid or -1) in ("T", "t") for lr in hung}
-        likely = order_hung(hung, counters, quiet, {}, stopped)[0]  # before the stacks tell more
-        first = by_lr[likely]
-        asked = FailureRecord(round=self._round, at=now, host=self._hostname, rank=first.global_rank,
-                              local_rank=likely, pid=first.pid or -1, exitcode=-signal.SIGKILL,
-                              message=f"HUNG: no progress for {quiet[likely]:.1f} s", hung=True)
-        dump_id = 0
-        likely_cause = stopped[likely] or counters[likely] < max(counters.values())
-        if self._answered is not None and not likely_cause:
-            # another node found the hang first and our stacks are already taken for it: only
-            # our own ranks' failure is left to report (a victim's request would only add noise)
-            log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g), as another "
-                      "node found too", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
-            dumps, path = self._answered
-        else:
-            log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
-                      "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self._hang_timeout)
-            try:
-                dump_id = self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
-                self._dumps_seen = max(self._dumps_seen or 0, dump_id)  # ours: nothing to answer
-            except RendezvousError as exc:
-                log.warning("could not ask the other nodes for their stacks: %s", exc)
-            dumps, path = self._hangs.dump(self._procs.pids, self.log_root, f"round{self._round}_hang",
-                                           f"HUNG: local rank(s) {', '.join(map(str, hung))} (--hang-timeout="
-                                           f"{self._hang_timeout:g})")
-        if dump_id:
-            # the others' workers stay blocked where the hang left them until we kill ours
-            missing = self._rdzv.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)
-            if missing:
-                log.warning("no stacks from node(s) %s within %g s", ", ".join(missing), DUMP_TIMEOUT)
-        self._procs.notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
-        waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}
-        order = order_hung(hung, counters, quiet, waiting, stopped)
-        culprit = by_lr[order[0]]
-        # likely a victim: it waits in a collective like its peers, is not stopped and not behind them
-        self._hang_blocked = (waiting.get(order[0], False) and not stopped[order[0]]
-                              and counters[order[0]] >= max(counters.values()))
-        log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s; stacks in %s",
-                  culprit.global_rank, order[0], quiet[order[0]],
-                  "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")
-        for idx, lr in enumerate(order):
-            w = by_lr[lr]
-            d = dumps.get(lr)
-            stacks = f"stacks ({d.method}{': ' + d.reason if d.reason else ''}):\n{d.text.rstrip()}" if d else ""
-            role = "" if idx == 0 else f" (blocked behind rank {culprit.global_rank})"
-            detail = (f"HUNG{role}: no progress for {quiet[lr]:.1f} s (--hang-timeout={self._hang_timeout:g}); "
-                      f"killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
-            # went quiet at now - quiet; the culprit first among equals
-            self._hung[w.global_rank] = ProcessFailure(
-                local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
-                timestamp=now - quiet[lr] + idx * 1e-3, hostname=self._hostname, detail=detail)
-        self._hang_culprit = culprit.global_rank
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
