@@ -228,6 +228,16 @@ class ElasticAgent:
             record = local_record(first, info.round, hung=first.global_rank in hangs.hung,
                                   blocked=first.global_rank == hangs.culprit and hangs.blocked)
             step, restarts, root = self._job.count_failure(record, restarts)
+            if step is Step.REJOIN:
+                # HEALTHY -> STOPPED: the workers failed because a member node is gone (not counted)
+                group.state = WorkerState.STOPPED
+                lost = self._job.state.lost
+                log.warning(
+                    "membership changed (0 node(s) waiting to join, %d lost); re-forming the group"
+                    " (not counted as a restart): the workers exited (%s) after node(s) %s stopped answering",
+                    len(lost), describe_exits(exited[0]), ", ".join(lost),
+                )
+                continue
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
                 self._launcher.no_more_attempts()

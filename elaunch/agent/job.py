@@ -66,7 +66,9 @@ class JobView:
             restarts: the restarts this agent knows of (used where the backend keeps no count).
 
         Returns:
-            (RESTART or FINISH_FAILED, the job's restarts after it, the job's root cause).
+            (RESTART, FINISH_FAILED, or REJOIN when a lost member of the round caused
+            the failure (``JobState.lost``: not counted); the job's restarts after
+            it; the job's root cause).
 
         Raises:
             RendezvousError: the rendezvous could not be written.
@@ -77,6 +79,8 @@ class JobView:
             if job.failed:  # declared failed by another node meanwhile
                 self._rdzv.acknowledge_failure()
                 return Step.FINISH_FAILED, job.restarts, job.failure or record
+            if job.lost:  # a node loss, not a failure of the job: re-form, uncounted
+                return Step.REJOIN, job.restarts, record
             used = job.restarts - 1  # before this round's failure
         else:
             used = restarts  # no job state: this agent counts alone (static, standalone)

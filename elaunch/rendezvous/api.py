@@ -316,7 +316,11 @@ class RendezvousHandler(abc.ABC):
 
         The first record of a round counts one restart; later records of the same
         round (peers whose collectives broke) only replace the round's root cause
-        when they happened earlier. Returns None when the backend keeps no job state.
+        when they happened earlier. Before counting, the handler checks that every
+        other member of the round is still there (it may wait up to the backend's
+        probe time, seconds): when one left or its agent died, the failure is that
+        node's loss, nothing is counted and the returned state lists it in
+        ``JobState.lost``. Returns None when the backend keeps no job state.
 
         Raises:
             RendezvousConnectionError: the backend is unreachable.

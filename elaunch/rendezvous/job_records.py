@@ -90,7 +90,7 @@ class JobState:
     Attributes:
         restarts: failure restarts the job used so far (one per failed round, whichever
             node saw it); every worker of a round gets it as ``TORCHELASTIC_RESTART_COUNT``.
-        failure: the root cause of the latest counted failure, or None.
+        failure: the root cause of the latest failed round, or None.
         failed: True once an agent declared the job failed (its budget was spent, or
             the failure cannot be fixed by a restart); the rendezvous is then closed.
         dump_id: increases each time an agent asks every agent to dump its workers'
@@ -103,6 +103,10 @@ class JobState:
         exclude_after: failures in a row of which a node is the root cause after which it
             sits out (conf ``exclude_after``; 0 = never).
         exclude_cooldown: seconds a node sits out (conf ``exclude_cooldown``).
+        lost: set by ``RendezvousHandler.record_failure`` only: the other members of the
+            failed round that did not answer after the failure (they left, or their
+            agent is dead). The failure was then their loss's doing: a membership
+            change, not counted in ``restarts``.
     """
 
     restarts: int = 0
@@ -116,3 +120,4 @@ class JobState:
     min_nodes: int = 1
     exclude_after: int = 0
     exclude_cooldown: float = 0.0
+    lost: tuple[str, ...] = ()

@@ -177,13 +177,8 @@ def test_an_agent_stopped_by_a_signal_leaves_and_the_others_go_on(endpoint, tmp_
         assert set(sizes.values()) == {"2"}, sizes
         for p in tmp_path.glob("env_*.json"):
             p.unlink()
-        victim, survivor = agents[1], agents[0]
-        if backend == "c10d":
-            # stop the agent that does not host the store (whichever bound the endpoint first hosts it)
-            port = int(ep.rsplit(":", 1)[1])
-            host = next(a for a in agents if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                                 for c in psutil.Process(a.pid).net_connections("tcp")))
-            victim, survivor = (agents[1], agents[0]) if host is agents[0] else (agents[0], agents[1])
+        # stop the agent that does not host the store (whichever bound the endpoint first hosts it)
+        survivor, victim = _store_host_first(agents, backend, ep)
         victim.send_signal(signal.SIGTERM)
         _out, err = victim.communicate(timeout=60)
         assert victim.returncode == 128 + signal.SIGTERM, err
@@ -194,6 +189,46 @@ def test_an_agent_stopped_by_a_signal_leaves_and_the_others_go_on(endpoint, tmp_
         assert survivor.returncode == 0, err
     finally:
         (tmp_path / "release").touch()
+        for a in agents:
+            kill_tree(a.pid)
+
+
+def _store_host_first(agents, backend: str, ep: str):
+    """``agents`` reordered so the one hosting the c10d store (bound the endpoint) comes first."""
+    if backend != "c10d":
+        return agents
+    port = int(ep.rsplit(":", 1)[1])
+    host = next(a for a in agents if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                         for c in psutil.Process(a.pid).net_connections("tcp")))
+    return [host] + [a for a in agents if a is not host]
+
+
+@pytest.mark.parametrize("endpoint", BACKENDS, indirect=True)
+def test_a_killed_agent_is_a_lost_node_not_a_failure_of_the_job(endpoint, tmp_path):
+    # kill -9 of one agent: its watchdog kills its workers, the survivor's all_reduce fails on the
+    # closed socket long before any heartbeat lapses; the survivor must see a lost node (re-form,
+    # not counted), not spend the job's budget: with --max-restarts=0 it goes on alone
+    backend, ep = endpoint
+    conf = CONF if backend == "c10d" else CONF + ",read_timeout=20"
+    agents = [start("elaunch", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0",
+                    f"--rdzv-backend={backend}", f"--rdzv-endpoint={ep}", f"--rdzv-id=kill9-{backend}",
+                    f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", "--monitor-interval=0.1",
+                    str(SCRIPTS / "mn_loop.py"), str(tmp_path)) for _ in range(2)]
+    rounds = tmp_path / "rounds.txt"
+    try:
+        wait_for(lambda: (tmp_path / "world_2").exists(), 60, what="a world of two")
+        survivor, victim = _store_host_first(agents, backend, ep)
+        victim.kill()
+        victim.wait(timeout=10)
+        wait_for(lambda: (tmp_path / "world_1").exists(), 60, what="the survivor re-formed alone")
+        assert rounds.read_text().splitlines() == ["2 2 0", "1 1 0"]  # restart count still 0
+        (tmp_path / "stop").touch()
+        _out, err = survivor.communicate(timeout=60)
+        assert survivor.returncode == 0, err
+        assert "worker group failed" not in err, err
+        assert "membership changed (0 node(s) waiting to join, 1 lost)" in err, err
+    finally:
+        (tmp_path / "stop").touch()
         for a in agents:
             kill_tree(a.pid)
 

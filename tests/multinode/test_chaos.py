@@ -301,11 +301,6 @@ def test_the_agents_agree_on_each_restart_root_cause(chaos):
     assert all(len(ranks) == 1 for ranks in named.values()), named
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "observed on c10d and etcd-v3: after kill -9 of h2's agent its workers die at once, the survivors' "
-    "workers crash on the closed gloo sockets before the keep-alive notices the loss, and the survivors "
-    "log 'worker group failed (rank 1 on ..., exitcode 1); restart 4/20': h2's loss is charged to the "
-    "restart budget (it is named only once the next round formed without it)"))
 def test_a_killed_host_is_seen_as_lost(chaos):
     seg = chaos.segments["kill9"]
     assert re.search(r"membership changed \(\d+ node\(s\) waiting to join, 1 lost\)", seg), seg

@@ -9,7 +9,6 @@ argv[2]: a directory; each start appends "<restart> <rank> <pid> <host>\n" to st
 """
 import json
 import os
-import signal
 import socket
 import sys
 import time

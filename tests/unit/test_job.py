@@ -54,9 +54,9 @@ FULL_BLAME = [f"n{i}" for i in range(job.BLAME_KEPT)]
         # the first failure of a round counts one restart and is the root cause
         (state(), rec(0, 10.0, "a"), (1, (0, 10.0, "a"), ["a"])),
         (state(3, A0, blame=["a"]), rec(2, 30.0, "b"), (4, (2, 30.0, "b"), ["a", "b"])),
-        # a second report of the same round does not count again ...
-        (state(1, A0, blame=["a"]), rec(0, 11.0, "b"), None),
-        (state(1, A0, blame=["a"]), rec(0, 10.0, "b"), None),  # a tie keeps the first root cause
+        # a second report of the same round does not count again (only its node is noted) ...
+        (state(1, A0, blame=["a"]), rec(0, 11.0, "b"), (1, (0, 10.0, "a"), ["a"])),
+        (state(1, A0, blame=["a"]), rec(0, 10.0, "b"), (1, (0, 10.0, "a"), ["a"])),  # a tie keeps the first
         # ... and replaces the root cause only when it happened earlier
         (state(1, A0, blame=["a"]), rec(0, 9.5, "b"), (1, (0, 9.5, "b"), ["b"])),
         (state(2, A0, blame=["x", "a"]), rec(0, 9.5, "b"), (2, (0, 9.5, "b"), ["x", "b"])),
@@ -80,6 +80,7 @@ def test_count_failure(before, report, expected):
     restarts, root, blame = expected
     assert (after.restarts, key(after.failure), after.blame) == (restarts, root, blame)
     assert after.job_failed is False and after.closed is False
+    assert after.counted and report.node in after.reported
 
 
 def test_count_failure_stores_the_whole_record():
@@ -103,6 +104,70 @@ def test_count_failure_refuses_a_corrupt_root_cause():
     bad = RendezvousState(restarts=1, failure={"round": "zero", "at": 1.0})
     with pytest.raises(RendezvousStateError, match="corrupt failure record"):
         job.count_failure(bad, rec(0, 1.0, "a"))
+
+
+# ---------------------------------------------------------------- job.note_failure / count_round
+
+def test_a_noted_failure_is_not_counted_until_the_round_is():
+    noted = job.note_failure(state(2, A0, blame=["a"]), rec(1, 20.0, "b"), probe_at=20.5)
+    assert (noted.restarts, key(noted.failure), noted.counted, noted.reported) == (2, (1, 20.0, "b"), False, ["b"])
+    assert noted.probe_at == 20.5 and noted.blame == ["a"]  # no blame before it counts
+    # a peer's report of the same round: its node is noted, an earlier one becomes the root cause
+    peer = job.note_failure(noted, rec(1, 19.0, "c"))
+    assert (key(peer.failure), peer.counted, peer.reported, peer.blame) == ((1, 19.0, "c"), False, ["b", "c"], ["a"])
+    assert job.note_failure(peer, rec(1, 25.0, "c")) is None  # nothing new
+    counted = job.count_round(peer, 1)
+    assert (counted.restarts, counted.counted, counted.blame) == (3, True, ["a", "c"])
+    assert job.count_round(counted, 1) is None  # once per round, whoever counts it
+    assert job.count_round(peer, 0) is None  # not the latest failed round
+
+
+def test_a_probe_never_moves_back():
+    s = RendezvousState(probe_at=30.0)
+    assert job.note_failure(s, rec(0, 1.0, "a"), probe_at=25.0).probe_at == 30.0
+
+
+def test_an_uncounted_round_stays_uncounted_when_the_next_fails():
+    lost = job.note_failure(state(1, A0, blame=["a"]), rec(1, 20.0, "b"))  # round 1: a node loss, never counted
+    nxt = job.count_failure(lost, rec(2, 30.0, "c"))
+    assert (nxt.restarts, key(nxt.failure), nxt.blame, nxt.reported) == (2, (2, 30.0, "c"), ["a", "c"], ["c"])
+
+
+def test_states_without_the_count_fields_read_as_counted():
+    doc = json.loads(state(1, A0).to_bytes())
+    del doc["counted"], doc["reported"]
+    old = RendezvousState.from_bytes(json.dumps(doc))
+    assert old.counted is True and old.reported == []
+    assert job.count_round(old, 0) is None
+
+
+def members(round: int = 3, **kw) -> RendezvousState:
+    """Round ``round`` of a, b, c, d whose failure a reported."""
+    s = RendezvousState(round=round, complete=True, participants={"a": 0, "b": 1, "c": 2, "d": 3},
+                        failure=rec(3, 10.0, "a").to_dict(), counted=False, reported=["a"],
+                        last_heartbeats={"a": 10.0, "b": 9.0, "c": 9.0, "d": 9.0})
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+@pytest.mark.parametrize(
+    "s, dead, alive, lost",
+    [
+        (members(), set(), set(), set()),  # nobody answered yet
+        (members(reported=["a", "b"]), set(), {"b"}, set()),  # b reported the round too
+        (members(last_heartbeats={"b": 9.0, "c": 10.0, "d": 10.5}), set(), {"c", "d"}, set()),  # beats since
+        (members(wait_list={"b"}), set(), {"b"}, set()),  # b waits for the next round
+        (members(round=4, participants={"b": 0}), set(), {"b"}, set()),  # b joined the next round
+        (members(participants={"a": 0, "b": 1, "c": 2}), set(), set(), {"d"}),  # d left the round
+        (members(), {"c"}, set(), {"c"}),  # c did not answer the probe
+        (members(failure_acks=["d"]), set(), {"d"}, set()),
+        # another round's reporters say nothing about this one
+        (members(failure=rec(4, 12.0, "b").to_dict(), reported=["b"]), set(), set(), set()),
+    ],
+)
+def test_answers_after_a_failure(s, dead, alive, lost):
+    assert job.answers(s, 3, frozenset({"b", "c", "d"}), 10.0, dead) == (alive, lost)
 
 
 # ---------------------------------------------------------------- job.fail_job
@@ -464,7 +529,7 @@ def test_summary_first_puts_the_jobs_root_cause_first(first, order):
     text = format_failure_summary(FOUR, title="t FAILED", first=first)
     assert [int(m) for m in re.findall(r"^  rank      : (\d+) ", text, re.M)] == order
     root = text.split("Root Cause (first observed failure):\n", 1)[1].split("\nOther Failures:\n", 1)[0]
-    assert root.startswith(f"[0]:\n  time      : ")
+    assert root.startswith("[0]:\n  time      : ")
     assert f"  rank      : {order[0]} (local_rank: {order[0] % 2})" in root
 
 

@@ -32,14 +32,21 @@ def _root(state: RendezvousState) -> FailureRecord | None:
     return _record(state.failure)
 
 
-def count_failure(state: RendezvousState, failure: FailureRecord) -> RendezvousState | None:
-    """Return the state after ``failure`` (of round ``failure.round``) is counted, or None.
+def note_failure(state: RendezvousState, failure: FailureRecord,
+                 probe_at: float | None = None) -> RendezvousState | None:
+    """Return the state with ``failure`` (of round ``failure.round``) reported, not yet counted; or None.
 
-    The first failure of a round counts one job restart and becomes the round's
-    root cause; a later report of the same round only replaces the root cause
-    when it precedes it (``FailureRecord.precedes``: not blocked behind a peer,
-    or earlier), without counting again. Reports of older
-    rounds, and anything after the job failed, change nothing.
+    The first report of a round becomes its root cause, uncounted
+    (``count_round`` counts it once the reporter saw every member alive); a later
+    report of the same round adds its node to ``reported`` and replaces the root
+    cause only when it precedes it (``FailureRecord.precedes``: not blocked behind
+    a peer, or earlier). Reports of older rounds, and anything after the job
+    failed, change nothing.
+
+    Args:
+        probe_at: when given (seconds since the epoch), also asks every agent to
+            heart-beat at once (``state.probe_at``, see ``ops.dead_nodes``): the
+            reporter waits for that answer before it counts the failure.
     """
     if state.job_failed:
         return None
@@ -47,18 +54,65 @@ def count_failure(state: RendezvousState, failure: FailureRecord) -> RendezvousS
     if known is not None and known.round > failure.round:
         return None  # a report from a round already superseded by a later failure
     s = state.copy()
-    if known is not None and known.round == failure.round:
-        if not failure.precedes(known):
-            return None
+    if probe_at is not None and (s.probe_at is None or s.probe_at < probe_at):
+        s.probe_at = probe_at
+    if known is None or known.round < failure.round:
+        s.failure, s.counted, s.reported = failure.to_dict(), False, [failure.node]
+        return s
+    if failure.node not in s.reported:
+        s.reported.append(failure.node)
+    if failure.precedes(known):
         # an earlier failure of the same round (or one not blocked behind a peer): the real root cause
         s.failure = failure.to_dict()
-        if s.blame:
+        if s.counted and s.blame:
             s.blame[-1] = failure.node
-        return s
+    return None if s == state else s
+
+
+def count_round(state: RendezvousState, round: int) -> RendezvousState | None:
+    """Return the state with ``round``'s reported failure counted as one job restart, or None.
+
+    None when it was counted already (whichever node counted it), when ``round``
+    is not the latest failed round, or when the job failed.
+    """
+    known = _root(state)
+    if state.job_failed or known is None or known.round != round or state.counted:
+        return None
+    s = state.copy()
     s.restarts += 1  # COUNTED: one restart per failed round, whichever node saw it
-    s.failure = failure.to_dict()
-    s.blame = (s.blame + [failure.node])[-BLAME_KEPT:]
+    s.counted = True
+    s.blame = (s.blame + [known.node])[-BLAME_KEPT:]
     return s
+
+
+def count_failure(state: RendezvousState, failure: FailureRecord) -> RendezvousState | None:
+    """Return the state after ``failure`` is reported and its round counted (``note_failure`` + ``count_round``), or None."""
+    noted = note_failure(state, failure)
+    counted = count_round(noted if noted is not None else state, failure.round)
+    return counted if counted is not None else noted
+
+
+def answers(state: RendezvousState, round: int, nodes: frozenset[str] | set[str], since: float,
+            dead: set[str]) -> tuple[set[str], set[str]]:
+    """Return ``(alive, lost)`` among ``nodes``, the other members of ``round``, after its failure at ``since``.
+
+    Alive: the node reported ``round``'s failure itself, saw the job's failure,
+    waits for the next round or joined it, or heart-beat at or after ``since``
+    (seconds since the epoch). Lost: it left ``round`` (a leave, or pruned), or is
+    ``dead`` (``ops.dead_nodes``: it did not answer the probe). The rest have not
+    answered yet.
+    """
+    known = _root(state)
+    reported = set(state.reported) if known is not None and known.round == round else set()
+    newer = set(state.participants) if state.round > round else set()
+    alive, lost = set(), set()
+    for n in nodes:
+        if (n in reported or n in state.wait_list or n in newer or n in state.failure_acks
+                or state.last_heartbeats.get(n, float("-inf")) >= since):
+            alive.add(n)
+        elif n in dead or (state.round == round and n not in state.participants):
+            lost.add(n)
+    return alive, lost
 
 
 def fail_job(state: RendezvousState, failure: FailureRecord) -> RendezvousState | None:

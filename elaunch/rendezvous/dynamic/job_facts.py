@@ -50,15 +50,46 @@ class JobFacts:
         return state
 
     def record_failure(self, failure: FailureRecord) -> JobState:
-        """Count the failure of ``failure.round`` once for the job (see ``job.count_failure``).
+        """Report ``failure`` and count its round once for the job, unless a lost node caused it.
+
+        Reports the failure (``job.note_failure``), asks every agent to heart-beat
+        at once, and waits until each other member of the round has answered
+        (``job.answers``; about ``probe_timeout / 4`` s for a live agent, however busy its
+        main thread). When all have, the round is counted (``job.count_round``).
+        When one left or does not answer within ``probe_timeout`` seconds, its loss
+        is what broke the workers' collectives (``kill -9`` of its agent closes their
+        sockets before any heartbeat lapses): nothing is counted and the returned
+        state names it in ``lost``.
 
         Raises:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
         mine = dataclasses.replace(failure, node=self._node_id)
-        state = self._update_job(lambda s: job.count_failure(s, mine))
+        others = self._members - {self._node_id}
+        since = self._clock()
+        state = self._update_job(lambda s: job.note_failure(s, mine, probe_at=since if others else None))
+        lost = self._unanswered(failure.round, others, since) if others and not state.job_failed else []
+        if lost:
+            return dataclasses.replace(
+                job.job_state(state, self._node_id, self._live_others(state), self._settings), lost=tuple(lost))
+        state = self._update_job(lambda s: job.count_round(s, failure.round))
         return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+
+    def _unanswered(self, round: int, others: frozenset[str], since: float) -> list[str]:
+        """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return the lost ones (sorted)."""
+        lost: set[str] = set()
+
+        def pending(state: RendezvousState) -> list[str]:
+            if state.job_failed:
+                return []
+            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
+            alive, gone = job.answers(state, round, others, since, dead)
+            lost.update(gone)
+            return [] if gone else sorted(others - alive)
+
+        left = self._await_others(pending, self._settings.probe_timeout + 0.5, "answers to the failure probe")
+        return sorted(lost | set(left))
 
     def fail_job(self, failure: FailureRecord) -> FailureRecord:
         """Declare the job failed and close the rendezvous; return the job's root cause.

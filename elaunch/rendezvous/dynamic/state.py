@@ -43,7 +43,10 @@ class RendezvousState:
         probe_at: when a waiting node last asked the complete round's participants to
             prove they are alive (seconds since the epoch), or None; see ``ops.dead_nodes``.
         restarts: failure restarts the job used (one per failed round); see ``job.py``.
-        failure: ``FailureRecord.to_dict()`` of the latest counted failure's root cause, or None.
+        failure: ``FailureRecord.to_dict()`` of the latest failed round's root cause, or None.
+        counted: whether that round's failure was counted in ``restarts`` (False while the
+            reporting node checks whether a lost node caused it, and for good when one did).
+        reported: node ids that reported that round's failure (each a sign of life).
         job_failed: True once an agent declared the job failed (``closed`` is then True too).
         dump_id: increases with each request to dump every worker's stacks (0: none).
         dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None.
@@ -68,6 +71,8 @@ class RendezvousState:
     probe_at: float | None = None
     restarts: int = 0
     failure: dict | None = None
+    counted: bool = True
+    reported: list[str] = field(default_factory=list)
     job_failed: bool = False
     dump_id: int = 0
     dump_by: dict | None = None
@@ -91,6 +96,8 @@ class RendezvousState:
             probe_at=self.probe_at,
             restarts=self.restarts,
             failure=None if self.failure is None else dict(self.failure),
+            counted=self.counted,
+            reported=list(self.reported),
             job_failed=self.job_failed,
             dump_id=self.dump_id,
             dump_by=None if self.dump_by is None else dict(self.dump_by),
@@ -130,6 +137,8 @@ class RendezvousState:
             "probe_at": self.probe_at,
             "restarts": self.restarts,
             "failure": self.failure,
+            "counted": self.counted,
+            "reported": self.reported,
             "job_failed": self.job_failed,
             "dump_id": self.dump_id,
             "dump_by": self.dump_by,
@@ -178,6 +187,8 @@ class RendezvousState:
                 # job-wide fields: absent in states written before they existed
                 restarts=_int(doc.get("restarts", 0)),
                 failure=_opt_dict(doc.get("failure")),
+                counted=_bool(doc.get("counted", True)),
+                reported=[str(n) for n in _list(doc.get("reported", []))],
                 job_failed=_bool(doc.get("job_failed", False)),
                 dump_id=_int(doc.get("dump_id", 0)),
                 dump_by=_opt_dict(doc.get("dump_by")),
