@@ -346,6 +346,11 @@ class ElasticAgent:
                         "workers exited (%s) while %d new node(s) joined; re-forming the group"
                         " (a scale-up, not counted as a restart)", describe_exits(codes), new,
                     )
+            elif verdict is Verdict.RUNNING and self._failed_elsewhere(job):
+                verdict = judge(codes, 0, round_failed=True)
+                log.warning("round %d failed on %s (rank %d, reported through the rendezvous); stopping this "
+                            "node's workers to re-form the group", job.failure.round, job.failure.host,
+                            job.failure.rank)
             elif verdict is Verdict.RUNNING:
                 waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
                 verdict = judge(codes, waiting + lost)
@@ -364,6 +369,11 @@ class ElasticAgent:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def _failed_elsewhere(self, job) -> bool:
+        """True when another node reported a failure of this node's running round (``job``: a ``JobState``)."""
+        f = job.failure
+        return f is not None and f.round == self._group.round and f.node != job.node
 
     def _recorded_an_error(self, local_ranks: list[int]) -> bool:
         """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""

@@ -33,7 +33,7 @@ class Step(enum.Enum):
 
 
 def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0,
-          job_failed: bool = False, hung: Sequence[int] = ()) -> Verdict:
+          job_failed: bool = False, hung: Sequence[int] = (), round_failed: bool = False) -> Verdict:
     """Classify the group, as torch's ``_monitor_workers`` + ``_invoke_run`` do.
 
     Args:
@@ -44,13 +44,17 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
             (``RendezvousHandler.num_nodes_new``, >= 0).
         job_failed: another agent declared the job failed (``JobState.failed``).
         hung: local ranks found hung (:func:`hung_ranks`).
+        round_failed: another node reported a failure of the running round
+            (``JobState.failure``): its collectives are broken, re-form now.
 
     Returns:
         JOB_FAILED when the job failed elsewhere: nothing here can change that.
         FAILED if any worker failed or hangs, unless new nodes joined: then the
         failure is the scale-up's doing (another node re-formed first and closed
         the workers' sockets) and the verdict is MEMBERSHIP_CHANGE. Else SUCCEEDED
-        when all exited 0, else MEMBERSHIP_CHANGE when membership changed, else RUNNING.
+        when all exited 0, else MEMBERSHIP_CHANGE when the round failed elsewhere (this
+        node re-forms without counting: the reporter counts) or membership changed,
+        else RUNNING.
     """
     if job_failed:
         return Verdict.JOB_FAILED
@@ -61,7 +65,7 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
         return Verdict.MEMBERSHIP_CHANGE if new_nodes > 0 else Verdict.FAILED
     if codes and all(c == 0 for c in codes):
         return Verdict.SUCCEEDED
-    if membership_changes > 0:
+    if round_failed or membership_changes > 0:
         return Verdict.MEMBERSHIP_CHANGE
     return Verdict.RUNNING
 

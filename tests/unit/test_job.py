@@ -320,6 +320,20 @@ def test_judge_job_failed_and_hung(codes, changes, new, failed, hung, expected):
 
 
 @pytest.mark.parametrize(
+    "codes, failed, hung, expected",
+    [
+        ({0: None, 1: None}, False, (), Verdict.MEMBERSHIP_CHANGE),  # re-form now, the reporter counts
+        ({0: 1, 1: None}, False, (), Verdict.FAILED),  # its own workers failed too: it reports them
+        ({0: None, 1: None}, False, (0,), Verdict.FAILED),
+        ({0: 0, 1: 0}, False, (), Verdict.SUCCEEDED),  # done before the failure: nothing to re-form
+        ({0: None, 1: None}, True, (), Verdict.JOB_FAILED),
+    ],
+)
+def test_judge_a_round_failed_elsewhere(codes, failed, hung, expected):
+    assert judge(codes, 0, job_failed=failed, hung=list(hung), round_failed=True) is expected
+
+
+@pytest.mark.parametrize(
     "verdict, used, budget, fixable, expected",
     [
         (Verdict.JOB_FAILED, 0, 5, True, Step.FINISH_FAILED),  # budget left: the job failed anyway

@@ -107,6 +107,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._lock = threading.RLock()
         self._heartbeat_stop: threading.Event | None = None
         self._heartbeat_thread: threading.Thread | None = None
+        self._beat_now = threading.Event()  # wakes the keep-alive thread: a read saw a probe it must answer
         self._current: RendezvousInfo | None = None
         self._members: frozenset[str] = frozenset()
         self._cached: tuple[float, RendezvousState] | None = None
@@ -236,6 +237,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state,
                                    self._clock() - self._settings.keep_alive_interval)
         self._cached = (now, state)
+        if self._heartbeat_thread is not None and ops.should_answer_probe(state, self._node_id):
+            self._beat_now.set()  # answer at once, not at the keep-alive thread's next tick
         return state
 
     def num_nodes_waiting(self) -> int:
@@ -381,6 +384,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if self._heartbeat_stop is None or self._heartbeat_thread is None:
             return
         self._heartbeat_stop.set()
+        self._beat_now.set()
         if self._heartbeat_thread is not threading.current_thread():
             self._heartbeat_thread.join(self._settings.heartbeat_timeout + 1.0)
         self._heartbeat_stop = self._heartbeat_thread = None
@@ -389,10 +393,11 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         """Heart-beat into this node's own key every ``tick`` s (``probe_timeout / 4``).
 
         Such a write is cheap and uncontended, so it is simply frequent enough to
-        answer any probe in time, and no state is read for it. Dead nodes are
+        answer any probe in time, and no state is read for it; a probe the
+        monitor's read saw is answered at once (``_beat_now``). Dead nodes are
         pruned by joining nodes (``decide_join``), as in torch.
         """
-        while not stop.wait(tick):
+        while not self._wait_tick(stop, tick):
             try:
                 self._backend.put_heartbeat(self._node_id, self._clock())
             except RendezvousError as exc:
@@ -400,11 +405,18 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
                 log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
 
+    def _wait_tick(self, stop: threading.Event, seconds: float) -> bool:
+        """Sleep ``seconds`` or until woken (a probe to answer, or ``stop``); True when stopped."""
+        self._beat_now.wait(seconds)
+        self._beat_now.clear()
+        return stop.is_set()
+
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """Heart-beat every ``keep_alive_interval`` s, and at once when a waiting node probes.
 
         Probes are looked for every ``probe_timeout / 4`` s in the (shared, cached) state
-        read, so an agent busy stopping its workers still proves it is alive.
+        read, so an agent busy stopping its workers still proves it is alive; a probe
+        the monitor's read saw first is answered at once (``_beat_now``).
         """
         s = self._settings
         tick = min(s.keep_alive_interval, s.probe_timeout / 4)
@@ -414,7 +426,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         # the first beat at a random point of the interval: the nodes of a round all start
         # together, and a thousand beats at once would contend for the one state key
         next_beat = time.monotonic() + s.keep_alive_interval * random.uniform(0.1, 1.0)
-        while not stop.wait(max(0.0, min(tick, next_beat - time.monotonic()))):
+        while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
             try:
                 if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
                     continue

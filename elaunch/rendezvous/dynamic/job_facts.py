@@ -22,6 +22,10 @@ from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 
+#: Seconds a member that answered nothing must stay out of its round (not waiting, not in the
+#: next one) before it counts as lost rather than on its way to the next round.
+LEFT_FOR_GOOD = 0.5
+
 
 class JobFacts:
     """The ``RendezvousHandler`` job methods over the shared state (the dynamic backends)."""
@@ -69,27 +73,35 @@ class JobFacts:
         others = self._members - {self._node_id}
         since = self._clock()
         state = self._update_job(lambda s: job.note_failure(s, mine, probe_at=since if others else None))
-        lost = self._unanswered(failure.round, others, since) if others and not state.job_failed else []
+        alive, lost = self._answers(failure.round, others, since) if others and not state.job_failed else ((), ())
         if lost:
-            return dataclasses.replace(
-                job.job_state(state, self._node_id, self._live_others(state), self._settings), lost=tuple(lost))
+            return dataclasses.replace(job.job_state(state, self._node_id, len(alive), self._settings), lost=lost)
         state = self._update_job(lambda s: job.count_round(s, failure.round))
-        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+        # the others answered, but may have left the round by now to re-form: they still count as live
+        return job.job_state(state, self._node_id, len(alive), self._settings)
 
-    def _unanswered(self, round: int, others: frozenset[str], since: float) -> list[str]:
-        """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return the lost ones (sorted)."""
+    def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted."""
+        seen: set[str] = set()
         lost: set[str] = set()
+        out_since: dict[str, float] = {}  # a node that left the round: when it was first seen out
 
         def pending(state: RendezvousState) -> list[str]:
             if state.job_failed:
                 return []
             dead = set(ops.dead_nodes(state, self._settings, self._clock()))
             alive, gone = job.answers(state, round, others, since, dead)
-            lost.update(gone)
-            return [] if gone else sorted(others - alive)
+            seen.update(alive)
+            now = time.monotonic()
+            for n in gone - seen:
+                # a node re-forming passes through "out of the round" for a write or two before
+                # the wait list shows it: only one that stays out (or is dead) is lost
+                if n in dead or now - out_since.setdefault(n, now) >= LEFT_FOR_GOOD:
+                    lost.add(n)
+            return [] if lost else sorted(others - seen)
 
         left = self._await_others(pending, self._settings.probe_timeout + 0.5, "answers to the failure probe")
-        return sorted(lost | set(left))
+        return tuple(sorted(seen)), tuple(sorted(lost | set(left)))
 
     def fail_job(self, failure: FailureRecord) -> FailureRecord:
         """Declare the job failed and close the rendezvous; return the job's root cause.
