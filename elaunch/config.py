@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from typing import Any
 
 from elaunch.badinput import ConfigError
 from elaunch.entrypoint import build_cmd, warm_start_modules
+from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints
 
 __all__ = ["ConfigError", "LaunchConfig", "build_cmd", "build_config"]
 
@@ -43,9 +44,6 @@ NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 #: ``--forward-signals`` default: notices (Slurm's ``--signal=B:USR1@120``), not stops.
 DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
-
-_HOST_RE = re.compile(r"^[\w.-]+$")
-_IPV6_RE = re.compile(r"^[0-9A-Za-z:.%_-]+$")
 
 
 
@@ -200,51 +198,23 @@ def resolve_nproc(spec: int | str, label: str = "--nproc-per-node") -> int:
     raise ConfigError(f"{label}={spec}: expected an integer >= 1 or one of auto, cpu, gpu, xpu")
 
 
-def parse_endpoint(text: str, label: str = "--rdzv-endpoint", allow_zero: bool = False) -> tuple[str, int | None]:
-    """Split one ``host[:port]`` (IPv6 as ``[::1]:29400``) into host and port.
-
-    Args:
-        text: the endpoint.
-        label: the flag named in errors.
-        allow_zero: accept port 0 ("pick a free port"; standalone only).
+def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint") -> tuple[str, int | None]:
+    """Check ``endpoint`` as the command line needs it (brackets around IPv6, port 1-65535).
 
     Returns:
-        ``(host, port)``, port None when absent; IPv6 hosts without brackets.
+        The first ``(host, port)`` (an etcd backend takes a comma-separated list).
 
     Raises:
-        ConfigError: empty host, a port outside 1-65535, or extra colons.
+        ConfigError: the endpoint, or one entry of an etcd list, is malformed.
     """
-    ep = text.strip()
-    if ep.startswith("["):
-        close = ep.find("]")
-        host, rest = ep[1:close], ep[close + 1 :]
-        if close < 0 or not host or not _IPV6_RE.match(host) or (rest and not rest.startswith(":")):
-            raise ConfigError(f"{label}={text}: malformed IPv6 endpoint (expected [addr]:port)")
-        port_text = rest[1:] if rest else None
-    else:
-        if ep.count(":") > 1:
-            raise ConfigError(f"{label}={text}: expected host:port (bracket IPv6 addresses: [::1]:29400)")
-        host, _, port_text = ep.partition(":")
-        if ":" not in ep:
-            port_text = None
-        if not host or not _HOST_RE.match(host):
-            raise ConfigError(f"{label}={text}: invalid host {host!r}")
-    if port_text is None:
-        return host, None
-    lowest = 0 if allow_zero else 1
-    if not port_text.isdigit() or not lowest <= int(port_text) <= 65535:
-        raise ConfigError(f"{label}={text}: port {port_text!r} must be an integer in {lowest}-65535")
-    return host, int(port_text)
-
-
-def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint") -> None:
-    items = endpoint.split(",") if backend in ETCD_BACKENDS else [endpoint]
-    for item in items:
+    try:
         if backend in ETCD_BACKENDS:
-            item = re.sub(r"^https?://", "", item.strip())
-        if not item.strip():
+            return parse_endpoints(endpoint, label=label)[0]
+        if not endpoint.strip():
             raise ConfigError(f"{label}={endpoint}: empty endpoint in the list")
-        parse_endpoint(item, label)
+        return parse_endpoint(endpoint, label=label)
+    except RendezvousConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
@@ -353,7 +323,7 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
             endpoint = f"[{master_addr}]:{port}" if bare_v6 else f"{master_addr}:{port}"
             _check_endpoint(backend, endpoint, "--master-addr")
         rdzv_configs["rank"] = str(node_rank)
-        out_addr, out_port = parse_endpoint(endpoint)
+        out_addr, out_port = _check_endpoint(backend, endpoint)
         if out_port is None:  # torch's static backend requires the port too
             raise ConfigError(f"--rdzv-endpoint={endpoint}: the static rendezvous needs host:port")
 

@@ -271,18 +271,3 @@ def test_pet_flag_like_check_env():
     assert P.parse_pet_flag("0", "PET_X") is False
     with pytest.raises(ConfigError, match="PET_X=yes"):
         P.parse_pet_flag("yes", "PET_X")
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [("h:1", ("h", 1)), ("h", ("h", None)), ("[::1]:29400", ("::1", 29400)), ("[fe80::1]", ("fe80::1", None))],
-)
-def test_parse_endpoint(text, expected):
-    assert C.parse_endpoint(text) == expected
-
-
-@pytest.mark.parametrize("text", ["h:65536", "h:0", "h:x", ":1", "a:b:c", "[::1", "[::1]x", "h h:1"])
-def test_parse_endpoint_rejects(text):
-    with pytest.raises(ConfigError, match=f"--rdzv-endpoint={__import__('re').escape(text)}"):
-        C.parse_endpoint(text)
-    assert C.parse_endpoint("h:0", allow_zero=True) == ("h", 0)

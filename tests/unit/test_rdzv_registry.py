@@ -10,7 +10,6 @@ import pytest
 
 from elaunch.rendezvous import registry
 from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError, RendezvousConfigError, RendezvousParameters
-from elaunch.rendezvous.static import parse_endpoint
 
 
 def params(backend, endpoint="", min_nodes=1, max_nodes=1, **conf):
@@ -73,20 +72,6 @@ def test_static_ranks_and_endpoint():
 def test_static_bad_input_names_value(endpoint, conf, needle):
     with pytest.raises(RendezvousConfigError, match=needle):
         registry.create_handler(params("static", endpoint, 2, 2, **conf))
-
-
-@pytest.mark.parametrize("endpoint,expected", [
-    ("", ("localhost", 7)), ("host", ("host", 7)), ("host:0", ("host", 0)), ("1.2.3.4:29400", ("1.2.3.4", 29400)),
-    ("[::1]:80", ("::1", 80)), ("[::1]", ("::1", 7)), ("::1", ("::1", 7)), ("a.b-c:1", ("a.b-c", 1)),
-])
-def test_parse_endpoint(endpoint, expected):
-    assert parse_endpoint(endpoint, 7) == expected
-
-
-@pytest.mark.parametrize("endpoint", ["host:x", "host:-1", "ho st:1", ":80"])
-def test_parse_endpoint_rejects(endpoint):
-    with pytest.raises(RendezvousConfigError, match="--rdzv-endpoint="):
-        parse_endpoint(endpoint, 7)
 
 
 def _settings_backend(p):
