@@ -23,17 +23,12 @@ from elaunch.badinput import ConfigError
 from elaunch.entrypoint import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints
+from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, user_backend_names
 
 __all__ = ["ConfigError", "LaunchConfig", "build_cmd", "build_config"]
 
 logger = logging.getLogger(__name__)
 
-#: Rendezvous backends a user may name with ``--rdzv-backend``.
-KNOWN_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")
-#: Backends whose endpoint may be a comma-separated list (and carry http(s)://).
-ETCD_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
-#: elaunch's internal, torch-free single-node backend (``--standalone``).
-STANDALONE_BACKEND = "standalone"
 STANDALONE_ENDPOINT = "127.0.0.1:0"
 #: ``--master-port`` default for static rendezvous, as torchrun.
 DEFAULT_MASTER_PORT = 29500
@@ -208,7 +203,7 @@ def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint")
         ConfigError: the endpoint, or one entry of an etcd list, is malformed.
     """
     try:
-        if backend in ETCD_BACKENDS:
+        if backend in ENDPOINT_LIST_BACKENDS:
             return parse_endpoints(endpoint, label=label)[0]
         if not endpoint.strip():
             raise ConfigError(f"{label}={endpoint}: empty endpoint in the list")
@@ -291,8 +286,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str] | None =
     master_addr = get("master_addr") or "127.0.0.1"
     node_rank = get("node_rank") or 0
     standalone = bool(get("standalone"))
-    if backend not in KNOWN_BACKENDS:
-        raise ConfigError(f"--rdzv-backend={backend}: unknown backend (known: {', '.join(KNOWN_BACKENDS)})")
+    if backend not in user_backend_names():
+        raise ConfigError(f"--rdzv-backend={backend}: unknown backend (known: {', '.join(user_backend_names())})")
     if endpoint:
         _check_endpoint(backend, endpoint)
 

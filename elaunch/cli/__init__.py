@@ -28,6 +28,7 @@ from elaunch.cli import params as P
 from elaunch.config import DEFAULT_FORWARD_SIGNALS, DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
 from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.registry import user_backend_names
 
 __all__ = ["main", "parse_config", "run_argv", "USAGE_ERROR"]
 
@@ -180,7 +181,7 @@ _CONTEXT = {
       help="Workers per node: an integer, or cpu (usable CPUs), gpu (CUDA devices), xpu, "
            "auto (accelerators if any, else CPUs).")
 @_opt("--rdzv-backend", "--rdzv_backend", "rdzv_backend", group=_RDZV, type=P.BACKEND, default="static",
-      metavar="BACKEND", help="Rendezvous backend: static, c10d, etcd, etcd-v2, etcd-v3.")
+      metavar="BACKEND", help=f"Rendezvous backend: {', '.join(user_backend_names())}.")
 @_opt("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", group=_RDZV, default="", metavar="HOST[:PORT]",
       help="Rendezvous endpoint, host[:port] ([::1]:29400 for IPv6; etcd: a comma-separated list).")
 @_opt("--rdzv-id", "--rdzv_id", "rdzv_id", group=_RDZV, default="none", metavar="ID",

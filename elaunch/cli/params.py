@@ -16,7 +16,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from elaunch.config import KNOWN_BACKENDS, NUMA_MODES, START_METHODS, ConfigError
+from elaunch.config import NUMA_MODES, START_METHODS, ConfigError
+from elaunch.rendezvous.registry import user_backend_names
 
 NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
 _UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
@@ -367,6 +368,6 @@ class PetFlag(click.types.BoolParamType):
         return parse_pet_flag(value, label_for(param, ctx))
 
 
-BACKEND = OneOf(KNOWN_BACKENDS, "rendezvous backend")
+BACKEND = OneOf(user_backend_names(), "rendezvous backend")
 START_METHOD = OneOf(START_METHODS, "start method")
 NUMA_MODE = OneOf(NUMA_MODES, "NUMA binding mode")

@@ -119,3 +119,7 @@ def test_static_reads_only_rank(caplog):
         registry.create_handler(params("static", "127.0.0.1:29599", max_nodes=2, rank=1, join_timeout=5))
     assert [r.getMessage() for r in caplog.records] == [
         "--rdzv-conf: the static rendezvous does not use join_timeout; ignored"]
+
+
+def test_user_backend_names_leave_out_the_internal_standalone():
+    assert registry.user_backend_names() == ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")
