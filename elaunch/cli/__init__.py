@@ -24,16 +24,14 @@ import click
 from click.core import ParameterSource
 
 from elaunch import __version__
+from elaunch.badinput import EXIT_USAGE
 from elaunch.cli import params as P
 from elaunch.config import DEFAULT_FORWARD_SIGNALS, DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
 from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.registry import user_backend_names
 
-__all__ = ["main", "parse_config", "run_argv", "USAGE_ERROR"]
-
-#: Exit status for bad user input (as argparse's).
-USAGE_ERROR = 2
+__all__ = ["main", "parse_config", "run_argv"]
 
 _NODES, _RDZV, _WORKERS, _LOGS, _STATIC = (
     "Nodes and workers",
@@ -285,7 +283,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfi
 def _error(message: str) -> int:
     line = " ".join(str(message).split())
     click.echo(f"elaunch: error: {line}", err=True)
-    return USAGE_ERROR
+    return EXIT_USAGE
 
 
 def run_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
