@@ -1,16 +1,20 @@
-"""Value parsers for torchrun's flags, and the click ParamTypes wrapping them.
+"""Value parsers for torchrun's flags, and the one click ParamType applying them.
 
 Each ``parse_*`` function is pure: it takes the raw string and a ``label`` (the
 flag, e.g. ``--nnodes``, or the env var it came from, e.g. ``PET_NNODES``) and
 returns the typed value or raises ``elaunch.config.ConfigError`` whose message
-reads ``<label>=<value>: <reason>``. The ParamTypes pass the right label: the
-env var name when the value came from the environment, else the dash spelling
-of the flag. No torch import here.
+reads ``<label>=<value>: <reason>``; given a value already typed (as argparse or
+a caller produces it), it checks it the same way. :class:`Parsed` applies the
+option's parser from :data:`PARSERS` with the right label: the env var name
+when the value came from the environment, else the dash spelling of the flag.
+No torch import here.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -27,12 +31,14 @@ def _bad(label: str, value: Any, reason: str) -> ConfigError:
     return ConfigError(f"{label}={value}: {reason}")
 
 
-def parse_nnodes(text: str, label: str = "--nnodes") -> tuple[int, int]:
-    """Parse ``N`` or ``MIN:MAX`` (torch ``parse_min_max_nnodes``) into ``(min, max)``.
+def parse_nnodes(text: str | tuple[int, int], label: str = "--nnodes") -> tuple[int, int]:
+    """Parse ``N`` or ``MIN:MAX`` (torch ``parse_min_max_nnodes``), or check ``(min, max)``.
 
     Raises:
         ConfigError: not N / MIN:MAX integers, a bound < 1, or MIN > MAX.
     """
+    if isinstance(text, (tuple, list)):
+        text = ":".join(str(b) for b in text)
     parts = str(text).strip().split(":")
     if len(parts) > 2:
         raise _bad(label, text, "expected N or MIN:MAX")
@@ -48,8 +54,10 @@ def parse_nnodes(text: str, label: str = "--nnodes") -> tuple[int, int]:
     return lo, hi
 
 
-def parse_nproc(text: str, label: str = "--nproc-per-node") -> int | str:
+def parse_nproc(text: str | int, label: str = "--nproc-per-node") -> int | str:
     """Parse ``--nproc-per-node``: an int >= 1 or ``auto``/``cpu``/``gpu``/``xpu`` (kept as str).
+
+    An int is checked as its decimal text.
 
     Raises:
         ConfigError: anything else.
@@ -66,8 +74,8 @@ def parse_nproc(text: str, label: str = "--nproc-per-node") -> int | str:
     return count
 
 
-def parse_int(text: str, label: str, minimum: int = 0, maximum: int | None = None) -> int:
-    """Parse an integer in ``[minimum, maximum]``.
+def parse_int(text: str | int, label: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """Parse (or check) an integer in ``[minimum, maximum]``.
 
     Raises:
         ConfigError: not an integer, or out of range.
@@ -82,8 +90,8 @@ def parse_int(text: str, label: str, minimum: int = 0, maximum: int | None = Non
     return value
 
 
-def parse_seconds(text: str, label: str, allow_zero: bool) -> float:
-    """Parse a duration in seconds: > 0, or >= 0 when ``allow_zero``.
+def parse_seconds(text: str | float, label: str, allow_zero: bool) -> float:
+    """Parse (or check) a duration in seconds: finite and > 0, or >= 0 when ``allow_zero``.
 
     Raises:
         ConfigError: not a number, or out of range.
@@ -109,12 +117,25 @@ def parse_choice(text: str, label: str, choices: tuple[str, ...], what: str = "v
     return value
 
 
-def parse_kv_list(text: str, label: str = "--rdzv-conf") -> dict[str, str]:
+def parse_backend(text: str, label: str = "--rdzv-backend") -> str:
+    """Return ``text`` if the rendezvous registry offers it to ``--rdzv-backend``.
+
+    Raises:
+        ConfigError: it does not; the message lists ``user_backend_names()``.
+    """
+    return parse_choice(text, label, user_backend_names(), "rendezvous backend")
+
+
+def parse_kv_list(text: str | dict[str, str], label: str = "--rdzv-conf") -> dict[str, str]:
     """Parse ``k1=v1,k2=v2`` (torch ``_parse_rendezvous_config``): keys and values non-empty.
+
+    A dict is returned as a copy.
 
     Raises:
         ConfigError: an entry without ``=``, with an empty key or an empty value.
     """
+    if isinstance(text, dict):
+        return dict(text)
     out: dict[str, str] = {}
     text = str(text).strip()
     if not text:
@@ -132,26 +153,32 @@ def parse_kv_list(text: str, label: str = "--rdzv-conf") -> dict[str, str]:
     return out
 
 
-def parse_std(text: str, label: str) -> Any:
+def parse_std(text: Any, label: str) -> Any:
     """Parse ``--redirects``/``--tee`` with ``Std.from_str`` (``3`` or ``0:1,1:2``).
+
+    A ``Std`` or a ``{local_rank: Std}`` dict is returned as it is.
 
     Raises:
         ConfigError: the value is neither form.
     """
     from elaunch.procs.std import Std
 
+    if isinstance(text, (Std, dict)):
+        return text
     try:
         return Std.from_str(str(text).strip())
     except ValueError:
         raise _bad(label, text, "expected 0-3 (0=none, 1=stdout, 2=stderr, 3=both) or LOCAL_RANK:0-3,...") from None
 
 
-def parse_rank_set(text: str, label: str = "--local-ranks-filter") -> frozenset[int] | None:
-    """Parse ``0,1,2`` into a frozenset of local ranks; ``""`` means all ranks (None).
+def parse_rank_set(text: Any, label: str = "--local-ranks-filter") -> frozenset[int] | None:
+    """Parse ``0,1,2`` (or check a set of ints) into a frozenset of local ranks; empty means all (None).
 
     Raises:
         ConfigError: an entry is not an integer >= 0.
     """
+    if isinstance(text, (set, frozenset, tuple, list)):
+        text = ",".join(str(r) for r in sorted(text))
     text = str(text).strip()
     if not text:
         return None
@@ -164,8 +191,13 @@ def parse_rank_set(text: str, label: str = "--local-ranks-filter") -> frozenset[
     return ranks
 
 
-def parse_comma_list(text: str) -> tuple[str, ...]:
-    """Split on ``,`` with ``,,`` as an escaped comma (torch ``comma_separated_list``); drop empties."""
+def parse_comma_list(text: str | tuple[str, ...] | list[str], label: str = "") -> tuple[str, ...]:
+    """Split on ``,`` with ``,,`` as an escaped comma (torch ``comma_separated_list``); drop empties.
+
+    A list or tuple (argparse's value) is returned as a tuple; ``label`` is unused (nothing is rejected).
+    """
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
     placeholder = "\0"
     items = str(text).replace(",,", placeholder).split(",")
     return tuple(i.replace(placeholder, ",") for i in items if i)
@@ -175,7 +207,7 @@ def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bo
     """Parse ``SIGTERM,SIGUSR1`` into validated signal names (``TERM`` and lower case accepted).
 
     Args:
-        text: comma-separated names; duplicates are dropped, order is kept.
+        text: comma-separated names (or a tuple of them); duplicates are dropped, order is kept.
         label: the flag or env var named in errors.
         allow_empty: accept ``""`` or ``none`` as the empty tuple (``--forward-signals``).
 
@@ -183,6 +215,8 @@ def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bo
         ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), or an
             empty list when ``allow_empty`` is false.
     """
+    if isinstance(text, (tuple, list)):
+        text = ",".join(text)
     if allow_empty and str(text).strip().lower() in ("", "none"):
         return ()
     names = []
@@ -203,12 +237,16 @@ def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bo
     return tuple(names)
 
 
-def parse_pet_flag(text: str, label: str) -> bool:
+def parse_pet_flag(text: str | bool, label: str) -> bool:
     """Parse a ``PET_<FLAG>`` value as torch's ``check_env``: an integer, non-zero is True.
+
+    A bool is returned as it is.
 
     Raises:
         ConfigError: not an integer.
     """
+    if isinstance(text, bool):
+        return text
     try:
         return int(str(text).strip()) != 0
     except ValueError:
@@ -227,147 +265,53 @@ def label_for(param: click.Parameter | None, ctx: click.Context | None) -> str:
     return (longs or param.opts or [param.name or "value"])[0]
 
 
-class _Parsed(click.ParamType):
-    """A ParamType delegating to a ``parse_*(text, label)`` function; typed values pass through."""
-
-    name = "text"
-    passthrough: tuple[type, ...] = ()
-
-    def parse(self, text: str, label: str) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if value is None or (self.passthrough and isinstance(value, self.passthrough)):
-            return value
-        return self.parse(value, label_for(param, ctx))
-
-
-class NodeRange(_Parsed):
-    """``--nnodes``: ``N`` or ``MIN:MAX`` -> ``(min, max)``."""
-
-    name = "MIN:MAX"
-    passthrough = (tuple,)
-
-    def parse(self, text, label):
-        return parse_nnodes(text, label)
-
-
-class Nproc(_Parsed):
-    """``--nproc-per-node``: int >= 1 or ``auto|cpu|gpu|xpu``."""
-
-    name = "N|auto|cpu|gpu|xpu"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return parse_nproc(str(value), label_for(param, ctx))
-        return super().convert(value, param, ctx)
-
-    def parse(self, text, label):
-        return parse_nproc(text, label)
+#: The parser of each value-taking option, by torchrun's ``dest`` name; options not
+#: named here take their text as it is.
+PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "nnodes": parse_nnodes,
+    "nproc_per_node": parse_nproc,
+    "rdzv_backend": parse_backend,
+    "rdzv_conf": parse_kv_list,
+    "max_restarts": partial(parse_int, minimum=0),
+    "monitor_interval": partial(parse_seconds, allow_zero=False),
+    "start_method": partial(parse_choice, choices=START_METHODS, what="start method"),
+    "warm_start_modules": parse_comma_list,
+    "shutdown_timeout": partial(parse_seconds, allow_zero=True),
+    "signals_to_handle": parse_signals,
+    "forward_signals": partial(parse_signals, allow_empty=True),
+    "hang_timeout": partial(parse_seconds, allow_zero=True),
+    "numa_binding": partial(parse_choice, choices=NUMA_MODES, what="NUMA binding mode"),
+    "redirects": parse_std,
+    "tee": parse_std,
+    "local_ranks_filter": parse_rank_set,
+    "duplicate_stdout_filters": parse_comma_list,
+    "duplicate_stderr_filters": parse_comma_list,
+    "node_rank": partial(parse_int, minimum=0),
+    "master_port": partial(parse_int, minimum=1, maximum=65535),
+}
 
 
-class IntRange(_Parsed):
-    """An integer in ``[minimum, maximum]``."""
+class Parsed(click.ParamType):
+    """The one ParamType of the value-taking options: the option's parser from :data:`PARSERS`.
 
-    def __init__(self, minimum: int = 0, maximum: int | None = None) -> None:
-        self.minimum, self.maximum = minimum, maximum
-        self.name = "INT"
-
-    def parse(self, text, label):
-        return parse_int(text, label, self.minimum, self.maximum)
-
-
-class Seconds(_Parsed):
-    """A duration in seconds (float); ``allow_zero`` admits 0."""
-
-    name = "SECONDS"
-    passthrough = (float,)
-
-    def __init__(self, allow_zero: bool) -> None:
-        self.allow_zero = allow_zero
-
-    def parse(self, text, label):
-        return parse_seconds(text, label, self.allow_zero)
-
-
-class OneOf(_Parsed):
-    """One of a fixed list of names (the error lists them; no click usage block)."""
-
-    def __init__(self, choices: tuple[str, ...], what: str = "value") -> None:
-        self.choices, self.what = choices, what
-        self.name = "|".join(choices)
-
-    def parse(self, text, label):
-        return parse_choice(text, label, self.choices, self.what)
-
-
-class KeyValues(_Parsed):
-    """``--rdzv-conf``: ``k1=v1,k2=v2`` -> dict."""
-
-    name = "K=V,..."
-    passthrough = (dict,)
-
-    def parse(self, text, label):
-        return parse_kv_list(text, label)
-
-
-class StdSpec(_Parsed):
-    """``--redirects``/``--tee``: ``0-3`` or ``LOCAL_RANK:0-3,...`` -> Std or dict."""
-
-    name = "0-3|R:0-3,..."
-
-    def parse(self, text, label):
-        return parse_std(text, label)
-
-
-class RankSet(_Parsed):
-    """``--local-ranks-filter``: ``0,1`` -> frozenset, ``""`` -> None."""
-
-    name = "R,R,..."
-    passthrough = (frozenset,)
-
-    def parse(self, text, label):
-        return parse_rank_set(text, label)
-
-
-class CommaList(_Parsed):
-    """A comma-separated list, ``,,`` escaping a comma -> tuple of str."""
-
-    name = "A,B,..."
-    passthrough = (tuple, list)
-
-    def convert(self, value, param, ctx):
-        return tuple(value) if isinstance(value, list) else super().convert(value, param, ctx)
-
-    def parse(self, text, label):
-        return parse_comma_list(text)
-
-
-class SignalList(_Parsed):
-    """``--signals-to-handle``/``--forward-signals``: ``SIGTERM,SIGINT`` -> tuple of names.
-
-    ``allow_empty`` (``--forward-signals``) admits ``""`` and ``none`` as ``()``.
+    Errors name the env var when the value came from it, else the flag
+    (:func:`label_for`). Typed values (from ``elaunch.run``'s Namespace) are
+    checked by the same parser.
     """
 
-    name = "SIG,SIG,..."
-    passthrough = (tuple,)
+    name = "value"
 
-    def __init__(self, allow_empty: bool = False) -> None:
-        self.allow_empty = allow_empty
-
-    def parse(self, text, label):
-        return parse_signals(text, label, self.allow_empty)
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None or param is None:
+            return value
+        return PARSERS[str(param.name)](value, label_for(param, ctx))
 
 
 class PetFlag(click.types.BoolParamType):
     """A boolean flag whose ``PET_<FLAG>`` fallback is read as torch's ``check_env`` (int, non-zero)."""
 
     def convert(self, value, param, ctx):
-        if isinstance(value, bool):
-            return value
         return parse_pet_flag(value, label_for(param, ctx))
 
 
-BACKEND = OneOf(user_backend_names(), "rendezvous backend")
-START_METHOD = OneOf(START_METHODS, "start method")
-NUMA_MODE = OneOf(NUMA_MODES, "NUMA binding mode")
+PARSED = Parsed()
