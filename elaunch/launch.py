@@ -15,7 +15,7 @@ import signal
 import sys
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
-from elaunch.badinput import EXIT_USAGE
+from elaunch.config.errors import EXIT_USAGE
 from elaunch.config import LaunchConfig
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec

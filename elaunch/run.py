@@ -9,7 +9,7 @@ signatures, return shapes and exceptions::
 
 Exceptions (torch's classes, or subclasses of them):
 
-* ``ValueError`` for bad configuration (``elaunch.badinput.ConfigError`` and
+* ``ValueError`` for bad configuration (``elaunch.config.errors.ConfigError`` and
   ``elaunch.rendezvous.api.RendezvousConfigError`` are ValueErrors), e.g.
   ``--no-python`` with ``--module`` or ``--nproc-per-node=unknown``;
 * ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` (a
@@ -44,7 +44,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elaunch.badinput import ConfigError
+from elaunch.config.errors import ConfigError
 
 __all__ = [
     "config_from_args",

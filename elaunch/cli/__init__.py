@@ -24,7 +24,7 @@ import click
 from click.core import ParameterSource
 
 from elaunch import __version__
-from elaunch.badinput import EXIT_USAGE
+from elaunch.config.errors import EXIT_USAGE
 from elaunch.cli import params as P
 from elaunch.config import DEFAULT_FORWARD_SIGNALS, DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
 from elaunch.log import setup_logging

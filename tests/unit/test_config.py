@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from elaunch import config as C
+from elaunch.config import nproc
 from elaunch.cli import params as P
 from elaunch.config import ConfigError, LaunchConfig, build_config
 from elaunch.procs.std import Std
@@ -187,18 +188,18 @@ def test_log_line_prefix_template(script):
     ],
 )
 def test_resolve_nproc(monkeypatch, spec, counts, expected):
-    monkeypatch.setattr(C, "_device_count", lambda kind: counts[kind])
+    monkeypatch.setattr(nproc, "_device_count", lambda kind: counts[kind])
     assert C.resolve_nproc(spec) == expected
 
 
 def test_resolve_nproc_gpu_without_devices(monkeypatch):
-    monkeypatch.setattr(C, "_device_count", lambda kind: 0)
+    monkeypatch.setattr(nproc, "_device_count", lambda kind: 0)
     with pytest.raises(ConfigError, match="--nproc-per-node=gpu: no CUDA"):
         C.resolve_nproc("gpu")
 
 
 def test_cpu_count_is_real():
-    assert C._device_count("cpu") >= 1
+    assert nproc._device_count("cpu") >= 1
 
 
 def test_importing_cli_and_config_does_not_import_torch():

@@ -1,6 +1,6 @@
-"""LaunchConfig: everything one ``elaunch`` invocation runs with, validated and resolved.
+"""build_config: the typed options of one ``elaunch`` invocation resolved into a LaunchConfig.
 
-Stdlib only: torch is imported lazily, and only by ``_device_count`` when
+Stdlib only: torch is imported lazily, and only by ``elaunch.config.nproc`` when
 ``--nproc-per-node`` is ``gpu``, ``xpu`` or ``auto``. This is the one place where
 the launcher reads the environment (``OMP_NUM_THREADS``, ``PYTHON_EXEC``,
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``,
@@ -16,181 +16,28 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from elaunch.badinput import ConfigError
-from elaunch.entrypoint import build_cmd, warm_start_modules
+from elaunch.config.errors import ConfigError
+from elaunch.config.launch_config import (
+    DEFAULT_FORWARD_SIGNALS,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_SIGNALS,
+    START_METHODS,
+    STANDALONE_ENDPOINT,
+    LaunchConfig,
+    _std_none,
+)
+from elaunch.config.nproc import resolve_nproc
+from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, user_backend_names
 
-__all__ = ["ConfigError", "LaunchConfig", "build_cmd", "build_config"]
+__all__ = ["build_config"]
 
-logger = logging.getLogger(__name__)
-
-STANDALONE_ENDPOINT = "127.0.0.1:0"
-#: ``--master-port`` default for static rendezvous, as torchrun.
-DEFAULT_MASTER_PORT = 29500
-#: Seconds between SIGTERM and SIGKILL when the env and flag say nothing.
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-START_METHODS = ("spawn", "fork", "forkserver")
-NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-#: ``--forward-signals`` default: notices (Slurm's ``--signal=B:USR1@120``), not stops.
-DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
-
-
-
-def _std_none() -> Any:
-    from elaunch.procs.std import Std
-
-    return Std.NONE
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """One launch, validated: mirrors torch's ``LaunchConfig`` plus the worker argv.
-
-    Attributes:
-        min_nodes, max_nodes: bounds on the number of nodes (``--nnodes``), 1 <= min <= max.
-        nproc_per_node: workers on this node, >= 1 (``cpu``/``gpu``/``auto`` resolved).
-        run_id: job id (``--rdzv-id``; a fresh uuid4 for standalone).
-        role: the workers' role (``--role``).
-        rdzv_backend: ``static``, ``c10d``, ``etcd``, ``etcd-v2``, ``etcd-v3`` or the
-            internal ``standalone`` (``--standalone``, and single-node static defaults).
-        rdzv_endpoint: ``host[:port]`` ("" for none); static: ``master_addr:master_port``;
-            standalone: ``127.0.0.1:0`` (port picked at bind time).
-        rdzv_configs: ``--rdzv-conf`` entries; static adds ``rank`` = str(node_rank).
-        max_restarts: failed-group restarts allowed, >= 0.
-        monitor_interval: seconds between agent checks, > 0.
-        start_method: ``spawn``, ``fork`` or ``forkserver`` (kept for parity; elaunch
-            workers are always separate ``exec``-ed processes).
-        log_dir: base directory for worker logs, or None for a temporary one.
-        redirects, tee: ``elaunch.procs.std.Std`` or ``{local_rank: Std}`` (``-r``/``-t``).
-        local_ranks_filter: local ranks whose output reaches the console, None for all.
-        node_rank: this node's rank for static rendezvous (``--node-rank``).
-        master_addr, master_port: the static rendezvous' store (``MASTER_ADDR``/
-            ``MASTER_PORT`` of the workers); None for other backends, whose
-            rendezvous publishes them.
-        local_addr: this node's address as others reach it, None for the FQDN.
-        shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
-        signals_to_handle: signal names the agent forwards to workers before stopping
-            them and exiting 128 + signum (``"SIGTERM"``, ...).
-        forward_signals: signal names the agent forwards to every worker's process
-            group while it keeps running (``--forward-signals``, elaunch only; default
-            ``("SIGUSR1", "SIGUSR2")`` minus any in ``signals_to_handle``); disjoint
-            from ``signals_to_handle``.
-        hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
-            made one) before it counts as hung, stacks dumped, a failure of its rank;
-            0.0 is off (``--hang-timeout``, elaunch only), >= 0.
-        event_log_handler: torch event handler name (``--event-log-handler``).
-        logs_specs: ``torchrun.logs_specs`` entry-point name, or None for the default.
-        virtual_local_rank: set LOCAL_RANK=0 for every worker (``--virtual-local-rank``).
-        numa_binding: NUMA affinity mode name, or None.
-        duplicate_stdout_filters, duplicate_stderr_filters: substrings selecting lines
-            duplicated to a separate file.
-        log_line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` or None.
-        omp_num_threads: 1 when nproc_per_node > 1 and ``OMP_NUM_THREADS`` is unset,
-            else None (the workers then inherit the environment's value).
-        cmd: the worker argv, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
-        standalone: True when the user asked for ``--standalone``.
-        warm_start_modules: ``--warm-start``: modules the spare worker interpreters
-            import in advance (``--warm-start-modules``, default ``("torch",)``), or
-            None when warm start is off (the default; also with ``--no-python``).
-    """
-
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
-    run_id: str = "none"
-    role: str = "default"
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
-    rdzv_configs: dict[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
-    log_dir: str | None = None
-    redirects: Any = field(default_factory=_std_none)
-    tee: Any = field(default_factory=_std_none)
-    local_ranks_filter: frozenset[int] | None = None
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    local_addr: str | None = None
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
-    forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
-    hang_timeout: float = 0.0
-    event_log_handler: str = "null"
-    logs_specs: str | None = None
-    virtual_local_rank: bool = False
-    numa_binding: str | None = None
-    duplicate_stdout_filters: tuple[str, ...] = ()
-    duplicate_stderr_filters: tuple[str, ...] = ()
-    log_line_prefix_template: str | None = None
-    omp_num_threads: int | None = None
-    cmd: tuple[str, ...] = ()
-    standalone: bool = False
-    warm_start_modules: tuple[str, ...] | None = None
-
-
-def _device_count(kind: str) -> int:
-    """Return how many devices of ``kind`` this host has (0 when unavailable).
-
-    Args:
-        kind: ``cpu`` (CPUs this process may run on), ``gpu`` (CUDA), ``xpu`` or
-            ``accelerator`` (torch's current accelerator, whatever its type).
-
-    torch is imported here, lazily, and only for the device kinds.
-    """
-    if kind == "cpu":
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            return os.cpu_count() or 1
-    import torch
-
-    if kind == "gpu":
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if kind == "xpu":
-        return torch.xpu.device_count() if torch.xpu.is_available() else 0
-    if kind == "accelerator":
-        acc = getattr(torch, "accelerator", None)
-        if acc is not None and acc.is_available():
-            return acc.device_count()
-        return 0
-    raise ValueError(f"unknown device kind {kind!r}")
-
-
-def resolve_nproc(spec: int | str, label: str = "--nproc-per-node") -> int:
-    """Turn an ``--nproc-per-node`` value into a worker count (torch ``determine_local_world_size``).
-
-    Args:
-        spec: an int >= 1, or ``cpu``, ``gpu``, ``xpu``, ``auto`` (accelerators if
-            any, else CPUs).
-        label: the flag or env var named in errors.
-
-    Raises:
-        ConfigError: unknown keyword, or no device of the requested kind.
-    """
-    if isinstance(spec, int):
-        if spec < 1:
-            raise ConfigError(f"{label}={spec}: must be >= 1")
-        return spec
-    if spec == "cpu":
-        return max(1, _device_count("cpu"))
-    if spec in ("gpu", "xpu"):
-        count = _device_count(spec)
-        if count < 1:
-            kind = "CUDA" if spec == "gpu" else "XPU"
-            raise ConfigError(f"{label}={spec}: no {kind} device is available")
-        return count
-    if spec == "auto":
-        count = _device_count("accelerator")
-        return count if count > 0 else max(1, _device_count("cpu"))
-    raise ConfigError(f"{label}={spec}: expected an integer >= 1 or one of auto, cpu, gpu, xpu")
+logger = logging.getLogger("elaunch.config")
 
 
 def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint") -> tuple[str, int | None]:

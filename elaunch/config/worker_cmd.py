@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from elaunch.badinput import ConfigError
+from elaunch.config.errors import ConfigError
 
 
 def build_cmd(
