@@ -1,4 +1,4 @@
-"""The ``elaunch`` command: torchrun's flags, parsed with click into a LaunchConfig.
+"""The ``elaunch`` command: torchrun's flags, parsed with click into LaunchOptions, then a LaunchConfig.
 
 ``main`` is the click command (console script ``elaunch`` and ``python -m
 elaunch``). Every option has its torchrun dash spelling, the underscore alias
@@ -24,9 +24,16 @@ import click
 from click.core import ParameterSource
 
 from elaunch import __version__
-from elaunch.config.errors import EXIT_USAGE
 from elaunch.cli import params as P
-from elaunch.config import DEFAULT_FORWARD_SIGNALS, DEFAULT_SIGNALS, ConfigError, LaunchConfig, build_config
+from elaunch.config import (
+    DEFAULT_FORWARD_SIGNALS,
+    DEFAULT_SIGNALS,
+    EXIT_USAGE,
+    ConfigError,
+    LaunchConfig,
+    LaunchOptions,
+    build_config,
+)
 from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.registry import user_backend_names
@@ -263,7 +270,7 @@ def main(**options: Any) -> LaunchConfig:
     if ctx.get_parameter_source("forward_signals") is ParameterSource.DEFAULT:
         options["forward_signals"] = None  # the default yields to --signals-to-handle
     environ = ctx.find_root().obj
-    return build_config(options, environ if isinstance(environ, Mapping) else os.environ)
+    return build_config(LaunchOptions(**options), environ if isinstance(environ, Mapping) else os.environ)
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfig:

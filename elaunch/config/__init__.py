@@ -1,7 +1,12 @@
 """One launch's configuration: from the typed options to the validated LaunchConfig (stdlib only).
 
+``build_config(LaunchOptions(...), environ) -> LaunchConfig``; the modules:
+
+
 * ``errors``: ConfigError (bad user input) and its exit status, EXIT_USAGE;
 * ``launch_config``: LaunchConfig, the frozen result, and the defaults;
+* ``values``: the flags' value parsers, and which option each parses;
+* ``options``: LaunchOptions, the typed, frozen options (from the CLI, ``elaunch.run`` or a caller);
 * ``build``: build_config, the options resolved (torch ``config_from_args``);
 * ``nproc``: ``--nproc-per-node`` to a worker count;
 * ``worker_cmd``: the worker argv (python ``-u``, ``-m``, ``--no-python``, ``--run-path``).
@@ -15,6 +20,7 @@ from elaunch.config.launch_config import (
     START_METHODS,
     LaunchConfig,
 )
+from elaunch.config.options import LaunchOptions
 from elaunch.config.build import build_config
 from elaunch.config.nproc import resolve_nproc
 from elaunch.config.worker_cmd import build_cmd
@@ -27,6 +33,7 @@ __all__ = [
     "START_METHODS",
     "ConfigError",
     "LaunchConfig",
+    "LaunchOptions",
     "build_cmd",
     "build_config",
     "resolve_nproc",

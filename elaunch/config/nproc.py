@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from elaunch.config.errors import ConfigError
+from elaunch.config.values import parse_nproc
 
 
 def _device_count(kind: str) -> int:
@@ -42,26 +43,23 @@ def resolve_nproc(spec: int | str, label: str = "--nproc-per-node") -> int:
     """Turn an ``--nproc-per-node`` value into a worker count (torch ``determine_local_world_size``).
 
     Args:
-        spec: an int >= 1, or ``cpu``, ``gpu``, ``xpu``, ``auto`` (accelerators if
-            any, else CPUs).
+        spec: an int >= 1 (or its text), or ``cpu``, ``gpu``, ``xpu``, ``auto``
+            (accelerators if any, else CPUs); checked by ``values.parse_nproc``.
         label: the flag or env var named in errors.
 
     Raises:
-        ConfigError: unknown keyword, or no device of the requested kind.
+        ConfigError: not an int >= 1 nor a known keyword, or no device of the requested kind.
     """
+    spec = parse_nproc(spec, label)
     if isinstance(spec, int):
-        if spec < 1:
-            raise ConfigError(f"{label}={spec}: must be >= 1")
         return spec
     if spec == "cpu":
         return max(1, _device_count("cpu"))
-    if spec in ("gpu", "xpu"):
-        count = _device_count(spec)
-        if count < 1:
-            kind = "CUDA" if spec == "gpu" else "XPU"
-            raise ConfigError(f"{label}={spec}: no {kind} device is available")
-        return count
     if spec == "auto":
         count = _device_count("accelerator")
         return count if count > 0 else max(1, _device_count("cpu"))
-    raise ConfigError(f"{label}={spec}: expected an integer >= 1 or one of auto, cpu, gpu, xpu")
+    count = _device_count(spec)  # gpu, xpu
+    if count < 1:
+        kind = "CUDA" if spec == "gpu" else "XPU"
+        raise ConfigError(f"{label}={spec}: no {kind} device is available")
+    return count
