@@ -31,7 +31,6 @@ from elaunch.config.nproc import resolve_nproc
 from elaunch.config.options import LaunchOptions
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
-from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND
 
 __all__ = ["build_config", "resolve"]
@@ -48,6 +47,8 @@ def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint")
     Raises:
         ConfigError: the endpoint, or one entry of an etcd list, is malformed.
     """
+    from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints  # not on --standalone's path
+
     try:
         if backend in ENDPOINT_LIST_BACKENDS:
             return parse_endpoints(endpoint, label=label)[0]
