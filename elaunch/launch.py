@@ -15,6 +15,7 @@ import signal
 import sys
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
+from elaunch.config.errors import EXIT_USAGE
 from elaunch.config import LaunchConfig
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
@@ -31,7 +32,6 @@ log = logging.getLogger("elaunch")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 class _SignalHandlers:

@@ -9,7 +9,7 @@ signatures, return shapes and exceptions::
 
 Exceptions (torch's classes, or subclasses of them):
 
-* ``ValueError`` for bad configuration (``elaunch.badinput.ConfigError`` and
+* ``ValueError`` for bad configuration (``elaunch.config.errors.ConfigError`` and
   ``elaunch.rendezvous.api.RendezvousConfigError`` are ValueErrors), e.g.
   ``--no-python`` with ``--module`` or ``--nproc-per-node=unknown``;
 * ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` (a
@@ -44,7 +44,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elaunch.badinput import ConfigError
+from elaunch.config.errors import ConfigError
+from elaunch.config.launch_config import NUMA_MODES, START_METHODS
 
 __all__ = [
     "config_from_args",
@@ -70,11 +71,11 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "hang_timeout": float,
 }
 _LISTS = frozenset({"duplicate_stdout_filters", "duplicate_stderr_filters", "warm_start_modules"})
-_CHOICES = {"start_method": ("spawn", "fork", "forkserver"), "numa_binding": ("node", "socket", "exclusive", "core-complex")}
+_CHOICES = {"start_method": START_METHODS, "numa_binding": NUMA_MODES}
 
 
 def _comma_list(value: str) -> list[str]:
-    from elaunch.cli.params import parse_comma_list
+    from elaunch.config.values import parse_comma_list
 
     return list(parse_comma_list(value))
 
@@ -140,7 +141,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
     from elaunch.cli import ELAUNCH_ONLY_OPTIONS
     from elaunch.cli import main as command
-    from elaunch.cli.params import parse_pet_flag
+    from elaunch.config.values import parse_pet_flag
 
     parser = _ArgumentParser(description="elaunch: a drop-in replacement for torchrun (Torch Distributed Elastic Training Launcher)")
     for param in command.params:
@@ -244,26 +245,6 @@ def get_use_env(args: Any) -> bool:
     return getattr(args, "use_env", True)
 
 
-def _options_from(args: Any) -> dict[str, Any]:
-    """Convert a parsed Namespace into the typed options ``build_config`` takes."""
-    import click
-
-    from elaunch.cli import main as command
-
-    options: dict[str, Any] = {}
-    for param in command.params:
-        if not param.expose_value or param.name is None or not hasattr(args, param.name):
-            continue
-        value = getattr(args, param.name)
-        if param.name == "training_script_args":
-            options[param.name] = tuple(value or ())
-        elif value is None or isinstance(param, click.Argument):
-            options[param.name] = value
-        else:
-            options[param.name] = param.type.convert(value, param, None)
-    return options
-
-
 def config_from_args(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
     """Build the launch configuration and the worker command from parsed args.
 
@@ -292,11 +273,11 @@ def config_from_args(args: Any) -> tuple[Any, Callable[..., None] | str, list[st
             for the last two), or a training script that does not exist.
         RuntimeError: ``--nnodes`` with more than one ``:``.
     """
-    from elaunch.config import build_config
+    from elaunch.config import LaunchOptions, build_config
 
     if isinstance(getattr(args, "nnodes", None), str):
         parse_min_max_nnodes(args.nnodes)  # torch's RuntimeError for "1:2:3"
-    config = build_config(_options_from(args), os.environ)
+    config = build_config(LaunchOptions.from_namespace(args), os.environ)
     if getattr(args, "run_path", False):
         return config, run_script_path, [args.training_script, *getattr(args, "training_script_args", ())]
     return config, config.cmd[0], list(config.cmd[1:])

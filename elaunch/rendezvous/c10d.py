@@ -40,7 +40,7 @@ from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, _
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.static import parse_endpoint
+from elaunch.rendezvous.endpoint import parse_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     local_addr = params.local_addr or socket.getfqdn()
     store_type = str(params.get("store_type", "tcp")).strip().lower()
     if store_type == "tcp":
-        host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+        host, port = parse_endpoint(params.endpoint, DEFAULT_PORT, allow_zero=True, bare_ipv6=True)
         assert port is not None
         agent_store, hosting = _agent_store(host, port, params.get_as_bool("is_host"), local_addr,
                                             read_timeout, use_libuv)

@@ -27,6 +27,7 @@ from elaunch.rendezvous.api import (
     RendezvousParameters,
 )
 from elaunch.rendezvous.dynamic.backend import Token
+from elaunch.rendezvous.endpoint import parse_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -92,40 +93,6 @@ class EtcdConf:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
 
-def parse_endpoints(value: str, default_port: int = DEFAULT_PORT) -> tuple[tuple[str, int], ...]:
-    """Parse ``host[:port][,host[:port]...]`` (an optional ``http(s)://`` per entry is dropped).
-
-    Raises:
-        RendezvousConfigError: empty, or a port that is not an integer in 1..65535.
-    """
-    out = []
-    for raw in (value or "").split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme):]
-        item = item.rstrip("/")
-        if not item:
-            continue
-        if item.startswith("["):  # [ipv6]:port
-            host, _, rest = item[1:].partition("]")
-            port_s = rest[1:] if rest.startswith(":") else ""
-        elif item.count(":") == 1:
-            host, _, port_s = item.partition(":")
-        else:
-            host, port_s = item, ""
-        try:
-            port = int(port_s) if port_s else default_port
-        except ValueError:
-            raise RendezvousConfigError(f"--rdzv-endpoint={value}: port {port_s!r} of {raw.strip()!r} is not an integer") from None
-        if not 0 < port < 65536 or not host:
-            raise RendezvousConfigError(f"--rdzv-endpoint={value}: {raw.strip()!r} is not host[:port] with port in 1..65535")
-        out.append((host, port))
-    if not out:
-        raise RendezvousConfigError(f"--rdzv-endpoint={value!r}: an etcd backend needs host[:port][,host[:port]...]")
-    return tuple(out)
-
-
 def parse_conf(params: RendezvousParameters) -> EtcdConf:
     """Read :class:`EtcdConf` from ``params`` (torch's etcd conf keys plus ``user``/``password``).
 
@@ -155,7 +122,7 @@ def parse_conf(params: RendezvousParameters) -> EtcdConf:
     if ttl is None or ttl <= 0:
         raise RendezvousConfigError(f"--rdzv-conf ttl={get('ttl')}: must be > 0 seconds")
     return EtcdConf(
-        endpoints=parse_endpoints(params.endpoint),
+        endpoints=parse_endpoints(params.endpoint, DEFAULT_PORT, bare_ipv6=True),
         protocol=protocol,
         ca_cert=ca_cert,
         ssl_cert=ssl_cert,

@@ -22,19 +22,34 @@ def _lazy(module: str, attr: str = "create_handler") -> Factory:
     return factory
 
 
+#: elaunch's torch-free single-node backend: ``--standalone`` (and a single-node
+#: static job without an endpoint) picks it; it is no ``--rdzv-backend`` value.
+STANDALONE_BACKEND = "standalone"
+#: Backends whose ``--rdzv-endpoint`` is a comma-separated list of etcd servers.
+ENDPOINT_LIST_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
+
 _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
-    "standalone": _lazy("elaunch.rendezvous.standalone"),
     "c10d": _lazy("elaunch.rendezvous.c10d"),
     "etcd": _lazy("elaunch.rendezvous.etcd_v2"),
     "etcd-v2": _lazy("elaunch.rendezvous.etcd_v2"),
     "etcd-v3": _lazy("elaunch.rendezvous.etcd_v3"),
+    STANDALONE_BACKEND: _lazy("elaunch.rendezvous.standalone"),
 }
 
 
 def backend_names() -> tuple[str, ...]:
     """Return the registered backend names, sorted."""
     return tuple(sorted(_FACTORIES))
+
+
+def user_backend_names() -> tuple[str, ...]:
+    """Return the names ``--rdzv-backend`` accepts, in registration order.
+
+    Every registered backend but the internal :data:`STANDALONE_BACKEND`:
+    ``("static", "c10d", "etcd", "etcd-v2", "etcd-v3")`` plus any registered later.
+    """
+    return tuple(name for name in _FACTORIES if name != STANDALONE_BACKEND)
 
 
 def register(name: str, factory: Factory) -> None:

@@ -10,45 +10,13 @@ so restarted workers read the dead workers' keys; here no agent hosts it
 
 from __future__ import annotations
 
-import re
-
+from elaunch.rendezvous.endpoint import parse_endpoint
 from elaunch.rendezvous.local import LocalRendezvous
 from elaunch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousInfo,
     RendezvousParameters,
 )
-
-
-def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
-    """Split ``host[:port]`` (``[v6addr]:port`` too), as torch's ``parse_rendezvous_endpoint``.
-
-    Returns:
-        ``(host, port)``; ``port`` is ``default_port`` when absent ("localhost" when
-        ``endpoint`` is empty).
-
-    Raises:
-        RendezvousConfigError: bad port (not 0..65535) or bad host; names the endpoint.
-    """
-    endpoint = (endpoint or "").strip()
-    if not endpoint:
-        return "localhost", default_port
-    if endpoint.startswith("[") and endpoint.endswith("]"):
-        host, port_str = endpoint[1:-1], None
-    elif endpoint.startswith("[") and "]:" in endpoint:
-        host, port_str = endpoint[1:].split("]:", 1)
-    elif endpoint.count(":") == 1:
-        host, port_str = endpoint.split(":")
-    else:
-        host, port_str = endpoint, None  # a bare host or a bare IPv6 address
-    port = default_port
-    if port_str is not None:
-        if not re.fullmatch(r"[0-9]{1,5}", port_str) or int(port_str) > 65535:
-            raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: port {port_str!r} is not in 0..65535")
-        port = int(port_str)
-    if not host or not re.fullmatch(r"[\w.:-]+", host):
-        raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: host {host!r} is not a hostname or IP address")
-    return host, port
 
 
 class StaticRendezvous(LocalRendezvous):
@@ -97,7 +65,7 @@ def create_handler(params: RendezvousParameters) -> StaticRendezvous:
         raise RendezvousConfigError(f"--node-rank={rank}: must be in 0..{params.max_nodes - 1} for --nnodes={params.max_nodes}")
     if not params.endpoint.strip():
         raise RendezvousConfigError("static rendezvous: no endpoint (add --master-addr and --master-port)")
-    host, port = parse_endpoint(params.endpoint, None)
+    host, port = parse_endpoint(params.endpoint, allow_zero=True, bare_ipv6=True)
     if port is None:
         raise RendezvousConfigError(f"--rdzv-endpoint={params.endpoint}: no port (add --master-port)")
     return StaticRendezvous(host, port, rank, params.max_nodes, params.run_id)

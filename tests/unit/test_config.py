@@ -1,4 +1,4 @@
-"""LaunchConfig resolution (elaunch.config) and the pure value parsers (elaunch.cli.params)."""
+"""LaunchConfig resolution (elaunch.config) and the pure value parsers (elaunch.config.values)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from elaunch import config as C
-from elaunch.cli import params as P
-from elaunch.config import ConfigError, LaunchConfig, build_config
+from elaunch.config import nproc
+from elaunch.config import values as P
+from elaunch.config import ConfigError, LaunchConfig, LaunchOptions, build_config
 from elaunch.procs.std import Std
 
 
@@ -21,7 +22,7 @@ def script(tmp_path):
 
 
 def cfg(script, environ=None, **options) -> LaunchConfig:
-    return build_config({"training_script": script, **options}, environ or {})
+    return build_config(LaunchOptions(training_script=script, **options), environ or {})
 
 
 # ---- defaults and rewriting, as torch.distributed.run.run / config_from_args ----
@@ -125,9 +126,9 @@ def test_signal_sets(script, handle, forward, expected):
 
 def test_missing_script_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="missing the training script"):
-        build_config({}, {})
+        build_config(LaunchOptions(), {})
     with pytest.raises(ConfigError, match="nope.py"):
-        build_config({"training_script": str(tmp_path / "nope.py")}, {})
+        build_config(LaunchOptions(training_script=str(tmp_path / "nope.py")), {})
 
 
 # ---- worker argv ----
@@ -150,7 +151,7 @@ def test_no_python_program_must_exist(script):
 
 
 def test_module_is_not_checked_on_disk():
-    assert build_config({"training_script": "no.such.module", "module": True}, {}).cmd[-1] == "no.such.module"
+    assert build_config(LaunchOptions(training_script="no.such.module", module=True), {}).cmd[-1] == "no.such.module"
 
 
 # ---- environment-derived fields ----
@@ -187,18 +188,18 @@ def test_log_line_prefix_template(script):
     ],
 )
 def test_resolve_nproc(monkeypatch, spec, counts, expected):
-    monkeypatch.setattr(C, "_device_count", lambda kind: counts[kind])
+    monkeypatch.setattr(nproc, "_device_count", lambda kind: counts[kind])
     assert C.resolve_nproc(spec) == expected
 
 
 def test_resolve_nproc_gpu_without_devices(monkeypatch):
-    monkeypatch.setattr(C, "_device_count", lambda kind: 0)
+    monkeypatch.setattr(nproc, "_device_count", lambda kind: 0)
     with pytest.raises(ConfigError, match="--nproc-per-node=gpu: no CUDA"):
         C.resolve_nproc("gpu")
 
 
 def test_cpu_count_is_real():
-    assert C._device_count("cpu") >= 1
+    assert nproc._device_count("cpu") >= 1
 
 
 def test_importing_cli_and_config_does_not_import_torch():
@@ -273,16 +274,31 @@ def test_pet_flag_like_check_env():
         P.parse_pet_flag("yes", "PET_X")
 
 
-@pytest.mark.parametrize(
-    "text, expected",
-    [("h:1", ("h", 1)), ("h", ("h", None)), ("[::1]:29400", ("::1", 29400)), ("[fe80::1]", ("fe80::1", None))],
-)
-def test_parse_endpoint(text, expected):
-    assert C.parse_endpoint(text) == expected
+# ---- LaunchOptions: typed, frozen, checked on construction ----
+
+def test_options_parse_text_and_keep_typed_values():
+    o = LaunchOptions(nnodes="1:4", nproc_per_node="2", rdzv_conf="a=1", max_restarts="3", forward_signals="")
+    assert (o.nnodes, o.nproc_per_node, o.rdzv_conf, o.max_restarts, o.forward_signals) == ((1, 4), 2, {"a": "1"}, 3, ())
+    assert LaunchOptions(nnodes=(2, 3)).nnodes == (2, 3)
+    with pytest.raises(AttributeError):
+        o.nnodes = (1, 1)  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("text", ["h:65536", "h:0", "h:x", ":1", "a:b:c", "[::1", "[::1]x", "h h:1"])
-def test_parse_endpoint_rejects(text):
-    with pytest.raises(ConfigError, match=f"--rdzv-endpoint={__import__('re').escape(text)}"):
-        C.parse_endpoint(text)
-    assert C.parse_endpoint("h:0", allow_zero=True) == ("h", 0)
+def test_options_unset_values_take_defaults():
+    import argparse
+
+    o = LaunchOptions.from_namespace(argparse.Namespace(role="", rdzv_id=None, max_restarts=None, use_env=True))
+    assert (o.role, o.rdzv_id, o.max_restarts, o.forward_signals) == ("default", "none", 0, None)
+    assert o == LaunchOptions()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"nnodes": (4, 1)}, "--nnodes=4:1: MIN (4) must be <= MAX (1)"),
+    ({"rdzv_backend": "standalone"}, "--rdzv-backend=standalone: unknown rendezvous backend"),
+    ({"master_port": 0}, "--master-port=0: must be in 1-65535"),
+    ({"local_ranks_filter": {-1}}, "--local-ranks-filter=-1"),
+])
+def test_options_reject_values_naming_the_flag(options, message):
+    with pytest.raises(ConfigError) as info:
+        LaunchOptions(**options)
+    assert message in str(info.value)

@@ -10,7 +10,6 @@ import pytest
 
 from elaunch.rendezvous import registry
 from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError, RendezvousConfigError, RendezvousParameters
-from elaunch.rendezvous.static import parse_endpoint
 
 
 def params(backend, endpoint="", min_nodes=1, max_nodes=1, **conf):
@@ -75,20 +74,6 @@ def test_static_bad_input_names_value(endpoint, conf, needle):
         registry.create_handler(params("static", endpoint, 2, 2, **conf))
 
 
-@pytest.mark.parametrize("endpoint,expected", [
-    ("", ("localhost", 7)), ("host", ("host", 7)), ("host:0", ("host", 0)), ("1.2.3.4:29400", ("1.2.3.4", 29400)),
-    ("[::1]:80", ("::1", 80)), ("[::1]", ("::1", 7)), ("::1", ("::1", 7)), ("a.b-c:1", ("a.b-c", 1)),
-])
-def test_parse_endpoint(endpoint, expected):
-    assert parse_endpoint(endpoint, 7) == expected
-
-
-@pytest.mark.parametrize("endpoint", ["host:x", "host:-1", "ho st:1", ":80"])
-def test_parse_endpoint_rejects(endpoint):
-    with pytest.raises(RendezvousConfigError, match="--rdzv-endpoint="):
-        parse_endpoint(endpoint, 7)
-
-
 def _settings_backend(p):
     """A backend that reads the dynamic rendezvous' keys only (real RendezvousSettings)."""
     from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -134,3 +119,7 @@ def test_static_reads_only_rank(caplog):
         registry.create_handler(params("static", "127.0.0.1:29599", max_nodes=2, rank=1, join_timeout=5))
     assert [r.getMessage() for r in caplog.records] == [
         "--rdzv-conf: the static rendezvous does not use join_timeout; ignored"]
+
+
+def test_user_backend_names_leave_out_the_internal_standalone():
+    assert registry.user_backend_names() == ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")

@@ -12,9 +12,8 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping
-from typing import Any
 
-from elaunch.badinput import ConfigError
+from elaunch.config.errors import ConfigError
 
 
 def build_cmd(
@@ -69,27 +68,28 @@ def _require_file(script: str) -> None:
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
-def warm_start_modules(on: Any, modules: Any, no_python: bool, notes: list[str]) -> tuple[str, ...] | None:
+def warm_start_modules(
+    on: bool, modules: tuple[str, ...], no_python: bool
+) -> tuple[tuple[str, ...] | None, list[str]]:
     """Resolve ``--warm-start``/``--warm-start-modules`` (elaunch flags, no torchrun equivalent).
 
     Args:
         on: the ``--warm-start`` flag; modules: module names or empty for ``("torch",)``;
-        no_python: ``--no-python`` given (warm start then does not apply);
-        notes: receives a line to log when the flag is ignored.
+        no_python: ``--no-python`` given (warm start then does not apply).
 
     Returns:
-        The module names to pre-import, or None when warm start is off or inapplicable.
+        ``(names, warnings)``: the module names to pre-import, or None when warm start
+        is off or inapplicable; and the lines to log (the flag ignored).
 
     Raises:
         ConfigError: a name that is not a dotted Python module name.
     """
     if not on:
-        return None
+        return None, []
     names = tuple(modules) if modules else ("torch",)
     for name in names:
         if not _MODULE_RE.match(name):
             raise ConfigError(f"--warm-start-modules={','.join(names)}: {name!r} is not a module name")
     if no_python:
-        notes.append("--warm-start does not apply to --no-python workers; ignored")
-        return None
-    return names
+        return None, ["--warm-start does not apply to --no-python workers; ignored"]
+    return names, []

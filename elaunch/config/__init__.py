@@ -1,0 +1,40 @@
+"""One launch's configuration: from the typed options to the validated LaunchConfig (stdlib only).
+
+``build_config(LaunchOptions(...), environ) -> LaunchConfig``; the modules:
+
+
+* ``errors``: ConfigError (bad user input) and its exit status, EXIT_USAGE;
+* ``launch_config``: LaunchConfig, the frozen result, and the defaults;
+* ``values``: the flags' value parsers, and which option each parses;
+* ``options``: LaunchOptions, the typed, frozen options (from the CLI, ``elaunch.run`` or a caller);
+* ``build``: build_config, the options resolved (torch ``config_from_args``);
+* ``nproc``: ``--nproc-per-node`` to a worker count;
+* ``worker_cmd``: the worker argv (python ``-u``, ``-m``, ``--no-python``, ``--run-path``).
+"""
+
+from elaunch.config.errors import EXIT_USAGE, ConfigError
+from elaunch.config.launch_config import (
+    DEFAULT_FORWARD_SIGNALS,
+    DEFAULT_SIGNALS,
+    NUMA_MODES,
+    START_METHODS,
+    LaunchConfig,
+)
+from elaunch.config.options import LaunchOptions
+from elaunch.config.build import build_config
+from elaunch.config.nproc import resolve_nproc
+from elaunch.config.worker_cmd import build_cmd
+
+__all__ = [
+    "DEFAULT_FORWARD_SIGNALS",
+    "DEFAULT_SIGNALS",
+    "EXIT_USAGE",
+    "NUMA_MODES",
+    "START_METHODS",
+    "ConfigError",
+    "LaunchConfig",
+    "LaunchOptions",
+    "build_cmd",
+    "build_config",
+    "resolve_nproc",
+]

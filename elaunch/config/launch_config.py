@@ -1,0 +1,119 @@
+"""LaunchConfig: everything one ``elaunch`` invocation runs with, validated and resolved (stdlib only).
+
+Mirrors torch's ``torch.distributed.launcher.api.LaunchConfig`` (its field names)
+plus the worker argv; ``elaunch.config.build`` makes one from the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
+STANDALONE_ENDPOINT = "127.0.0.1:0"
+#: ``--master-port`` default for static rendezvous, as torchrun.
+DEFAULT_MASTER_PORT = 29500
+#: Seconds between SIGTERM and SIGKILL when the env and flag say nothing.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+#: ``--start-method`` values (kept for parity: elaunch workers are always exec'd).
+START_METHODS = ("spawn", "fork", "forkserver")
+#: ``--numa-binding`` modes.
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+#: ``--signals-to-handle`` default, as torchrun.
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: ``--forward-signals`` default: notices (Slurm's ``--signal=B:USR1@120``), not stops.
+DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+
+def _std_none() -> Any:
+    from elaunch.procs.std import Std
+
+    return Std.NONE
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch, validated: mirrors torch's ``LaunchConfig`` plus the worker argv.
+
+    Attributes:
+        min_nodes, max_nodes: bounds on the number of nodes (``--nnodes``), 1 <= min <= max.
+        nproc_per_node: workers on this node, >= 1 (``cpu``/``gpu``/``auto`` resolved).
+        run_id: job id (``--rdzv-id``; a fresh uuid4 for standalone).
+        role: the workers' role (``--role``).
+        rdzv_backend: ``static``, ``c10d``, ``etcd``, ``etcd-v2``, ``etcd-v3`` or the
+            internal ``standalone`` (``--standalone``, and single-node static defaults).
+        rdzv_endpoint: ``host[:port]`` ("" for none); static: ``master_addr:master_port``;
+            standalone: ``127.0.0.1:0`` (port picked at bind time).
+        rdzv_configs: ``--rdzv-conf`` entries; static adds ``rank`` = str(node_rank).
+        max_restarts: failed-group restarts allowed, >= 0.
+        monitor_interval: seconds between agent checks, > 0.
+        start_method: ``spawn``, ``fork`` or ``forkserver`` (kept for parity; elaunch
+            workers are always separate ``exec``-ed processes).
+        log_dir: base directory for worker logs, or None for a temporary one.
+        redirects, tee: ``elaunch.procs.std.Std`` or ``{local_rank: Std}`` (``-r``/``-t``).
+        local_ranks_filter: local ranks whose output reaches the console, None for all.
+        node_rank: this node's rank for static rendezvous (``--node-rank``).
+        master_addr, master_port: the static rendezvous' store (``MASTER_ADDR``/
+            ``MASTER_PORT`` of the workers); None for other backends, whose
+            rendezvous publishes them.
+        local_addr: this node's address as others reach it, None for the FQDN.
+        shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
+        signals_to_handle: signal names the agent forwards to workers before stopping
+            them and exiting 128 + signum (``"SIGTERM"``, ...).
+        forward_signals: signal names the agent forwards to every worker's process
+            group while it keeps running (``--forward-signals``, elaunch only; default
+            ``("SIGUSR1", "SIGUSR2")`` minus any in ``signals_to_handle``); disjoint
+            from ``signals_to_handle``.
+        hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
+            made one) before it counts as hung, stacks dumped, a failure of its rank;
+            0.0 is off (``--hang-timeout``, elaunch only), >= 0.
+        event_log_handler: torch event handler name (``--event-log-handler``).
+        logs_specs: ``torchrun.logs_specs`` entry-point name, or None for the default.
+        virtual_local_rank: set LOCAL_RANK=0 for every worker (``--virtual-local-rank``).
+        numa_binding: NUMA affinity mode name, or None.
+        duplicate_stdout_filters, duplicate_stderr_filters: substrings selecting lines
+            duplicated to a separate file.
+        log_line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` or None.
+        omp_num_threads: 1 when nproc_per_node > 1 and ``OMP_NUM_THREADS`` is unset,
+            else None (the workers then inherit the environment's value).
+        cmd: the worker argv, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
+        standalone: True when the user asked for ``--standalone``.
+        warm_start_modules: ``--warm-start``: modules the spare worker interpreters
+            import in advance (``--warm-start-modules``, default ``("torch",)``), or
+            None when warm start is off (the default; also with ``--no-python``).
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    run_id: str = "none"
+    role: str = "default"
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_dir: str | None = None
+    redirects: Any = field(default_factory=_std_none)
+    tee: Any = field(default_factory=_std_none)
+    local_ranks_filter: frozenset[int] | None = None
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
+    forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
+    hang_timeout: float = 0.0
+    event_log_handler: str = "null"
+    logs_specs: str | None = None
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    log_line_prefix_template: str | None = None
+    omp_num_threads: int | None = None
+    cmd: tuple[str, ...] = ()
+    standalone: bool = False
+    warm_start_modules: tuple[str, ...] | None = None

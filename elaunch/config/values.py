@@ -1,0 +1,277 @@
+"""Value parsers for torchrun's flags: text (or an already typed value) to a checked typed value.
+
+Each ``parse_*`` function is pure: it takes the raw string and a ``label`` (the
+flag, e.g. ``--nnodes``, or the env var it came from, e.g. ``PET_NNODES``) and
+returns the typed value or raises :class:`~elaunch.config.errors.ConfigError`
+whose message reads ``<label>=<value>: <reason>``; given a value already typed
+(as argparse, ``click`` or a caller produces it), it checks it the same way, so
+parsing twice is harmless. :data:`PARSERS` names the parser of each option; the
+click command (``elaunch.cli.params.Parsed``) and
+:class:`~elaunch.config.options.LaunchOptions` both apply it. Stdlib only, no torch.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from elaunch.config.errors import ConfigError
+from elaunch.config.launch_config import NUMA_MODES, START_METHODS
+from elaunch.rendezvous.registry import user_backend_names
+
+NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
+_UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
+
+
+def _bad(label: str, value: Any, reason: str) -> ConfigError:
+    return ConfigError(f"{label}={value}: {reason}")
+
+
+def parse_nnodes(text: str | tuple[int, int], label: str = "--nnodes") -> tuple[int, int]:
+    """Parse ``N`` or ``MIN:MAX`` (torch ``parse_min_max_nnodes``), or check ``(min, max)``.
+
+    Raises:
+        ConfigError: not N / MIN:MAX integers, a bound < 1, or MIN > MAX.
+    """
+    if isinstance(text, (tuple, list)):
+        text = ":".join(str(b) for b in text)
+    parts = str(text).strip().split(":")
+    if len(parts) > 2:
+        raise _bad(label, text, "expected N or MIN:MAX")
+    try:
+        bounds = [int(p) for p in parts]
+    except ValueError:
+        raise _bad(label, text, "expected N or MIN:MAX with integer N, MIN, MAX") from None
+    lo, hi = bounds[0], bounds[-1]
+    if lo < 1 or hi < 1:
+        raise _bad(label, text, "node counts must be >= 1")
+    if lo > hi:
+        raise _bad(label, text, f"MIN ({lo}) must be <= MAX ({hi})")
+    return lo, hi
+
+
+def parse_nproc(text: str | int, label: str = "--nproc-per-node") -> int | str:
+    """Parse ``--nproc-per-node``: an int >= 1 or ``auto``/``cpu``/``gpu``/``xpu`` (kept as str).
+
+    An int is checked as its decimal text.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    value = str(text).strip()
+    if value in NPROC_KEYWORDS:
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise _bad(label, text, f"expected an integer >= 1 or one of {', '.join(NPROC_KEYWORDS)}") from None
+    if count < 1:
+        raise _bad(label, text, "must be >= 1")
+    return count
+
+
+def parse_int(text: str | int, label: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """Parse (or check) an integer in ``[minimum, maximum]``.
+
+    Raises:
+        ConfigError: not an integer, or out of range.
+    """
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise _bad(label, text, "expected an integer") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in {minimum}-{maximum}" if maximum is not None else f">= {minimum}"
+        raise _bad(label, text, f"must be {bound}")
+    return value
+
+
+def parse_seconds(text: str | float, label: str, allow_zero: bool) -> float:
+    """Parse (or check) a duration in seconds: finite and > 0, or >= 0 when ``allow_zero``.
+
+    Raises:
+        ConfigError: not a number, or out of range.
+    """
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise _bad(label, text, "expected seconds (a number)") from None
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+        raise _bad(label, text, f"must be {'>= 0' if allow_zero else '> 0'} seconds")
+    return value
+
+
+def parse_choice(text: str, label: str, choices: tuple[str, ...], what: str = "value") -> str:
+    """Return ``text`` if it is one of ``choices``.
+
+    Raises:
+        ConfigError: it is not; the message lists the choices.
+    """
+    value = str(text).strip()
+    if value not in choices:
+        raise _bad(label, text, f"unknown {what} (known: {', '.join(choices)})")
+    return value
+
+
+def parse_backend(text: str, label: str = "--rdzv-backend") -> str:
+    """Return ``text`` if the rendezvous registry offers it to ``--rdzv-backend``.
+
+    Raises:
+        ConfigError: it does not; the message lists ``user_backend_names()``.
+    """
+    return parse_choice(text, label, user_backend_names(), "rendezvous backend")
+
+
+def parse_kv_list(text: str | dict[str, str], label: str = "--rdzv-conf") -> dict[str, str]:
+    """Parse ``k1=v1,k2=v2`` (torch ``_parse_rendezvous_config``): keys and values non-empty.
+
+    A dict is returned as a copy.
+
+    Raises:
+        ConfigError: an entry without ``=``, with an empty key or an empty value.
+    """
+    if isinstance(text, dict):
+        return dict(text)
+    out: dict[str, str] = {}
+    text = str(text).strip()
+    if not text:
+        return out
+    for entry in text.split(","):
+        key, sep, value = entry.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            raise _bad(label, text, f"entry {entry!r} is not key=value")
+        if not key:
+            raise _bad(label, text, f"entry {entry!r} has an empty key")
+        if not value:
+            raise _bad(label, text, f"entry {entry!r} has no value")
+        out[key] = value
+    return out
+
+
+def parse_std(text: Any, label: str) -> Any:
+    """Parse ``--redirects``/``--tee`` with ``Std.from_str`` (``3`` or ``0:1,1:2``).
+
+    A ``Std`` or a ``{local_rank: Std}`` dict is returned as it is.
+
+    Raises:
+        ConfigError: the value is neither form.
+    """
+    from elaunch.procs.std import Std
+
+    if isinstance(text, (Std, dict)):
+        return text
+    try:
+        return Std.from_str(str(text).strip())
+    except ValueError:
+        raise _bad(label, text, "expected 0-3 (0=none, 1=stdout, 2=stderr, 3=both) or LOCAL_RANK:0-3,...") from None
+
+
+def parse_rank_set(text: Any, label: str = "--local-ranks-filter") -> frozenset[int] | None:
+    """Parse ``0,1,2`` (or check a set of ints) into a frozenset of local ranks; empty means all (None).
+
+    Raises:
+        ConfigError: an entry is not an integer >= 0.
+    """
+    if isinstance(text, (set, frozenset, tuple, list)):
+        text = ",".join(str(r) for r in sorted(text))
+    text = str(text).strip()
+    if not text:
+        return None
+    try:
+        ranks = frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise _bad(label, text, "expected comma-separated local ranks, e.g. 0,1,2") from None
+    if any(r < 0 for r in ranks):
+        raise _bad(label, text, "local ranks must be >= 0")
+    return ranks
+
+
+def parse_comma_list(text: str | tuple[str, ...] | list[str], label: str = "") -> tuple[str, ...]:
+    """Split on ``,`` with ``,,`` as an escaped comma (torch ``comma_separated_list``); drop empties.
+
+    A list or tuple (argparse's value) is returned as a tuple; ``label`` is unused (nothing is rejected).
+    """
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    placeholder = "\0"
+    items = str(text).replace(",,", placeholder).split(",")
+    return tuple(i.replace(placeholder, ",") for i in items if i)
+
+
+def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bool = False) -> tuple[str, ...]:
+    """Parse ``SIGTERM,SIGUSR1`` into validated signal names (``TERM`` and lower case accepted).
+
+    Args:
+        text: comma-separated names (or a tuple of them); duplicates are dropped, order is kept.
+        label: the flag or env var named in errors.
+        allow_empty: accept ``""`` or ``none`` as the empty tuple (``--forward-signals``).
+
+    Raises:
+        ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), or an
+            empty list when ``allow_empty`` is false.
+    """
+    if isinstance(text, (tuple, list)):
+        text = ",".join(text)
+    if allow_empty and str(text).strip().lower() in ("", "none"):
+        return ()
+    names = []
+    for raw in str(text).split(","):
+        name = raw.strip().upper()
+        if not name:
+            continue
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in signal.Signals.__members__:
+            raise _bad(label, text, f"unknown signal {raw.strip()!r}")
+        if name in _UNCATCHABLE:
+            raise _bad(label, text, f"{name} cannot be handled")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise _bad(label, text, "expected comma-separated signal names, e.g. SIGTERM,SIGINT")
+    return tuple(names)
+
+
+def parse_pet_flag(text: str | bool, label: str) -> bool:
+    """Parse a ``PET_<FLAG>`` value as torch's ``check_env``: an integer, non-zero is True.
+
+    A bool is returned as it is.
+
+    Raises:
+        ConfigError: not an integer.
+    """
+    if isinstance(text, bool):
+        return text
+    try:
+        return int(str(text).strip()) != 0
+    except ValueError:
+        raise _bad(label, text, "expected 1 or 0") from None
+
+
+#: The parser of each value-taking option, by torchrun's ``dest`` name; options not
+#: named here take their text as it is.
+PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "nnodes": parse_nnodes,
+    "nproc_per_node": parse_nproc,
+    "rdzv_backend": parse_backend,
+    "rdzv_conf": parse_kv_list,
+    "max_restarts": partial(parse_int, minimum=0),
+    "monitor_interval": partial(parse_seconds, allow_zero=False),
+    "start_method": partial(parse_choice, choices=START_METHODS, what="start method"),
+    "warm_start_modules": parse_comma_list,
+    "shutdown_timeout": partial(parse_seconds, allow_zero=True),
+    "signals_to_handle": parse_signals,
+    "forward_signals": partial(parse_signals, allow_empty=True),
+    "hang_timeout": partial(parse_seconds, allow_zero=True),
+    "numa_binding": partial(parse_choice, choices=NUMA_MODES, what="NUMA binding mode"),
+    "redirects": parse_std,
+    "tee": parse_std,
+    "local_ranks_filter": parse_rank_set,
+    "duplicate_stdout_filters": parse_comma_list,
+    "duplicate_stderr_filters": parse_comma_list,
+    "node_rank": partial(parse_int, minimum=0),
+    "master_port": partial(parse_int, minimum=1, maximum=65535),
+}
