@@ -1,4 +1,4 @@
-"""The failure scenarios: a job-wide abort across two agents, and hang detection.
+"""The failure scenarios: a job-wide abort across two agents (c10d, etcd-v2, etcd-v3), and hang detection.
 
 Both measure how long a launcher takes to end a job that cannot go on, from the
 last thing a worker did (a ``time.time()`` stamp it wrote) to the moment the last
@@ -10,6 +10,7 @@ and recorded as "never (> bound)" (its later repeats of the scenario are skipped
 
 from __future__ import annotations
 
+import random
 import subprocess
 import threading
 import time
@@ -17,16 +18,25 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import WORKERS, DidNotComplete, Recorder, free_port, kill_tree, start, stop, wait_until
-from benchmarks.scenarios import BenchConfig, Never, _drive, _listens
+from benchmarks.common import WORKERS, DidNotComplete, Recorder, free_port, kill_tree, log_line, start, stop, wait_until
+from benchmarks.etcd_server import EtcdServer, etcd_binary, missing_for_etcd
+from benchmarks.scenarios import BenchConfig, Cannot, Never, _drive, _listens
 
 ABORT = str(WORKERS / "abort.py")
 HANG = str(WORKERS / "hang.py")
 #: The global rank that fails in the abort scenario: the second node's second worker.
 FAIL_RANK = 3
+#: Seconds the failing rank waits after every rank started, drawn per repeat from this range, so
+#: the repeats sample the phase of the agents' periodic reads (the 0.1 s monitor tick, and a state
+#: read reused for up to ``poll_interval``: 0.2 s on c10d/etcd-v2, 1 s on etcd-v3) instead of
+#: hitting one phase every time.
+FAIL_AFTER = (0.3, 1.3)
 #: ``--hang-timeout`` of the hang scenario (s), and how long rank 1 makes progress first (s).
 HANG_TIMEOUT = 2.0
 PROGRESS_FOR = 1.0
+#: The etcd rendezvous backends the job-wide abort also runs on (scenario ``job_abort_etcd``),
+#: with the same flag for both launchers; torch 2.13 has no ``etcd-v3`` (its row says so).
+ETCD_BACKENDS = ("etcd-v2", "etcd-v3")
 
 
 class _ExitTimes:
@@ -97,42 +107,60 @@ def _kill_workers(script: str, out: Path) -> None:
 
 # -- job-wide abort -----------------------------------------------------------------------
 
-def bench_job_abort(cfg: BenchConfig) -> Recorder:
-    """Two agents of one c10d job (2 x 2 workers); global rank 3 exits 1, the others block.
+def _cannot(log: Path) -> Cannot:
+    """The launcher's last log line, as the reason it could not run (see :class:`Cannot`)."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    return Cannot(f"cannot: {lines[-1] if lines else 'exited before starting a worker, no output'}")
 
-    The agent that hosts the c10d store starts first and is the healthy node: the
-    failing rank runs on the other agent (checked), as when any node but the
-    rendezvous endpoint's fails. Measured from the failing worker's exit stamp to
-    the last agent's exit with no worker left; also to the first agent's exit.
+
+def bench_job_abort(cfg: BenchConfig, backend: str = "c10d", endpoint: str | None = None) -> Recorder:
+    """Two agents of one job (2 x 2 workers); global rank 3 exits 1, the others block.
+
+    c10d (scenario ``job_abort``): the agent that hosts the c10d store starts first
+    and is the healthy node: the failing rank runs on the other agent (checked), as
+    when any node but the rendezvous endpoint's fails. etcd (``etcd-v2``/``etcd-v3``,
+    scenario ``job_abort_etcd_v2``/``_v3``): both agents start together on the etcd
+    server at ``endpoint`` (``HOST:PORT``); no node is special there. Measured from
+    the failing worker's exit stamp to the last agent's exit with no worker left;
+    also to the first agent's exit. A launcher that exits before any worker started
+    (torchrun has no ``etcd-v3``) is recorded as :class:`Cannot`.
     """
     bound = cfg.failure_bound
-    rec = Recorder("job_abort")
-    rec.metric("last_agent", "job-wide abort (c10d, 2 agents x 2 workers, rank 3 exits 1, others block): "
+    name = "job_abort" if backend == "c10d" else f"job_abort_{backend.replace('-', '_')}"
+    rec = Recorder(name)
+    rec.metric("last_agent", f"job-wide abort ({backend}, 2 agents x 2 workers, rank 3 exits 1, others block): "
                "failed worker exit -> last agent exited, no worker left", "s",
                {"kind": "all_le", "value": 1.0, "text": "every agent exited <= 1 s after the verdict"})
-    rec.metric("first_agent", "job-wide abort: failed worker exit -> first agent exited", "s")
+    rec.metric("first_agent", f"job-wide abort ({backend}): failed worker exit -> first agent exited", "s")
 
     def once(which, log, out):
         port = free_port()
-        args = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=bench-abort-{port}", "--local-addr=127.0.0.1", "--max-restarts=0",
-                "--monitor-interval=0.1", ABORT, str(out), str(FAIL_RANK)]
+        where = endpoint or f"127.0.0.1:{port}"
+        args = ["--nnodes=2", "--nproc-per-node=2", f"--rdzv-backend={backend}", f"--rdzv-endpoint={where}",
+                f"--rdzv-id=bench-abort-{backend}-{out.name}-{port}", "--local-addr=127.0.0.1", "--max-restarts=0",
+                "--monitor-interval=0.1", ABORT, str(out), str(FAIL_RANK), f"{random.uniform(*FAIL_AFTER):.3f}"]
         exits = _ExitTimes()
         procs = [start(which, args, log)]
         exits.watch(procs[0])
         try:
-            wait_until(lambda: _listens(procs[0].pid, port) or exits.at, 60, "c10d store hosted")
-            if exits.at:
-                raise DidNotComplete(f"the first agent exited (code {procs[0].returncode}) before hosting the store")
+            if backend == "c10d":
+                wait_until(lambda: _listens(procs[0].pid, port) or exits.at, 60, "c10d store hosted")
+                if exits.at:
+                    raise DidNotComplete(f"the first agent exited (code {procs[0].returncode}) before hosting the store")
             procs.append(start(which, args, log))
             exits.watch(procs[1])
             crash = out / "crash"
             wait_until(lambda: crash.exists() or exits.at, 120, f"rank {FAIL_RANK} failed")
             if not crash.exists():
+                if not any(out.glob("ready_*")):
+                    raise _cannot(log)
                 raise DidNotComplete(f"an agent exited before rank {FAIL_RANK} failed")
             t_fail = float(crash.read_text())
             parent = int((out / f"ready_{FAIL_RANK}").read_text())
-            if parent != procs[1].pid:
+            if backend == "c10d" and parent != procs[1].pid:
                 raise DidNotComplete(f"rank {FAIL_RANK} ran under pid {parent}, not the second agent "
                                      f"{procs[1].pid} (the store host must be the healthy node)")
             end = _wait_stopped(procs, exits, ABORT, out, t_fail + bound)
@@ -144,7 +172,30 @@ def bench_job_abort(cfg: BenchConfig) -> Recorder:
             _kill_workers(ABORT, out)
         return {"last_agent": end - t_fail, "first_agent": first}
 
-    return _drive(cfg, rec, "job_abort", once)
+    return _drive(cfg, rec, name, once)
+
+
+def bench_job_abort_etcd(cfg: BenchConfig) -> tuple[list[Recorder], list[str]]:
+    """The job-wide abort on each of :data:`ETCD_BACKENDS`, against one real etcd server.
+
+    The server (``--enable-v2``, so torchrun's ``etcd-v2`` can run) serves every
+    repeat of both backends, each repeat under its own run id, and is stopped at the
+    end, also on errors. Returns the recorders and notes for the report (why the
+    rows are missing, when etcd cannot run here).
+    """
+    if note := missing_for_etcd(ETCD_BACKENDS):
+        return [], [f"job-wide abort, {note}"]
+    server = EtcdServer(etcd_binary() or "etcd")
+    try:
+        server.start()
+    except RuntimeError as exc:
+        log_line(f"job_abort_etcd: {exc}")
+        return [], [f"job-wide abort, etcd: skipped (the etcd server did not start: {exc})"]
+    try:
+        log_line(f"job_abort_etcd: etcd {server.binary} serves {server.endpoint}")
+        return [bench_job_abort(cfg, backend, server.endpoint) for backend in ETCD_BACKENDS], []
+    finally:
+        server.stop()
 
 
 # -- hang detection -----------------------------------------------------------------------

@@ -55,11 +55,19 @@ def _never(metric: dict[str, Any], which: str) -> bool:
     return metric["median"][which] is None and any(n.startswith("never") for n in metric["notes"][which])
 
 
+def _cannot(metric: dict[str, Any], which: str) -> bool:
+    """True when ``which`` could not run this metric's configuration (its note says "cannot: ...")."""
+    return metric["median"][which] is None and any(n.startswith("cannot") for n in metric["notes"][which])
+
+
 def _ratio(metric: dict[str, Any]) -> str:
     if metric["ratio"] is not None:
         return f"{metric['ratio']:.2f}×"
-    if _never(metric, "torchrun") and metric["median"]["elaunch"] is not None:
-        return "— (torchrun never)"
+    if metric["median"]["elaunch"] is not None:
+        if _never(metric, "torchrun"):
+            return "— (torchrun never)"
+        if _cannot(metric, "torchrun"):
+            return "— (torchrun cannot)"
     return "—"
 
 
@@ -140,7 +148,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     # rendezvous scale: c10d (solid) and, when run, etcd (dashed) curves
     scale = [m for m in metrics if m["key"].startswith(("rdzv_scale.seconds_", "rdzv_scale.etcd_seconds_"))]
     ops = [m for m in metrics if m["key"].startswith(("rdzv_scale.ops_", "rdzv_scale.etcd_ops_")) and "max" not in m["key"]]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 6.5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+    height = max(6.5, 0.45 * len(timed) + 1.5)  # room for each row's wrapped label
+    fig, axes = plt.subplots(1, 3, figsize=(17, height), gridspec_kw={"width_ratios": [2.2, 1, 1]})
     colors = {"elaunch": "tab:blue", "torchrun": "tab:orange"}
     ax = axes[0]
     ys = range(len(timed))
@@ -150,7 +159,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
                 color=colors[which], label=which)
         for y, v, m in zip(ys, vals, timed):
             if v is None:
-                what = "never" if _never(m, which) else "did not complete"
+                what = "never" if _never(m, which) else "cannot" if _cannot(m, which) else "did not complete"
                 ax.text(0.011, y + off, what, va="center", fontsize=7, color=colors[which])
     ax.set_yticks(list(ys), [textwrap.fill(m["label"], 44) for m in timed], fontsize=7)
     ax.invert_yaxis()
@@ -189,18 +198,27 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _replaced(note: str, names: list[str]) -> bool:
+    """True when ``note`` is a :func:`merge` note ("rows of A, B: from ...") of rows all in ``names``."""
+    if not note.startswith("rows of ") or ": from `" not in note:
+        return False
+    return set(note[len("rows of "):].split(": from `", 1)[0].split(", ")) <= set(names)
+
+
 def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
     """Return ``base`` with the scenarios of each ``later`` result replacing or appended to its own.
 
     The run facts stay ``base``'s; each later result adds a note naming its
     scenarios, command, date, repeats and load average, so the table says which
-    rows come from which run.
+    rows come from which run (and drops such notes of an earlier merge whose rows
+    it all replaces).
     """
     out = {"meta": dict(base["meta"]), "scenarios": list(base["scenarios"])}
     out["meta"]["notes"] = list(base["meta"].get("notes", []))
     for extra in later:
         names = [s["name"] for s in extra["scenarios"]]
         out["scenarios"] = [s for s in out["scenarios"] if s["name"] not in names] + extra["scenarios"]
+        out["meta"]["notes"] = [n for n in out["meta"]["notes"] if not _replaced(n, names)]
         m = extra["meta"]
         where = "".join(f", {label} {m[k]}" for k, label in (("machine", "machine"), ("python", "python"),
                                                                ("torch", "torch"))

@@ -5,7 +5,9 @@ elaunch, torchrun, ...) ``cfg.repeat`` times and returns a :class:`Recorder`.
 A repeat that does not finish within its bound is recorded as None with a note
 ("did not complete in T s", or "never (> T s)" when the launcher is not expected to
 finish at all: :class:`Never`); once a launcher misses a bound, its later repeats
-of that scenario are skipped (they would only cost the same T again).
+of that scenario are skipped (they would only cost the same T again). A launcher
+that exits before starting any worker cannot run the configuration at all
+(:class:`Cannot`, "cannot: <its error>"); its later repeats are skipped too.
 """
 
 from __future__ import annotations
@@ -87,6 +89,15 @@ class Never(DidNotComplete):
         self.values = values or {}
 
 
+class Cannot(DidNotComplete):
+    """The launcher cannot run the scenario's configuration: it exited before starting any worker.
+
+    The message starts with ``cannot:`` and gives the launcher's own last error line
+    (e.g. torchrun on ``--rdzv-backend=etcd-v3``, which torch does not register).
+    Its later repeats of the scenario are skipped, as after a :class:`Never`.
+    """
+
+
 def _runs(cfg: BenchConfig, rec: Recorder, name: str):
     """Yield ``(repeat, launcher, log_path, out_dir)`` interleaved, skipping launchers that timed out."""
     given_up: set[str] = set()
@@ -113,7 +124,7 @@ def _drive(cfg: BenchConfig, rec: Recorder, name: str, once) -> Recorder:
                 for metric, value in once(which, log, out).items():
                     rec.add(metric, which, value)
             except Exception as exc:  # noqa: BLE001 - one failed repeat must not end the run
-                failed = isinstance(exc, Never) or (isinstance(exc, DidNotComplete) and "did not complete" in str(exc))
+                failed = isinstance(exc, (Never, Cannot)) or (isinstance(exc, DidNotComplete) and "did not complete" in str(exc))
                 measured = exc.values if isinstance(exc, Never) else {}
                 if not isinstance(exc, DidNotComplete):
                     exc = DidNotComplete(f"{type(exc).__name__}: {exc}")

@@ -124,3 +124,32 @@ def test_markdown_table_and_plot_are_written(quick_run):
     png = (out / "benchmarks.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "| scenario | elaunch | torchrun |" in stdout
+
+
+def test_quick_mode_leaves_out_the_etcd_job_abort_and_says_so(quick_run):
+    # the etcd variants of the job-wide abort cost ~30 s (torchrun's etcd-v2 node runs until the bound):
+    # a --quick run without --only skips them, and its notes say how to run them
+    _out, result, _stdout, _stderr = quick_run
+    names = [s["name"] for s in result["scenarios"]]
+    assert "job_abort" in names and not any(n.startswith("job_abort_etcd") for n in names), names
+    assert "job_abort_etcd: not run in quick mode (--only job_abort_etcd runs it)" in result["meta"]["notes"]
+
+
+def test_merging_a_later_run_drops_the_notes_of_the_rows_it_replaces():
+    from benchmarks.report import merge
+
+    def result(names, command, notes=()):
+        meta = {"command": command, "date": "d", "quick": False, "repeat": 5, "loadavg_start": "0",
+                "loadavg_end": "0", "duration_s": 1.0, "notes": list(notes)}
+        return {"meta": meta, "scenarios": [{"name": n, "metrics": []} for n in names]}
+
+    base = result(["launch", "job_abort", "hang"], "full")
+    once = merge(base, result(["job_abort", "hang"], "first"))
+    assert [n for n in once["meta"]["notes"] if n.startswith("rows of ")][0].startswith("rows of job_abort, hang: from `first`")
+    twice = merge(once, result(["job_abort", "job_abort_etcd_v2", "hang"], "second"))
+    rows = [n for n in twice["meta"]["notes"] if n.startswith("rows of ")]
+    assert len(rows) == 1 and rows[0].startswith("rows of job_abort, job_abort_etcd_v2, hang: from `second`"), rows
+    partly = merge(once, result(["hang"], "third"))  # job_abort still comes from `first`: its note stays
+    assert [n.split(":")[0] for n in partly["meta"]["notes"] if n.startswith("rows of ")] == \
+        ["rows of job_abort, hang", "rows of hang"]
+    assert [s["name"] for s in twice["scenarios"]] == ["launch", "job_abort", "job_abort_etcd_v2", "hang"]
