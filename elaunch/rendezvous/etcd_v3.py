@@ -26,6 +26,7 @@ import os
 import queue
 import time
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
@@ -217,6 +218,29 @@ class EtcdV3KV(FailoverKV):
             time.sleep(max(0.0, deadline - time.monotonic()))
             return False
 
+    def watch_forever(self, key: str, on_change: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
+
+        Returns None when the watch cannot be set up (logged at DEBUG): callers then poll.
+        """
+        def event(_response: Any) -> None:
+            on_change()  # an event or a broken stream alike: the caller re-reads either way
+
+        try:
+            client = self._client()
+            watch_id = client.add_watch_callback(key, event)
+        except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
+            log.debug("etcd-v3: watching %s failed: %s", key, exc)
+            return None
+
+        def cancel() -> None:
+            try:
+                client.cancel_watch(watch_id)
+            except Exception as exc:  # noqa: BLE001 - the client may be gone already
+                log.debug("etcd-v3: cancelling the watch on %s failed: %s", key, exc)
+
+        return cancel
+
     def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
         def op(client: Any) -> Token | None:
             tx = client.transactions
@@ -275,7 +299,11 @@ class EtcdV3StateBackend(EtcdStateBackend):
         self.kv.put_many([(f"{self._base}heartbeat/{node_id}", repr(at).encode())])
 
     def get_heartbeats(self, nodes) -> dict[str, float]:
-        return self._read(None)[4]  # every node's, in one range read
+        return self._read(None)[4]
+
+    def watch_state(self, on_change: Callable[[], None]) -> Callable[[], None] | None:
+        assert isinstance(self.kv, EtcdV3KV)
+        return self.kv.watch_forever(self.key, on_change)  # every node's, in one range read
 
     def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
         data, token, _log, _pos, beats = self._read(None)

@@ -8,7 +8,7 @@ etcd v2/v3 later. Stdlib only.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Opaque version marker of a stored state: whatever the backend compares on
@@ -93,6 +93,20 @@ class RendezvousBackend(abc.ABC):
             RendezvousConnectionError: the backend cannot be reached.
         """
         raise NotImplementedError(f"{self.name}: no heartbeat keys")
+
+    # -- optional: a watch on the state (etcd-v3 has one) --------------------------------
+
+    def watch_state(self, on_change: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``on_change()`` (from another thread) after each write of the state, until stopped.
+
+        Lets a running node's monitor see what another node wrote (a failure, the
+        job's verdict) at its next check, without reading the state at every check.
+
+        Returns:
+            A function that stops the watch; None when the backend has no watch (the
+            monitor then re-reads the state every ``poll_interval`` seconds).
+        """
+        return None
 
     # -- optional: batched joins and wake-ups (c10d has them; see batching.py) ---------
 

@@ -266,6 +266,9 @@ class OpExecutor:
         self._state = merge.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
         if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
             self._backend.notify_round(new_state.round)
+            if new_state.closed and not state.closed:
+                # nodes already on their way to the next round wait on its notices: wake them too
+                self._backend.notify_round(new_state.round + 1)
         what = "COMBINE_JOINS" if action is Action.SYNC else action.value  # the combiner adding others
         log.debug("node %s: %s %s (round %d)", me, what, "written" if written else "lost the race", self._state.round)
         if not written:

@@ -108,6 +108,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._heartbeat_stop: threading.Event | None = None
         self._heartbeat_thread: threading.Thread | None = None
         self._beat_now = threading.Event()  # wakes the keep-alive thread: a read saw a probe it must answer
+        self._state_written = False  # the backend's watch saw a write since the cached read
+        self._stop_watch: Callable[[], None] | None = None
         self._current: RendezvousInfo | None = None
         self._members: frozenset[str] = frozenset()
         self._cached: tuple[float, RendezvousState] | None = None
@@ -230,10 +232,16 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         return self._current
 
     def _read(self) -> RendezvousState:
-        """Read the state without touching the executor's cache; reuse a read younger than poll_interval."""
+        """Read the state without touching the executor's cache; reuse a read younger than poll_interval.
+
+        Where the backend watches the state (etcd-v3), a write seen since the cached
+        read makes it stale at once: another node's failure or verdict reaches the
+        monitor at its next check, not ``poll_interval`` seconds later.
+        """
         now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < self._settings.poll_interval:
+        if self._cached is not None and not self._state_written and now - self._cached[0] < self._settings.poll_interval:
             return self._cached[1]
+        self._state_written = False  # before the read: a write during it makes the next check read again
         state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state,
                                    self._clock() - self._settings.keep_alive_interval)
         self._cached = (now, state)
@@ -372,7 +380,11 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
 
     # -- keep-alive -------------------------------------------------------------------
 
+    def _on_state_written(self) -> None:
+        self._state_written = True
+
     def _start_heartbeats(self) -> None:
+        self._stop_watch = self._backend.watch_state(self._on_state_written)
         stop = threading.Event()
         thread = threading.Thread(
             target=self._heartbeat_loop, args=(stop,), name=f"elaunch-rdzv-keepalive-{self._node_id}", daemon=True
@@ -381,6 +393,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         thread.start()
 
     def _stop_heartbeats(self) -> None:
+        if self._stop_watch is not None:
+            self._stop_watch()
+            self._stop_watch = None
         if self._heartbeat_stop is None or self._heartbeat_thread is None:
             return
         self._heartbeat_stop.set()
