@@ -17,6 +17,7 @@ import sys
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.config.errors import EXIT_USAGE
 from elaunch.config import LaunchConfig
+from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
 from elaunch.rendezvous.api import (
@@ -117,7 +118,6 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
         ("--numa-binding", config.numa_binding),
         ("--duplicate-stdout-filters", ",".join(config.duplicate_stdout_filters)),
         ("--duplicate-stderr-filters", ",".join(config.duplicate_stderr_filters)),
-        ("--logs-specs", config.logs_specs),
         ("--event-log-handler", None if config.event_log_handler == "null" else config.event_log_handler),
     ]
     return [(flag, value) for flag, value in given if value]
@@ -135,6 +135,7 @@ def run_job(config: LaunchConfig) -> RunResult | None:
         rendezvous said this node is not needed (torch's graceful exit).
 
     Raises:
+        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError).
         RendezvousConfigError: a backend rejected its configuration (a ValueError).
         RendezvousError: the rendezvous failed.
         SignalException: a handled signal (``--signals-to-handle``) stopped the job;
@@ -153,6 +154,9 @@ def run_job(config: LaunchConfig) -> RunResult | None:
     # the workers' environment: snapshot it before a backend adjusts the agent's own
     # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
     base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
+    # torchrun instantiates its LogsSpecs before the rendezvous too
+    specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
+                            config.local_ranks_filter)
     handler = create_handler(rendezvous_parameters(config))
     agent = ElasticAgent(
         build_spec(config),
@@ -163,6 +167,7 @@ def run_job(config: LaunchConfig) -> RunResult | None:
             tee=config.tee,
             local_ranks_filter=config.local_ranks_filter,
             line_prefix_template=config.log_line_prefix_template,
+            specs=specs,
         ),
         EnvOptions(
             run_id=config.run_id,

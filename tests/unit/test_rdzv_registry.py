@@ -30,7 +30,9 @@ def test_backend_names():
 
 
 def test_unknown_backend_is_named_with_known_ones():
-    with pytest.raises(RendezvousConfigError, match=r"--rdzv-backend=zookeeper: .*known: c10d, etcd"):
+    # the built-in names a user may give, then the torchrun.handlers entry points installed
+    with pytest.raises(RendezvousConfigError,
+                       match=r"--rdzv-backend=zookeeper: .*known: static, c10d, etcd, etcd-v2, etcd-v3\b"):
         registry.create_handler(params("zookeeper"))
 
 
