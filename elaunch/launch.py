@@ -216,11 +216,40 @@ def launch(config: LaunchConfig) -> int:
         return EXIT_USAGE
     except RendezvousError as exc:
         print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
+        record_launcher_error(exc)
         return EXIT_FAILED
     if result is not None and result.is_failed():
         from elaunch.errors import format_failure_summary  # only on failure: keeps start-up light
 
         title = f"{entrypoint_name(config.cmd)} FAILED"
         print(format_failure_summary(result.failures, title=title, first=result.root_rank), file=sys.stderr)
+        record_launcher_error(result)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def record_launcher_error(failed: RunResult | BaseException) -> None:
+    """Write the launcher's own failure to its ``TORCHELASTIC_ERROR_FILE``, when it has one.
+
+    torchrun's ``main`` is decorated with torch's ``@record``: a launcher that runs
+    as another agent's worker (its environment has the variable) hands the root
+    cause up. For failed workers, the root cause's error file is copied, with its
+    exit code as ``errorCode`` (nothing is written when that worker wrote no file,
+    as torch's); for any other failure, the exception is written. Nothing happens
+    without the variable. Never raises (a write error is a warning).
+
+    Args:
+        failed: the failed job's RunResult, or the exception that ended the launch.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from elaunch.errors import ErrorHandler, root_cause
+
+    handler = ErrorHandler()
+    if isinstance(failed, BaseException):
+        handler.record_exception(failed)
+        return
+    root = failed.failures.get(failed.root_rank) if failed.root_rank is not None else None
+    root = root or (root_cause(failed.failures) if failed.failures else None)
+    if root is not None and root.error_file and os.path.isfile(root.error_file):
+        handler.dump_error_file(root.error_file, root.exitcode)
