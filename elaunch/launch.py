@@ -17,6 +17,7 @@ import sys
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.config.errors import EXIT_USAGE
 from elaunch.config import LaunchConfig
+from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
 from elaunch.rendezvous.api import (
@@ -117,7 +118,6 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
         ("--numa-binding", config.numa_binding),
         ("--duplicate-stdout-filters", ",".join(config.duplicate_stdout_filters)),
         ("--duplicate-stderr-filters", ",".join(config.duplicate_stderr_filters)),
-        ("--logs-specs", config.logs_specs),
         ("--event-log-handler", None if config.event_log_handler == "null" else config.event_log_handler),
     ]
     return [(flag, value) for flag, value in given if value]
@@ -135,6 +135,7 @@ def run_job(config: LaunchConfig) -> RunResult | None:
         rendezvous said this node is not needed (torch's graceful exit).
 
     Raises:
+        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError).
         RendezvousConfigError: a backend rejected its configuration (a ValueError).
         RendezvousError: the rendezvous failed.
         SignalException: a handled signal (``--signals-to-handle``) stopped the job;
@@ -153,6 +154,9 @@ def run_job(config: LaunchConfig) -> RunResult | None:
     # the workers' environment: snapshot it before a backend adjusts the agent's own
     # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
     base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
+    # torchrun instantiates its LogsSpecs before the rendezvous too
+    specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
+                            config.local_ranks_filter)
     handler = create_handler(rendezvous_parameters(config))
     agent = ElasticAgent(
         build_spec(config),
@@ -163,6 +167,7 @@ def run_job(config: LaunchConfig) -> RunResult | None:
             tee=config.tee,
             local_ranks_filter=config.local_ranks_filter,
             line_prefix_template=config.log_line_prefix_template,
+            specs=specs,
         ),
         EnvOptions(
             run_id=config.run_id,
@@ -211,11 +216,40 @@ def launch(config: LaunchConfig) -> int:
         return EXIT_USAGE
     except RendezvousError as exc:
         print(f"elaunch: rendezvous failed: {exc}", file=sys.stderr)
+        record_launcher_error(exc)
         return EXIT_FAILED
     if result is not None and result.is_failed():
         from elaunch.errors import format_failure_summary  # only on failure: keeps start-up light
 
         title = f"{entrypoint_name(config.cmd)} FAILED"
         print(format_failure_summary(result.failures, title=title, first=result.root_rank), file=sys.stderr)
+        record_launcher_error(result)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def record_launcher_error(failed: RunResult | BaseException) -> None:
+    """Write the launcher's own failure to its ``TORCHELASTIC_ERROR_FILE``, when it has one.
+
+    torchrun's ``main`` is decorated with torch's ``@record``: a launcher that runs
+    as another agent's worker (its environment has the variable) hands the root
+    cause up. For failed workers, the root cause's error file is copied, with its
+    exit code as ``errorCode`` (nothing is written when that worker wrote no file,
+    as torch's); for any other failure, the exception is written. Nothing happens
+    without the variable. Never raises (a write error is a warning).
+
+    Args:
+        failed: the failed job's RunResult, or the exception that ended the launch.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from elaunch.errors import ErrorHandler, root_cause
+
+    handler = ErrorHandler()
+    if isinstance(failed, BaseException):
+        handler.record_exception(failed)
+        return
+    root = failed.failures.get(failed.root_rank) if failed.root_rank is not None else None
+    root = root or (root_cause(failed.failures) if failed.failures else None)
+    if root is not None and root.error_file and os.path.isfile(root.error_file):
+        handler.dump_error_file(root.error_file, root.exitcode)

@@ -382,9 +382,30 @@ def main(args: Sequence[str] | None = None) -> None:
 
     Mirrors ``torch.distributed.run.main(args)``; raises what :func:`parse_args` and
     :func:`run` raise. The ``elaunch`` command (``elaunch.cli.main``) is the one that
-    turns these into exit statuses.
+    turns these into exit statuses. As torch's ``main`` (decorated with ``@record``),
+    when this process has a ``TORCHELASTIC_ERROR_FILE`` (it runs as another agent's
+    worker), a failure is written there before it propagates: the root cause's
+    error file for ``ChildFailedError``, else the exception.
     """
-    run(parse_args(args))
+    try:
+        run(parse_args(args))
+    except Exception as exc:
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            _record(exc)
+        raise
+
+
+def _record(exc: Exception) -> None:
+    from elaunch.errors import ErrorHandler
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    handler = ErrorHandler()
+    if not isinstance(exc, ChildFailedError):
+        handler.record_exception(exc)
+        return
+    _, failure = exc.get_first_failure()
+    if failure.error_file and os.path.isfile(failure.error_file):
+        handler.dump_error_file(failure.error_file, failure.exitcode)
 
 
 if __name__ == "__main__":

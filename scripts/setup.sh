@@ -4,6 +4,8 @@
 # itself (editable) and the example's dependency (scikit-learn).
 #   scripts/setup.sh          runtime + example
 #   scripts/setup.sh --test   also the test dependencies (and the etcd server, scripts/install-etcd.sh)
+#                             and tests/plugins/elaunch_test_plugin, a package registering torchrun
+#                             entry points (torchrun.logs_specs, torchrun.handlers) for the plugin tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="examples"
@@ -14,6 +16,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep 
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install -e ".[${extras}]"
 if [ "${1:-}" = "--test" ]; then
+  pip install --no-deps ./tests/plugins/elaunch_test_plugin
   bash scripts/install-etcd.sh || echo "warning: could not install etcd-server; the etcd tests will be skipped" >&2
 fi
 .venv/bin/python -c "import torch, psutil, click, elaunch; print('elaunch', elaunch.__version__, 'torch', torch.__version__)"

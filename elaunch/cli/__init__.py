@@ -186,7 +186,8 @@ _CONTEXT = {
       help="Workers per node: an integer, or cpu (usable CPUs), gpu (CUDA devices), xpu, "
            "auto (accelerators if any, else CPUs).")
 @_opt("--rdzv-backend", "--rdzv_backend", "rdzv_backend", group=_RDZV, type=P.PARSED, default="static",
-      metavar="BACKEND", help=f"Rendezvous backend: {', '.join(user_backend_names())}.")
+      metavar="BACKEND", help=f"Rendezvous backend: {', '.join(user_backend_names())}, "
+                            "or a name registered in the 'torchrun.handlers' entry-point group.")
 @_opt("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", group=_RDZV, default="", metavar="HOST[:PORT]",
       help="Rendezvous endpoint, host[:port] ([::1]:29400 for IPv6; etcd: a comma-separated list).")
 @_opt("--rdzv-id", "--rdzv_id", "rdzv_id", group=_RDZV, default="none", metavar="ID",

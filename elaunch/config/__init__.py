@@ -9,6 +9,7 @@
 * ``options``: LaunchOptions, the typed, frozen options (from the CLI, ``elaunch.run`` or a caller);
 * ``build``: build_config, the options resolved (torch ``config_from_args``);
 * ``nproc``: ``--nproc-per-node`` to a worker count;
+* ``logs_specs``: ``--logs-specs``, torchrun's ``torchrun.logs_specs`` entry points;
 * ``worker_cmd``: the worker argv (python ``-u``, ``-m``, ``--no-python``, ``--run-path``).
 """
 

@@ -31,7 +31,7 @@ from elaunch.config.nproc import resolve_nproc
 from elaunch.config.options import LaunchOptions
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
-from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND
+from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
 
 __all__ = ["build_config", "resolve"]
 
@@ -123,7 +123,7 @@ def _rendezvous(o: LaunchOptions) -> tuple[_Rendezvous, list[str]]:
     notes: list[str] = []
     backend, endpoint, run_id = o.rdzv_backend, o.rdzv_endpoint, o.rdzv_id
     min_nodes, max_nodes = o.nnodes
-    if endpoint:
+    if endpoint and is_builtin(backend):  # a torchrun.handlers plugin reads its endpoint itself
         _check_endpoint(backend, endpoint)
     if o.standalone:
         if max_nodes != 1:
@@ -174,12 +174,17 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
     rewriting, the worker count and command, and the environment's part.
 
     Raises:
-        ConfigError: no training script, or a combination that is invalid; the message names it.
+        ConfigError: no training script, a combination that is invalid, or a
+            ``--logs-specs`` name no ``torchrun.logs_specs`` entry point has; the message names it.
     """
     o = options
     if not o.training_script:
         raise ConfigError("missing the training script (elaunch [OPTIONS] SCRIPT [ARGS]...)")
     rdzv, notes = _rendezvous(o)
+    if o.logs_specs is not None:  # torch's config_from_args: an unknown name is a ValueError
+        from elaunch.config.logs_specs import find_logs_specs
+
+        find_logs_specs(o.logs_specs)
     nproc = resolve_nproc(o.nproc_per_node)
     handle, forward = _signal_sets(o.signals_to_handle, o.forward_signals)
     cmd = build_cmd(o.training_script, o.training_script_args, module=o.module, no_python=o.no_python,

@@ -19,7 +19,7 @@ from typing import Any
 
 from elaunch.config.errors import ConfigError
 from elaunch.config.launch_config import NUMA_MODES, START_METHODS
-from elaunch.rendezvous.registry import user_backend_names
+from elaunch.rendezvous import registry
 
 NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
 _UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
@@ -118,10 +118,18 @@ def parse_choice(text: str, label: str, choices: tuple[str, ...], what: str = "v
 def parse_backend(text: str, label: str = "--rdzv-backend") -> str:
     """Return ``text`` if the rendezvous registry offers it to ``--rdzv-backend``.
 
+    A built-in backend, or a name of the ``torchrun.handlers`` entry-point group
+    (``registry.is_user_backend``; the entry points are read only for a name that
+    is not built in).
+
     Raises:
-        ConfigError: it does not; the message lists ``user_backend_names()``.
+        ConfigError: it does not; the message lists the built-in and registered names.
     """
-    return parse_choice(text, label, user_backend_names(), "rendezvous backend")
+    value = str(text).strip()
+    if not registry.is_user_backend(value):
+        known = (*registry.user_backend_names(), *registry.plugin_backend_names())
+        raise _bad(label, text, f"unknown rendezvous backend (known: {', '.join(known)})")
+    return value
 
 
 def parse_kv_list(text: str | dict[str, str], label: str = "--rdzv-conf") -> dict[str, str]:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Callable
 
-from .logs import AttemptLogs, LogsSpec, RunLogDir
+from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .warm import WarmPool
 from .workers import WorkerProcesses
@@ -73,7 +73,7 @@ class WorkerLauncher:
         self._run_id = run_id
         self._warm_modules = warm_modules
         self._reaper_factory = reaper_factory
-        self._log_dir: RunLogDir | None = None
+        self._log_dir: RunLogDir | SpecsLogDir | None = None
         self._reaper: Reaper | None = None
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
 
@@ -85,14 +85,21 @@ class WorkerLauncher:
     def open(self) -> None:
         """Create the run's log directory and start the watchdog (and the warm pool).
 
+        With a torch LogsSpecs (``--logs-specs``) the files are its, and no warm
+        pool starts: spares open their log files before the group's environments
+        exist, which the LogsSpecs needs to name them.
+
         Raises:
             NotADirectoryError: ``--log-dir`` names a file.
             OSError: the directory or the watchdog cannot be created.
         """
-        self._log_dir = RunLogDir(self._logs, self._run_id)
+        specs = self._logs.specs
+        self._log_dir = RunLogDir(self._logs, self._run_id) if specs is None else SpecsLogDir(specs)
         self._reaper = self._reaper_factory()
-        if self._warm_modules is not None:
+        if self._warm_modules is not None and specs is None:
             self.pool = WarmPool(self._warm_modules, self._reaper)
+        elif self._warm_modules is not None:
+            log.warning("--warm-start is off with --logs-specs: spares cannot open the files a LogsSpecs names")
 
     def attempt_logs(self, attempt: int, local_world_size: int) -> AttemptLogs:
         """Return the destinations of ``attempt``: its warm spares' when they are ready, else new ones.
@@ -127,6 +134,7 @@ class WorkerLauncher:
             OSError: a worker could not be started (those already started are killed).
         """
         pool = self.pool
+        self._run_dir().reify(logs, envs)  # a --logs-specs LogsSpecs names the files now
         procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper,
                                       adopt=pool.handoff)
         pool.discard()  # spares this attempt did not use
@@ -152,7 +160,7 @@ class WorkerLauncher:
             self._reaper.close()
             self._reaper = None
 
-    def _run_dir(self) -> RunLogDir:
+    def _run_dir(self) -> RunLogDir | SpecsLogDir:
         if self._log_dir is None:
             raise RuntimeError("WorkerLauncher.open() was not called")
         return self._log_dir

@@ -5,6 +5,10 @@ Mirrors torch's ``DefaultLogsSpecs``: the run directory is
 one ``<local_rank>/`` per worker holding ``stdout.log``, ``stderr.log`` (when
 redirected or tee'd) and ``error.json`` (the worker's ``TORCHELASTIC_ERROR_FILE``).
 ``log_dir=os.devnull`` discards every redirected stream, as torch does.
+
+With ``--logs-specs NAME`` naming a ``torchrun.logs_specs`` entry point other than
+torch's ``DefaultLogsSpecs``, :class:`SpecsLogDir` lets that torch ``LogsSpecs``
+decide the files instead, from its ``reify(envs)`` as torch's agent does.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from string import Template
+from typing import Any
 
 from .std import Std, std_for
 
@@ -34,6 +39,9 @@ class LogsSpec:
         capture_stderr: keep every worker's stderr in its ``stderr.log`` even when it
             goes to the console (copied there unprefixed), so a failure summary can
             show its last lines. An elaunch addition; torchrun keeps no such file.
+        specs: a torch ``LogsSpecs`` instance (``--logs-specs``) whose ``reify``
+            decides every file, or None for elaunch's layout above (then
+            ``log_dir``, ``redirects``, ``tee`` and ``local_ranks_filter`` apply).
     """
 
     log_dir: str | None = None
@@ -42,6 +50,7 @@ class LogsSpec:
     local_ranks_filter: frozenset[int] | None = None
     line_prefix_template: str | None = None
     capture_stderr: bool = True
+    specs: Any = field(default=None, compare=False)
 
     def shows_on_console(self, local_rank: int) -> bool:
         """Return False when ``--local-ranks-filter`` hides ``local_rank``'s output."""
@@ -162,6 +171,9 @@ class RunLogDir:
             logs.error_file[lr] = os.path.join(rdir, "error.json")
         return logs
 
+    def reify(self, logs: AttemptLogs, envs: dict[int, dict[str, str]]) -> None:
+        """Nothing to do: :meth:`attempt` already decided every destination (see :class:`SpecsLogDir`)."""
+
     def remove_if_temporary(self) -> None:
         """Delete the run directory when it lives in a temp dir this object created.
 
@@ -182,3 +194,62 @@ class RunLogDir:
             logs.stderr[lr] = os.devnull if (redirect & Std.ERR or not shown) else None
             logs.error_file[lr] = ""
         return logs
+
+
+#: ``TORCHELASTIC_ERROR_FILE`` until a LogsSpecs' ``reify`` sets it; removed if it does not.
+_UNSET_ERROR_FILE = "<set by the --logs-specs reify>"
+
+
+class SpecsLogDir:
+    """The run's log files as a torch ``LogsSpecs`` (``--logs-specs``) decides them.
+
+    Same interface as :class:`RunLogDir`. :meth:`attempt` only makes the
+    destinations object; :meth:`reify`, given the workers' environments, calls the
+    LogsSpecs' ``reify(envs)`` as torch's agent does each time it starts a group,
+    and fills it from the returned ``LogsDest``: ``stdouts``/``stderrs`` ("" is the
+    console), ``tee_stdouts``/``tee_stderrs`` (files followed on the console) and
+    ``error_files``; the ``TORCHELASTIC_ERROR_FILE`` the LogsSpecs puts in
+    ``envs`` is the workers'. ``filtered_stdout``/``filtered_stderr`` are not
+    written (``--duplicate-*-filters`` have no effect in elaunch), and stderr is
+    not captured for the failure summary unless the LogsSpecs sends it to a file.
+
+    Attributes:
+        root: the LogsSpecs' ``root_log_dir``.
+    """
+
+    def __init__(self, specs: Any) -> None:
+        self.specs = specs
+        self.root = str(specs.root_log_dir)
+
+    def attempt(self, attempt: int, local_world_size: int) -> AttemptLogs:
+        """Return empty destinations for ``attempt``, filled by :meth:`reify`.
+
+        Raises:
+            ValueError: a negative ``attempt`` or ``local_world_size`` < 1.
+        """
+        if attempt < 0 or local_world_size < 1:
+            raise ValueError(f"attempt={attempt}, local_world_size={local_world_size}: must be >= 0 and >= 1")
+        return AttemptLogs(dir=self.root, error_file=dict.fromkeys(range(local_world_size), _UNSET_ERROR_FILE))
+
+    def reify(self, logs: AttemptLogs, envs: dict[int, dict[str, str]]) -> None:
+        """Let the LogsSpecs decide ``logs``' files from ``envs`` (local rank -> full environment).
+
+        ``envs`` is changed in place as the LogsSpecs changes it (torch's default sets
+        ``TORCHELASTIC_ERROR_FILE``).
+
+        Raises:
+            whatever the LogsSpecs' ``reify`` raises (an OSError for a directory it cannot make).
+        """
+        dest = self.specs.reify(envs)
+        for lr, env in envs.items():
+            logs.stdout[lr] = dest.stdouts.get(lr) or None
+            logs.stderr[lr] = dest.stderrs.get(lr) or None
+            logs.error_file[lr] = dest.error_files.get(lr, "")
+            if env.get("TORCHELASTIC_ERROR_FILE") == _UNSET_ERROR_FILE:
+                del env["TORCHELASTIC_ERROR_FILE"]  # as under torchrun: only what reify sets
+        logs.tee_stdout = {lr: path for lr, path in dest.tee_stdouts.items() if path and lr in envs}
+        logs.tee_stderr = {lr: path for lr, path in dest.tee_stderrs.items() if path and lr in envs}
+        logs.unprefixed.clear()
+
+    def remove_if_temporary(self) -> None:
+        """Nothing: the LogsSpecs owns its directory (torch removes none either)."""

@@ -2,13 +2,19 @@
 
 Importing this module imports no backend: torch and etcd clients are loaded only
 when their factory runs, so ``import elaunch.agent`` stays light.
+
+Besides the built-in backends, a name registered in the ``torchrun.handlers``
+entry-point group (torch's out-of-tree rendezvous plugins) is a backend too: it is
+looked up only when a name is not built in (start-up never scans entry points for
+``c10d`` or ``static``), and its torch handler runs behind an adapter
+(:mod:`elaunch.rendezvous.torch_handlers`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from elaunch.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
 
@@ -38,6 +44,47 @@ _FACTORIES: dict[str, Factory] = {
 }
 
 
+#: torch's entry-point group of out-of-tree rendezvous handlers (``torchrun.handlers``).
+HANDLERS_GROUP = "torchrun.handlers"
+#: The built-in backends: a name registered later (``register``, a plugin) is not one of them.
+_BUILTIN = frozenset(_FACTORIES)
+
+
+def _entry_point(name: str) -> Any:
+    """Return the ``torchrun.handlers`` entry point called ``name``, or None (scans the installed packages)."""
+    from importlib.metadata import entry_points  # only for a name that is not built in
+
+    found = entry_points(group=HANDLERS_GROUP).select(name=name)
+    return next(iter(found), None)
+
+
+def plugin_backend_names() -> tuple[str, ...]:
+    """Return the names in the ``torchrun.handlers`` entry-point group that are not built in, sorted.
+
+    Scans the installed packages' metadata (tens of milliseconds): used for messages only.
+    """
+    from importlib.metadata import entry_points
+
+    return tuple(sorted({ep.name for ep in entry_points(group=HANDLERS_GROUP)} - set(_FACTORIES)))
+
+
+def is_builtin(name: str) -> bool:
+    """Return True when ``name`` is one of elaunch's own backends (no entry point consulted)."""
+    return name in _BUILTIN
+
+
+def is_user_backend(name: str) -> bool:
+    """Return True when ``--rdzv-backend`` accepts ``name``.
+
+    A registered backend other than the internal :data:`STANDALONE_BACKEND`, or a
+    name of the ``torchrun.handlers`` entry-point group (looked up only for a name
+    not registered, as torchrun's out-of-tree handlers).
+    """
+    if name == STANDALONE_BACKEND:
+        return False
+    return name in _FACTORIES or _entry_point(name) is not None
+
+
 def backend_names() -> tuple[str, ...]:
     """Return the registered backend names, sorted."""
     return tuple(sorted(_FACTORIES))
@@ -64,15 +111,27 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ignore them, and named in one warning line (``--rdzv-conf: the c10d rendezvous
     does not use timeout; ignored``); the keys it reads keep their strict checks.
 
+    A name not built in is looked up in the ``torchrun.handlers`` entry-point group;
+    its torch handler is wrapped (:func:`elaunch.rendezvous.torch_handlers.plugin_factory`).
+
     Raises:
         RendezvousConfigError: unknown backend name (the message lists the known
-            ones), or a parameter the backend rejects.
+            ones, entry points included), a parameter the backend rejects, or a
+            ``torchrun.handlers`` entry point that fails to load.
         RendezvousConnectionError: the backend could not be reached.
     """
     factory = _FACTORIES.get(params.backend)
+    if factory is None and params.backend != STANDALONE_BACKEND:
+        entry_point = _entry_point(params.backend)
+        if entry_point is not None:
+            from elaunch.rendezvous.torch_handlers import plugin_factory
+
+            factory = plugin_factory(params.backend, entry_point)
+            register(params.backend, factory)
     if factory is None:
+        known = (*user_backend_names(), *plugin_backend_names())
         raise RendezvousConfigError(
-            f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(backend_names())})"
+            f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(known)})"
         )
     given = dict(params.config)
     handler = factory(params)

@@ -30,7 +30,15 @@ CASES = [
     (["--monitor-interval", "fast", SCRIPT], {}, "--monitor-interval=fast"),
     (["--shutdown-timeout", "-5", SCRIPT], {}, "--shutdown-timeout=-5"),
     (["--shutdown-timeout", "later", SCRIPT], {}, "--shutdown-timeout=later"),
-    (["--rdzv-backend", "zookeeper", SCRIPT], {}, "--rdzv-backend=zookeeper: unknown rendezvous backend (known: static, c10d, etcd, etcd-v2, etcd-v3)"),
+    (["--rdzv-backend", "zookeeper", SCRIPT], {}, "--rdzv-backend=zookeeper: unknown rendezvous backend (known: static, c10d, etcd, etcd-v2, etcd-v3"),
+    # torchrun.logs_specs / torchrun.handlers entry points (tests/plugins/elaunch_test_plugin)
+    (["--logs-specs=nope", SCRIPT], {}, "--logs-specs=nope: no 'torchrun.logs_specs' entry point of that name "
+                                        "(installed: default, elaunch-test-broken, elaunch-test-flat)"),
+    (["--logs-specs=elaunch-test-broken", SCRIPT], {},
+     "--logs-specs=elaunch-test-broken: the entry point elaunch_test_plugin.missing_module:Nothing failed to load: "
+     "ModuleNotFoundError"),
+    (["--rdzv-backend=elaunch-test-misnamed", "--rdzv-endpoint=127.0.0.1:0", SCRIPT], {},
+     "--rdzv-backend=elaunch-test-misnamed: the handler's get_backend() is 'c10d', not 'elaunch-test-misnamed'"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:70000", SCRIPT], {}, "--rdzv-endpoint=h:70000"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", SCRIPT], {}, "--rdzv-endpoint=h:0"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "::1:29400", SCRIPT], {}, "--rdzv-endpoint=::1:29400"),

@@ -47,8 +47,8 @@ def script(tmp_path):
         ("--event_log_handler", "console", "event_log_handler", "console"),
         ("--local-addr", "10.0.0.1", "local_addr", "10.0.0.1"),
         ("--local_addr", "10.0.0.1", "local_addr", "10.0.0.1"),
-        ("--logs-specs", "mine", "logs_specs", "mine"),
-        ("--logs_specs", "mine", "logs_specs", "mine"),
+        ("--logs-specs", "default", "logs_specs", "default"),  # torch registers "default"
+        ("--logs_specs", "default", "logs_specs", "default"),
         ("--numa-binding", "socket", "numa_binding", "socket"),
         ("--numa_binding", "node", "numa_binding", "node"),
         ("--signals-to-handle", "SIGUSR1", "signals_to_handle", ("SIGUSR1",)),

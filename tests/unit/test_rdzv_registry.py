@@ -30,7 +30,9 @@ def test_backend_names():
 
 
 def test_unknown_backend_is_named_with_known_ones():
-    with pytest.raises(RendezvousConfigError, match=r"--rdzv-backend=zookeeper: .*known: c10d, etcd"):
+    # the built-in names a user may give, then the torchrun.handlers entry points installed
+    with pytest.raises(RendezvousConfigError,
+                       match=r"--rdzv-backend=zookeeper: .*known: static, c10d, etcd, etcd-v2, etcd-v3\b"):
         registry.create_handler(params("zookeeper"))
 
 
@@ -123,3 +125,25 @@ def test_static_reads_only_rank(caplog):
 
 def test_user_backend_names_leave_out_the_internal_standalone():
     assert registry.user_backend_names() == ("static", "c10d", "etcd", "etcd-v2", "etcd-v3")
+
+
+def test_built_in_names_never_read_the_entry_points():
+    # torchrun.handlers is consulted only for a name that is not built in: start-up
+    # with c10d/static/standalone does not scan the installed packages
+    code = ("import importlib.metadata as m\n"
+            "def scan(*a, **k): raise AssertionError('entry points scanned')\n"
+            "m.entry_points = scan\n"
+            "from elaunch.config.values import parse_backend\n"
+            "import elaunch.rendezvous.registry as r\n"
+            "assert [parse_backend(n) for n in r.user_backend_names()] == list(r.user_backend_names())\n"
+            "r.create_handler(r.RendezvousParameters('standalone', '', 'j', 1, 1)).next_rendezvous()\n"
+            "r.create_handler(r.RendezvousParameters('static', '127.0.0.1:29500', 'j', 1, 1, {'rank': '0'}))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_torchrun_handlers_entry_point_is_a_user_backend():
+    # registered by tests/plugins/elaunch_test_plugin (scripts/setup.sh --test installs it)
+    assert registry.is_user_backend("elaunch-test-c10d")
+    assert not registry.is_builtin("elaunch-test-c10d") and registry.is_builtin("c10d")
+    assert not registry.is_user_backend("zookeeper") and not registry.is_user_backend("standalone")
+    assert "elaunch-test-c10d" in registry.plugin_backend_names()

@@ -1,0 +1,1 @@
+"""torchrun plugins for elaunch's tests: a LogsSpecs and rendezvous handlers (see pyproject.toml)."""
