@@ -24,6 +24,7 @@ from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
+from elaunch.agent.stuck import UninterruptibleWatch, stuck_failures, timeout_from_env
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import (
     FailureRecord,
@@ -104,6 +105,9 @@ class ElasticAgent:
         self._hang_timeout = hang_timeout
         self._hangs: HangResponse | None = None  # made in run(): it creates the progress files
         self._file_timer = None
+        stuck_after = timeout_from_env(self._base_env)
+        self._stuck_watch = UninterruptibleWatch(stuck_after) if stuck_after else None
+        self._stuck: dict[int, float] = {}  # local rank -> seconds in D state, when the group ends for that
 
     @property
     def log_root(self) -> str | None:
@@ -220,6 +224,11 @@ class ElasticAgent:
                 # HEALTHY -> STOPPED: re-form with the new membership (not counted)
                 group.state = WorkerState.STOPPED
                 continue
+            if self._stuck:
+                # HEALTHY -> FAILED: a worker stuck in the kernel; a restart beside it would fight it
+                failures = stuck_failures(group.workers, self._stuck, self._procs.poll(), self._stuck_watch.timeout,
+                                          self._hostname)
+                return self._fail_at_once(info, failures, restarts)
             hangs = self._hangs
             failures = {**self._failures(group, *exited), **hangs.hung}
             from elaunch.errors import root_cause
@@ -264,13 +273,17 @@ class ElasticAgent:
 
     def _unstartable(self, info: RendezvousInfo, exc: OSError, restarts: int) -> RunResult:
         """The workers could not be started (e.g. no such program): the job fails at once."""
-        self._launcher.no_more_attempts()
         failure = ProcessFailure(local_rank=0, global_rank=info.rank * self._spec.local_world_size, pid=-1,
                                  exitcode=1, timestamp=time.time(), hostname=self._hostname,
                                  detail=f"could not start the workers: {exc}")
-        root = self._job.fail(local_record(failure, info.round))
-        return RunResult(WorkerState.FAILED,
-                         failures=with_root({failure.global_rank: failure}, root, self._job.state.node),
+        return self._fail_at_once(info, {failure.global_rank: failure}, restarts)
+
+    def _fail_at_once(self, info: RendezvousInfo, failures: dict[int, ProcessFailure], restarts: int) -> RunResult:
+        """A failure no restart can fix: declare the job failed with the first of ``failures`` as root cause."""
+        self._launcher.no_more_attempts()
+        first = min(failures.values(), key=lambda f: f.global_rank)
+        root = self._job.fail(local_record(first, info.round))
+        return RunResult(WorkerState.FAILED, failures=with_root(failures, root, self._job.state.node),
                          restarts=restarts, root_rank=root.rank)
 
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
@@ -328,6 +341,8 @@ class ElasticAgent:
         interval = self._spec.monitor_interval
         while True:
             codes = self._procs.poll()
+            if self._stuck_watch is not None and self._found_stuck(codes):
+                return Verdict.FAILED
             job = self._job.read()
             self._hangs.answer(job, self._procs.pids, self.log_root)
             hung = self._hangs.watch.hung(codes)
@@ -369,6 +384,14 @@ class ElasticAgent:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def _found_stuck(self, codes: dict[int, int | None]) -> bool:
+        """``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``: True (and logged) when a running worker is stuck in D state."""
+        self._stuck = self._stuck_watch.stuck({lr: pid for lr, pid in self._procs.pids.items() if codes.get(lr) is None})
+        for lr, dwell in sorted(self._stuck.items()):
+            log.error("worker pid=%d (local rank %d) stuck in uninterruptible sleep (D state) for %.1f s (>= %g s); "
+                      "the job ends without restarts", self._procs.pids[lr], lr, dwell, self._stuck_watch.timeout)
+        return bool(self._stuck)
 
     def _failed_elsewhere(self, job) -> bool:
         """True when another node reported a failure of this node's running round (``job``: a ``JobState``)."""

@@ -5,9 +5,12 @@ The full list, with the ones that do not apply, is in docs/migrating-from-torchr
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 
-from tests.helpers import SCRIPTS, launcher_env, load_envs, run
+from tests.helpers import SCRIPTS, kill_tree, launcher_env, load_envs, run, start
 
 
 @pytest.mark.slow
@@ -71,3 +74,57 @@ def test_main_records_a_configuration_error_in_its_error_file(api, tmp_path, mon
         importlib.import_module(api).main(["--standalone", "--logs-specs=nope", str(SCRIPTS / "env_dump.py"), "x"])
     message = _message(mine)["message"]  # "<exception type>: <text>": torch's ValueError, elaunch's ConfigError(ValueError)
     assert message.split(":")[0] in ("ValueError", "ConfigError") and "nope" in message
+
+
+def _release(fifo) -> None:
+    """Let a child blocked opening ``fifo`` go on (it then execs /bin/true and exits)."""
+    import os
+
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # no reader left (or no FIFO): nothing is blocked
+    os.close(fd)
+
+
+def _run_releasing(which: str, out, *args: str, env: dict, when: str | None):
+    """Run a launcher; once ``when`` appears on its stderr, release the worker blocked on ``out/fifo``.
+
+    Returns (exit code, stderr). torchrun takes no notice of a shutdown timeout here and waits 30 s
+    for the stuck worker after its SIGTERM; released, the worker dies of it at once.
+    """
+    proc = start(which, *args, env=env, stdout=subprocess.DEVNULL)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if when is not None and when in line:
+                _release(out / "fifo")
+        proc.wait(timeout=60)
+    finally:
+        _release(out / "fifo")
+        kill_tree(proc.pid)
+    return proc.returncode, "".join(lines)
+
+
+@pytest.mark.slow
+def test_a_worker_stuck_in_uninterruptible_sleep_ends_the_job_without_restarts(tmp_path):
+    # TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT=1: rank 1 stays in state D; both launchers stop
+    # the group and restart nothing (torchrun then exits 0, as its UNHEALTHY is not "failed";
+    # elaunch reports the stuck worker and exits 1)
+    results = {}
+    for which in ("torchrun", "elaunch"):
+        out = tmp_path / which
+        out.mkdir()
+        env = launcher_env(TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
+        code, err = _run_releasing(which, out, "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+                                   "--monitor-interval=0.1", str(SCRIPTS / "d_state.py"), str(out), env=env,
+                                   when="stuck in uninterruptible sleep (D-state)" if which == "torchrun" else None)
+        results[which] = (code, err, sorted((out / "starts.log").read_text().split("\n")))
+    (_, torch_err, torch_starts), (code, err, my_starts) = results["torchrun"], results["elaunch"]
+    assert my_starts == torch_starts == ["", "0 0", "0 1"]  # one attempt each: no restart
+    assert "stuck in uninterruptible sleep (D-state)" in torch_err, torch_err[-2000:]
+    assert code == 1, err
+    assert re.search(r"worker pid=\d+ \(local rank 1\) stuck in uninterruptible sleep \(D state\)", err), err
+    root = err.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT=1 s" in root, root
