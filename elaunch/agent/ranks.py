@@ -29,9 +29,11 @@ def assign_ranks(
     assignment torch's ``SimpleElasticAgent._assign_worker_ranks`` produces.
 
     Args:
-        nodes: every node of the round in group-rank order, or empty when the
-            backend does not know them; then all ``group_world_size`` nodes are
-            assumed to run ``role`` with ``local_world_size`` workers (static).
+        nodes: every node of the round in group-rank order (every elaunch
+            backend gives them; static learns them when its nodes first meet), or
+            empty when a backend does not know them; then all ``group_world_size``
+            nodes are assumed to run ``role`` with ``local_world_size`` workers
+            (torch's ``TORCH_ELASTIC_WORKER_IDENTICAL=1`` fast path).
         group_rank: this node's rank, 0 <= group_rank < group_world_size.
         group_world_size: number of nodes in the round.
         role: this node's role.

@@ -92,9 +92,9 @@ class RendezvousInfo:
         use_agent_store: True when an agent hosts that store and every worker is a
             client (``TORCHELASTIC_USE_AGENT_STORE=True``); False when worker rank 0
             hosts it.
-        nodes: every node of the round in group-rank order, or () when the backend
-            does not know them (then all nodes are assumed to run this node's
-            role and local world size, as static rendezvous requires).
+        nodes: every node of the round in group-rank order (every elaunch backend
+            fills it), or () when a backend does not know them (then all nodes
+            are assumed to run this node's role and local world size).
         store: an agent-side key/value store namespaced to this round, or None.
             Objects here have at least ``set(key, bytes)``, ``get(key) -> bytes``,
             ``add(key, int) -> int`` (torch ``Store`` semantics).

@@ -57,10 +57,11 @@ def test_standalone_rounds_get_fresh_loopback_ports():
 
 
 def test_static_ranks_and_endpoint():
-    h = registry.create_handler(params("static", "10.1.2.3:29500", 3, 3, rank=2))
+    h = registry.create_handler(params("static", "10.1.2.3:29500", 1, 1, rank=0))
     a, b = h.next_rendezvous(), h.next_rendezvous()
-    assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (0, 2, 3, "10.1.2.3", 29500)
-    assert b.round == 1 and not a.use_agent_store and a.nodes == () and h.num_nodes_waiting() == 0
+    assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (0, 0, 1, "10.1.2.3", 29500)
+    assert b.round == 1 and not a.use_agent_store and h.num_nodes_waiting() == 0
+    assert a.nodes == b.nodes == (NodeInfo("10.1.2.3", "r", 3),)  # one node meets nobody
 
 
 @pytest.mark.parametrize("endpoint,conf,needle", [
@@ -116,9 +117,9 @@ def test_c10d_ignores_timeout_as_torch_does(tmp_path, caplog):
         registry.create_handler(params("c10d", path, store_type="file", read_timeout="7'"))
 
 
-def test_static_reads_only_rank(caplog):
+def test_static_reads_only_rank_and_timeout(caplog):
     with caplog.at_level("WARNING", logger="elaunch"):
-        registry.create_handler(params("static", "127.0.0.1:29599", max_nodes=2, rank=1, join_timeout=5))
+        registry.create_handler(params("static", "127.0.0.1:29599", max_nodes=2, rank=1, join_timeout=5, timeout=9))
     assert [r.getMessage() for r in caplog.records] == [
         "--rdzv-conf: the static rendezvous does not use join_timeout; ignored"]
 
