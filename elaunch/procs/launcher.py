@@ -18,6 +18,7 @@ from typing import Callable
 
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
+from .store_host import StoreHost
 from .warm import WarmPool
 from .workers import WorkerProcesses
 
@@ -76,6 +77,7 @@ class WorkerLauncher:
         self._log_dir: RunLogDir | SpecsLogDir | None = None
         self._reaper: Reaper | None = None
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
+        self._store_host: StoreHost | None = None
 
     @property
     def log_root(self) -> str | None:
@@ -144,6 +146,19 @@ class WorkerLauncher:
             pool.prepare(attempt + 1, self._run_dir().attempt(attempt + 1, local_world_size), cmds, envs)
         return procs
 
+    def serve_store(self, host: str, port: int) -> int:
+        """Host this round's workers' store at ``host:port`` (0: a free port); return the port.
+
+        The first call starts the store-host child (``procs.store_host``); each call
+        replaces the previous round's store with a fresh one.
+
+        Raises:
+            OSError: the port cannot be bound or the child cannot be started.
+        """
+        if self._store_host is None:
+            self._store_host = StoreHost(self._reaper)
+        return self._store_host.serve(host, port)
+
     def no_more_attempts(self) -> None:
         """Kill the warm spares: nothing will use them."""
         self.pool.close()
@@ -156,6 +171,9 @@ class WorkerLauncher:
     def close(self) -> None:
         """Kill the spares and stop the watchdog. Idempotent; the log directory is kept."""
         self.pool.close()
+        if self._store_host is not None:
+            self._store_host.close()
+            self._store_host = None
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None

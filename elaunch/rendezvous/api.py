@@ -92,6 +92,9 @@ class RendezvousInfo:
         use_agent_store: True when an agent hosts that store and every worker is a
             client (``TORCHELASTIC_USE_AGENT_STORE=True``); False when worker rank 0
             hosts it.
+        host_store: True when this node's agent must host that store itself, at
+            ``master_port`` (0: any free port, which the agent then gives its
+            workers); standalone and static node rank 0, as torchrun's agent does.
         nodes: every node of the round in group-rank order (every elaunch backend
             fills it), or () when a backend does not know them (then all nodes
             are assumed to run this node's role and local world size).
@@ -109,6 +112,7 @@ class RendezvousInfo:
     master_addr: str
     master_port: int
     use_agent_store: bool = False
+    host_store: bool = False
     nodes: tuple[NodeInfo, ...] = ()
     store: Any = field(default=None, compare=False, repr=False)
     restart_count: int | None = None

@@ -1,9 +1,11 @@
-"""Single-node rendezvous (``--standalone``): no store, no other node. Stdlib only.
+"""Single-node rendezvous (``--standalone``): no rendezvous store, no other node. Stdlib only.
 
-torchrun implements ``--standalone`` as a c10d rendezvous on ``localhost:0``;
-elaunch needs no agent store for one node: worker rank 0 hosts the workers'
-store on a fresh free loopback port every round, so a restart never reads what
-the previous workers wrote.
+torchrun implements ``--standalone`` as a c10d rendezvous on ``localhost:0``
+whose agent hosts the workers' store. elaunch needs no rendezvous store for one
+node; its agent hosts the workers' store as torchrun's does
+(``TORCHELASTIC_USE_AGENT_STORE=True``, through ``procs.store_host``), on a fresh
+free loopback port every round, so a restart never reads what the previous
+workers wrote.
 """
 
 from __future__ import annotations
@@ -52,20 +54,18 @@ class StandaloneRendezvous(LocalRendezvous):
     def __init__(self, run_id: str, node: NodeInfo) -> None:
         super().__init__("standalone", run_id)
         self._node = node
-        self._port: int | None = None
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Return round ``n`` (the n-th call, 0-based): rank 0 of 1, a fresh loopback MASTER_PORT.
+        """Return round ``n`` (the n-th call, 0-based): rank 0 of 1, the agent hosting the store on a fresh port.
+
+        ``master_port`` is 0: the agent binds a free loopback port for the round's store.
 
         Raises:
             RendezvousClosedError: ``set_closed`` was called.
-            RendezvousConnectionError: no loopback port could be bound.
         """
-        round_ = self._next_round()
-        self._port = free_port(LOOPBACK, avoid=self._port)
         return RendezvousInfo(
-            round=round_, rank=0, world_size=1, master_addr=LOOPBACK, master_port=self._port,
-            use_agent_store=False, nodes=(self._node,),
+            round=self._next_round(), rank=0, world_size=1, master_addr=LOOPBACK, master_port=0,
+            use_agent_store=True, host_store=True, nodes=(self._node,),
         )
 
 

@@ -5,10 +5,11 @@ Mirrors torch's ``static_tcp_rendezvous``: the node rank comes from
 MASTER_ADDR/MASTER_PORT are the endpoint. Before round 0 the nodes meet once at
 the endpoint and learn every node's role and ``--nproc-per-node``
 (``static_exchange``), so nodes may run different numbers of workers, as under
-torchrun. One deliberate change: torch's agent on node rank 0 hosts a TCPStore
-at the endpoint that lives for the whole job, so restarted workers read the dead
-workers' keys; here no agent hosts it (``use_agent_store=False``), worker rank 0
-hosts a new one each round.
+torchrun. As under torchrun, node rank 0's agent hosts the workers' store at
+the endpoint (``TORCHELASTIC_USE_AGENT_STORE=True``; through ``procs.store_host``,
+so the agent stays free of torch). One deliberate change: torch's store lives for
+the whole job, so restarted workers read the dead workers' keys; here each round
+of node rank 0 gets a fresh one.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class StaticRendezvous(LocalRendezvous):
             self._nodes = self._meet()
         return RendezvousInfo(
             round=round_, rank=self.rank, world_size=self.world_size,
-            master_addr=self.master_addr, master_port=self.master_port, use_agent_store=False, nodes=self._nodes,
+            master_addr=self.master_addr, master_port=self.master_port, use_agent_store=True,
+            host_store=self.rank == 0, nodes=self._nodes,
         )
 
     def _meet(self) -> tuple[NodeInfo, ...]:

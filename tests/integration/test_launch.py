@@ -36,9 +36,8 @@ def test_standalone_gives_each_worker_its_ranks(tmp_path):
 #: Variables whose values legitimately differ between two launches or launchers.
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 #: Deliberate, documented differences (docs/migrating-from-torchrun.md): the
-#: standalone agent is torch-free, so worker rank 0 hosts the workers' store on
-#: loopback instead of the agent hosting it on the FQDN.
-DOCUMENTED = {"MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"}
+#: standalone agent hosts the workers' store on loopback, torchrun's on the FQDN.
+DOCUMENTED = {"MASTER_ADDR"}
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Static rendezvous: real TCPStores, real agents, and torchrun side by side.
 
-Worker rank 0 hosts a fresh store at the endpoint each round; before round 0 the
-agents meet once at the same endpoint to learn each node's ``--nproc-per-node``.
+Node rank 0's agent hosts a fresh store at the endpoint each round (a store-host
+child: the agent stays free of torch); before round 0 the agents meet once at the
+same endpoint to learn each node's ``--nproc-per-node``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
+from elaunch.procs.store_host import StoreHost  # noqa: E402
 from elaunch.rendezvous import registry  # noqa: E402
 from elaunch.rendezvous.api import RendezvousParameters  # noqa: E402
 from tests.helpers import SCRIPTS, free_port, kill_tree, start  # noqa: E402
@@ -25,24 +27,26 @@ RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE
              "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT")
 
 
-def test_static_nodes_agree_and_each_round_gets_a_fresh_store_at_the_endpoint():
+def test_static_nodes_agree_and_each_round_gets_a_fresh_store_at_the_endpoint(request):
     port = free_port()
     nodes = [registry.create_handler(RendezvousParameters("static", f"127.0.0.1:{port}", "job", 2, 2,
                                                           config={"rank": str(r)})) for r in range(2)]
+    host = StoreHost()
+    request.addfinalizer(host.close)
     timeout = datetime.timedelta(seconds=5)
     for round_ in range(2):
         with ThreadPoolExecutor(2) as pool:  # round 0: the nodes meet at the endpoint first
             infos = list(pool.map(lambda h: h.next_rendezvous(), nodes))
         assert [(i.round, i.rank, i.world_size) for i in infos] == [(round_, 0, 2), (round_, 1, 2)]
-        assert {(i.master_addr, i.master_port, i.use_agent_store) for i in infos} == {("127.0.0.1", port, False)}
-        # what worker rank 0 (on node rank 0) does: host the workers' store at MASTER_PORT
-        server = torch_dist.TCPStore(infos[0].master_addr, infos[0].master_port, is_master=True,
-                                     wait_for_workers=False, timeout=timeout)
-        client = torch_dist.TCPStore(infos[1].master_addr, infos[1].master_port, is_master=False, timeout=timeout)
-        assert not client.check(["from-round-0"])  # round 1 does not see round 0's keys
-        client.set(f"from-round-{round_}", "x")
-        assert server.get(f"from-round-{round_}") == b"x"
-        del client, server  # the workers die: their store goes with them
+        assert {(i.master_addr, i.master_port, i.use_agent_store) for i in infos} == {("127.0.0.1", port, True)}
+        assert [i.host_store for i in infos] == [True, False]  # node rank 0's agent hosts it, as torch's
+        # what node rank 0's agent does: host the round's store at MASTER_PORT (same port, fresh store)
+        assert host.serve(infos[0].master_addr, infos[0].master_port) == port
+        clients = [torch_dist.TCPStore(i.master_addr, i.master_port, is_master=False, timeout=timeout) for i in infos]
+        assert not clients[1].check(["from-round-0"])  # round 1 does not see round 0's keys
+        clients[1].set(f"from-round-{round_}", "x")
+        assert clients[0].get(f"from-round-{round_}") == b"x"
+        del clients  # the workers die; the agent replaces the store at the next round
         gc.collect()
 
 

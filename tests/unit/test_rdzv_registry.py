@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -42,14 +41,13 @@ def test_etcd_needs_an_endpoint(name):
         registry.create_handler(params(name))
 
 
-def test_standalone_rounds_get_fresh_loopback_ports():
+def test_standalone_rounds_have_the_agent_host_the_store_on_a_free_port():
     h = registry.create_handler(params("standalone"))
     a, b = h.next_rendezvous(), h.next_rendezvous()
-    assert (a.round, a.rank, a.world_size, a.master_addr, a.use_agent_store) == (0, 0, 1, "127.0.0.1", False)
-    assert b.round == 1 and b.master_port != a.master_port
+    assert (a.round, a.rank, a.world_size, a.master_addr, a.use_agent_store) == (0, 0, 1, "127.0.0.1", True)
+    assert a.host_store and a.master_port == 0  # the agent binds a fresh free port each round
+    assert b.round == 1 and b.host_store and b.master_port == 0
     assert a.nodes == (NodeInfo("127.0.0.1", "r", 3),)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", b.master_port))  # the port is really free
     assert h.get_backend() == "standalone" and h.num_nodes_waiting() == 0
     h.set_closed()
     with pytest.raises(RendezvousClosedError):
@@ -60,7 +58,7 @@ def test_static_ranks_and_endpoint():
     h = registry.create_handler(params("static", "10.1.2.3:29500", 1, 1, rank=0))
     a, b = h.next_rendezvous(), h.next_rendezvous()
     assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (0, 0, 1, "10.1.2.3", 29500)
-    assert b.round == 1 and not a.use_agent_store and h.num_nodes_waiting() == 0
+    assert b.round == 1 and a.use_agent_store and a.host_store and h.num_nodes_waiting() == 0
     assert a.nodes == b.nodes == (NodeInfo("10.1.2.3", "r", 3),)  # one node meets nobody
 
 

@@ -1,0 +1,58 @@
+"""The agent-side workers' store (``procs.store_host``): a real child hosting real TCPStores.
+
+Workers that connect before the child has imported torch wait in the socket's
+backlog (no connect retry), each ``serve`` replaces the previous round's store
+with a fresh one (also on the same port, as static rendezvous needs), and nothing
+is left once the host is closed.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import psutil
+import pytest
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+from elaunch.procs.store_host import StoreHost  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def client(port: int):
+    return torch_dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+
+
+def test_each_round_gets_a_fresh_store_and_close_leaves_nothing():
+    host = StoreHost()
+    try:
+        first = host.serve("127.0.0.1", 0)  # listening now; the child may still be importing torch
+        c = client(first)
+        c.set("round", "0")
+        assert c.get("round") == b"0"
+        same = host.serve("127.0.0.1", first)  # static: the same port, a fresh store
+        assert same == first
+        assert not client(same).check(["round"])
+        other = host.serve("127.0.0.1", 0)  # standalone: a new free port
+        assert other != first and not client(other).check(["round"])
+        pid = host.pid
+        assert pid is not None and psutil.Process(pid).is_running()
+    finally:
+        host.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    host.close()  # idempotent
+
+
+def test_a_port_in_use_is_an_os_error():
+    host = StoreHost()
+    try:
+        port = host.serve("127.0.0.1", 0)
+        other = StoreHost()
+        try:
+            with pytest.raises(OSError):
+                other.serve("127.0.0.1", port)
+        finally:
+            other.close()
+    finally:
+        host.close()
