@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import signal
 import sys
 import tempfile
@@ -277,10 +276,21 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     )
 
 
+def _fork_target(fn: Callable, args: tuple, results: str) -> Callable[[int], int]:
+    """What a forked worker of local rank ``lr`` runs: ``fn(*args)``, its value to its result file."""
+    from elaunch.procs._fn_worker import result_path, run_function
+
+    def target(local_rank: int) -> int:
+        return run_function(lambda: (fn, args), result_path(results, local_rank))
+
+    return target
+
+
 def _read_result(path: str, rank: int) -> Any:
+    from elaunch.procs._fn_worker import read_result
+
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        return read_result(path)
     except FileNotFoundError:  # the worker exited 0 without returning (os._exit(0))
         log.warning("worker of global rank %d exited 0 without a return value; returning None for it", rank)
         return None
@@ -343,11 +353,8 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
         if isinstance(entrypoint, str):
             cmd = _program_cmd(entrypoint, args)
         elif config.start_method == "fork":
-            fn, fn_args = entrypoint, tuple(args)
-            cmd = (f"<fork: {name}>",)  # not run: each worker is a fork calling fn
-
-            def fork_target(local_rank: int) -> int:
-                return _fn_worker.run_function(lambda: (fn, fn_args), _fn_worker.result_path(results, local_rank))
+            cmd = (f"<fork: {name}>",)  # not run: each worker is a fork calling the function
+            fork_target = _fork_target(entrypoint, tuple(args), results)
         else:
             payload = os.path.join(results, "payload.pkl")
             _fn_worker.write_payload(payload, entrypoint, tuple(args))
@@ -364,7 +371,5 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
             raise _child_failed_error(name, result)
         if isinstance(entrypoint, str):
             return dict.fromkeys(sorted(result.global_ranks.values()))
-        import multiprocessing  # noqa: F401 - aliases __mp_main__ to __main__ for spawned results
-
         return {rank: _read_result(_fn_worker.result_path(results, lr), rank)
                 for lr, rank in sorted(result.global_ranks.items())}

@@ -27,6 +27,7 @@ the function's own module imports what it needs.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import sys
@@ -93,6 +94,20 @@ def _load_payload(path: str) -> tuple[Callable[..., Any], tuple]:
         call = pickle.load(f)
     multiprocessing.spawn.prepare(prep)
     return pickle.loads(call)
+
+
+def read_result(path: str) -> Any:
+    """Return the return value a worker wrote to ``path`` (in the launcher's process).
+
+    Raises:
+        FileNotFoundError: the worker wrote none.
+        pickle.UnpicklingError, AttributeError, ImportError: the value cannot be rebuilt here.
+    """
+    # a spawned worker pickles classes of the caller's main module as "__mp_main__.X";
+    # importing multiprocessing makes __mp_main__ an alias of __main__, as for its own results
+    importlib.import_module("multiprocessing")
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _write_atomic(path: str, value: Any) -> None:
