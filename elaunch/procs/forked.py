@@ -101,13 +101,18 @@ def _default_signals() -> None:
 
 
 def _child(run: Callable[[], int], env: Mapping[str, str], out: int | None, err: int | None,
-           close_fds: Iterable[int], ready: int, parent: int) -> None:
-    """The forked child: set up like an exec'd worker, tell the parent, run, ``os._exit``."""
+           close_fds: Iterable[int], ready: int, parent: int, mask: Iterable[int]) -> None:
+    """The forked child: set up like an exec'd worker, tell the parent, run, ``os._exit``.
+
+    Signals are blocked on entry; they are unblocked (``mask``) once the handlers are
+    an interpreter's defaults again.
+    """
     code = 1
     try:
         os.setsid()
         _child_setup(parent)()
         _default_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fd in close_fds:
             try:
                 os.close(fd)
@@ -143,6 +148,10 @@ def _flush() -> None:
             pass
 
 
+def _run_pending_handlers() -> None:
+    """Do nothing: calling a Python function lets the interpreter run pending signal handlers."""
+
+
 def fork_worker(
     run: Callable[[], int],
     env: Mapping[str, str],
@@ -173,28 +182,35 @@ def fork_worker(
         OSError: a log file cannot be opened, ``fork`` failed, or the child died
             before it was set up (it is reaped).
     """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # this thread's mask, unchanged
     out = _open_append(stdout_path)
-    err = None
+    err = read_end = ready = None
+    pid = 0
     try:
         err = _open_append(stderr_path)
         read_end, ready = os.pipe()
         _flush()  # what this process printed must not be printed again by the child
         parent = os.getpid()
+        # Signals wait until the fork is over: a handler run inside os.fork() (by its
+        # at-fork hooks) has its exception printed and dropped, and the signal is lost.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        _run_pending_handlers()  # one caught before the block raises now, before the fork
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            _child(run, env, out, err, close_fds, ready, parent)
-        os.close(ready)
-        try:
-            started = os.read(read_end, 1)
-        except BaseException:  # a handled signal while waiting: do not leave the child behind
+            _child(run, env, out, err, close_fds, ready, parent, mask)
+        fd, ready = ready, None
+        os.close(fd)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending handled signal raises here
+        started = os.read(read_end, 1)
+    except BaseException:  # e.g. a handled signal: leave the mask as it was and no child behind
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise
-        finally:
-            os.close(read_end)
+        raise
     finally:
-        for fd in (out, err):
+        for fd in (out, err, read_end, ready):
             if fd is not None:
                 os.close(fd)
     proc = ForkedProcess(pid)

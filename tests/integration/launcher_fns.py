@@ -6,6 +6,7 @@ Stdlib only, so a spawned elaunch worker imports nothing heavy to load them.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,13 @@ def fail_first_attempt() -> int:
     if count == 0 and os.environ["RANK"] == "0":
         raise RuntimeError("first attempt fails")
     return count
+
+
+def term_the_agent() -> None:
+    """Rank 0 sends SIGTERM to its parent, the agent; every rank then waits to be stopped."""
+    if os.environ["RANK"] == "0":
+        os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(60)
 
 
 def worker_env() -> dict[str, str | None]:

@@ -8,6 +8,7 @@ leaves a failed worker's children behind.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import pickle
@@ -77,6 +78,30 @@ def failure_outcome(module: str, entrypoint, *args, start_method: str = "fork") 
             "error_file": os.path.isfile(first.error_file), "in_format_msg": message in exc.format_msg()}
 
 
+def _fields(cls) -> dict:
+    return {f.name: (f.default if f.default is not dataclasses.MISSING else
+                     f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+            for f in dataclasses.fields(cls)}
+
+
+def test_launch_config_has_torchs_fields_defaults_and_post_init(monkeypatch):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    apis = {module: importlib.import_module(module) for module in BOTH}
+    assert _fields(apis[ELAUNCH].LaunchConfig) == _fields(apis[TORCH].LaunchConfig)
+    for module, api in apis.items():
+        config = api.LaunchConfig(1, 2, 3)
+        assert config.rdzv_configs == {"timeout": 900} and config.shutdown_timeout == 30, module
+        assert isinstance(config.logs_specs, DefaultLogsSpecs) and config.numa_options is None, module
+        assert api.LaunchConfig(1, 1, 1, rdzv_timeout=5, rdzv_configs={"timeout": 7}).rdzv_configs == {"timeout": 5}
+        assert api.LaunchConfig(1, 1, 1, rdzv_configs={"timeout": 7}).rdzv_configs == {"timeout": 7}
+        with pytest.raises(ValueError, match="shutdown_timeout must be non-negative, got -1"):
+            api.LaunchConfig(1, 1, 1, shutdown_timeout=-1)
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
+        assert api.LaunchConfig(1, 1, 1).shutdown_timeout == 12
+        monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+
+
 def test_fork_runs_a_function_that_cannot_be_pickled():
     offset = 7
     fn = lambda x: (int(os.environ["RANK"]) + offset) * x  # noqa: E731 - a lambda closure: not picklable
@@ -137,6 +162,16 @@ def test_a_function_failing_once_is_restarted_and_its_values_returned():
     assert results[ELAUNCH] == results[TORCH]
 
 
+def test_a_handled_signal_stops_function_workers_and_raises_signal_exception():
+    """elaunch only: torch's forked workers inherit its agent's SIGTERM handler and, run
+    inside pytest, linger for minutes after it (torch raises the same SignalException)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with pytest.raises(SignalException) as info:
+        launch(ELAUNCH, launcher_fns.term_the_agent)
+    assert info.value.sigval == signal.SIGTERM  # and the leftover check finds no worker
+
+
 def test_function_workers_see_torchruns_environment():
     envs = {module: launch(module, launcher_fns.worker_env) for module in BOTH}
     theirs, ours = envs[TORCH], envs[ELAUNCH]
@@ -166,6 +201,36 @@ def test_function_output_goes_to_the_log_files(tmp_path, start_method):
     assert layouts[TORCH]["1/stdout.log"] == "stdout of rank 1"
     assert layouts[TORCH]["0/stderr.log"] == "stderr of rank 0"
     assert layouts[ELAUNCH] == layouts[TORCH]
+
+
+# A script whose function and return value's class live in __main__: spawned workers
+# re-import it as __mp_main__ (hence the guard), as multiprocessing's spawn does.
+MAIN_SCRIPT = textwrap.dedent("""
+    import os
+    from elaunch.launcher import LaunchConfig, elastic_launch
+
+    class Answer:
+        def __init__(self, rank):
+            self.rank = rank
+
+    def answer(base):
+        return Answer(base + int(os.environ["RANK"]))
+
+    if __name__ == "__main__":
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                              rdzv_endpoint="127.0.0.1:0", start_method="spawn", max_restarts=0)
+        out = elastic_launch(config, answer)(40)
+        print("RESULT", {rank: (type(a).__name__, a.rank) for rank, a in out.items()})
+""")
+
+
+def test_spawn_runs_a_function_of_the_callers_main_script(tmp_path):
+    script = tmp_path / "main_script.py"
+    script.write_text(MAIN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT {0: ('Answer', 40), 1: ('Answer', 41)}" in proc.stdout
 
 
 def _pids(pid_dir: Path) -> list[int]:
