@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import pickle
 import signal
@@ -102,6 +103,20 @@ def test_launch_config_has_torchs_fields_defaults_and_post_init(monkeypatch):
         monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
+@pytest.mark.parametrize("bad", [
+    {"min_nodes": 2, "max_nodes": 1},
+    {"rdzv_backend": "no-such-backend"},
+    {"rdzv_backend": "static"},  # without rdzv_configs["rank"]
+], ids=["min>max", "unknown-backend", "static-without-rank"])
+def test_a_bad_configuration_raises_value_error(bad):
+    for module in BOTH:
+        api = importlib.import_module(module)
+        fields = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, "rdzv_backend": "c10d",
+                  "rdzv_endpoint": f"127.0.0.1:{free_port()}", "start_method": "fork", **bad}
+        with pytest.raises(ValueError):
+            api.elastic_launch(api.LaunchConfig(**fields), launcher_fns.worker_env)()
+
+
 def test_fork_runs_a_function_that_cannot_be_pickled():
     offset = 7
     fn = lambda x: (int(os.environ["RANK"]) + offset) * x  # noqa: E731 - a lambda closure: not picklable
@@ -156,8 +171,24 @@ def test_a_raising_function_gives_child_failed_error_with_its_traceback(start_me
     assert ours == theirs
 
 
+# torch's side of the restart case runs in a fresh interpreter: inside this process, after
+# earlier failed forked launches, torch.multiprocessing at times reads a failed worker's
+# still-empty error file and raises EOFError from torch's own launch_agent.
+RESTART_DRIVER = textwrap.dedent("""
+    import json
+    from tests.integration import launcher_fns
+    from tests.integration.test_launcher_api import TORCH, launch
+    print("RESULT", json.dumps(launch(TORCH, launcher_fns.fail_first_attempt, max_restarts=1)))
+""")
+
+
 def test_a_function_failing_once_is_restarted_and_its_values_returned():
-    results = {module: launch(module, launcher_fns.fail_first_attempt, max_restarts=1) for module in BOTH}
+    proc = subprocess.run([sys.executable, "-c", RESTART_DRIVER], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    results = {TORCH: {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()},
+               ELAUNCH: launch(ELAUNCH, launcher_fns.fail_first_attempt, max_restarts=1)}
     assert results[TORCH] == {0: 1, 1: 1}  # TORCHELASTIC_RESTART_COUNT of the second attempt
     assert results[ELAUNCH] == results[TORCH]
 
