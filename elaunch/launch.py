@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.config.errors import EXIT_USAGE
@@ -123,12 +124,18 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
     return [(flag, value) for flag, value in given if value]
 
 
-def run_job(config: LaunchConfig) -> RunResult | None:
+def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = None) -> RunResult | None:
     """Run the job a LaunchConfig describes on this node; return its RunResult.
 
     Mirrors ``torch.distributed.launcher.api.launch_agent`` minus the exception it
     builds from a failed result: the caller decides (``launch`` prints the summary
     and returns 1, ``elaunch.run.run`` raises torch's ``ChildFailedError``).
+
+    Args:
+        config: the launch.
+        fork_target: ``elaunch.launcher`` with a function and ``start_method="fork"``:
+            each worker is a fork of this process calling ``fork_target(local_rank)``
+            (``config.cmd`` is not run); None: workers exec ``config.cmd``.
 
     Returns:
         The agent's RunResult (``is_failed()`` tells a failed job), or None when the
@@ -180,6 +187,7 @@ def run_job(config: LaunchConfig) -> RunResult | None:
         base_env=base_env,
         warm_modules=config.warm_start_modules,
         hang_timeout=config.hang_timeout,
+        fork_target=fork_target,
     )
     try:
         with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):

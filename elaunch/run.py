@@ -344,6 +344,14 @@ def _child_failed_error(name: str, result: Any) -> Exception:
     return ChildFailedError()
 
 
+def _torch_signal_exception(exc: Any) -> Exception:
+    """Return torch's ``SignalException`` for elaunch's (``sigval`` a ``signal.Signals``, as torch's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    sig = signal.Signals(exc.sigval)
+    return SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+
 def run(args: Any) -> None:
     """Run the job ``args`` describes on this node; return when it succeeded.
 
@@ -369,10 +377,7 @@ def run(args: Any) -> None:
     try:
         result = run_job(config)
     except ElaunchSignalException as exc:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        sig = signal.Signals(exc.sigval)
-        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig) from exc
+        raise _torch_signal_exception(exc) from exc
     if result is not None and result.is_failed():
         raise _child_failed_error(entrypoint_name(config.cmd), result)
 

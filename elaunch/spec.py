@@ -183,12 +183,16 @@ class RunResult:
         root_rank: global rank of the job's root cause when it is known from the
             rendezvous (possibly another node's worker), else None: the earliest of
             ``failures``.
+        global_ranks: after success, local rank -> global rank of this node's workers
+            in the final round (the keys of torch's ``RunResult.return_values``);
+            empty when this node ran no workers at the end.
     """
 
     state: WorkerState
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     restarts: int = 0
     root_rank: int | None = None
+    global_ranks: dict[int, int] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return self.state is not WorkerState.SUCCEEDED

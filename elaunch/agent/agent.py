@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from elaunch.agent.decide import Step, Verdict, judge
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
@@ -72,6 +72,9 @@ class ElasticAgent:
             (``elaunch.procs.warm``); None (default) starts every worker cold, as torchrun.
         hang_timeout: ``--hang-timeout``: seconds without ``elaunch.progress()`` (after a
             first call) that make a worker hung; 0 (default) = off.
+        fork_target: run each worker as a fork of this process calling
+            ``fork_target(local_rank)`` (``elastic_launch`` of a function with
+            ``start_method="fork"``; see ``WorkerLauncher``); None: exec ``spec.cmd``.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class ElasticAgent:
         hostname: str | None = None,
         warm_modules: tuple[str, ...] | None = None,
         hang_timeout: float = 0.0,
+        fork_target: Callable[[int], int] | None = None,
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -96,7 +100,7 @@ class ElasticAgent:
         self._exit_barrier_timeout = exit_barrier_timeout
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
-        self._launcher = WorkerLauncher(logs, env_opts.run_id, warm_modules)
+        self._launcher = WorkerLauncher(logs, env_opts.run_id, warm_modules, fork_target=fork_target)
         self._errors_loaded = False
         self._procs: WorkerProcesses | None = None
         self._group: WorkerGroup | None = None
@@ -210,7 +214,8 @@ class ElasticAgent:
                 self._procs.close()
                 self._launcher.remove_log_dir_if_temporary()
                 self._rdzv.exit_barrier(self._exit_barrier_timeout)
-                return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
+                return RunResult(WorkerState.SUCCEEDED, restarts=restarts,
+                                 global_ranks={w.local_rank: w.global_rank for w in group.workers})
             # which workers failed is fixed now; their error files are read once the rest
             # are stopped, so a restart does not wait for that
             exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None

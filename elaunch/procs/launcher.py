@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Callable
 
+from .forked import ForkedProcess, fork_worker
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
@@ -57,6 +58,10 @@ class WorkerLauncher:
         warm_modules: ``--warm-start``: modules each spare imports in advance, or
             None for no warm pool (every worker starts cold, as under torchrun).
         reaper_factory: starts the watchdog (injectable for tests).
+        fork_target: ``elastic_launch`` with a function and ``start_method="fork"``:
+            each worker is a fork of this process (``elaunch.procs.forked``) that
+            calls ``fork_target(local_rank)`` and exits with the status it returns;
+            the worker argv is not run. None (default): every worker execs its argv.
 
     Attributes:
         pool: the warm pool (a :class:`NoWarmPool` when warm start is off, or before
@@ -69,6 +74,7 @@ class WorkerLauncher:
         run_id: str,
         warm_modules: tuple[str, ...] | None = None,
         reaper_factory: Callable[[], Reaper] = start_reaper,
+        fork_target: Callable[[int], int] | None = None,
     ) -> None:
         self._logs = logs
         self._run_id = run_id
@@ -76,6 +82,7 @@ class WorkerLauncher:
         self._reaper_factory = reaper_factory
         self._log_dir: RunLogDir | SpecsLogDir | None = None
         self._reaper: Reaper | None = None
+        self._fork_target = fork_target
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
         self._store_host: StoreHost | None = None
 
@@ -137,8 +144,8 @@ class WorkerLauncher:
         """
         pool = self.pool
         self._run_dir().reify(logs, envs)  # a --logs-specs LogsSpecs names the files now
-        procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper,
-                                      adopt=pool.handoff)
+        adopt = pool.handoff if self._fork_target is None else self._forker(logs)
+        procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
         pool.discard()  # spares this attempt did not use
         if pool.enabled and another_may_follow:
             # prepare the next attempt's spares, writing to its log files
@@ -158,6 +165,19 @@ class WorkerLauncher:
         if self._store_host is None:
             self._store_host = StoreHost(self._reaper)
         return self._store_host.serve(host, port)
+
+    def _forker(self, logs: AttemptLogs) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
+        """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target."""
+        target = self._fork_target
+        private = self._reaper.private_fds() if self._reaper is not None else ()
+        if self._store_host is not None:
+            private = (*private, *self._store_host.private_fds())
+
+        def fork(local_rank: int, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+            return fork_worker(lambda: target(local_rank), env, logs.stdout.get(local_rank),
+                               logs.stderr.get(local_rank), close_fds=private)
+
+        return fork
 
     def no_more_attempts(self) -> None:
         """Kill the warm spares: nothing will use them."""

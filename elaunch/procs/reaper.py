@@ -82,6 +82,17 @@ class Reaper:
         ready, _, _ = select.select([out], [], [], timeout)
         return bool(ready) and os.read(out.fileno(), 1) == b"s"
 
+    def private_fds(self) -> tuple[int, ...]:
+        """The agent's ends of the watchdog's pipes: a forked worker must close them.
+
+        A worker forked from the agent (``elaunch.procs.forked``) that kept the write
+        end would keep the watchdog from seeing end-of-file when the agent dies.
+        """
+        fds = [] if self._wfd is None else [self._wfd]
+        if self._proc.stdout is not None and not self._proc.stdout.closed:
+            fds.append(self._proc.stdout.fileno())
+        return tuple(fds)
+
     def alive(self) -> bool:
         """Return True while the watchdog process runs."""
         return self._proc.poll() is None

@@ -105,6 +105,10 @@ class StoreHost:
             # an earlier "ok PORT" answer: read on to this one's
         self._port = None
 
+    def private_fds(self) -> tuple[int, ...]:
+        """File descriptors a worker forked from the agent must close (the channel to the child)."""
+        return (self._chan.fileno(),) if self._chan is not None else ()
+
     @property
     def pid(self) -> int | None:
         """The child's process id, once started."""

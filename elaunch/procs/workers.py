@@ -27,6 +27,7 @@ from . import _proctree
 from .tee import Tee, follows_for
 
 if TYPE_CHECKING:
+    from .forked import ForkedProcess
     from .logs import AttemptLogs, LogsSpec
     from .reaper import Reaper
 
@@ -146,7 +147,7 @@ class WorkerProcesses:
         spec: "LogsSpec | None" = None,
         prefixes: dict[int, str] | None = None,
         reaper: "Reaper | None" = None,
-        adopt: "Callable[[int, list[str], dict[str, str]], subprocess.Popen | None] | None" = None,
+        adopt: "Callable[[int, list[str], dict[str, str]], subprocess.Popen | ForkedProcess | None] | None" = None,
     ) -> "WorkerProcesses":
         """Start one worker per local rank, all before waiting on any.
 
@@ -159,7 +160,8 @@ class WorkerProcesses:
             reaper: watchdog to register the workers with, or None.
             adopt: ``(local_rank, argv, env) -> Popen or None``: a process already
                 started (a warm spare, see ``elaunch.procs.warm``) that now runs this
-                worker, or None to start it here.
+                worker, or None to start it here; or a forked worker
+                (``elaunch.procs.forked.ForkedProcess``, ``Popen``'s interface).
 
         Raises:
             ValueError: ``cmds`` and ``envs`` name different local ranks (names both).
