@@ -11,6 +11,7 @@ and recorded as "never (> bound)" (its later repeats of the scenario are skipped
 from __future__ import annotations
 
 import random
+import dataclasses
 import subprocess
 import threading
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import WORKERS, DidNotComplete, Recorder, free_port, kill_tree, log_line, start, stop, wait_until
+from benchmarks.common import (WORKERS, DidNotComplete, Recorder, free_port, kill_tree, log_line, run_to_exit, start,
+                               stop, wait_until)
 from benchmarks.etcd_server import EtcdServer, etcd_binary, missing_for_etcd
 from benchmarks.scenarios import BenchConfig, Cannot, Never, _drive, _listens
 
@@ -242,3 +244,33 @@ def bench_hang(cfg: BenchConfig) -> Recorder:
         return {"total": end - t_last, "overhead": end - t_last - HANG_TIMEOUT, "stacks": stacks}
 
     return _drive(cfg, rec, "hang", once)
+
+
+# -- SIGABRT at exit ----------------------------------------------------------------------
+
+NO_DESTROY = str(WORKERS / "no_destroy.py")
+#: Runs per launcher of the exit scenario for each ``--repeat`` (a rate needs many runs).
+EXIT_RUNS_PER_REPEAT = 6
+
+
+def bench_exit_abort(cfg: BenchConfig) -> Recorder:
+    """``--standalone --nproc-per-node=2`` of a gloo script that never destroys its process group.
+
+    Each run is one sample: did the job exit 0, and did a worker die of SIGABRT
+    ("terminate called without an active exception") at its exit. torchrun's agent
+    hosts the workers' store (``TORCHELASTIC_USE_AGENT_STORE=True``); so does elaunch's
+    (a store-host child), where worker rank 0 hosted it before.
+    """
+    rec = Recorder("exit_abort")
+    rec.metric("clean", "exit without destroy_process_group (standalone, 2 gloo workers): job exited 0", "bool",
+               {"kind": "rate_ge", "value": 1.0, "text": "clean exits >= torchrun's rate"})
+    rec.metric("abort", "exit without destroy_process_group: a worker died of SIGABRT", "bool")
+
+    def once(which, log, out):
+        r = run_to_exit(["--standalone", "--nproc-per-node=2", NO_DESTROY], which, log, timeout=120)
+        text = log.read_text(errors="replace")
+        aborted = "terminate called" in text or "SIGABRT" in text or "Signal 6" in text
+        return {"clean": 1.0 if r["exit_code"] == 0 else 0.0, "abort": 1.0 if aborted else 0.0}
+
+    runs = dataclasses.replace(cfg, repeat=max(2, cfg.repeat * EXIT_RUNS_PER_REPEAT))
+    return _drive(runs, rec, "exit_abort", once)

@@ -44,6 +44,15 @@ def target_status(metric: dict[str, Any], by_key: dict[str, dict[str, Any]]) -> 
         if t is None:  # torchrun did not complete: any completion beats it
             return "met"
         return "met" if e / t <= value else "not met"
+    if kind == "rate_ge":  # a yes/no per repeat: elaunch's rate of yes at least ``value`` x torchrun's
+        def rate(which: str) -> float | None:
+            done = [v for v in metric["values"][which] if v is not None]
+            return sum(1 for v in done if v) / len(done) if done else None
+
+        mine, theirs = rate("elaunch"), rate("torchrun")
+        if mine is None:
+            return "not met"
+        return "met" if theirs is None or mine >= value * theirs else "not met"
     if kind == "flat":
         base = by_key.get(target["base"], {}).get("median", {}).get("elaunch")
         return "" if not base else ("met" if e / base <= value else "not met")

@@ -24,10 +24,11 @@ from benchmarks import failures, rdzv_scale, report, scenarios
 from benchmarks.common import REPO, log_line
 
 SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "rdzv_scale", "overhead",
-             "job_abort", "job_abort_etcd", "hang")
+             "job_abort", "job_abort_etcd", "hang", "exit_abort")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
-#: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound).
-NOT_QUICK = ("job_abort_etcd",)
+#: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
+#: scenario needs many runs to say anything (a rate), ~30 s even at one repeat.
+NOT_QUICK = ("job_abort_etcd", "exit_abort")
 
 
 def _machine() -> str:
@@ -164,6 +165,8 @@ def run(a: argparse.Namespace) -> dict:
                 notes += etcd_notes
             elif name == "hang":
                 recs.append(failures.bench_hang(cfg))
+            elif name == "exit_abort":
+                recs.append(failures.bench_exit_abort(cfg))
     cmd = "python -m benchmarks.run" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:]))
     return {
         "meta": {

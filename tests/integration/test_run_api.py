@@ -107,3 +107,40 @@ def test_command_ignores_an_unused_rdzv_conf_key_with_one_warning(tmp_path):
     assert "WORKER OK" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "--rdzv-conf" in line]
     assert len(warnings) == 1 and warnings[0].endswith("the c10d rendezvous does not use timeout; ignored")
+
+
+#: Variables whose values differ between any two launches (ports, ids, file paths).
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["standalone", "static", "c10d"])
+def test_main_gives_the_workers_torchs_environment(tmp_path, driver, backend):
+    # main(argv) of each module on one node of 2 workers: the same variables, the same values
+    # (TORCHELASTIC_USE_AGENT_STORE included), but for each launch's own port, id and files
+    from tests.helpers import SCRIPTS, load_envs
+
+    envs = {}
+    for module in MODULES:
+        out = tmp_path / module
+        out.mkdir()
+        port = free_port()
+        args = {"standalone": ["--standalone"],
+                "static": ["--rdzv-backend=static", "--node-rank=0", "--master-addr=127.0.0.1",
+                           f"--master-port={port}"],
+                "c10d": ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=env"]}[backend]
+        r = subprocess.run([sys.executable, driver, module, "--nnodes=1", "--nproc-per-node=2", *args,
+                            str(SCRIPTS / "env_dump.py"), str(out)],
+                           capture_output=True, text=True, timeout=120, env=_env())
+        assert _result(r.stdout) == {"raised": None}, r.stderr[-3000:]
+        envs[module] = load_envs(out)
+    theirs, ours = envs["torch.distributed.run"], envs["elaunch.run"]
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        keys = set(theirs[name]) | set(ours[name])
+        differ = {k: (ours[name].get(k), theirs[name].get(k)) for k in keys
+                  if ours[name].get(k) != theirs[name].get(k) and k not in PER_LAUNCH}
+        # torchrun's standalone and c10d agents name the store by the host's FQDN, elaunch's by address
+        differ.pop("MASTER_ADDR", None)
+        assert not differ, (name, differ)
+        assert ours[name]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
