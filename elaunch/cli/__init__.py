@@ -145,7 +145,11 @@ class ElaunchCommand(click.Command):
         load): by then the workers are stopped, the rendezvous is left and every line
         is written, so the job's other nodes see this one finish sooner.
         """
-        status = run_argv(sys.argv[1:] if args is None else list(args))
+        argv = sys.argv[1:] if args is None else list(args)
+        from elaunch.cli.subcommands import pick
+
+        subcommand = pick(argv)
+        status = run_argv(argv) if subcommand is None else subcommand(argv[1:])
         if args is None and "torch" in sys.modules:
             logging.shutdown()
             for stream in (sys.stdout, sys.stderr):
