@@ -29,10 +29,12 @@ Stdlib only.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from elaunch.rendezvous.api import NodeInfo
-from elaunch.rendezvous.dynamic import merge, ops
+from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
+from elaunch.rendezvous.dynamic.reading import read_state_and_intents
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 
@@ -46,11 +48,13 @@ class BatchedJoin:
         previous_rank: its rank in its previous round, or -1.
         settings: the rendezvous settings; ``keep_alive_interval`` seconds is the
             grace a non-combiner gives the combiner before adding itself.
+        clock: seconds since the epoch (default ``time.time``).
     """
 
     def __init__(self, backend: RendezvousBackend, node_id: str, node_info: NodeInfo, previous_rank: int,
-                 settings: RendezvousSettings) -> None:
+                 settings: RendezvousSettings, clock: Callable[[], float] = time.time) -> None:
         self._backend = backend
+        self._clock = clock
         self._node_id = node_id
         self._info = ops.node_info_dict(node_info)
         self._previous_rank = previous_rank
@@ -89,23 +93,16 @@ class BatchedJoin:
         """Read the state with the log (1 store call); the log's heartbeats folded in.
 
         With per-node heartbeat keys, those of ``known``'s nodes are read and
-        folded in too (see ``executor.read_state``).
+        folded in too (``reading.read_state_and_intents``).
 
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
         assert self.round is not None
-        nodes = sorted(known.last_heartbeats) if self._backend.supports_heartbeat_keys else []
-        data, token, log_bytes, self.position, heartbeats = self._backend.get_state_and_intents(self.round, nodes)
-        self.intents = JoinIntent.parse_log(log_bytes)
-        state = merge.fold_intents(RendezvousState() if data is None else RendezvousState.from_bytes(data),
-                                 self.intents)
-        if self._backend.supports_heartbeat_keys:
-            from elaunch.rendezvous.dynamic.executor import fold_all_heartbeats  # executor imports us
-
-            state = fold_all_heartbeats(self._backend, state, heartbeats,
-                                        time.time() - self._settings.keep_alive_interval)
-        return state, token
+        read = read_state_and_intents(self._backend, self.round, known,
+                                      self._clock() - self._settings.keep_alive_interval)
+        self.intents, self.position = read.intents, read.position
+        return read.state, read.token
 
     def wait(self, state: RendezvousState, timeout: float) -> None:
         """Block up to ``timeout`` seconds: the combiner for the next post, others for the notice."""

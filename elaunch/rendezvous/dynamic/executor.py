@@ -24,6 +24,7 @@ from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.batching import BatchedJoin
+from elaunch.rendezvous.dynamic.reading import read_state
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class OpExecutor:
         batch = None
         if decide is ops.decide_join and self._backend.supports_intents:
             batch = self._leaving or BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank,
-                                                 settings)
+                                                 settings, self._clock)
             need_read |= self._leaving is not None  # the log holds who left with us
         self._leaving = None
         me = self._node_id
@@ -142,7 +143,7 @@ class OpExecutor:
             if (decide is ops.decide_exit and self._backend.supports_intents and state.complete
                     and not state.closed and me in state.participants and now <= deadline):
                 # batched exit: post our join of the next round; its combiner removes us from this one
-                self._leaving = BatchedJoin(self._backend, me, self._node_info, previous_rank, settings)
+                self._leaving = BatchedJoin(self._backend, me, self._node_info, previous_rank, settings, self._clock)
                 self._leaving.post(state.round + 1, now)
                 log.debug("node %s: posted its exit from round %d%s", me, state.round,
                           " (the combiner)" if self._leaving.combiner else "")
@@ -312,48 +313,3 @@ class OpExecutor:
 def _leaving(batch: BatchedJoin, state: RendezvousState) -> bool:
     """True when ``batch`` posted a batched exit from ``state``'s round, which still runs."""
     return batch.round == state.round + 1 and state.complete and not state.closed
-
-
-def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
-               fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
-    """Read the state and its token; with per-node heartbeat keys, fold those in.
-
-    Args:
-        known: a state read earlier; the heartbeat keys read are those of its
-            nodes (each has one), in the same round trip as the state.
-        fresh_after: seconds since the epoch; a node not in ``known`` whose stored
-            heartbeat is at least this recent needs no key read (see
-            :func:`fold_all_heartbeats`).
-
-    Raises:
-        RendezvousConnectionError: the backend cannot be reached.
-        RendezvousStateError: the stored state is corrupt.
-    """
-    if not backend.supports_heartbeat_keys:
-        data, token = backend.get_state()
-        return (RendezvousState() if data is None else RendezvousState.from_bytes(data)), token
-    nodes = sorted(known.last_heartbeats) if known is not None else []
-    data, token, heartbeats = backend.get_state_and_heartbeats(nodes)
-    state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-    return fold_all_heartbeats(backend, state, heartbeats, fresh_after), token
-
-
-def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
-                        heartbeats: dict[str, float], fresh_after: float = float("inf")) -> RendezvousState:
-    """Fold ``heartbeats`` into ``state``, reading the keys of its nodes not among them first.
-
-    A node that appeared since the caller's previous read (or every node, on a
-    first read) has no entry yet; its stored heartbeat can be far older than its
-    key (heartbeats no longer rewrite the state), so its key is read (one more
-    round trip) rather than judging it dead. Not needed when its stored
-    heartbeat is at least ``fresh_after`` (callers pass now minus
-    ``keep_alive_interval``: nothing that recent counts as dead or lost), as in a
-    round that just completed.
-
-    Raises:
-        RendezvousConnectionError: the backend cannot be reached.
-    """
-    missing = sorted(n for n, t in state.last_heartbeats.items() if n not in heartbeats and t < fresh_after)
-    if missing:
-        heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
-    return merge.fold_heartbeats(state, heartbeats)

@@ -31,8 +31,9 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
-from elaunch.rendezvous.dynamic.executor import OpExecutor, read_state
+from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.job_facts import JobFacts
+from elaunch.rendezvous.dynamic.reading import read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
