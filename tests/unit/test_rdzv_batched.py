@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous.api import NodeInfo
-from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -41,7 +40,8 @@ def running(*nodes: str, round: int = 0, hb: float = T0) -> RendezvousState:
 def forming(*nodes: str, hb: float = T0) -> RendezvousState:
     """Round 0, not complete, with ``nodes`` joined."""
     infos = {n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in nodes}
-    return RendezvousState(participants={n: -1 for n in nodes}, node_infos=infos, last_heartbeats={n: hb for n in nodes})
+    return RendezvousState(participants={n: -1 for n in nodes}, node_infos=infos,
+                           last_heartbeats={n: hb for n in nodes})
 
 
 def seed(b: IntentBackend, state: RendezvousState) -> None:
@@ -88,8 +88,8 @@ def trace(calls: list[str]) -> str:
 
 def next_round(ex: OpExecutor, previous_rank: int) -> RendezvousState:
     """What ``DynamicRendezvousHandler.next_rendezvous`` asks of its executor: leave the round, join the next."""
-    ex.run(ops.decide_exit, 600, "join_timeout", previous_rank)
-    return ex.run(ops.decide_join, 600, "join_timeout", previous_rank, fresh=False)
+    leaving = ex.exit(previous_rank, 600, "join_timeout")
+    return ex.join(previous_rank, 600, "join_timeout", leaving, fresh=False)
 
 
 ROWS = [
