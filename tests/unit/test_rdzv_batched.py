@@ -1,4 +1,4 @@
-"""Batched joins and exits (``batching.py``) as tables: one node's executor against ``IntentBackend``.
+"""Batched joins and exits (``batching.py``) as tables: one node against ``IntentBackend``, and the pure decisions.
 
 Each row seeds the stored state and other nodes' intents, scripts what other
 nodes do while this node waits (hooks), runs the handler's next-round sequence
@@ -14,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step, decide_exit, decide_join
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
+from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 from tests.unit.fakes import FakeRoundStores, IntentBackend, SimClock
 
 T0 = 1_000_000.0
@@ -170,3 +172,50 @@ def test_a_crowd_of_handlers_joins_and_restarts_in_a_few_writes():
         finally:
             for h in hs:
                 h._stop_heartbeats()
+
+
+def batch(round=None, combiner=False, posted=T0, intents=()):
+    """This node's BatchedJoin as it stands after posting to ``round`` (None: not posted)."""
+    b = BatchedJoin(IntentBackend(), ME, NodeInfo(ME, "trainer", 1), -1, settings(2, 3))
+    b.round, b.first, b.posted_at = round, combiner, posted
+    b.intents = [JoinIntent(n, {"addr": n, "role": "trainer", "local_world_size": 1}, -1, r, T0) for n, r in intents]
+    return b
+
+
+def ctx(deadline=T0 + 600):
+    return OpContext(ME, NodeInfo(ME, "trainer", 1), settings(2, 3), deadline, -1, T0)
+
+
+DECISIONS = [
+    # name, decide, state, our batch, now -> what the executor is asked to do
+    ("join: not posted, the round forms", decide_join, forming("n0"), batch(), T0, Step.POST_JOIN),
+    ("join: not posted, a dead member", decide_join, forming("n0", hb=T0 - 100), batch(), T0, Step.POST_JOIN),
+    ("join: the combiner adds itself and the log", decide_join, forming("n0"), batch(0, True), T0,
+     Step.COMBINE_JOINS),
+    ("join: a poster within the grace", decide_join, forming("n0"), batch(0), T0 + 1, Step.AWAIT_COMBINER),
+    ("join: a poster past the grace", decide_join, forming("n0"), batch(0), T0 + GRACE, Step.COMBINE_JOINS),
+    ("join: the combiner, joined, adds who posted since", decide_join, forming(ME), batch(0, True), T0,
+     Step.COMBINE_PENDING),
+    ("join: a participant waits for the notice", decide_join, forming(ME), batch(0), T0, Step.AWAIT_ROUND),
+    ("join: the round completed", decide_join, running(ME, "n0"), batch(0), T0, Action.FINISH),
+    ("exit: a participant of a running round posts", decide_exit, running(ME, "n0"), batch(), T0, Step.POST_EXIT),
+    ("exit: posted", decide_exit, running(ME, "n0"), batch(1), T0, Action.FINISH),
+    ("exit: a forming round: a plain removal", decide_exit, forming(ME), batch(), T0,
+     Action.REMOVE_FROM_PARTICIPANTS),
+    ("leaving: the combiner removes who posted", decide_join, running(ME, "n0"), batch(1, True, intents=[(ME, 1)]),
+     T0, Step.COMBINE_EXITS),
+    ("leaving: the combiner, nobody left to remove, waits on the wait list", decide_join,
+     RendezvousState(complete=True, participants={"n0": 0}, wait_list={ME}, last_heartbeats={"n0": T0, ME: T0},
+                     node_infos={n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in ("n0", ME)}),
+     batch(1, True, intents=[(ME, 1)]), T0 + 0.5, Step.AWAIT_LEAVERS),
+    ("leaving: within the grace", decide_join, running(ME, "n0"), batch(1), T0 + 1, Step.AWAIT_COMBINER),
+    ("leaving: past the grace, on our own", decide_join, running(ME, "n0"), batch(1), T0 + GRACE, Step.LEAVE_ALONE),
+    ("leaving: past the grace and the deadline", decide_join, running(ME, "n0"), batch(1), T0 + 700,
+     Step.LEAVE_TIMEOUT),
+    ("leaving: moved to the wait list by the combiner", decide_join, running("n0"), batch(1), T0, Step.FORGET_EXIT),
+]
+
+
+@pytest.mark.parametrize("name, decide, state, our_batch, now, expected", DECISIONS, ids=[d[0] for d in DECISIONS])
+def test_batched_decisions(name, decide, state, our_batch, now, expected):
+    assert decide(state, ctx(), now, our_batch) is expected
