@@ -224,7 +224,7 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
 
     local = threading.local()
     if impl == "elaunch":
-        import elaunch.rendezvous.etcd_v3 as ev3
+        import elaunch.rendezvous.etcd.v3 as ev3
         from elaunch.rendezvous.api import RendezvousParameters
         from elaunch.rendezvous.registry import create_handler
 

@@ -37,9 +37,9 @@ ENDPOINT_LIST_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
 _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
     "c10d": _lazy("elaunch.rendezvous.c10d"),
-    "etcd": _lazy("elaunch.rendezvous.etcd_v2"),
-    "etcd-v2": _lazy("elaunch.rendezvous.etcd_v2"),
-    "etcd-v3": _lazy("elaunch.rendezvous.etcd_v3"),
+    "etcd": _lazy("elaunch.rendezvous.etcd.v2"),
+    "etcd-v2": _lazy("elaunch.rendezvous.etcd.v2"),
+    "etcd-v3": _lazy("elaunch.rendezvous.etcd.v3"),
     STANDALONE_BACKEND: _lazy("elaunch.rendezvous.standalone"),
 }
 

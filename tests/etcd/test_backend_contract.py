@@ -9,8 +9,8 @@ import time
 import pytest
 
 from elaunch.rendezvous.dynamic.state import RendezvousState
-from elaunch.rendezvous.etcd_common import parse_conf
-from elaunch.rendezvous.etcd_rendezvous import EtcdStateBackend
+from elaunch.rendezvous.etcd.common import parse_conf
+from elaunch.rendezvous.etcd.handler import EtcdStateBackend
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 
@@ -29,13 +29,13 @@ def backend(request, etcd_v2, etcd_v3):
         yield C10dBackend(store, run_id, f"127.0.0.1:{store.port}")
         return
     if request.param == "etcd-v2":
-        from elaunch.rendezvous.etcd_v2 import EtcdV2KV
+        from elaunch.rendezvous.etcd.v2 import EtcdV2KV
 
         conf = parse_conf(make_params("etcd-v2", etcd_v2.endpoints, run_id, 1, 1))
         kv = EtcdV2KV(conf)
         yield EtcdStateBackend(kv, f"{conf.prefix}/{run_id}/state", "etcd-v2")
     else:
-        from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend
+        from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
 
         conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, run_id, 1, 1))
         kv = EtcdV3KV(conf)
@@ -99,8 +99,8 @@ def test_wait_for_change_wakes_on_a_write(backend):
 
 
 def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
-    from elaunch.rendezvous.etcd_v3 import EtcdV3KV, EtcdV3StateBackend
-    from elaunch.rendezvous.etcd_v3_presence import Presence
+    from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
+    from elaunch.rendezvous.etcd.presence import Presence
 
     conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "lease-job", 1, 2))
     base = f"{conf.prefix}/lease-job"

@@ -3,6 +3,10 @@
 ``InMemoryBackend`` is a complete compare-and-set backend for the dynamic
 rendezvous, shared between handler objects in threads of one process.
 ``FakeRoundStores`` hands out a made-up workers' store per round.
+``KeyedHeartbeatBackend`` adds per-node heartbeat keys, and ``IntentBackend``
+c10d's intent log and round notices (batched joins and exits); with a
+``SimClock`` its waits run scripted hooks and advance simulated time, so one
+node's batched paths run as a table, in one thread.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import threading
 from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.handler import RoundStores, RoundStoreFactory
+from elaunch.rendezvous.dynamic.state import JoinIntent
 
 
 class InMemoryBackend(RendezvousBackend):
@@ -84,3 +89,125 @@ class KeyedHeartbeatBackend(InMemoryBackend):
     def get_state_and_heartbeats(self, nodes):
         with self._lock:
             return self._data, self._version, {n: self.beats[n] for n in nodes if n in self.beats}
+
+
+class SimClock:
+    """Simulated seconds since the epoch for single-threaded tables: sleeping advances it."""
+
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class IntentBackend(KeyedHeartbeatBackend):
+    """``KeyedHeartbeatBackend`` with c10d's intent log, tickets and round notices (``supports_intents``).
+
+    As in ``C10dBackend``: round r's log grows by one line per post; each post takes
+    a ticket (ticket 1 is the round's combiner) and a notice takes one too (it wakes
+    the combiner); the log's position is the number of tickets taken.
+    ``wait_for_arrival``/``wait_for_round`` block on a condition (threads, real
+    time); given a :class:`SimClock` they instead run the hooks scripted with
+    :meth:`on` (what other nodes do meanwhile) and, when still not satisfied,
+    advance the clock by the timeout and return False. ``calls`` lists every
+    backend method called, in order.
+    """
+
+    def __init__(self, clock: SimClock | None = None) -> None:
+        super().__init__()
+        self._cond = threading.Condition(self._lock)
+        self.clock = clock
+        self.logs: dict[int, list[bytes]] = {}
+        self.tickets: dict[int, int] = {}
+        self.notices: set[int] = set()
+        self.calls: list[str] = []
+        self._hooks: dict[str, list] = {}
+
+    @property
+    def supports_intents(self) -> bool:
+        return True
+
+    def on(self, method: str, hook) -> None:
+        """Run ``hook(self)`` once, at the next call of ``method`` (after a post, before a wait's check)."""
+        self._hooks.setdefault(method, []).append(hook)
+
+    def _called(self, method: str) -> None:
+        self.calls.append(method)
+        hooks = self._hooks.pop(method, [])
+        for hook in hooks:
+            hook(self)
+
+    def get_state(self):
+        self.calls.append("get_state")
+        return super().get_state()
+
+    def set_state(self, state: bytes, token):
+        self.calls.append("set_state")
+        return super().set_state(state, token)
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        self.calls.append("put_heartbeat")
+        super().put_heartbeat(node_id, at)
+
+    def get_heartbeats(self, nodes):
+        self.calls.append("get_heartbeats")
+        return super().get_heartbeats(nodes)
+
+    def get_state_and_heartbeats(self, nodes):
+        self.calls.append("get_state_and_heartbeats")
+        return super().get_state_and_heartbeats(nodes)
+
+    def post_intent(self, round: int, intent: bytes) -> bool:
+        first = self._append(round, intent)
+        self._called("post_intent")
+        return first
+
+    def _append(self, round: int, intent: bytes) -> bool:
+        with self._cond:
+            self.logs.setdefault(round, []).append(intent)
+            ticket = self.tickets[round] = self.tickets.get(round, 0) + 1
+            self._cond.notify_all()
+        return ticket == 1
+
+    def get_state_and_intents(self, round: int, nodes=()):
+        self.calls.append("get_state_and_intents")
+        with self._lock:
+            beats = {n: self.beats[n] for n in nodes if n in self.beats}
+            return self._data, self._version, b"".join(self.logs.get(round, [])), self.tickets.get(round, 0), beats
+
+    def notify_round(self, round: int) -> None:
+        self.calls.append("notify_round")
+        self.announce(round)
+
+    def announce(self, round: int) -> None:
+        """``notify_round`` as another node's (not among ``calls``)."""
+        with self._cond:
+            self.notices.add(round)
+            self.tickets[round] = self.tickets.get(round, 0) + 1  # wakes the combiner
+            self._cond.notify_all()
+
+    def wait_for_arrival(self, round: int, position: int, timeout: float) -> bool:
+        self._called("wait_for_arrival")
+        return self._wait(lambda: self.tickets.get(round, 0) > position, timeout)
+
+    def wait_for_round(self, round: int, timeout: float) -> bool:
+        self._called("wait_for_round")
+        return self._wait(lambda: round in self.notices, timeout)
+
+    def _wait(self, arrived, timeout: float) -> bool:
+        with self._cond:
+            if self.clock is None:
+                return self._cond.wait_for(arrived, timeout)
+            if arrived():
+                return True
+        self.clock.sleep(timeout)
+        return False
+
+    def post(self, node: str, round: int, at: float, previous_rank: int = -1) -> bool:
+        """Post ``node``'s join intent (another node's, to seed a test); True when it is the combiner."""
+        info = {"addr": node, "role": "trainer", "local_world_size": 1}
+        return self._append(round, JoinIntent(node, info, previous_rank, round, at).to_bytes())

@@ -1,9 +1,12 @@
-"""Applies the decisions of ``ops.py`` to a backend with compare-and-set and retry.
+"""Applies the decisions of ``ops.py`` (and ``batching.py``) to a backend with compare-and-set and retry.
 
-Mirrors torch's ``_DistributedRendezvousOpExecutor`` + ``_BackendRendezvousStateHolder``:
-read the state, decide, write the implied state if the token still matches,
-decide again on whatever is stored now, until the op finishes or fails.
-Stdlib only; the clock and sleep are injectable for tests.
+Mirrors torch's ``_DistributedRendezvousOpExecutor``: a flat loop reads the
+state, decides, and calls one method per action, until the operation finishes
+or fails; a write is a compare-and-set, and a lost race decides again on
+whatever is stored now. Where the backend keeps an intent log, joins and exits
+are batched (``batching.py``): chosen once, when the executor is made; the
+batched steps are methods here like the others. Reading lives in
+``reading.py``. Stdlib only; the clock and sleep are injectable for tests.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, NoReturn, Union
 
 from elaunch.rendezvous.api import (
     NodeInfo,
@@ -19,16 +24,34 @@ from elaunch.rendezvous.api import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import merge, ops
+from elaunch.rendezvous.dynamic import batching, merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
+from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
+from elaunch.rendezvous.dynamic.reading import read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.batching import BatchedJoin
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger(__name__)
 
-Decide = Callable[[RendezvousState, OpContext, float], Action]
+Decide = Callable[[RendezvousState, OpContext, float], Union[Action, Step]]
+
+
+@dataclass
+class _Call:
+    """One call of an operation: how it decides, until when, and its batched post (None: plain writes)."""
+
+    decide: Decide
+    timeout: float
+    timeout_name: str
+    previous_rank: int
+    started: float
+    deadline: float  # renewed when a redundant node gets room (REDUNDANT -> JOINING)
+    batch: BatchedJoin | None = None
+
+
+#: A step: does what one action asks; returns True when the next decision needs a fresh read.
+_Step = Callable[[_Call, OpContext, float], bool]
 
 
 class OpExecutor:
@@ -62,7 +85,29 @@ class OpExecutor:
         self._sleep = sleep
         self._state = RendezvousState()
         self._token: Token | None = None
-        self._leaving: BatchedJoin | None = None  # a batched exit's post, taken over by the next join
+        # chosen once: joins and exits batch where the backend keeps an intent log, and
+        # heartbeats go to the node's own key where it has one (no contended write)
+        self._batched = backend.supports_intents
+        steps: dict[Action | Step, _Step] = {action: partial(self._apply, action) for action in ops.WRITE_ACTIONS}
+        steps.update({
+            Action.KEEP_ALIVE: self._beat_key if backend.supports_heartbeat_keys else steps[Action.KEEP_ALIVE],
+            Action.SYNC: self._poll,
+            Action.ERROR_CLOSED: self._closed,
+            Action.ERROR_GRACEFUL_EXIT: self._graceful_exit,
+            Action.ERROR_TIMEOUT: self._timed_out,
+            Step.POST_JOIN: self._post_join,
+            Step.AWAIT_COMBINER: self._await_combiner,
+            Step.AWAIT_ROUND: self._await_round,
+            Step.COMBINE_JOINS: self._combine_joins,
+            Step.COMBINE_PENDING: self._combine_pending,
+            Step.POST_EXIT: self._post_exit,
+            Step.COMBINE_EXITS: self._combine_exits,
+            Step.AWAIT_LEAVERS: self._await_leavers,
+            Step.LEAVE_ALONE: self._leave_alone,
+            Step.LEAVE_TIMEOUT: self._leave_timed_out,
+            Step.FORGET_EXIT: self._forget_exit,
+        })
+        self._steps = steps
 
     @property
     def state(self) -> RendezvousState:
@@ -80,148 +125,81 @@ class OpExecutor:
                                               self._clock() - self._settings.keep_alive_interval)
         return self._state
 
-    def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1,
-            fresh: bool = True) -> RendezvousState:
-        """Loop read -> ``decide`` -> compare-and-set until ``decide`` returns FINISH.
+    # -- operations ---------------------------------------------------------------------
 
-        Joins are batched when the backend keeps an intent log: before adding
-        itself the node posts an intent, and each write adds every fresh intent
-        read with the state (``merge.combine_joins``). A participant waiting for its
-        round to complete blocks in ``backend.wait_for_round`` (woken by the write
-        that completes or closes the round) rather than polling, where the backend
-        can. Together these make a join cost a bounded number of round trips,
-        however many nodes join at once. Leaving a complete round (a restart) is
-        batched the same way: the exit posts this node's intent for the next round
-        and returns; the join that follows waits for that round's combiner to
-        remove it (``merge.combine_exits``), or leaves on its own after the grace.
+    def exit(self, previous_rank: int, timeout: float, timeout_name: str) -> BatchedJoin | None:
+        """Leave this node's round before joining the next (torch ``_RendezvousExitOp``).
+
+        Batched (the backend keeps an intent log): a participant of a complete,
+        open round does not write; it posts its join of the next round, whose
+        combiner removes every node that left (``merge.combine_exits``). The post
+        is returned, for :meth:`join` to take over. Otherwise the node removes
+        itself with a compare-and-set, as torch does. Arguments as :meth:`join`'s
+        (``previous_rank``: this node's rank in the round it leaves).
+
+        Returns:
+            The batched exit's post, or None (left with a write, or was in no round).
+
+        Raises:
+            RendezvousTimeoutError: ``timeout`` seconds passed.
+            RendezvousConnectionError, RendezvousStateError: from the backend.
+        """
+        if not self._batched:
+            self._run(self._call(ops.decide_exit, timeout, timeout_name, previous_rank), fresh=True)
+            return None
+        post = self._batch(previous_rank)
+        self._run(self._call(partial(batching.decide_exit, batch=post), timeout, timeout_name, previous_rank, post),
+                  fresh=True)
+        return post if post.round is not None else None
+
+    def join(self, previous_rank: int, timeout: float, timeout_name: str, leaving: BatchedJoin | None = None,
+             fresh: bool = True) -> RendezvousState:
+        """Join the next round and wait until it completes (torch ``_RendezvousJoinOp``).
+
+        Batched (the backend keeps an intent log; see ``batching.py``): the node
+        posts a join intent and the round's first poster (the combiner) adds
+        everyone who posted, in one write per wave; the others wait for the
+        round's notice, and add themselves only if the combiner has not within
+        ``keep_alive_interval`` seconds. After a batched exit (``leaving``), the
+        join first waits for that post's combiner to remove this node from the
+        round it left, or leaves on its own after the same grace.
 
         Args:
-            decide: one of the ``ops.decide_*`` functions.
+            previous_rank: this node's rank in its previous round, or -1 (kept when free).
             timeout: seconds the operation may take (renewed when a redundant node
                 gets room in the world, as torch does).
             timeout_name: the ``--rdzv-conf`` key of ``timeout``, for error messages.
-            previous_rank: this node's rank in its previous round, or -1.
+            leaving: what :meth:`exit` returned.
             fresh: read the state first (False: decide on the state this executor
                 last read or wrote; a stale one costs a failed write, not a wrong step).
 
         Returns:
-            The state after the operation finished.
+            The state of the completed round, this node among its participants.
 
         Raises:
-            RendezvousClosedError: the rendezvous is closed (ERROR_CLOSED).
+            RendezvousClosedError: the rendezvous is closed.
             RendezvousGracefulExitError: closed while this node was redundant.
             RendezvousTimeoutError: ``timeout`` seconds passed; the message names
                 ``timeout_name``, its value and the round's progress.
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
-        settings = self._settings
-        started = self._clock()
-        deadline = started + timeout
-        need_read = fresh
-        batch = None
-        if decide is ops.decide_join and self._backend.supports_intents:
-            batch = self._leaving or BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank,
-                                                 settings)
-            need_read |= self._leaving is not None  # the log holds who left with us
-        self._leaving = None
-        me = self._node_id
-        if decide is ops.decide_join and self._backend.supports_heartbeat_keys:
+        batch = (leaving or self._batch(previous_rank)) if self._batched else None
+        decide = ops.decide_join if batch is None else partial(batching.decide_join, batch=batch)
+        call = self._call(decide, timeout, timeout_name, previous_rank, batch)
+        if self._backend.supports_heartbeat_keys:
             # our heartbeat key exists before we first appear in the state (readers rely on it)
-            self._backend.put_heartbeat(me, self._clock())
-        while True:
-            if need_read:
-                if batch is not None and ((batch.active(self._state) and not batch.notified
-                                           and batch.may_add_self(self._clock()))
-                                          or (batch.combiner and _leaving(batch, self._state))):
-                    self._state, self._token = batch.read(self._state)  # with the log: we may combine
-                else:
-                    self.read()
-            now = self._clock()
-            ctx = OpContext(me, self._node_info, settings, deadline, previous_rank, started)
-            state = self._state
-            if (decide is ops.decide_exit and self._backend.supports_intents and state.complete
-                    and not state.closed and me in state.participants and now <= deadline):
-                # batched exit: post our join of the next round; its combiner removes us from this one
-                self._leaving = BatchedJoin(self._backend, me, self._node_info, previous_rank, settings)
-                self._leaving.post(state.round + 1, now)
-                log.debug("node %s: posted its exit from round %d%s", me, state.round,
-                          " (the combiner)" if self._leaving.combiner else "")
-                return state
-            leaving = batch is not None and _leaving(batch, state)
-            if leaving and batch.combiner:
-                combined = merge.combine_exits(state, batch.intents, settings)
-                if combined is not None:
-                    need_read = not self._write(Action.REMOVE_FROM_PARTICIPANTS, state, combined)
-                    continue
-            elif leaving and me in state.participants:
-                if not batch.may_add_self(now):  # the combiner removes us: wait for it, or for its round
-                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
-                    need_read = True
-                    continue
-                action = ops.decide_exit(state, ctx, now)  # it did not within grace: leave on our own
-                if action is Action.ERROR_TIMEOUT:
-                    raise RendezvousTimeoutError(
-                        f"rendezvous {settings.run_id!r} round {state.round}: could not leave it within "
-                        f"{timeout_name}={timeout:g} s")
-                need_read = not self._write(action, state, ops.apply(action, state, ctx, now))
-                continue
-            elif leaving:
-                batch.round = None  # moved to the wait list by the combiner: post again when the round opens
-            action = decide(state, ctx, now)
-            if action is Action.FINISH:
-                return state
-            if action is Action.ERROR_CLOSED:
-                raise RendezvousClosedError(f"rendezvous {settings.run_id!r} is closed")
-            if action is Action.ERROR_GRACEFUL_EXIT:
-                raise RendezvousGracefulExitError(
-                    f"rendezvous {settings.run_id!r} closed while this node was redundant "
-                    f"(world already at max_nodes={settings.max_nodes})"
-                )
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(
-                    f"rendezvous {settings.run_id!r} round {state.round}: not done within "
-                    f"{timeout_name}={timeout:g} s ({len(state.participants)} node(s) joined, "
-                    f"--nnodes={settings.min_nodes}:{settings.max_nodes})"
-                )
-            # batched join (batching.py) while the round forms
-            forming = batch is not None and not state.complete and not state.closed
-            batched = forming and batch.active(state)
-            if forming and not batched and action in (Action.ADD_TO_PARTICIPANTS, Action.REMOVE_DEAD_NODES):
-                # post first: the log's heartbeats must be seen before judging anyone dead
-                batch.post(state.round, now)
-                if not batch.combiner:
-                    # the combiner adds us; nothing to read until the round's notice (or its grace ends)
-                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
-                need_read = True
-                continue
-            if action is Action.SYNC:
-                combined = None
-                if batched and batch.combiner and me in state.participants:
-                    combined = merge.combine_pending(state, batch.intents, settings, now)
-                if combined is None:
-                    self._wait(ctx, now, batch if batched else None, batch if leaving else None)
-                    need_read = True
-                    continue
-                new_state = combined
-            elif action is Action.ADD_TO_PARTICIPANTS and batched:
-                if not batch.may_add_self(now):
-                    batch.wait(state, max(0.01, min(batch.posted_at + batch.grace, deadline) - now))
-                    need_read = True
-                    continue
-                new_state = merge.combine_joins(state, ctx, batch.intents, now)
-            elif action is Action.KEEP_ALIVE and self._backend.supports_heartbeat_keys:
-                self._backend.put_heartbeat(me, now)  # no contended write
-                self._state = merge.fold_heartbeats(state, {me: now})
-                need_read = False
-                continue
-            else:
-                new_state = ops.apply(action, state, ctx, now)
-            written = self._write(action, state, new_state)
-            need_read = written is None
-            if written is False and batched and batch.active(self._state) and not self._state.complete:
-                need_read = True  # re-read the log too, to add everyone who posted since
-            elif written and action is Action.REMOVE_FROM_REDUNDANCY_LIST:
-                deadline = self._clock() + timeout  # REDUNDANT -> JOINING: fresh join deadline
+            self._backend.put_heartbeat(self._node_id, self._clock())
+        return self._run(call, fresh or leaving is not None)  # the log holds who left with us
+
+    def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1,
+            fresh: bool = True) -> RendezvousState:
+        """Run an operation with plain writes until ``decide`` returns FINISH.
+
+        For ``ops.decide_close`` and ``ops.decide_keep_alive``; joins and exits
+        go through :meth:`join` and :meth:`exit`, which batch where they can.
+        Arguments, result and errors as :meth:`join`'s (``decide``: an ``ops.decide_*``).
+        """
+        return self._run(self._call(decide, timeout, timeout_name, previous_rank), fresh)
 
     def update(self, transform: Callable[[RendezvousState], RendezvousState | None], timeout: float,
                timeout_name: str) -> RendezvousState:
@@ -250,8 +228,181 @@ class OpExecutor:
                     f"rendezvous {self._settings.run_id!r}: could not update the job state within "
                     f"{timeout_name}={timeout:g} s")
 
-    def _write(self, action: Action, state: RendezvousState, new_state: RendezvousState) -> bool | None:
-        """Compare-and-set ``new_state`` (decided on ``state`` by ``action``); keep what is stored now.
+    # -- the loop -----------------------------------------------------------------------
+
+    def _call(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int,
+              batch: BatchedJoin | None = None) -> _Call:
+        started = self._clock()
+        return _Call(decide, timeout, timeout_name, previous_rank, started, started + timeout, batch)
+
+    def _batch(self, previous_rank: int) -> BatchedJoin:
+        return BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank, self._settings,
+                           self._clock)
+
+    def _run(self, call: _Call, fresh: bool) -> RendezvousState:
+        """Read -> decide -> one step per action, until the decision is FINISH."""
+        need_read = fresh
+        while True:
+            if need_read:
+                if call.batch is not None and call.batch.wants_log(self._state, self._clock()):
+                    self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
+                else:
+                    self.read()
+            now = self._clock()
+            ctx = OpContext(self._node_id, self._node_info, self._settings, call.deadline, call.previous_rank,
+                            call.started)
+            action = call.decide(self._state, ctx, now)
+            if action is Action.FINISH:
+                return self._state
+            need_read = self._steps[action](call, ctx, now)
+
+    # -- steps of any operation ---------------------------------------------------------
+
+    def _apply(self, action: Action, call: _Call, ctx: OpContext, now: float) -> bool:
+        """A write action: the state ``ops.apply`` implies, compare-and-set."""
+        state = self._state
+        return self._commit(call, action, state, ops.apply(action, state, ctx, now))
+
+    def _beat_key(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """KEEP_ALIVE into this node's own heartbeat key: no contended write, nothing to read."""
+        self._backend.put_heartbeat(self._node_id, now)
+        self._state = merge.fold_heartbeats(self._state, {self._node_id: now})
+        return False
+
+    def _poll(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """SYNC: wait ``poll_interval`` seconds, or less where the backend sees a change (etcd: a watch)."""
+        wait_for_change = getattr(self._backend, "wait_for_change", None)
+        if wait_for_change is not None:  # optional hook, bounded by poll_interval
+            wait_for_change(self._token, self._settings.poll_interval)
+        else:
+            self._sleep(self._settings.poll_interval)
+        return True
+
+    def _closed(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:  # ERROR_* raise
+        raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
+
+    def _graceful_exit(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
+        raise RendezvousGracefulExitError(
+            f"rendezvous {self._settings.run_id!r} closed while this node was redundant "
+            f"(world already at max_nodes={self._settings.max_nodes})")
+
+    def _timed_out(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
+        s, state = self._settings, self._state
+        raise RendezvousTimeoutError(
+            f"rendezvous {s.run_id!r} round {state.round}: not done within "
+            f"{call.timeout_name}={call.timeout:g} s ({len(state.participants)} node(s) joined, "
+            f"--nnodes={s.min_nodes}:{s.max_nodes})")
+
+    # -- steps of a batched join (batching.py) ------------------------------------------
+
+    def _post_join(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
+        assert call.batch is not None
+        call.batch.post(self._state.round, now)
+        if not call.batch.combiner:
+            # the combiner adds us; nothing to read until the round's notice (or its grace ends)
+            call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
+        return True
+
+    def _await_combiner(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """Posted (a join or an exit): the combiner adds or removes us; wait for it, at most until the grace ends."""
+        assert call.batch is not None
+        call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
+        return True
+
+    def _await_round(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of a participant of a forming round: block for its notice (the combiner: the next post).
+
+        At most until the last call ends, this node's next heartbeat is due or
+        its join deadline passes, and never longer than ``keep_alive_interval``.
+        """
+        assert call.batch is not None
+        s, settings = self._state, self._settings
+        due = [call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval]
+        if s.deadline is not None:
+            due.append(s.deadline)
+        call.batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
+        return True
+
+    def _combine_joins(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """ADD_TO_PARTICIPANTS, batched: add ourselves and every pending intent in one write."""
+        assert call.batch is not None
+        state = self._state
+        return self._commit(call, Step.COMBINE_JOINS, state, merge.combine_joins(state, ctx, call.batch.intents, now))
+
+    def _combine_pending(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of the combiner: add every node that posted since in one write, or wait for the next post."""
+        assert call.batch is not None
+        combined = merge.combine_pending(self._state, call.batch.intents, self._settings, now)
+        if combined is None:
+            return self._await_round(call, ctx, now)
+        return self._commit(call, Step.COMBINE_PENDING, self._state, combined)
+
+    # -- steps of a batched exit ----------------------------------------------------------
+
+    def _post_exit(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
+        assert call.batch is not None
+        state = self._state
+        call.batch.post(state.round + 1, now)
+        log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
+                  " (the combiner)" if call.batch.combiner else "")
+        return False
+
+    def _combine_exits(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """The next round's combiner removes every participant that posted its exit, in one write."""
+        assert call.batch is not None
+        state = self._state
+        combined = merge.combine_exits(state, call.batch.intents, self._settings)
+        assert combined is not None  # decided on merge.leavers
+        return not self._write(Step.COMBINE_EXITS, state, combined)  # lost the race: read again, with the log
+
+    def _await_leavers(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of the exit combiner: woken by the next node that leaves, to remove it.
+
+        Otherwise every ``poll_interval`` seconds like any waiting node (probes,
+        dead members), and by the time this node's next heartbeat is due.
+        """
+        assert call.batch is not None
+        s, settings = self._state, self._settings
+        due = min(call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval)
+        call.batch.wait_for_post(min(max(0.01, due - now + 0.005), settings.poll_interval))
+        return True
+
+    def _leave_alone(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """The combiner did not remove us within the grace: leave with our own write (REMOVE_FROM_PARTICIPANTS)."""
+        state, remove = self._state, Action.REMOVE_FROM_PARTICIPANTS
+        return not self._write(remove, state, ops.apply(remove, state, ctx, now))  # lost the race: read again
+
+    def _leave_timed_out(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
+        raise RendezvousTimeoutError(
+            f"rendezvous {self._settings.run_id!r} round {self._state.round}: could not leave it within "
+            f"{call.timeout_name}={call.timeout:g} s")
+
+    def _forget_exit(self, call: _Call, ctx: OpContext, now: float) -> bool:
+        """The combiner moved us to the wait list: our exit post is spent; join the next round anew."""
+        assert call.batch is not None
+        call.batch.forget()
+        return False
+
+    # -- writing --------------------------------------------------------------------------
+
+    def _commit(self, call: _Call, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool:
+        """Write ``new_state`` (decided on ``state``); True when the next decision needs a fresh read."""
+        written = self._write(what, state, new_state)
+        if written is None:
+            return True
+        if written:
+            if what is Action.REMOVE_FROM_REDUNDANCY_LIST:
+                call.deadline = self._clock() + call.timeout  # REDUNDANT -> JOINING: fresh join deadline
+            return False
+        # lost the race: decide again on what is stored now; a batched joiner of a forming
+        # round reads the log too, to add everyone who posted since
+        return (call.batch is not None and call.batch.forming(state) and call.batch.active(self._state)
+                and not self._state.complete)
+
+    def _write(self, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool | None:
+        """Compare-and-set ``new_state`` (decided on ``state`` by ``what``); keep what is stored now.
 
         Returns True (written), False (someone else wrote first; we backed off) or
         None (nothing came back: read again). Announces a round that this write
@@ -269,91 +420,11 @@ class OpExecutor:
             if new_state.closed and not state.closed:
                 # nodes already on their way to the next round wait on its notices: wake them too
                 self._backend.notify_round(new_state.round + 1)
-        what = "COMBINE_JOINS" if action is Action.SYNC else action.value  # the combiner adding others
-        log.debug("node %s: %s %s (round %d)", me, what, "written" if written else "lost the race", self._state.round)
+        log.debug("node %s: %s %s (round %d)", me, what.value, "written" if written else "lost the race",
+                  self._state.round)
         if not written:
             # someone else wrote first: re-decide; a heartbeat is not urgent, so it backs off
             # further (spreading a crowd of heartbeats instead of retrying them in lockstep)
-            lull = settings.keep_alive_interval / 20 if action is Action.KEEP_ALIVE else 0.01
+            lull = settings.keep_alive_interval / 20 if what is Action.KEEP_ALIVE else 0.01
             self._sleep(random.uniform(0.0, lull))
         return written
-
-    def _wait(self, ctx: OpContext, now: float, batch: BatchedJoin | None,
-              leaving: BatchedJoin | None = None) -> None:
-        """Wait before reading again (SYNC): until a notice, a change, or the next timed step.
-
-        A participant of a forming round joined through ``batch`` blocks in
-        ``batch.wait`` (the round's notice, or the combiner's next joiner), at most
-        until its last call ends, its next heartbeat is due or its join deadline
-        passes. Anything else polls: ``backend.wait_for_change`` (etcd: a watch)
-        when the backend has it, else a sleep of ``poll_interval`` seconds.
-        """
-        s, settings = self._state, self._settings
-        if leaving is not None and leaving.combiner:
-            # combiner of a batched exit: woken at once by the next node that leaves, to remove
-            # it, and otherwise every poll_interval like any waiting node (probes, dead members)
-            due = min(ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval)
-            self._backend.wait_for_arrival(leaving.round, leaving.position,
-                                           min(max(0.01, due - now + 0.005), settings.poll_interval))
-            return
-        if batch is not None and ctx.node_id in s.participants:
-            due = [ctx.deadline, s.last_heartbeats.get(ctx.node_id, now) + settings.keep_alive_interval]
-            if s.deadline is not None:
-                due.append(s.deadline)
-            batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
-            return
-        wait_for_change = getattr(self._backend, "wait_for_change", None)
-        if wait_for_change is not None:  # optional hook (etcd: a watch), bounded by poll_interval
-            wait_for_change(self._token, settings.poll_interval)
-        else:
-            self._sleep(settings.poll_interval)
-
-
-def _leaving(batch: BatchedJoin, state: RendezvousState) -> bool:
-    """True when ``batch`` posted a batched exit from ``state``'s round, which still runs."""
-    return batch.round == state.round + 1 and state.complete and not state.closed
-
-
-def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
-               fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
-    """Read the state and its token; with per-node heartbeat keys, fold those in.
-
-    Args:
-        known: a state read earlier; the heartbeat keys read are those of its
-            nodes (each has one), in the same round trip as the state.
-        fresh_after: seconds since the epoch; a node not in ``known`` whose stored
-            heartbeat is at least this recent needs no key read (see
-            :func:`fold_all_heartbeats`).
-
-    Raises:
-        RendezvousConnectionError: the backend cannot be reached.
-        RendezvousStateError: the stored state is corrupt.
-    """
-    if not backend.supports_heartbeat_keys:
-        data, token = backend.get_state()
-        return (RendezvousState() if data is None else RendezvousState.from_bytes(data)), token
-    nodes = sorted(known.last_heartbeats) if known is not None else []
-    data, token, heartbeats = backend.get_state_and_heartbeats(nodes)
-    state = RendezvousState() if data is None else RendezvousState.from_bytes(data)
-    return fold_all_heartbeats(backend, state, heartbeats, fresh_after), token
-
-
-def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
-                        heartbeats: dict[str, float], fresh_after: float = float("inf")) -> RendezvousState:
-    """Fold ``heartbeats`` into ``state``, reading the keys of its nodes not among them first.
-
-    A node that appeared since the caller's previous read (or every node, on a
-    first read) has no entry yet; its stored heartbeat can be far older than its
-    key (heartbeats no longer rewrite the state), so its key is read (one more
-    round trip) rather than judging it dead. Not needed when its stored
-    heartbeat is at least ``fresh_after`` (callers pass now minus
-    ``keep_alive_interval``: nothing that recent counts as dead or lost), as in a
-    round that just completed.
-
-    Raises:
-        RendezvousConnectionError: the backend cannot be reached.
-    """
-    missing = sorted(n for n, t in state.last_heartbeats.items() if n not in heartbeats and t < fresh_after)
-    if missing:
-        heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
-    return merge.fold_heartbeats(state, heartbeats)

@@ -31,8 +31,9 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
-from elaunch.rendezvous.dynamic.executor import OpExecutor, read_state
+from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.job_facts import JobFacts
+from elaunch.rendezvous.dynamic.reading import read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -186,10 +187,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         deadline = self._clock() + s.join_timeout
         while True:
             with self._lock:
-                self._executor.run(ops.decide_exit, s.join_timeout, "join_timeout", previous_rank)
+                leaving = self._executor.exit(previous_rank, s.join_timeout, "join_timeout")
                 # decided on the state the exit just read or wrote: one read fewer per join
-                state = self._executor.run(ops.decide_join, s.join_timeout, "join_timeout", previous_rank,
-                                           fresh=False)
+                state = self._executor.join(previous_rank, s.join_timeout, "join_timeout", leaving, fresh=False)
             # A member may leave (or be pruned) between the round's completion and our read
             # of it: its ranks then no longer cover 0..n-1, so that round is already broken.
             # COMPLETE -> JOINING: join the next one instead of starting a partial world.

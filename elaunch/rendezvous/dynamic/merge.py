@@ -43,9 +43,7 @@ def combine_exits(state: RendezvousState, intents: list[JoinIntent],
     heartbeat (what ADD_TO_WAIT_LIST would have written), so the members still
     running see them (``num_nodes_waiting``) and restart too.
     """
-    if not state.complete or state.closed:
-        return None
-    leaving = {i.node_id: i for i in intents if i.round == state.round + 1 and i.node_id in state.participants}
+    leaving = leavers(state, intents)
     if not leaving:
         return None
     s = state.copy()
@@ -60,6 +58,17 @@ def combine_exits(state: RendezvousState, intents: list[JoinIntent],
             s.last_heartbeats[node] = intent.at
     ops.prune_node_infos(s)
     return s
+
+
+def leavers(state: RendezvousState, intents: list[JoinIntent]) -> dict[str, JoinIntent]:
+    """Return the participants of ``state``'s complete, open round that posted their exit, with their intents (pure).
+
+    An exit is a join intent for the next round (``state.round + 1``); see
+    :func:`combine_exits`. Empty while the round forms or once it is closed.
+    """
+    if not state.complete or state.closed:
+        return {}
+    return {i.node_id: i for i in intents if i.round == state.round + 1 and i.node_id in state.participants}
 
 
 def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings,

@@ -1,7 +1,7 @@
 """The etcd backends' side of the dynamic rendezvous: state backend, round stores, handler.
 
-Built on any :class:`~elaunch.rendezvous.etcd_common.EtcdKV` (``etcd_v2``,
-``etcd_v3``): :class:`EtcdStateBackend` stores the rendezvous state in one key,
+Built on any :class:`~elaunch.rendezvous.etcd.common.EtcdKV` (``etcd.v2``,
+``etcd.v3``): :class:`EtcdStateBackend` stores the rendezvous state in one key,
 :class:`EtcdRoundStores` publishes each round's workers' store, and
 :func:`build_handler` assembles the handler. Stdlib only.
 """
@@ -17,7 +17,7 @@ from elaunch.rendezvous.api import NodeInfo, RendezvousConnectionError, Rendezvo
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.etcd_common import DEFAULT_READ_TIMEOUT, EtcdConf, EtcdKV
+from elaunch.rendezvous.etcd.common import DEFAULT_READ_TIMEOUT, EtcdConf, EtcdKV
 from elaunch.rendezvous.standalone import free_port
 
 log = logging.getLogger(__name__)

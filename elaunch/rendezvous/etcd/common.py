@@ -1,8 +1,8 @@
 """What the etcd v2 and v3 clients share: conf keys, the KV interface, endpoint fail-over.
 
-Stdlib only (the clients are imported by ``etcd_v2`` / ``etcd_v3``). A backend
+Stdlib only (the clients are imported by ``etcd.v2`` / ``etcd.v3``). A backend
 module implements :class:`EtcdKV` (get / compare-and-set / wait on one key), usually
-through :class:`FailoverKV`; ``etcd_rendezvous`` builds the dynamic rendezvous on it
+through :class:`FailoverKV`; ``etcd.handler`` builds the dynamic rendezvous on it
 (:class:`EtcdStateBackend`, :class:`EtcdRoundStores`, :func:`build_handler`).
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,

@@ -33,14 +33,14 @@ from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
-from elaunch.rendezvous.etcd_common import (
+from elaunch.rendezvous.etcd.common import (
     EtcdConf,
     FailoverKV,
     import_client,
     parse_conf,
 )
-from elaunch.rendezvous.etcd_rendezvous import EtcdRendezvousHandler, EtcdStateBackend, build_handler
-from elaunch.rendezvous.etcd_v3_presence import Presence
+from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
+from elaunch.rendezvous.etcd.presence import Presence
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from typing import Any
 
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
-from elaunch.rendezvous.etcd_common import (
+from elaunch.rendezvous.etcd.common import (
     EtcdConf,
     FailoverKV,
     import_client,
     parse_conf,
 )
-from elaunch.rendezvous.etcd_rendezvous import EtcdRendezvousHandler, build_handler
+from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, build_handler
 
 
 class EtcdV2KV(FailoverKV):
@@ -115,7 +115,7 @@ class EtcdV2KV(FailoverKV):
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Build an ``etcd``/``etcd-v2`` dynamic rendezvous handler (torch ``etcd_rendezvous_backend``).
 
-    Conf keys: see :func:`elaunch.rendezvous.etcd_common.parse_conf` (endpoints,
+    Conf keys: see :func:`elaunch.rendezvous.etcd.common.parse_conf` (endpoints,
     TLS, auth, ``read_timeout``, ``etcd_prefix``, ``ttl``) and the dynamic
     rendezvous' timeouts (:class:`RendezvousSettings`); torch's legacy ``timeout``
     key is the join timeout in seconds when ``join_timeout`` is not given.

@@ -1,17 +1,18 @@
 """``etcd-v3``: a node's presence key on its own lease, kept alive by a thread.
 
-Split from ``etcd_v3.py``. A node whose agent dies loses its key when the lease
-expires; ``EtcdV3StateBackend`` reads such a node as dead.
+Split from ``etcd.v3``. A node whose agent dies loses its key when the lease
+expires; ``EtcdV3StateBackend`` reads such a node as dead. Knows the client only
+as a :class:`~elaunch.rendezvous.etcd.common.FailoverKV` (``v3`` imports this
+module, not the reverse).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from elaunch.rendezvous.etcd_v3 import EtcdV3KV
+from elaunch.rendezvous.etcd.common import FailoverKV
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +25,13 @@ class Presence:
     partition). :meth:`stop` revokes it, so the node disappears at once.
 
     Args:
-        kv: a client of its own (not shared with the rendezvous, so a slow refresh
-            never blocks a join).
+        kv: an etcd-v3 client (``EtcdV3KV``) of its own (not shared with the
+            rendezvous, so a slow refresh never blocks a join).
         key: the presence key.
         ttl: lease TTL in seconds (>= 2).
     """
 
-    def __init__(self, kv: EtcdV3KV, key: str, ttl: int) -> None:
+    def __init__(self, kv: FailoverKV, key: str, ttl: int) -> None:
         self.kv = kv
         self.key = key
         self.ttl = max(2, ttl)

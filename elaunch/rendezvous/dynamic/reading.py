@@ -1,0 +1,117 @@
+"""Reading the shared state: the one home of every read of it (plain, with heartbeat keys, with an intent log).
+
+Mirrors the reading half of torch's ``_BackendRendezvousStateHolder.sync``: fetch
+the stored blob and its token and decode it. Where heartbeats live in per-node
+keys (``RendezvousBackend.supports_heartbeat_keys``) they are read in the same
+round trip and laid over the state; where the backend keeps an intent log
+(``supports_intents``) a batched join reads the round's log with it. The
+executor, the batched join and the handler's monitor all read through here.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elaunch.rendezvous.dynamic import merge
+from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
+from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
+
+
+def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
+               fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
+    """Read the state and its token; with per-node heartbeat keys, fold those in.
+
+    Args:
+        backend: where the state lives.
+        known: a state read earlier; the heartbeat keys read are those of its
+            nodes (each has one), in the same round trip as the state.
+        fresh_after: seconds since the epoch; a node not in ``known`` whose stored
+            heartbeat is at least this recent needs no key read (see
+            :func:`fold_all_heartbeats`).
+
+    Returns:
+        ``(state, token)``: an empty ``RendezvousState`` when none was written yet.
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+        RendezvousStateError: the stored state is corrupt.
+    """
+    if not backend.supports_heartbeat_keys:
+        data, token = backend.get_state()
+        return _decode(data), token
+    data, token, heartbeats = backend.get_state_and_heartbeats(_nodes(known))
+    return fold_all_heartbeats(backend, _decode(data), heartbeats, fresh_after), token
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """The state read together with one round's intent log (:func:`read_state_and_intents`).
+
+    Attributes:
+        state: the stored state, with the heartbeats of the log and the keys folded in.
+        token: its compare-and-set token.
+        intents: the round's log, in posting order (malformed lines skipped).
+        position: the log's position (backend-defined), for ``wait_for_arrival``.
+    """
+
+    state: RendezvousState
+    token: Token
+    intents: list[JoinIntent]
+    position: int
+
+
+def read_state_and_intents(backend: RendezvousBackend, round: int, known: RendezvousState,
+                           fresh_after: float = float("inf")) -> LogRead:
+    """Read the state with ``round``'s intent log in one round trip (c10d: 1 store call).
+
+    Each node's newest intent of the state's round counts as its heartbeat
+    (``merge.fold_intents``); with per-node heartbeat keys, those of ``known``'s
+    nodes are read and folded in too, as in :func:`read_state`.
+
+    Args:
+        backend: a backend with ``supports_intents``, to whose ``round`` this node posted.
+        round: the round whose log is read.
+        known, fresh_after: as in :func:`read_state`.
+
+    Raises:
+        NotImplementedError: the backend keeps no intent log.
+        RendezvousConnectionError: the backend cannot be reached.
+        RendezvousStateError: the stored state is corrupt.
+    """
+    nodes = _nodes(known) if backend.supports_heartbeat_keys else []
+    data, token, log_bytes, position, heartbeats = backend.get_state_and_intents(round, nodes)
+    intents = JoinIntent.parse_log(log_bytes)
+    state = merge.fold_intents(_decode(data), intents)
+    if backend.supports_heartbeat_keys:
+        state = fold_all_heartbeats(backend, state, heartbeats, fresh_after)
+    return LogRead(state, token, intents, position)
+
+
+def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
+                        heartbeats: dict[str, float], fresh_after: float = float("inf")) -> RendezvousState:
+    """Fold ``heartbeats`` into ``state``, reading the keys of its nodes not among them first.
+
+    A node that appeared since the caller's previous read (or every node, on a
+    first read) has no entry yet; its stored heartbeat can be far older than its
+    key (heartbeats no longer rewrite the state), so its key is read (one more
+    round trip) rather than judging it dead. Not needed when its stored
+    heartbeat is at least ``fresh_after`` (callers pass now minus
+    ``keep_alive_interval``: nothing that recent counts as dead or lost), as in a
+    round that just completed.
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+    """
+    missing = sorted(n for n, t in state.last_heartbeats.items() if n not in heartbeats and t < fresh_after)
+    if missing:
+        heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
+    return merge.fold_heartbeats(state, heartbeats)
+
+
+def _decode(data: bytes | None) -> RendezvousState:
+    return RendezvousState() if data is None else RendezvousState.from_bytes(data)
+
+
+def _nodes(known: RendezvousState | None) -> list[str]:
+    return sorted(known.last_heartbeats) if known is not None else []
