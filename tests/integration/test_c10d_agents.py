@@ -133,3 +133,27 @@ def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):
         (tmp_path / "stop").touch()
         results = _finish([host, other])
     assert results[0][0] == 0, results[0][1]
+
+
+def test_a_waiting_node_says_what_it_waits_for(tmp_path):
+    # LOGLEVEL=INFO: the first node of --nnodes=2 says every few seconds that it waits for one more
+    port = free_port()
+    err = tmp_path / "a.err"
+    with open(err, "w") as f:
+        first = start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=wait", "--rdzv-conf=join_timeout=60",
+                      "--local-addr=127.0.0.1", str(SCRIPTS / "env_dump.py"), str(tmp_path),
+                      env=launcher_env(LOGLEVEL="INFO"), stderr=f)
+    second = None
+    try:
+        wait_for(lambda: "waiting for nodes: 1/2 joined (min 2, max 2), 1 more needed to start; gives up in"
+                 in err.read_text(), 30, what="the waiting line")
+        second = _agent(port, 2, [str(SCRIPTS / "env_dump.py"), str(tmp_path)], rdzv_id="wait",
+                        conf="join_timeout=60")
+        assert first.wait(timeout=60) == 0, err.read_text()
+        _out, serr = second.communicate(timeout=60)
+        assert second.returncode == 0, serr
+    finally:
+        for a in (first, second):
+            if a is not None:
+                kill_tree(a.pid)

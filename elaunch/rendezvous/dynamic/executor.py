@@ -28,6 +28,7 @@ from elaunch.rendezvous.dynamic import batching, merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
+from elaunch.rendezvous.dynamic.progress import WaitReporter
 from elaunch.rendezvous.dynamic.reading import read_state
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -48,6 +49,7 @@ class _Call:
     started: float
     deadline: float  # renewed when a redundant node gets room (REDUNDANT -> JOINING)
     batch: BatchedJoin | None = None
+    progress: WaitReporter | None = None  # says what a join waits for
 
 
 #: A step: does what one action asks; returns True when the next decision needs a fresh read.
@@ -85,6 +87,7 @@ class OpExecutor:
         self._sleep = sleep
         self._state = RendezvousState()
         self._token: Token | None = None
+        self._reporter = WaitReporter(settings, node_id)
         # chosen once: joins and exits batch where the backend keeps an intent log, and
         # heartbeats go to the node's own key where it has one (no contended write)
         self._batched = backend.supports_intents
@@ -186,6 +189,7 @@ class OpExecutor:
         batch = (leaving or self._batch(previous_rank)) if self._batched else None
         decide = ops.decide_join if batch is None else partial(batching.decide_join, batch=batch)
         call = self._call(decide, timeout, timeout_name, previous_rank, batch)
+        call.progress = self._reporter
         if self._backend.supports_heartbeat_keys:
             # our heartbeat key exists before we first appear in the state (readers rely on it)
             self._backend.put_heartbeat(self._node_id, self._clock())
@@ -242,19 +246,27 @@ class OpExecutor:
     def _run(self, call: _Call, fresh: bool) -> RendezvousState:
         """Read -> decide -> one step per action, until the decision is FINISH."""
         need_read = fresh
-        while True:
-            if need_read:
-                if call.batch is not None and call.batch.wants_log(self._state, self._clock()):
-                    self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
-                else:
-                    self.read()
-            now = self._clock()
-            ctx = OpContext(self._node_id, self._node_info, self._settings, call.deadline, call.previous_rank,
-                            call.started)
-            action = call.decide(self._state, ctx, now)
-            if action is Action.FINISH:
-                return self._state
-            need_read = self._steps[action](call, ctx, now)
+        if call.progress is not None:
+            call.progress.start()
+        try:
+            while True:
+                if need_read:
+                    if call.batch is not None and call.batch.wants_log(self._state, self._clock()):
+                        self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
+                    else:
+                        self.read()
+                now = self._clock()
+                ctx = OpContext(self._node_id, self._node_info, self._settings, call.deadline, call.previous_rank,
+                                call.started)
+                action = call.decide(self._state, ctx, now)
+                if action is Action.FINISH:
+                    return self._state
+                if call.progress is not None:
+                    call.progress.update(self._state, now, call.deadline)
+                need_read = self._steps[action](call, ctx, now)
+        finally:
+            if call.progress is not None:
+                call.progress.finish()
 
     # -- steps of any operation ---------------------------------------------------------
 
