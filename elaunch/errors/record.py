@@ -32,17 +32,19 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (tmp file + ``os.replace``).
+def write_atomic(path: str, dump: Callable[[Any], None], binary: bool = False, prefix: str = ".tmp-") -> None:
+    """Write ``path`` atomically: ``dump(file)`` fills a temporary file beside it, then ``os.replace``.
+
+    A reader sees the old file or the whole new one, never a part; the
+    temporary file is removed when ``dump`` fails.
 
     Raises:
-        OSError: the directory is not writable.
+        OSError: the directory is not writable; whatever ``dump`` raises.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".error-", suffix=".json.tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "w") as fp:
-            json.dump(data, fp)
+        with os.fdopen(fd, "wb" if binary else "w") as fp:
+            dump(fp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -50,6 +52,15 @@ def write_json_atomic(path: str, data: dict) -> None:
         except OSError:
             pass
         raise
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (tmp file + ``os.replace``).
+
+    Raises:
+        OSError: the directory is not writable.
+    """
+    write_atomic(path, lambda fp: json.dump(data, fp), prefix=".error-")
 
 
 def exception_error_data(exc: BaseException, now: float | None = None) -> dict:

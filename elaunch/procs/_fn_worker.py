@@ -31,7 +31,6 @@ import importlib
 import os
 import pickle
 import sys
-import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -111,17 +110,10 @@ def read_result(path: str) -> Any:
 
 
 def _write_atomic(path: str, value: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".result-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from elaunch.errors.record import write_atomic
+
+    write_atomic(path, lambda f: pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL), binary=True,
+                 prefix=".result-")
 
 
 def _exit_code(exc: SystemExit) -> int:

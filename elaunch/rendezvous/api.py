@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # the job-wide records are part of the contract; they live in their own module
-from elaunch.rendezvous.job_records import MAX_FAILURE_MESSAGE, FailureRecord, JobState  # noqa: F401
+from elaunch.rendezvous import job_records
+from elaunch.rendezvous.job_records import FailureRecord, JobState
+
+MAX_FAILURE_MESSAGE = job_records.MAX_FAILURE_MESSAGE  # re-exported with the records
 
 
 class RendezvousError(Exception):

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import FIXTURE_PIDS, wait_for
-from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3  # noqa: F401 - fixtures
+from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
 from tests.helpers import SCRIPTS, free_port, kill_tree, launcher_env, port_open, start
 
 pytestmark = pytest.mark.slow
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 FAULT = str(SCRIPTS / "job_fault.py")
 CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
 BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
+ETCD_FIXTURES = (etcd_bin, etcd_v2, etcd_v3)  # imported for pytest to find; used through `endpoint`
 
 
 @pytest.fixture
