@@ -26,6 +26,9 @@ from collections.abc import Sequence
 import psutil
 
 PREFIX = "elt-"
+#: Per-namespace configuration: ``ip netns exec NS`` bind-mounts ``/etc/netns/NS/<file>``
+#: over ``/etc/<file>`` for the command it runs (``Host.set_hosts``).
+ETC_NETNS = "/etc/netns"
 SUBNET = "192.168.77"
 HOST_IFNAME = "eth0"
 
@@ -92,9 +95,10 @@ def kill_namespace_processes(ns: str, timeout: float = 10.0) -> list[int]:
 
 
 def delete_namespace(ns: str) -> None:
-    """Kill what runs in ``ns``, then delete it (its veth ends and bridge go with it)."""
+    """Kill what runs in ``ns``, then delete it (its veth ends and bridge go with it) and its /etc/netns files."""
     kill_namespace_processes(ns)
     _ip("netns", "del", ns, check=False)
+    shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
 
 def cleanup_stale(prefix: str = PREFIX) -> list[str]:
@@ -157,6 +161,21 @@ class Host:
     def pids(self) -> list[int]:
         """Pids of the processes running inside this host."""
         return namespace_pids(self.ns)
+
+    def set_hosts(self, records: dict[str, str]) -> None:
+        """Make each ``name -> address`` of ``records`` resolve inside this host, as DNS would.
+
+        Writes ``/etc/netns/<ns>/hosts``: the machine's ``/etc/hosts`` followed by the
+        records. ``ip netns exec`` mounts it over ``/etc/hosts`` for commands started
+        afterwards; :meth:`delete` removes it.
+        """
+        d = os.path.join(ETC_NETNS, self.ns)
+        os.makedirs(d, exist_ok=True)
+        with open("/etc/hosts") as fp:
+            base = fp.read()
+        lines = "".join(f"{addr} {name}\n" for name, addr in records.items())
+        with open(os.path.join(d, "hosts"), "w") as fp:
+            fp.write(base.rstrip("\n") + "\n" + lines)
 
     def link_down(self) -> None:
         """Cut this host off the network (``ip link set eth0 down`` inside it)."""
