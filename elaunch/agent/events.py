@@ -249,8 +249,9 @@ class AgentEvents(EventLog):
 
     def restart(self, counted: bool, count: int, cause: str, failure=None, failed_round: int | None = None) -> None:
         """``restart``: the group re-forms (``cause``: ``failure``, ``membership`` or ``node_lost``)."""
-        self.emit("restart", counted=counted, count=count, budget=self.budget, cause=cause,
-                  failed_round=self.round if failed_round is None else failed_round,
+        failed_round = self.round if failed_round is None else failed_round
+        self.emit("restart", round=failed_round, counted=counted, count=count, budget=self.budget, cause=cause,
+                  failed_round=failed_round,
                   failure=None if failure is None else failure_fields(failure))
 
     def hang(self, hung: Mapping[int, object], culprit: int | None, stuck: bool = False) -> None:
