@@ -119,7 +119,6 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
         ("--numa-binding", config.numa_binding),
         ("--duplicate-stdout-filters", ",".join(config.duplicate_stdout_filters)),
         ("--duplicate-stderr-filters", ",".join(config.duplicate_stderr_filters)),
-        ("--event-log-handler", None if config.event_log_handler == "null" else config.event_log_handler),
     ]
     return [(flag, value) for flag, value in given if value]
 
@@ -188,6 +187,7 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         warm_modules=config.warm_start_modules,
         hang_timeout=config.hang_timeout,
         fork_target=fork_target,
+        event_log_handler=config.event_log_handler,
     )
     try:
         with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from elaunch.agent.decide import Step, Verdict, judge
+from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
 from elaunch.agent.hang_response import HangResponse
 from elaunch.agent.hangs import HangWatch
@@ -75,6 +76,11 @@ class ElasticAgent:
         fork_target: run each worker as a fork of this process calling
             ``fork_target(local_rank)`` (``elastic_launch`` of a function with
             ``start_method="fork"``; see ``WorkerLauncher``); None: exec ``spec.cmd``.
+        event_log_handler: ``--event-log-handler``: where a copy of each event of
+            ``events.jsonl`` goes (``elaunch.agent.events.event_echo``; "null": none).
+
+    Raises:
+        ValueError: ``event_log_handler`` is not a torch event handler name.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class ElasticAgent:
         warm_modules: tuple[str, ...] | None = None,
         hang_timeout: float = 0.0,
         fork_target: Callable[[int], int] | None = None,
+        event_log_handler: str = "null",
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -103,6 +110,7 @@ class ElasticAgent:
         self._launcher = WorkerLauncher(logs, env_opts.run_id, warm_modules, fork_target=fork_target)
         self._errors_loaded = False
         self._procs: WorkerProcesses | None = None
+        self._exits_told: WorkerProcesses | None = None  # the procs whose exits are in the event log
         self._group: WorkerGroup | None = None
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobView(rdzv, spec.max_restarts)
@@ -112,6 +120,8 @@ class ElasticAgent:
         stuck_after = timeout_from_env(self._base_env)
         self._stuck_watch = UninterruptibleWatch(stuck_after) if stuck_after else None
         self._stuck: dict[int, float] = {}  # local rank -> seconds in D state, when the group ends for that
+        self._echo = event_echo(event_log_handler)
+        self._events = AgentEvents(None, "", self._hostname, spec.max_restarts)  # run() opens the real one
 
     @property
     def log_root(self) -> str | None:
@@ -130,15 +140,25 @@ class ElasticAgent:
             RendezvousError: the rendezvous failed (timeout, closed, unreachable).
         """
         self._launcher.open()
+        root = self.log_root
+        node = getattr(self._rdzv, "node_id", None) or f"{self._hostname}_{os.getpid()}"
+        self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
+                                   node, self._hostname, self._spec.max_restarts, self._echo)
         watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
         self._hangs = HangResponse(watch, self._rdzv, self._hostname)
         self._start_file_timer()
         try:
-            return self._invoke_run()
+            result = self._invoke_run()
+            self._events.job_end(result)
+            return result
         except SignalException as exc:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
             self._launcher.no_more_attempts()
             self._stop_workers(exc.sigval)
+            self._events.job_end(sig=exc.sigval)
+            raise
+        except BaseException as exc:
+            self._events.job_end(error=exc)
             raise
         finally:
             self._launcher.no_more_attempts()
@@ -147,6 +167,7 @@ class ElasticAgent:
             self._hangs.watch.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
+            self._events.close()
 
     def forward_signal(self, sig: int) -> None:
         """Forward a notice (``--forward-signals``, e.g. Slurm's SIGUSR1) to every worker; keep running.
@@ -156,6 +177,7 @@ class ElasticAgent:
         procs = self._procs
         if procs is not None:
             procs.notify(sig)
+        self._events.notice(sig)
         log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
 
     def _start_file_timer(self) -> None:
@@ -180,6 +202,7 @@ class ElasticAgent:
         sat_out = False  # this node just sat out a cooldown (bad-node exclusion)
         announce: tuple[int, FailureRecord, int] | None = None  # a restart to log once the next round formed
         while True:
+            self._events.rendezvous_joining()
             try:
                 info = self._rdzv.next_rendezvous()
             except RendezvousJobFailedError as exc:
@@ -193,6 +216,7 @@ class ElasticAgent:
                 log.warning("the job finished while this node sat out; nothing left to run")
                 return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
             sat_out = False
+            self._events.rendezvous_complete(info, getattr(self._rdzv, "round_members", None))
             if announce is not None:
                 # every node of the failed round recorded its report before this round formed:
                 # the root cause read now is the job's final one, the same on every node
@@ -211,11 +235,14 @@ class ElasticAgent:
                 # HEALTHY -> SUCCEEDED: every worker exited 0
                 self._launcher.no_more_attempts()
                 group.state = WorkerState.SUCCEEDED
-                self._procs.close()
+                self._stop_workers(signal.SIGKILL, grace=0.0)
+                result = RunResult(WorkerState.SUCCEEDED, restarts=restarts,
+                                   global_ranks={w.local_rank: w.global_rank for w in group.workers})
+                self._events.job_end(result)
+                self._events.close()  # a temporary log directory goes now, events.jsonl with it
                 self._launcher.remove_log_dir_if_temporary()
                 self._rdzv.exit_barrier(self._exit_barrier_timeout)
-                return RunResult(WorkerState.SUCCEEDED, restarts=restarts,
-                                 global_ranks={w.local_rank: w.global_rank for w in group.workers})
+                return result
             # which workers failed is fixed now; their error files are read once the rest
             # are stopped, so a restart does not wait for that
             exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
@@ -228,6 +255,7 @@ class ElasticAgent:
             if verdict is Verdict.MEMBERSHIP_CHANGE:
                 # HEALTHY -> STOPPED: re-form with the new membership (not counted)
                 group.state = WorkerState.STOPPED
+                self._reform_event(restarts)
                 continue
             if self._stuck:
                 # HEALTHY -> FAILED: a worker stuck in the kernel; a restart beside it would fight it
@@ -251,6 +279,7 @@ class ElasticAgent:
                     " (not counted as a restart): the workers exited (%s) after node(s) %s stopped answering",
                     len(lost), describe_exits(exited[0]), ", ".join(lost),
                 )
+                self._events.restart(False, restarts, "node_lost", record)
                 continue
             if step is Step.FINISH_FAILED:
                 # HEALTHY -> FAILED: no restart is left for the job
@@ -266,10 +295,19 @@ class ElasticAgent:
                 announce = None
             sat_out = self._job.sit_out_if_blamed()
 
+    def _reform_event(self, restarts: int) -> None:
+        """The ``restart`` event of a re-form: the job's restart when the round failed on another node."""
+        job = self._job.state
+        if self._failed_elsewhere(job):  # the reporting node counts it: the job's count is known once re-formed
+            self._events.restart_after_rendezvous(job.failure)
+        else:
+            self._events.restart(False, restarts, "membership")
+
     def _announce_restart(self, round: int, root: FailureRecord, restarts: int) -> None:
         """Log a counted restart with the job's root cause of ``round`` (as the rendezvous has it now)."""
         final = self._job.root_of(round)
         root = final if final is not None else root
+        self._events.restart(True, restarts, "failure", root, failed_round=round)
         log.warning(
             "worker group failed (rank %d on %s, exitcode %d%s); restart %d/%d",
             root.rank, root.host, root.exitcode, f" {signal_name(root.exitcode)}" if root.exitcode < 0 else "",
@@ -323,6 +361,7 @@ class ElasticAgent:
         self._attempt_logs = logs
         for w in workers:
             w.pid = self._procs.pids[w.local_rank]
+        self._events.workers_started(attempt, workers, self._procs.pids, f"{group.master_addr}:{group.master_port}")
         # INIT -> HEALTHY: workers started
         group.state = WorkerState.HEALTHY
         self._group = group
@@ -360,6 +399,7 @@ class ElasticAgent:
             verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
             if hung and verdict is Verdict.FAILED:
                 self._hangs.on_hang(hung, self._group.workers, self.log_root, self._procs.notify)
+                self._events.hang(self._hangs.hung, self._hangs.culprit)
                 return verdict
             if verdict is Verdict.FAILED:
                 new = self._new_nodes()
@@ -396,6 +436,9 @@ class ElasticAgent:
     def _found_stuck(self, codes: dict[int, int | None]) -> bool:
         """``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``: True (and logged) when a running worker is stuck in D state."""
         self._stuck = self._stuck_watch.stuck({lr: pid for lr, pid in self._procs.pids.items() if codes.get(lr) is None})
+        if self._stuck:
+            self._events.hang({self._group.workers[lr].global_rank: dwell for lr, dwell in self._stuck.items()},
+                              None, stuck=True)
         for lr, dwell in sorted(self._stuck.items()):
             log.error("worker pid=%d (local rank %d) stuck in uninterruptible sleep (D state) for %.1f s (>= %g s); "
                       "the job ends without restarts", self._procs.pids[lr], lr, dwell, self._stuck_watch.timeout)
@@ -425,7 +468,11 @@ class ElasticAgent:
                                 self._hostname)
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
-        if self._procs is None:
+        procs = self._procs
+        if procs is None or procs is self._exits_told:
             return
-        self._procs.stop(sig, self._shutdown_timeout if grace is None else grace)
-        self._procs.close()
+        before = procs.poll()
+        procs.stop(sig, self._shutdown_timeout if grace is None else grace)
+        procs.close()
+        self._exits_told = procs
+        self._events.workers_exited(self._group.workers, before, procs.poll(), procs.exit_times())

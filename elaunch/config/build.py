@@ -175,7 +175,8 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
 
     Raises:
         ConfigError: no training script, a combination that is invalid, or a
-            ``--logs-specs`` name no ``torchrun.logs_specs`` entry point has; the message names it.
+            ``--logs-specs`` name no ``torchrun.logs_specs`` entry point has, or an
+            ``--event-log-handler`` torch does not know; the message names it.
     """
     o = options
     if not o.training_script:
@@ -185,6 +186,11 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         from elaunch.config.logs_specs import find_logs_specs
 
         find_logs_specs(o.logs_specs)
+    from elaunch.agent.events import EVENT_LOG_HANDLERS
+
+    if o.event_log_handler not in EVENT_LOG_HANDLERS:  # torchrun: a KeyError at its first event
+        raise ConfigError(f"--event-log-handler={o.event_log_handler}: not a torch event handler "
+                          f"(one of {', '.join(EVENT_LOG_HANDLERS)})")
     nproc = resolve_nproc(o.nproc_per_node)
     handle, forward = _signal_sets(o.signals_to_handle, o.forward_signals)
     cmd = build_cmd(o.training_script, o.training_script_args, module=o.module, no_python=o.no_python,

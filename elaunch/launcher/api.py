@@ -30,8 +30,9 @@ traceback are in its failure's error file, as torch's ``@record`` writes it),
 ``SignalException`` when a handled signal stopped the job.
 
 Differences from torch (see docs/migrating-from-torchrun.md): ``metrics_cfg``,
-``numa_options``, ``event_log_handler``, ``duplicate_*_filters`` and
-``health_check_server`` are accepted without effect (a warning names them); a
+``numa_options``, ``duplicate_*_filters`` and ``health_check_server`` are
+accepted without effect (a warning names them); ``event_log_handler`` chooses
+where a copy of elaunch's event log goes (docs/events.md); a
 ``LogsSpecs`` other than ``DefaultLogsSpecs`` is used only for its directory,
 redirects, tee and rank filter (its ``reify`` is not called).
 """
@@ -87,7 +88,11 @@ class LaunchConfig:
             ``$rank``, ``$local_rank``), None for ``[<role><local_rank>]:``.
         metrics_cfg: torch metrics configuration; no effect under elaunch.
         local_addr: this node's address as others reach it, None for the FQDN.
-        event_log_handler: torch event handler name; no effect under elaunch.
+        event_log_handler: torch event handler name: ``"null"`` (default) or
+            ``"dynamic_rendezvous"`` write ``events.jsonl`` only, ``"console"`` also
+            prints each event on stderr, a handler registered in torch's
+            ``events.handlers`` table also receives each line; any other name
+            raises ValueError when the job starts (docs/events.md).
         numa_options: torch ``NumaOptions``; no effect under elaunch. As torch,
             ``__post_init__`` picks the default ones when CUDA has exactly
             ``nproc_per_node`` devices.

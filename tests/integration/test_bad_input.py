@@ -28,6 +28,7 @@ CASES = [
     (["--max-restarts", "-1", SCRIPT], {}, "--max-restarts=-1"),
     (["--monitor-interval", "0", SCRIPT], {}, "--monitor-interval=0"),
     (["--monitor-interval", "fast", SCRIPT], {}, "--monitor-interval=fast"),
+    (["--event-log-handler", "logging", SCRIPT], {}, "--event-log-handler=logging: not a torch event handler"),
     (["--shutdown-timeout", "-5", SCRIPT], {}, "--shutdown-timeout=-5"),
     (["--shutdown-timeout", "later", SCRIPT], {}, "--shutdown-timeout=later"),
     (["--rdzv-backend", "zookeeper", SCRIPT], {}, "--rdzv-backend=zookeeper: unknown rendezvous backend (known: static, c10d, etcd, etcd-v2, etcd-v3"),

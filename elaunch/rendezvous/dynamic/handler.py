@@ -122,6 +122,11 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         return self._node_id
 
     @property
+    def round_members(self) -> frozenset[str]:
+        """Node ids of the last round this node joined (empty before the first); a read of local memory only."""
+        return self._members
+
+    @property
     def settings(self) -> RendezvousSettings:
         """The settings this handler runs with."""
         return self._settings

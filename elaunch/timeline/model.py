@@ -1,0 +1,213 @@
+"""What a timeline shows, read from agents' ``events.jsonl`` files (docs/events.md): lanes, spans, marks.
+
+Pure data and stdlib only; :mod:`elaunch.timeline.svg` and :mod:`elaunch.timeline.png`
+draw it. Times are seconds since the earliest event of all files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+#: The file each agent writes in its run's log directory (``elaunch.agent.events.EVENTS_FILE``).
+EVENTS_FILE = "events.jsonl"
+
+#: Mark kind -> (legend label, colour, shape); shapes: x, tri, diamond, square, circle, star.
+MARKS: dict[str, tuple[str, str, str]] = {
+    "failure": ("worker failed", "#d62728", "x"),
+    "hang": ("hang", "#e377c2", "square"),
+    "restart": ("restart (counted)", "#ff7f0e", "tri"),
+    "reform": ("re-form (not counted)", "#bcbd22", "tri"),
+    "membership": ("membership change", "#9467bd", "diamond"),
+    "notice": ("notice (forwarded signal)", "#1f77b4", "circle"),
+    "job_failed": ("job failed", "#7f0000", "star"),
+    "job_succeeded": ("job succeeded", "#2ca02c", "star"),
+    "not_needed": ("node not needed", "#7f7f7f", "circle"),
+}
+#: Span kind -> (legend label, colour).
+SPANS: dict[str, tuple[str, str]] = {
+    "rendezvous": ("in rendezvous", "#d9d9d9"),
+    "round": ("round (rN)", "#c6dbef"),
+    "worker_ok": ("worker, exited 0 / running", "#a1d99b"),
+    "worker_failed": ("worker, failed", "#fc9272"),
+    "worker_stopped": ("worker, stopped by the agent", "#bdbdbd"),
+}
+
+
+class TimelineError(ValueError):
+    """Bad input to ``elaunch timeline``: the message names the path."""
+
+
+@dataclass
+class Lane:
+    """One node's row: its rounds, rendezvous waits, workers (one row per local rank) and marks.
+
+    Attributes:
+        node, host: the events' ``node`` and ``host`` fields.
+        spans: (kind, start, end, label, row); row -1 is the lane's round band, n >= 0 local rank n.
+        marks: (kind, time, label, row); row as for spans (a failure sits on its worker's row).
+        rows: number of worker rows (the largest local rank + 1).
+    """
+
+    node: str
+    host: str
+    spans: list[tuple[str, float, float, str, int]] = field(default_factory=list)
+    marks: list[tuple[str, float, str, int]] = field(default_factory=list)
+    rows: int = 0
+
+
+@dataclass
+class Timeline:
+    """Lanes (ordered by each node's first event) over ``[0, end]`` seconds after ``t0`` (epoch seconds)."""
+
+    lanes: list[Lane]
+    t0: float
+    end: float
+
+
+def find_event_files(paths: list[str]) -> list[str]:
+    """Every ``events.jsonl`` under ``paths`` (directories searched recursively, or the files themselves).
+
+    Raises:
+        TimelineError: a path does not exist, or none of them holds an event file.
+    """
+    found: list[str] = []
+    for path in paths:
+        if os.path.isfile(path):
+            found.append(path)
+        elif os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                if EVENTS_FILE in files:
+                    found.append(os.path.join(root, EVENTS_FILE))
+        else:
+            raise TimelineError(f"{path}: no such file or directory")
+    unique = list(dict.fromkeys(os.path.realpath(f) for f in found))
+    if not unique:
+        raise TimelineError(f"no {EVENTS_FILE} under {', '.join(paths)}")
+    return unique
+
+
+def read_events(files: list[str]) -> list[dict]:
+    """The events of ``files``; lines that are not a JSON event (a line cut by a killed agent) are skipped.
+
+    Raises:
+        TimelineError: a file cannot be read, or no file holds a single event.
+    """
+    events = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    try:
+                        e = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(e, dict) and isinstance(e.get("time"), (int, float)) and "kind" in e:
+                        events.append(e)
+        except OSError as exc:
+            raise TimelineError(f"{path}: {exc.strerror or exc}") from None
+    if not events:
+        raise TimelineError(f"no events in {', '.join(files)}")
+    return events
+
+
+def build(events: list[dict]) -> Timeline:
+    """Lay ``events`` (of one or more nodes) out as a :class:`Timeline`."""
+    t0 = min(e["time"] for e in events)
+    end = max(e["time"] for e in events) - t0
+    by_node: dict[str, list[dict]] = {}
+    for e in sorted(events, key=lambda e: e["time"]):
+        by_node.setdefault(str(e.get("node", "?")), []).append(e)
+    lanes = [_lane(node, evs, t0) for node, evs in by_node.items()]
+    return Timeline(lanes=lanes, t0=t0, end=max(end, 1e-3))
+
+
+def _lane(node: str, events: list[dict], t0: float) -> Lane:
+    lane = Lane(node=node, host=str(events[0].get("host", "")))
+    joining: float | None = None
+    current: tuple[float, int] | None = None  # the open round: (start, number)
+    running: dict[object, tuple[int, float, int]] = {}  # pid -> (local rank, start, rank)
+    last = events[-1]["time"] - t0
+
+    def close_round(t: float) -> None:
+        nonlocal current
+        if current is not None:
+            lane.spans.append(("round", current[0], t, f"r{current[1]}", -1))
+            current = None
+
+    for e in events:
+        t, kind = e["time"] - t0, e["kind"]
+        if kind == "rendezvous_join":
+            close_round(t)
+            joining = t
+        elif kind == "rendezvous_complete":
+            if joining is not None:
+                lane.spans.append(("rendezvous", joining, t, "", -1))
+            joining, current = None, (t, int(e.get("round", -1)))
+        elif kind == "workers_started":
+            for lr, rank, pid in zip(e.get("local_ranks", ()), e.get("ranks", ()), e.get("pids", ())):
+                running[pid] = (int(lr), t, rank)
+                lane.rows = max(lane.rows, int(lr) + 1)
+        elif kind == "worker_exited":
+            lr, start, rank = running.pop(e.get("pid"), (int(e.get("local_rank", 0)), t, e.get("rank")))
+            code, stopped = e.get("exitcode"), bool(e.get("stopped"))
+            state = "worker_stopped" if stopped else "worker_ok" if code == 0 else "worker_failed"
+            lane.spans.append((state, start, t, f"rank {rank}", lr))
+            lane.rows = max(lane.rows, lr + 1)
+            if state == "worker_failed":
+                why = e.get("signal") or f"exitcode {code}"
+                lane.marks.append(("failure", t, f"rank {rank} failed ({why})", lr))
+        elif kind in _MARKERS:
+            lane.marks.append((*_MARKERS[kind](e, t), -1))
+            if kind in ("job_failed", "job_succeeded", "node_not_needed"):
+                close_round(t)
+    close_round(last)
+    if joining is not None:
+        lane.spans.append(("rendezvous", joining, last, "", -1))
+    for pid, (lr, start, rank) in running.items():
+        lane.spans.append(("worker_ok", start, last, f"rank {rank}", lr))
+    return lane
+
+
+def _restart(e: dict, t: float) -> tuple[str, float, str]:
+    f = e.get("failure") or {}
+    if not e.get("counted"):
+        return "reform", t, f"re-form ({e.get('cause', '?')}), not counted"
+    cause = f" after rank {f.get('rank')} on {f.get('host')} failed" if f else ""
+    return "restart", t, f"restart {e.get('count')}/{e.get('budget')}{cause}"
+
+
+def _membership(e: dict, t: float) -> tuple[str, float, str]:
+    came, left = e.get("came") or [], e.get("left") or []
+    parts = [f"+{', '.join(map(str, came))}" if came else "", f"-{', '.join(map(str, left))}" if left else ""]
+    return "membership", t, "membership " + " ".join(p for p in parts if p)
+
+
+def _job_failed(e: dict, t: float) -> tuple[str, float, str]:
+    f = e.get("failure") or {}
+    why = (f"rank {f.get('rank')} on {f.get('host')}" if f else e.get("signal") or e.get("error") or "")
+    return "job_failed", t, f"job failed: {why}" if why else "job failed"
+
+
+_MARKERS = {
+    "restart": _restart,
+    "membership_change": _membership,
+    "hang": lambda e, t: ("hang", t, f"{'stuck (D state)' if e.get('stuck') else 'hang'}: ranks "
+                                     f"{', '.join(map(str, e.get('ranks', ())))}"),
+    "notice": lambda e, t: ("notice", t, f"notice {e.get('signal')}"),
+    "job_failed": _job_failed,
+    "job_succeeded": lambda e, t: ("job_succeeded", t, f"job succeeded ({e.get('restarts', 0)} restarts)"),
+    "node_not_needed": lambda e, t: ("not_needed", t, "node not needed"),
+}
+
+
+def nice_ticks(end: float, count: int = 8) -> list[float]:
+    """Round tick positions (1, 2 or 5 times a power of ten apart) covering ``[0, end]`` seconds."""
+    import math
+
+    raw = max(end, 1e-9) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(end / step + 1e-9) + 1)]

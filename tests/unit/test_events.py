@@ -1,0 +1,91 @@
+"""EventLog's file handling and the timeline model's layout (pure logic; the real jobs are in integration)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from elaunch.agent.events import EventLog, came_and_left, event_echo, failure_fields
+from elaunch.rendezvous.api import FailureRecord
+from elaunch.timeline.model import build, nice_ticks
+
+
+def test_event_log_appends_lines_lazily(tmp_path):
+    path = tmp_path / "events.jsonl"
+    ev = EventLog(str(path), "n1", "h", clock=lambda: 100.0)
+    assert not path.exists()  # opened on the first event
+    ev.emit("a", x=1)
+    ev.round = 3
+    ev.emit("b", at=99.5)
+    ev.close()
+    ev.emit("dropped")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"time": 100.0, "kind": "a", "node": "n1", "host": "h", "round": -1, "x": 1},
+                     {"time": 99.5, "kind": "b", "node": "n1", "host": "h", "round": 3}]
+
+
+def test_event_log_never_raises_and_warns_once(tmp_path, caplog):
+    ev = EventLog(str(tmp_path / "gone" / "events.jsonl"), "n", "h")
+    with caplog.at_level(logging.WARNING, logger="elaunch.agent"):
+        ev.emit("a")
+        ev.emit("b")
+    assert len([r for r in caplog.records if "event log" in r.getMessage()]) == 1
+
+
+def test_echo_gets_each_line_without_a_file():
+    got = []
+    ev = EventLog(None, "n", "h", echo=got.append, clock=lambda: 1.0)
+    ev.emit("a")
+    assert [json.loads(line) for line in got] == [{"time": 1.0, "kind": "a", "node": "n", "host": "h", "round": -1}]
+
+
+@pytest.mark.parametrize("name, echoes", [("null", False), ("dynamic_rendezvous", False), ("console", True)])
+def test_torch_handler_names(name, echoes):
+    assert (event_echo(name) is not None) is echoes
+
+
+def test_unknown_handler_name_is_a_value_error():
+    with pytest.raises(ValueError, match="event_log_handler='nope'"):
+        event_echo("nope")
+
+
+def test_came_and_left_by_id_and_by_address():
+    assert came_and_left(frozenset({"a", "b"}), frozenset({"b", "c"})) == (["c"], ["a"])
+    assert came_and_left({"10.0.0.1": 2}, {"10.0.0.1": 1, "10.0.0.2": 1}) == (["10.0.0.2"], ["10.0.0.1"])
+
+
+def test_failure_fields_drop_the_no_traceback_line():
+    f = FailureRecord(round=0, at=1.0, host="h", rank=3, exitcode=-9,
+                      message="To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+    assert failure_fields(f) == {"rank": 3, "host": "h", "exitcode": -9, "signal": "SIGKILL", "message": ""}
+
+
+def _e(t, kind, **kw):
+    return {"time": t, "kind": kind, "node": kw.pop("node", "n"), "host": "h", "round": kw.pop("round", 0), **kw}
+
+
+def test_model_spans_and_marks():
+    tl = build([
+        _e(10, "rendezvous_join", round=-1), _e(11, "rendezvous_complete"),
+        _e(11.5, "workers_started", ranks=[0, 1], local_ranks=[0, 1], pids=[5, 6]),
+        _e(13, "worker_exited", rank=1, local_rank=1, pid=6, exitcode=1, stopped=False),
+        _e(13.25, "worker_exited", rank=0, local_rank=0, pid=5, exitcode=-15, stopped=True),
+        _e(13.5, "restart", counted=True, count=1, budget=1, failure={"rank": 1, "host": "h"}),
+        _e(13.5, "rendezvous_join"), _e(14, "rendezvous_complete", round=1),
+        _e(14, "membership_change", round=1, came=["x"], left=[]),
+        _e(20, "job_succeeded", round=1, restarts=1), _e(12, "rendezvous_join", node="m", round=-1),
+    ])
+    assert tl.t0 == 10 and tl.end == 10 and [lane.node for lane in tl.lanes] == ["n", "m"]
+    lane = tl.lanes[0]
+    assert ("round", 1, 3.5, "r0", -1) in lane.spans and ("round", 4, 10, "r1", -1) in lane.spans
+    assert ("worker_failed", 1.5, 3, "rank 1", 1) in lane.spans
+    assert ("worker_stopped", 1.5, 3.25, "rank 0", 0) in lane.spans
+    assert [m[0] for m in lane.marks] == ["failure", "restart", "membership", "job_succeeded"]
+    assert tl.lanes[1].spans == [("rendezvous", 2, 2, "", -1)]  # still joining at its last event
+
+
+def test_nice_ticks():
+    assert nice_ticks(16.0) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    assert nice_ticks(0.7)[:3] == [0, 0.1, 0.2]
