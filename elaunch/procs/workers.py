@@ -7,6 +7,8 @@ Improvements over torch: exits wake ``wait()`` at once (pidfds), the whole
 process tree is signalled (group, session and descendants, including children
 that called ``setsid``), every worker gets ``PR_SET_PDEATHSIG=SIGKILL``, and an
 optional :class:`~elaunch.procs.reaper.Reaper` covers ``kill -9`` of the agent.
+With a reaper the agent is also a child subreaper, so a ``setsid`` child of a
+worker that exited at once is re-parented to the agent and still stopped.
 
 No torch import here: the agent imports this module.
 """
@@ -42,6 +44,10 @@ KILL_TIMEOUT = 10.0
 FALLBACK_POLL = 0.05
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+#: Worker env entries an adopted orphan must carry (those the worker had) to be taken
+#: for one of this attempt's: together they name the run, attempt and rank.
+_MARKERS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RANK", "LOCAL_RANK", "MASTER_PORT")
 _SIGKILL = int(_signal.SIGKILL)
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -103,6 +109,25 @@ def popen_worker(
                 f.close()
 
 
+def _become_subreaper() -> None:
+    """Make this process adopt its orphaned descendants (``PR_SET_CHILD_SUBREAPER``).
+
+    A worker's child that leaves its session (``setsid``) and whose worker exits
+    is then re-parented to the agent instead of init, so the agent still finds it
+    (:meth:`WorkerProcesses._family`) however soon the worker exited.
+    """
+    if _prctl is not None:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _environ(pid: int) -> set[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return set(f.read().split(b"\0"))
+    except OSError:
+        return set()
+
+
 class WorkerProcesses:
     """The running workers of one attempt, keyed by local rank. Build with :meth:`start`.
 
@@ -134,6 +159,8 @@ class WorkerProcesses:
                     os.close(fd)
                 self._pidfds = {}
                 break
+        self._markers: list[set[bytes]] = []  # per worker: the env entries its descendants inherit
+        self._adopted: set[int] = set()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -182,12 +209,14 @@ class WorkerProcesses:
                 + follows_for(logs.tee_stderr, sys.stderr, prefixes, logs.unprefixed)
             ).start()
             self = cls(procs, tee, reaper)
+            self._markers = [{f"{k}={envs[lr][k]}".encode() for k in _MARKERS if k in envs[lr]} for lr in procs]
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)
                 p.wait()
             raise
         if reaper is not None:
+            _become_subreaper()  # before a worker can leave orphans behind
             reaper.watch(self.pids.values())
         return self
 
@@ -283,7 +312,40 @@ class WorkerProcesses:
     def _family(self) -> dict[int, _proctree.Proc]:
         table = _proctree.scan()
         roots = [self.pids[lr] for lr, c in self._codes.items() if c is None]
+        roots += self._orphans(table)
         return _proctree.tree(table, roots=roots, groups=self.pids.values(), known=self._known)
+
+    def _orphans(self, table: dict[int, _proctree.Proc]) -> list[int]:
+        """Descendants of our workers the agent adopted (see :func:`_become_subreaper`).
+
+        Children of the agent it did not start, carrying a worker's env entries
+        (run id, error file, ranks, master port). Each is also given to the reaper,
+        which kills it if the agent is killed.
+        """
+        me, ours = os.getpid(), set(self.pids.values())
+        if self._reaper is not None:
+            ours.add(self._reaper.pid)
+        found = []
+        for p in table.values():
+            if p.ppid != me or p.pid in ours:
+                continue
+            if p.pid in self._adopted or any(m and m <= _environ(p.pid) for m in self._markers):
+                found.append(p.pid)
+        new = set(found) - self._adopted
+        if new and self._reaper is not None:
+            self._reaper.watch(new)
+        self._adopted |= new
+        return found
+
+    def _reap_adopted(self) -> None:
+        """Collect the exit status of adopted orphans that died (they are the agent's children now)."""
+        for pid in list(self._adopted):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                self._adopted.discard(pid)
 
     # ---------------------------------------------------------------- stopping
 
@@ -336,8 +398,9 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 log.error("worker %d could not be reaped", p.pid)
         self._refresh()
+        self._reap_adopted()
         if self._reaper is not None:
-            self._reaper.forget(self.pids.values())
+            self._reaper.forget([*self.pids.values(), *self._adopted])
         self._stopped = True
 
     def _send(self, fam: dict[int, _proctree.Proc], sig: int) -> None:

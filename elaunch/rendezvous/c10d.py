@@ -71,6 +71,7 @@ class C10dBackend(RendezvousBackend):
         self._endpoint = endpoint
         self._prefix = f"elaunch/rdzv/{run_id}"
         self.key = f"{self._prefix}/state"
+        self._forgotten = -1  # the newest round this node deleted the keys of
         with _translated(endpoint, "initialising the state"):
             store.compare_set(self.key, "", _EMPTY)
 
@@ -93,9 +94,11 @@ class C10dBackend(RendezvousBackend):
 
     # Batched joins (see dynamic/batching.py): round r's intent log is the key
     # ``intents/r``, grown with the store's atomic ``append``; ``tickets/r`` counts the
-    # joins (``add``; ticket 1 is the combiner), and ticket t's arrival is the key
-    # ``arrived/r/t``; the log's position is the ticket count. The round's
-    # completion notice is ``done/r``. A blocked ``wait`` sees a key the moment it is set.
+    # joins (``add``; ticket 1 is the combiner); every post (and the notice) sets
+    # ``arrived/r``, which the combiner, the only node that waits on it, deletes each
+    # time it wakes; the log's position is the ticket count. The round's completion
+    # notice is ``done/r``. A blocked ``wait`` sees a key the moment it is set. These
+    # four keys are all a round leaves behind: :meth:`forget_round` deletes them.
 
     @property
     def supports_intents(self) -> bool:
@@ -105,17 +108,33 @@ class C10dBackend(RendezvousBackend):
         with _translated(self._endpoint, "posting a join intent"):
             self._store.append(f"{self._prefix}/intents/{round}", intent)
             ticket = int(self._store.add(f"{self._prefix}/tickets/{round}", 1))
-            self._store.set(f"{self._prefix}/arrived/{round}/{ticket}", b"1")
+            self._store.set(f"{self._prefix}/arrived/{round}", b"1")
         return ticket == 1
 
     def get_state_and_intents(self, round: int, nodes: Sequence[str] = ()
                               ) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
-        # only called after our own join post, so all keys exist (a get of a missing key blocks)
-        keys = [self.key, f"{self._prefix}/intents/{round}", f"{self._prefix}/tickets/{round}"]
+        # Called after our own post to ``round``, so its keys exist unless the round was
+        # forgotten since: we are two rounds behind (frozen, or pruned as dead meanwhile).
+        # A get of a missing key blocks, so that rare reader waits read_timeout, then finds
+        # the keys gone and reads the state alone; checking first would cost every read a call.
+        round_keys = [f"{self._prefix}/intents/{round}", f"{self._prefix}/tickets/{round}"]
         with _translated(self._endpoint, "reading the state"):
-            values = [bytes(v) for v in self._store.multi_get(keys + self._heartbeat_keys(nodes))]
+            if round <= self._forgotten:
+                return self._without_log(nodes)
+            try:
+                values = [bytes(v) for v in self._store.multi_get([self.key] + round_keys
+                                                                  + self._heartbeat_keys(nodes))]
+            except _STORE_ERRORS:
+                if self._store.check(round_keys):
+                    raise
+                return self._without_log(nodes)  # forgotten: the state shows the round is over
         data, log_bytes, tickets = values[:3]
         return (None if data == _EMPTY else data), data, log_bytes, int(tickets), _heartbeats(nodes, values[3:])
+
+    def _without_log(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
+        """A forgotten round's log reads as empty: the state itself shows the round is long over."""
+        data, token, heartbeats = self.get_state_and_heartbeats(nodes)
+        return data, token, b"", 0, heartbeats
 
     # Heartbeats: node n's is the key ``heartbeat/n`` (its time, as text), written
     # before n first appears in the state, so a reader's multi_get never waits.
@@ -149,14 +168,30 @@ class C10dBackend(RendezvousBackend):
         return [f"{self._prefix}/heartbeat/{n}" for n in nodes]
 
     def wait_for_arrival(self, round: int, position: int, timeout: float) -> bool:
-        # the position is the number of tickets taken; the next one's key appears on arrival
-        return self._wait(f"{self._prefix}/arrived/{round}/{position + 1}", timeout, "waiting for joiners")
+        # One key per round, not per ticket, so a round leaves a constant number of keys.
+        # ``position`` is not needed: the key is deleted on waking, before the caller
+        # reads the log, so it stands for "posted since the last read". A post that lands
+        # between the delete and the read is read now and wakes the next wait at once
+        # (one spare read); none is missed, since a post appends before it sets the key.
+        key = f"{self._prefix}/arrived/{round}"
+        if not self._wait(key, timeout, "waiting for joiners"):
+            return False
+        with _translated(self._endpoint, "waiting for joiners"):
+            self._store.delete_key(key)
+        return True
 
     def notify_round(self, round: int) -> None:
         with _translated(self._endpoint, "announcing the round's completion"):
             self._store.set(f"{self._prefix}/done/{round}", b"1")
-            ticket = int(self._store.add(f"{self._prefix}/tickets/{round}", 1))  # wakes the combiner
-            self._store.set(f"{self._prefix}/arrived/{round}/{ticket}", b"1")
+            self._store.add(f"{self._prefix}/tickets/{round}", 1)
+            self._store.set(f"{self._prefix}/arrived/{round}", b"1")  # wakes the combiner
+
+    def forget_round(self, round: int) -> None:
+        # Deletes round ``round``'s four keys (4 store calls, by one node per round).
+        self._forgotten = max(self._forgotten, round)
+        with _translated(self._endpoint, f"deleting round {round}'s keys"):
+            for name in ("intents", "tickets", "arrived", "done"):
+                self._store.delete_key(f"{self._prefix}/{name}/{round}")
 
     def wait_for_round(self, round: int, timeout: float) -> bool:
         return self._wait(f"{self._prefix}/done/{round}", timeout, "waiting for the round")
@@ -229,6 +264,8 @@ class C10dRoundStores(RoundStoreFactory):
             addr, port = self._local_addr, int(server.port)
             with _translated(self._endpoint, f"publishing round {round}'s master address"):
                 store.set("master_endpoint", f"{addr}:{port}")
+                if round >= RendezvousBackend.FORGET_AFTER:  # read by that round's nodes only, long ago
+                    self.round_store(round - RendezvousBackend.FORGET_AFTER).delete_key("master_endpoint")
         else:
             self._server = None  # a store hosted in an earlier round (as rank 0) is no longer used
             with _translated(self._endpoint, f"reading round {round}'s master address"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import threading
 import time
@@ -11,7 +12,11 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
+from torch.distributed import TCPStore  # noqa: E402
+
 from elaunch.rendezvous import registry  # noqa: E402
+from elaunch.rendezvous.c10d import C10dBackend  # noqa: E402
+from elaunch.rendezvous.api import RendezvousTimeoutError  # noqa: E402
 from elaunch.rendezvous.c10d_store import BoundedStore  # noqa: E402
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
@@ -141,3 +146,51 @@ def test_leavers_leave_on_their_own_when_the_combiner_never_combines(crowd):
     assert hs[0]._backend.post_intent(1, ghost.to_bytes()) is True
     infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
     assert {(i.round, i.world_size) for i in infos} == {(1, 3)}  # after the grace, each left by itself
+
+
+def test_a_long_job_holds_a_bounded_number_of_store_keys(crowd):
+    # every restart round writes its log, tickets, arrival and completion notices and
+    # its master address; round r's are deleted once round r + 2 completed, so the
+    # store holds as many keys after 12 rounds as after 4
+    hs = crowd(3, 3, 3)
+    agent_store = hs[0]._backend._store.store
+
+    def rounds(k):
+        for _ in range(k):
+            infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
+            assert len({i.round for i in infos}) == 1 and infos[0].world_size == 3
+
+    rounds(4)
+    keys = agent_store.num_keys()
+    rounds(8)
+    assert agent_store.num_keys() == keys
+    assert infos_round(hs) == 11
+    # a node two rounds behind (frozen) that reads a forgotten round's log gets an
+    # empty one at once, not a get that blocks on the deleted keys for read_timeout
+    host, _, port = hs[0]._backend._endpoint.rpartition(":")
+    client = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=1))
+    stale = C10dBackend(client, "job", hs[0]._backend._endpoint)
+    data, _, log_bytes, _, _ = stale.get_state_and_intents(0, [h.node_id for h in hs])
+    assert log_bytes == b"" and RendezvousState.from_bytes(data).round == 11
+
+
+def infos_round(hs):
+    return RendezvousState.from_bytes(hs[0]._backend.get_state()[0]).round
+
+
+def test_a_node_that_timed_out_of_its_join_is_not_added_after_it_gave_up(crowd):
+    # join_timeout (1 s) < dead_after (3 x 5 s): the quitter's intent is still "fresh"
+    # long after it gave up. It posted first, so the next joiner's batch would add it
+    # from the log: a phantom participant, counted until its heartbeat expires.
+    a, b = crowd(2, 2, 3, keep_alive_interval=5, last_call_timeout=0.5)
+    port = int(a._backend._endpoint.rpartition(":")[2])
+    quitter = registry.create_handler(params(port, 2, 3, is_host="false", join_timeout=1, keep_alive_interval=5))
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="join_timeout=1 s"):
+            quitter.next_rendezvous()
+        infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), (a, b)))
+    finally:
+        quitter.shutdown()
+    stored = RendezvousState.from_bytes(a._backend.get_state()[0])
+    assert quitter.node_id not in stored.participants
+    assert [i.world_size for i in infos] == [2, 2]

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 
-from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, start_reaper
+from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, start_reaper, workers
 from tests.conftest import SCRIPTS, track_processes, wait_for
 
 WORKER = str(SCRIPTS / "procs_worker.py")
@@ -235,3 +235,36 @@ def test_reaper_watch_forget(tmp_path, launch):
     finally:
         reaper.close()
     assert not reaper.alive()
+
+
+def test_setsid_grandchild_of_a_worker_that_exits_at_once_is_stopped(launch, tmp_path):
+    """The setsid orphan gap: the worker is gone before anyone looked at its tree.
+
+    Its setsid'd child is in no group, session or tree of the worker; as the agent
+    is a child subreaper it is re-parented to the agent, which finds it by the
+    worker's env entries it carries.
+    """
+    pf = tmp_path / "p"
+    reaper = start_reaper()
+    try:
+        procs = launch({0: ["--child", "setsid", "--pidfile", str(pf)]}, reaper=reaper)  # spawns, exits at once
+        worker, grandchild = _pids(pf)
+        try:
+            wait_for(lambda: _all_exited(procs), 20, what="the worker's exit")
+            assert _alive(grandchild) and os.getsid(grandchild) == grandchild  # it outlived its worker
+            procs.stop(grace=5.0)
+            assert not _alive(grandchild)
+            assert not psutil.pid_exists(grandchild)  # reaped, not left a zombie of the agent
+        finally:
+            if _alive(grandchild):
+                os.kill(grandchild, signal.SIGKILL)
+    finally:
+        reaper.close()
+        workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -342,8 +342,8 @@ def test_probe_write_and_reset_with_the_round():
 BATCH = RendezvousSettings("job", 1, 3, keep_alive_interval=5, keep_alive_max_attempt=3)  # dead after 15 s
 
 
-def intent(node, at=NOW - 1, round=0, prev=-1):
-    return JoinIntent(node, {"addr": node, "role": "default", "local_world_size": 1}, prev, round, at)
+def intent(node, at=NOW - 1, round=0, prev=-1, until=float("inf")):
+    return JoinIntent(node, {"addr": node, "role": "default", "local_world_size": 1}, prev, round, at, until)
 
 
 @pytest.mark.parametrize(
@@ -358,6 +358,11 @@ def intent(node, at=NOW - 1, round=0, prev=-1):
         ("a participant is not added twice", mk(["a"]), [intent("a"), intent("b")], ["b"]),
         ("a redundant node stays redundant", mk(redundant=["r"]), [intent("r")], []),
         ("a waiting node that posted joins", mk(wait=["w"]), [intent("w")], ["w"]),
+        # join_timeout < dead_after: a fresh intent whose poster gave up is no phantom
+        ("a poster past its join deadline is not added", mk(), [intent("a", until=NOW - 0.5), intent("b")], ["b"]),
+        ("... nor one within DEADLINE_MARGIN of it", mk(), [intent("a", until=NOW + merge.DEADLINE_MARGIN / 2)],
+         []),
+        ("a poster with time left joins", mk(), [intent("a", until=NOW + 2 * merge.DEADLINE_MARGIN)], ["a"]),
     ],
 )
 def test_combine_joins(desc, state, intents, added):
@@ -427,8 +432,8 @@ def test_fold_heartbeats(desc, beats, expected):
 
 
 def test_intent_log_round_trip_skips_malformed_lines():
-    good = [intent("a"), intent("b", prev=2, round=3)]
-    log = good[0].to_bytes() + b"not json\n" + b'{"node": "x"}\n' + good[1].to_bytes() + b"\n"
+    good = [intent("a"), intent("b", prev=2, round=3), intent("c", until=NOW + 5)]
+    log = good[0].to_bytes() + b"not json\n" + b'{"node": "x"}\n' + good[1].to_bytes() + b"\n" + good[2].to_bytes()
     assert JoinIntent.parse_log(log) == good
     assert JoinIntent.parse_log(b"".join(i.to_bytes() for i in good)) == good
     assert JoinIntent.parse_log(None) == [] and JoinIntent.parse_log(b"") == []

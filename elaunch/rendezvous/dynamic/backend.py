@@ -165,6 +165,25 @@ class RendezvousBackend(abc.ABC):
         A no-op for backends without an intent log.
         """
 
+    #: Rounds a round's notices and log are kept after it completed: round ``r``'s are
+    #: forgotten when round ``r + FORGET_AFTER`` completes. By then every participant of
+    #: round ``r`` has left it and joined a later round, so only a node frozen that long
+    #: (pruned as dead meanwhile) can still look for them.
+    FORGET_AFTER = 2
+
+    def forget_round(self, round: int) -> None:
+        """Delete ``round``'s log and notices, so a long job holds a bounded number of keys.
+
+        Called once per round, by the node whose write completed round
+        ``round + FORGET_AFTER``. A reader of a forgotten round's log gets an empty
+        log (the state shows the round is over) and a wait on its notices times out.
+        A no-op for backends without an intent log, and for those whose keys expire
+        by themselves.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+
     def wait_for_round(self, round: int, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until :meth:`notify_round` was called for ``round``; True if it was.
 

@@ -132,9 +132,13 @@ class BatchedJoin:
         return ((self.active(known) and not self.notified and self.may_add_self(now))
                 or (self.combiner and self.leaving(known)))
 
-    def post(self, round: int, now: float) -> None:
-        """Post our join intent to ``round`` (c10d: 3 store calls, etcd: 1 transaction)."""
-        self.first = self._backend.post_intent(round, self._intent(round, now))
+    def post(self, round: int, now: float, deadline: float = float("inf")) -> None:
+        """Post our join intent to ``round`` (c10d: 3 store calls, etcd: 1 transaction).
+
+        ``deadline``: when this node gives up the join (seconds since the epoch); the
+        combiner does not add it after that (``merge.combine_pending``).
+        """
+        self.first = self._backend.post_intent(round, self._intent(round, now, deadline))
         self.round, self.posted_at, self.notified = round, now, False
 
     def forget(self) -> None:
@@ -170,8 +174,8 @@ class BatchedJoin:
         assert self.round is not None
         self._backend.wait_for_arrival(self.round, self.position, timeout)
 
-    def _intent(self, round: int, now: float) -> bytes:
-        return JoinIntent(self._node_id, self._info, self._previous_rank, round, now).to_bytes()
+    def _intent(self, round: int, now: float, deadline: float) -> bytes:
+        return JoinIntent(self._node_id, self._info, self._previous_rank, round, now, deadline).to_bytes()
 
 
 def decide_join(state: RendezvousState, ctx: OpContext, now: float, batch: BatchedJoin) -> Action | Step:

@@ -310,7 +310,7 @@ class OpExecutor:
     def _post_join(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
         assert call.batch is not None
-        call.batch.post(self._state.round, now)
+        call.batch.post(self._state.round, now, call.deadline)
         if not call.batch.combiner:
             # the combiner adds us; nothing to read until the round's notice (or its grace ends)
             call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
@@ -356,7 +356,7 @@ class OpExecutor:
         """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
         assert call.batch is not None
         state = self._state
-        call.batch.post(state.round + 1, now)
+        call.batch.post(state.round + 1, now, call.deadline)  # the exit's deadline: the join's is later
         log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
                   " (the combiner)" if call.batch.combiner else "")
         return False
@@ -432,6 +432,9 @@ class OpExecutor:
             if new_state.closed and not state.closed:
                 # nodes already on their way to the next round wait on its notices: wake them too
                 self._backend.notify_round(new_state.round + 1)
+            elif new_state.round >= self._backend.FORGET_AFTER:
+                # exactly one write completes a round: its writer forgets an old one's keys
+                self._backend.forget_round(new_state.round - self._backend.FORGET_AFTER)
         log.debug("node %s: %s %s (round %d)", me, what.value, "written" if written else "lost the race",
                   self._state.round)
         if not written:

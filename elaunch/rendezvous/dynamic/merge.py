@@ -15,6 +15,13 @@ from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 
 
+#: Seconds before a poster's join deadline after which the combiner no longer adds it.
+#: The poster gives up at its deadline on the state it read last; a combiner's write
+#: decided this long before lands before that read (or the poster finds itself added
+#: and removes itself, ``ops.ROLLBACK_PERIOD``), so no one is added after giving up.
+DEADLINE_MARGIN = 1.0
+
+
 def combine_joins(state: RendezvousState, ctx: OpContext, intents: list[JoinIntent], now: float) -> RendezvousState:
     """ADD_TO_PARTICIPANTS for ``ctx``'s node, then for every other node whose intent may still join (pure).
 
@@ -76,12 +83,15 @@ def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings:
     """Return ``state`` with the pending intents' nodes added, or None when none may join (pure).
 
     A node's intent is added, in log order, while the round is open and has room,
-    if the intent is for this round and at most ``settings.dead_after`` seconds old,
-    and its node is not a participant or redundant already (a waiting node is
-    added: it posted because the round opened). Its heartbeat is its newest post,
-    the last moment it is known to be alive. Freshness is what keeps a node that
-    left or was pruned out: it was pruned for a heartbeat older than
-    ``dead_after``, and a node times out of a join long after its post.
+    if the intent is for this round, at most ``settings.dead_after`` seconds old and
+    at least :data:`DEADLINE_MARGIN` seconds before its node's join deadline
+    (``JoinIntent.until``), and its node is not a participant or redundant already
+    (a waiting node is added: it posted because the round opened). Its heartbeat is
+    its newest post, the last moment it is known to be alive. Freshness keeps out a
+    node that was pruned (for a heartbeat older than ``dead_after``); the deadline
+    keeps out one that gave up its join: with ``join_timeout`` < ``dead_after`` its
+    intent is still fresh then, and adding it would make a phantom participant,
+    counted toward ``min_nodes`` until its heartbeat expired.
     """
     s = state.copy()
     return s if _add_intents(s, intents, settings, now) else None
@@ -97,7 +107,8 @@ def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: Rendez
             break
         node = intent.node_id
         if (intent.round != s.round or node in s.participants or node in s.redundancy_list
-                or not now - settings.dead_after <= intent.at <= now + settings.dead_after):
+                or not now - settings.dead_after <= intent.at <= now + settings.dead_after
+                or now > intent.until - DEADLINE_MARGIN):
             continue
         ops.add_participant(s, intent.node_id, dict(intent.info), intent.previous_rank, settings, now,
                          heartbeat=min(newest[intent.node_id], now))

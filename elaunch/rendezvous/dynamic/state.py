@@ -246,6 +246,8 @@ class JoinIntent:
         previous_rank: its rank in its previous round, or -1.
         round: the round it joins.
         at: when it posted, seconds since the epoch (intents go stale).
+        until: the poster's join deadline, seconds since the epoch: it gives up then,
+            so nobody adds it later (``inf``: not known, as in a line without it).
     """
 
     node_id: str
@@ -253,11 +255,14 @@ class JoinIntent:
     previous_rank: int
     round: int
     at: float
+    until: float = float("inf")
 
     def to_bytes(self) -> bytes:
         """One JSON line, newline-terminated (the log is the concatenation of lines)."""
         doc = {"node": self.node_id, "info": self.info, "prev": self.previous_rank, "round": self.round,
                "at": self.at}
+        if self.until != float("inf"):
+            doc["until"] = self.until
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii") + b"\n"
 
     @classmethod
@@ -280,6 +285,7 @@ class JoinIntent:
                     previous_rank=_int(doc["prev"]),
                     round=_int(doc["round"]),
                     at=float(doc["at"]),
+                    until=float(doc.get("until", float("inf"))),
                 ))
             except (ValueError, TypeError, KeyError, UnicodeDecodeError):
                 continue
