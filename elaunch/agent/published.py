@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 
@@ -64,9 +65,25 @@ def stacks_record(dump_id: int, round: int, host: str, dumps: Mapping, pids: Map
             "path": path, "workers": workers}
 
 
-def publish(rdzv: RendezvousHandler, kind: str, doc: dict) -> None:
-    """Publish ``doc`` as this node's ``kind`` record; never raises (a status aid, not the job's business)."""
-    try:
-        rdzv.publish_node_record(kind, doc)
-    except Exception as exc:  # noqa: BLE001 - e.g. a plugin handler without the method's default
-        log.debug("could not publish the %s record: %s", kind, exc)
+def publish(rdzv: RendezvousHandler, kind: str, doc: dict) -> threading.Thread | None:
+    """Publish ``doc`` as this node's ``kind`` record on a daemon thread; never raises.
+
+    A status aid, not the job's business: the agent's loop never waits for it (an
+    unreachable etcd would hold a write for up to ``read_timeout`` seconds).
+
+    Returns:
+        The thread writing it, or None for a handler that publishes nothing (static, standalone:
+        no thread is started).
+    """
+    if type(rdzv).publish_node_record is RendezvousHandler.publish_node_record:
+        return None  # the interface's no-op
+
+    def write() -> None:
+        try:
+            rdzv.publish_node_record(kind, doc)
+        except Exception as exc:  # noqa: BLE001 - e.g. a plugin handler without the method's default
+            log.debug("could not publish the %s record: %s", kind, exc)
+
+    thread = threading.Thread(target=write, name=f"elaunch-publish-{kind}", daemon=True)
+    thread.start()
+    return thread

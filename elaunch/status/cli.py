@@ -58,7 +58,7 @@ def command(rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: dict
     reader = read.open_reader(rdzv_backend, rdzv_endpoint, rdzv_id or "none", rdzv_conf)
     try:
         snap = read.snapshot(reader)
-        doc = report.build(snap.state, snap.agents, backend=rdzv_backend, endpoint=reader.where.split(" at ", 1)[1],
+        doc = report.build(snap.state, snap.agents, backend=rdzv_backend, endpoint=reader.endpoint,
                            run_id=reader.run_id, now=snap.read_at, dead_after=reader.settings.dead_after)
         status = 0
         answer = None

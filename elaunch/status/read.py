@@ -44,14 +44,17 @@ class Reader:
     Attributes:
         backend: the state backend (never used to join).
         where: the endpoint as messages name it (``c10d store at host:port``, ``etcd at ...``).
+        endpoint: the endpoint alone (``host:port``, or the etcd list).
         run_id: the job id.
         settings: the dynamic rendezvous' settings from ``--rdzv-conf`` (``dead_after`` in seconds).
         read_timeout: seconds a read may take.
         close: releases the client.
+        exists: checks that the state key exists, where a read of a missing key blocks (c10d), or None.
     """
 
     backend: RendezvousBackend
     where: str
+    endpoint: str
     run_id: str
     settings: RendezvousSettings
     read_timeout: float
@@ -134,7 +137,7 @@ def _c10d(params: RendezvousParameters, settings: RendezvousSettings, read_timeo
                           f"{_first_line(exc)}") from exc
     bounded = BoundedStore(store, f"{host}:{port}", read_timeout)
     backend = C10dBackend(bounded, params.run_id, f"{host}:{port}", create=False)
-    return Reader(backend, where, params.run_id, settings, read_timeout, exists=backend.exists)
+    return Reader(backend, where, f"{host}:{port}", params.run_id, settings, read_timeout, exists=backend.exists)
 
 
 def _etcd(params: RendezvousParameters, settings: RendezvousSettings, read_timeout: float) -> Reader:
@@ -154,7 +157,7 @@ def _etcd(params: RendezvousParameters, settings: RendezvousSettings, read_timeo
 
         kv = EtcdV2KV(conf, params.backend)
         backend = EtcdStateBackend(kv, f"{base}/state", params.backend)
-    return Reader(backend, where, params.run_id, settings, read_timeout, close=kv.close)
+    return Reader(backend, where, conf.endpoint_str, params.run_id, settings, read_timeout, close=kv.close)
 
 
 @dataclass
