@@ -21,6 +21,7 @@ from elaunch.agent.decide import Step, Verdict, judge
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
 from elaunch.agent.hang_response import HangResponse
+from elaunch.agent.published import agent_record, publish
 from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.env import EnvOptions, worker_env
@@ -365,6 +366,8 @@ class ElasticAgent:
         # INIT -> HEALTHY: workers started
         group.state = WorkerState.HEALTHY
         self._group = group
+        publish(self._rdzv, "agent", agent_record(info.round, [w.global_rank for w in workers], spec.max_restarts,
+                                                  restarts, spec.role, self._hostname, self.log_root))
         log.info(
             "round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)",
             info.round,
@@ -391,7 +394,8 @@ class ElasticAgent:
             if self._stuck_watch is not None and self._found_stuck(codes):
                 return Verdict.FAILED
             job = self._job.read()
-            self._hangs.answer(job, self._procs.pids, self.log_root)
+            self._hangs.answer(job, self._procs.pids, self.log_root,
+                               {w.local_rank: w.global_rank for w in self._group.workers})
             hung = self._hangs.watch.hung(codes)
             if hung and self._recorded_an_error(hung):
                 # HEALTHY -> FAILED: quiet because it is failing (it raised and is still exiting), not hung

@@ -1,4 +1,4 @@
-"""What the agent does about hangs: answer other nodes' stack-dump requests, and act on its own.
+"""What the agent does about hangs: answer stack-dump requests (other nodes', ``elaunch status``'s), act on its own.
 
 :class:`HangResponse` holds one attempt's hang facts (the hung workers as
 failures, the culprit, the dump requests answered) so the agent's loop only
@@ -16,6 +16,7 @@ from typing import Callable
 
 from elaunch.agent.decide import order_hung
 from elaunch.agent.hangs import DUMP_TIMEOUT, HangWatch, waits_on_peer
+from elaunch.agent.published import publish, stacks_record
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import ProcessFailure
 
@@ -56,8 +57,15 @@ class HangResponse:
         self.hung, self.culprit, self.blocked = {}, None, False
         self.dumps_seen, self.answered, self.round = None, None, round
 
-    def answer(self, job: JobState, pids: Mapping[int, int], log_root: str | None) -> None:
-        """Dump this node's worker stacks when another agent asked for it since the last look."""
+    def answer(self, job: JobState, pids: Mapping[int, int], log_root: str | None,
+               ranks: Mapping[int, int] | None = None) -> None:
+        """Dump this node's worker stacks when another agent (or ``elaunch status``) asked since the last look.
+
+        A request without ``dump_by`` comes from ``elaunch status --stacks``: no
+        hang. The stacks are published through the rendezvous for it (``ranks``:
+        local rank -> global rank) and nothing else changes: no worker is stopped,
+        no hang fact is kept for this attempt.
+        """
         if self.dumps_seen is None:
             self.dumps_seen = job.dump_id  # requests from before this attempt are not ours to answer
             return
@@ -65,8 +73,15 @@ class HangResponse:
             return
         self.dumps_seen = job.dump_id
         by = job.dump_by
-        why = (f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
-               if by is not None else "stacks requested through the rendezvous")
+        if by is None:
+            why = "stacks requested by 'elaunch status --stacks' (no hang)"
+            dumps, path = self.watch.dump(pids, log_root, f"round{self.round}_status", why)
+            log.info("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
+            publish(self._rdzv, "stacks", stacks_record(job.dump_id, self.round, self._hostname, dumps, pids,
+                                                        ranks or {}, path))
+            self._rdzv.acknowledge_dump(job.dump_id)
+            return
+        why = f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
         dumps, path = self.watch.dump(pids, log_root, f"round{self.round}_requested", why)
         log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
         self._rdzv.acknowledge_dump(job.dump_id)

@@ -356,6 +356,15 @@ class RendezvousHandler(abc.ABC):
         may host the store the others read). No-op for backends without job state.
         """
 
+    def publish_node_record(self, kind: str, doc: dict) -> None:
+        """Publish a small JSON document of this node for ``elaunch status`` (best effort, never raises).
+
+        ``kind`` is ``"agent"`` (pid, ranks, budget, written when workers start) or
+        ``"stacks"`` (the answer to a status request for stacks). The document lives
+        beside the rendezvous state, never in it: no round changes. No-op for
+        backends without node keys (static, standalone).
+        """
+
     def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent of the job to dump its workers' Python stacks (``by``: the hung worker).
 

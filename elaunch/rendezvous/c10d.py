@@ -61,19 +61,32 @@ class C10dBackend(RendezvousBackend):
         store: a torch Store (TCPStore or FileStore).
         run_id: the job id; the state lives under ``elaunch/rdzv/{run_id}/state``.
         endpoint: the store's address, for error messages.
+        create: write the empty-state marker when the key is missing (agents); False
+            for a reader that must write nothing (``elaunch status``: it checks
+            :meth:`exists` first, as a get of a missing key blocks).
 
     Raises:
         RendezvousConnectionError: the store cannot be reached.
     """
 
-    def __init__(self, store: Any, run_id: str, endpoint: str) -> None:
+    def __init__(self, store: Any, run_id: str, endpoint: str, create: bool = True) -> None:
         self._store = store
         self._endpoint = endpoint
         self._prefix = f"elaunch/rdzv/{run_id}"
         self.key = f"{self._prefix}/state"
         self._forgotten = -1  # the newest round this node deleted the keys of
-        with _translated(endpoint, "initialising the state"):
-            store.compare_set(self.key, "", _EMPTY)
+        if create:
+            with _translated(endpoint, "initialising the state"):
+                store.compare_set(self.key, "", _EMPTY)
+
+    def exists(self) -> bool:
+        """True when the state key exists (an agent of this run id reached the store). Writes nothing.
+
+        Raises:
+            RendezvousConnectionError: the store cannot be reached.
+        """
+        with _translated(self._endpoint, "checking the state key"):
+            return bool(self._store.check([self.key]))
 
     @property
     def name(self) -> str:
@@ -163,6 +176,21 @@ class C10dBackend(RendezvousBackend):
             values = [bytes(v) for v in self._store.multi_get([self.key] + self._heartbeat_keys(nodes))]
         data = values[0]
         return (None if data == _EMPTY else data), data, _heartbeats(nodes, values[1:])
+
+    @property
+    def supports_node_keys(self) -> bool:
+        return True
+
+    def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
+        with _translated(self._endpoint, f"writing {kind}/{node_id}"):
+            self._store.set(f"{self._prefix}/{kind}/{node_id}", data)
+
+    def get_node_keys(self, kind: str, nodes: Sequence[str]) -> dict[str, bytes]:
+        keys = {n: f"{self._prefix}/{kind}/{n}" for n in nodes}
+        with _translated(self._endpoint, f"reading {kind} keys"):
+            present = [n for n in nodes if self._store.check([keys[n]])]  # a get of a missing key blocks
+            values = self._store.multi_get([keys[n] for n in present]) if present else []
+        return {n: bytes(v) for n, v in zip(present, values)}
 
     def _heartbeat_keys(self, nodes: Sequence[str]) -> list[str]:
         return [f"{self._prefix}/heartbeat/{n}" for n in nodes]

@@ -95,7 +95,8 @@ class JobState:
             the failure cannot be fixed by a restart); the rendezvous is then closed.
         dump_id: increases each time an agent asks every agent to dump its workers'
             stacks (a hang was found); 0 = never.
-        dump_by: who asked for the latest dump (the hung worker), or None.
+        dump_by: who asked for the latest dump (the hung worker), or None: no dump yet,
+            or a person asked (``elaunch status --stacks``; not a hang).
         blame: node ids of the root causes of the latest counted failures, oldest first.
         node: this handler's own node id (compare with ``blame`` and ``failure.node``).
         others: live members of this node's round besides itself.

@@ -127,3 +127,27 @@ def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
         alive.stop()
         dying.kv.close()
         kv.close()
+
+
+def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
+    assert backend.supports_node_keys
+    backend.set_state(b"state", None)
+    assert backend.get_node_keys("agent", ["n1", "n2"]) == {}  # none written: left out, no wait
+    backend.put_node_key("agent", "n1", b'{"round": 0}')
+    backend.put_node_key("agent", "n1", b'{"round": 1}')
+    backend.put_node_key("stacks", "n2", b"x" * 100_000)
+    assert backend.get_node_keys("agent", ["n1", "n2"]) == {"n1": b'{"round": 1}'}
+    assert backend.get_node_keys("stacks", ["n2"]) == {"n2": b"x" * 100_000}
+    assert backend.get_state()[0] == b"state"  # the state is untouched
+
+
+def test_c10d_reader_writes_nothing():
+    torch_dist = pytest.importorskip("torch.distributed")
+    from elaunch.rendezvous.c10d import C10dBackend
+
+    store = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    reader = C10dBackend(store, "never-started", f"127.0.0.1:{store.port}", create=False)
+    assert not reader.exists()
+    assert not store.check([reader.key])  # an agent's backend would have created it
+    C10dBackend(store, "never-started", f"127.0.0.1:{store.port}")
+    assert reader.exists()

@@ -154,11 +154,16 @@ def unacknowledged(state: RendezvousState, members: frozenset[str], me: str, dea
     return sorted(n for n in nodes if n in state.last_heartbeats or n in state.participants)
 
 
-def request_dump(state: RendezvousState, by: FailureRecord) -> RendezvousState:
-    """Return the state with a new request to every agent to dump its workers' stacks."""
+def request_dump(state: RendezvousState, by: FailureRecord | None) -> RendezvousState:
+    """Return the state with a new request to every agent to dump its workers' stacks.
+
+    Args:
+        by: the hung worker behind the request; None for a request of a person
+            (``elaunch status --stacks``): no hang, and agents stop nothing for it.
+    """
     s = state.copy()
     s.dump_id += 1
-    s.dump_by = by.to_dict()
+    s.dump_by = None if by is None else by.to_dict()
     s.dump_acks = []
     return s
 

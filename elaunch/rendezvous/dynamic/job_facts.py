@@ -4,7 +4,7 @@ A mixin of :class:`~elaunch.rendezvous.dynamic.handler.DynamicRendezvousHandler`
 kept apart so the handler's module holds the rounds and this one the job: the
 restart count, the failure verdict and its acknowledgements, and stack-dump
 requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
-``_members``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``,
+``_members``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
 ``_read()`` and ``_declared_failure`` (all set by the handler's ``__init__``).
 Stdlib only.
 """
@@ -12,6 +12,7 @@ Stdlib only.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Callable
@@ -140,6 +141,16 @@ class JobFacts:
         if left:
             log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
                         ", ".join(left), self._settings.close_timeout)
+
+    def publish_node_record(self, kind: str, doc: dict) -> None:
+        """Write ``doc`` (JSON) to this node's ``kind`` key beside the state; best effort (logged at DEBUG)."""
+        backend = self._backend
+        if not backend.supports_node_keys:
+            return
+        try:
+            backend.put_node_key(kind, self._node_id, json.dumps(doc, separators=(",", ":")).encode())
+        except (RendezvousError, TypeError, ValueError) as exc:
+            log.debug("node %s could not publish its %s record: %s", self._node_id, kind, exc)
 
     def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.

@@ -49,7 +49,8 @@ class RendezvousState:
         reported: node ids that reported that round's failure (each a sign of life).
         job_failed: True once an agent declared the job failed (``closed`` is then True too).
         dump_id: increases with each request to dump every worker's stacks (0: none).
-        dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None.
+        dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None
+            (no request, or one of ``elaunch status --stacks``: no hang).
         blame: node ids of the root causes of the latest counted failures, oldest first
             (at most ``job.BLAME_KEPT``).
         failure_acks: node ids that saw the job's failure and stopped; the node that

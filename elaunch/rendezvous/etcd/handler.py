@@ -59,6 +59,31 @@ class EtcdStateBackend(RendezvousBackend):
         """Block until the state changes after ``token`` or ``timeout`` seconds pass (a watch)."""
         self.kv.wait(self.key, token, timeout)
 
+    # per-node documents for `elaunch status`: ``{base}/{kind}/{node}`` beside the state key,
+    # written like it (TTL / lease of ``ttl`` seconds), never part of it
+
+    @property
+    def supports_node_keys(self) -> bool:
+        return True
+
+    def _node_key(self, kind: str, node_id: str) -> str:
+        return f"{self.key.rpartition('/')[0]}/{kind}/{node_id}"
+
+    def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
+        key = self._node_key(kind, node_id)
+        for _ in range(8):  # only this node writes its key: a lost race is a retry of a stale read
+            _old, token = self.kv.get(key)
+            if self.kv.cas(key, data, token) is not None:
+                return
+
+    def get_node_keys(self, kind: str, nodes) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for node in nodes:
+            data, _token = self.kv.get(self._node_key(kind, node))
+            if data is not None:
+                out[node] = data
+        return out
+
 
 class EtcdRoundStores(RoundStoreFactory):
     """Per round: worker rank 0 hosts the workers' store on a fresh port of the rank-0 node.

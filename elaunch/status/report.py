@@ -1,0 +1,199 @@
+"""The status report: pure functions from a read of the rendezvous to a JSON object and a table.
+
+:func:`build` turns a :class:`~elaunch.status.read.Snapshot` into the report
+(its schema is in ``docs/status.md``, version :data:`SCHEMA`); :func:`table`
+renders it for a person; :func:`group_stacks` folds the agents' stack answers
+into identical stacks with the ranks that share them. No I/O. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+#: Version of the ``--json`` object's layout.
+SCHEMA = 1
+#: Round states, as the report names them.
+WAITING, RUNNING, CLOSED, FAILED = "waiting", "running", "closed", "failed"
+
+
+def round_state(state: RendezvousState) -> str:
+    """``failed`` (the job was declared failed), ``closed`` (finished or closed), ``running`` (the round
+    completed and runs), or ``waiting`` (the round is forming)."""
+    if state.job_failed:
+        return FAILED
+    if state.closed:
+        return CLOSED
+    return RUNNING if state.complete else WAITING
+
+
+def agent_pid(node_id: str) -> int | None:
+    """The agent's pid in a dynamic node id ``{addr}_{pid}_{n}`` (None when it does not parse)."""
+    parts = node_id.rsplit("_", 2)
+    try:
+        return int(parts[1]) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def _ranks(state: RendezvousState, node: str, agent: Mapping | None) -> list[int]:
+    """The node's global ranks: from its agent record of this round, else from the group ranks
+    (contiguous per node in group-rank order, as ``agent.ranks.assign_ranks``)."""
+    if agent is not None and agent.get("round") == state.round and isinstance(agent.get("ranks"), list):
+        return [int(r) for r in agent["ranks"]]
+    if not state.complete:
+        return []
+    start = 0
+    for other, _rank in sorted(state.participants.items(), key=lambda kv: kv[1]):
+        size = int(state.node_infos.get(other, {}).get("local_world_size", 0))
+        if other == node:
+            return list(range(start, start + size))
+        start += size
+    return []
+
+
+def _age(state: RendezvousState, node: str, now: float) -> float | None:
+    beat = state.last_heartbeats.get(node)
+    return None if beat is None else max(0.0, now - beat)
+
+
+def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str, endpoint: str, run_id: str,
+          now: float, dead_after: float) -> dict:
+    """Return the report object (the ``--json`` output) of one read.
+
+    Args:
+        agents: node id -> ``agent`` record published by that node's agent.
+        now: when the state was read, seconds since the epoch.
+        dead_after: seconds without a heartbeat after which a node counts as dead.
+    """
+    nodes = []
+    for node, group_rank in sorted(state.participants.items(), key=lambda kv: (kv[1], kv[0])):
+        info = state.node_infos.get(node, {})
+        agent = agents.get(node)
+        age = _age(state, node, now)
+        nodes.append({
+            "node": node, "addr": info.get("addr"), "pid": agent_pid(node),
+            "role": info.get("role"), "local_world_size": info.get("local_world_size"),
+            "group_rank": group_rank if state.complete else None,
+            "ranks": _ranks(state, node, agent),
+            "joined_at": agent.get("joined_at") if agent and agent.get("round") == state.round else None,
+            "heartbeat_age": age, "dead": age is not None and age > dead_after,
+            "log_dir": agent.get("log_dir") if agent else None,
+        })
+    waiting = []
+    for node in sorted(state.wait_list | state.redundancy_list):
+        info = state.node_infos.get(node, {})
+        age = _age(state, node, now)
+        waiting.append({"node": node, "addr": info.get("addr"), "pid": agent_pid(node),
+                        "list": "wait" if node in state.wait_list else "redundant",
+                        "heartbeat_age": age, "dead": age is not None and age > dead_after})
+    budgets = sorted({int(a["max_restarts"]) for n, a in agents.items()
+                      if n in state.participants and isinstance(a.get("max_restarts"), int)})
+    return {
+        "schema": SCHEMA,
+        "backend": backend, "endpoint": endpoint, "run_id": run_id, "read_at": now,
+        "round": state.round, "state": round_state(state),
+        "last_call_deadline": state.deadline if not state.complete else None,
+        "nodes": nodes, "waiting": waiting,
+        "restarts": {"used": state.restarts, "max": min(budgets) if budgets else None, "budgets": budgets},
+        "failure": state.failure, "job_failed": state.job_failed,
+    }
+
+
+def _when(at: float | None) -> str:
+    return "-" if at is None else time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def _secs(age: float | None, dead: bool) -> str:
+    return "-" if age is None else f"{age:.1f} s" + (" DEAD" if dead else "")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def table(report: Mapping) -> str:
+    """Render the report for a terminal: a header, the nodes, the waiting nodes, restarts, the last failure."""
+    lines = [f"rendezvous {report['run_id']!r} ({report['backend']} at {report['endpoint']})",
+             f"round {report['round']}: {report['state']}"
+             + (f" (last call closes at {_when(report['last_call_deadline'])})"
+                if report["state"] == WAITING and report["last_call_deadline"] else "")]
+    nodes = report["nodes"]
+    if nodes:
+        rows = [[str(n["group_rank"]) if n["group_rank"] is not None else "-", n["addr"] or "-",
+                 str(n["pid"]) if n["pid"] is not None else "-", _ranks_text(n["ranks"]), _when(n["joined_at"]),
+                 _secs(n["heartbeat_age"], n["dead"])] for n in nodes]
+        lines += ["", *_rows(["NODE", "ADDRESS", "AGENT PID", "RANKS", "JOINED", "HEARTBEAT AGE"], rows)]
+    else:
+        lines += ["", "no nodes in this round"]
+    waiting = report["waiting"]
+    if waiting:
+        rows = [[w["addr"] or "-", str(w["pid"]) if w["pid"] is not None else "-",
+                 "waiting for the next round" if w["list"] == "wait" else "redundant (world at max nodes)",
+                 _secs(w["heartbeat_age"], w["dead"])] for w in waiting]
+        lines += ["", f"{len(waiting)} node(s) waiting to join:",
+                  *_rows(["ADDRESS", "AGENT PID", "", "HEARTBEAT AGE"], rows)]
+    else:
+        lines += ["", "nodes waiting to join: none"]
+    r = report["restarts"]
+    if r["max"] is None:
+        lines.append(f"restarts used: {r['used']} (budget unknown: no agent record read)")
+    else:
+        differ = f" (agents disagree: --max-restarts {', '.join(map(str, r['budgets']))})" if len(r["budgets"]) > 1 else ""
+        lines.append(f"restarts used: {r['used']} of {r['max']}{differ}")
+    f = report["failure"]
+    if f is None:
+        lines.append("last failure: none")
+    else:
+        how = f"exitcode {f.get('exitcode')}" + (" (hung)" if f.get("hung") else "")
+        lines.append(f"last failure: round {f.get('round')}, rank {f.get('rank')} on {f.get('host')} "
+                     f"(pid {f.get('pid')}), {how} at {_when(f.get('at'))}"
+                     + ("; the job failed" if report["job_failed"] else ""))
+        message = str(f.get("message") or "").strip()
+        if message:
+            lines += ["  " + line for line in message.splitlines()[-12:]]
+    return "\n".join(lines)
+
+
+def group_stacks(docs: Mapping[str, Mapping]) -> list[dict]:
+    """Group the workers' stacks of the agents' ``stacks`` records: identical ones (after
+    ``procs.stacks.normalise_stacks``) once, with the ranks that share them.
+
+    Returns:
+        ``[{"ranks": [global ranks, sorted], "text": normalised stacks}, ...]`` in the order of
+        each group's lowest rank.
+    """
+    from elaunch.procs.stacks import group_identical
+
+    texts: dict[int, str] = {}
+    for doc in docs.values():
+        for w in doc.get("workers", []):
+            text = w.get("text") or f"(no stacks: {w.get('reason') or w.get('method')})"
+            texts[int(w.get("rank", -1))] = text
+    groups = group_identical({rank: texts[rank] for rank in sorted(texts)})
+    return [{"ranks": sorted(ranks), "text": text} for text, ranks in groups]
+
+
+def stacks_text(groups: list[dict], missing: list[str]) -> str:
+    """Render grouped stacks: a header per group naming its ranks, then the stack once."""
+    lines = []
+    for g in groups:
+        ranks = g["ranks"]
+        lines += ["", f"=== {'rank' if len(ranks) == 1 else 'ranks'} {_ranks_text(ranks)} "
+                      f"({len(ranks)} worker{'s' if len(ranks) != 1 else ''}) ===", g["text"]]
+    if not groups:
+        lines += ["", "no stacks received"]
+    if missing:
+        lines += ["", f"no stacks from node(s) {', '.join(missing)}"]
+    return "\n".join(lines)
