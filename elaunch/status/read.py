@@ -115,8 +115,10 @@ def open_reader(backend: str, endpoint: str, run_id: str, conf: dict[str, str]) 
 
 
 def _c10d(params: RendezvousParameters, settings: RendezvousSettings, read_timeout: float) -> Reader:
-    # before torch loads: its C++ connect errors (with stack frames) would bury the one line we print
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    # before torch loads: its C++ connect errors (with stack frames) would bury the one line we print;
+    # set, not defaulted: an environment inherited from a process that imported elaunch's c10d
+    # backend already says ERROR
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     from elaunch.rendezvous.c10d import DEFAULT_PORT, C10dBackend
     from elaunch.rendezvous.c10d_store import BoundedStore
     from elaunch.rendezvous.endpoint import parse_endpoint
