@@ -128,10 +128,10 @@ def run(a: argparse.Namespace) -> dict:
             tmp = str(a.work_dir.resolve())
         cfg = scenarios.BenchConfig(
             quick=a.quick, repeat=a.repeat, tmp=Path(tmp), warm_start=warm,
-            scale_timeout=20.0 if a.quick else 30.0,
+            scale_timeout=12.0 if a.quick else 30.0,
             overhead_seconds=2.0 if a.quick else 15.0,
             rdzv_sizes=a.rdzv_sizes, rdzv_timeout=30.0,
-            failure_bound=8.0 if a.quick else 20.0,
+            failure_bound=5.0 if a.quick else 20.0,
         )
         recs = []
         for name in a.only:
