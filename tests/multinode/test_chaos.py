@@ -25,6 +25,7 @@ worker failure, not named as a lost node: the node-loss work of the speed issue)
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -312,3 +313,23 @@ def test_no_raw_grpc_error_reaches_the_user(chaos):
         pytest.skip("gRPC is etcd-v3's transport")
     for name, a in chaos.agents.items():
         assert "_InactiveRpcError" not in a.stderr and "_MultiThreadedRendezvous" not in a.stderr, a.describe()
+
+
+def test_the_run_draws_as_one_timeline_with_every_fault(chaos):
+    # the agents' event logs (one per --log-dir) drawn as one picture: a lane per agent,
+    # and the faults as marks (restarts, membership changes, the hang, the notice)
+    import xml.etree.ElementTree as ET
+
+    from elaunch.timeline import main as timeline
+
+    logs = sorted(str(p) for p in (chaos.tmp / "logs").iterdir())
+    out = chaos.tmp / "timeline.svg"
+    assert timeline([*logs, "-o", str(out)]) == 0
+    svg = out.read_text()
+    ET.fromstring(svg)  # well-formed
+    for name in ("a1", "a2", "a3"):
+        events = list((chaos.tmp / "logs" / name).rglob("events.jsonl"))
+        assert events, name
+    kinds = {json.loads(line)["kind"] for p in (chaos.tmp / "logs").rglob("events.jsonl")
+             for line in p.read_text().splitlines()}
+    assert {"restart", "membership_change", "hang", "notice"} <= kinds, kinds
