@@ -14,7 +14,6 @@ here: ``--nproc-per-node gpu|xpu|auto`` imports it lazily in ``elaunch.config``.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -151,13 +150,9 @@ class ElaunchCommand(click.Command):
         subcommand = pick(argv)
         status = run_argv(argv) if subcommand is None else subcommand(argv[1:])
         if args is None and "torch" in sys.modules:
-            logging.shutdown()
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(status)
+            from elaunch.log import fast_exit
+
+            fast_exit(status)
         sys.exit(status)
 
 

@@ -110,14 +110,6 @@ def _line(message: str, status: int) -> int:
 
 def run() -> None:
     """``python -m elaunch.status``: run and exit (skipping torch's teardown, as the main command)."""
-    import logging
-    import os
+    from elaunch.log import fast_exit
 
-    status = main(sys.argv[1:])
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
+    fast_exit(main(sys.argv[1:]))
