@@ -451,7 +451,9 @@ class ElasticAgent:
     def _failed_elsewhere(self, job) -> bool:
         """True when another node reported a failure of this node's running round (``job``: a ``JobState``)."""
         f = job.failure
-        return f is not None and f.round == self._group.round and f.node != job.node
+        # a hung rank that only waited on a peer (blocked) yields to a better root cause: leave this
+        # node's own hang watch the time to report the rank the others wait behind
+        return f is not None and f.round == self._group.round and f.node != job.node and not f.blocked
 
     def _recorded_an_error(self, local_ranks: list[int]) -> bool:
         """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
