@@ -233,17 +233,7 @@ class ElasticAgent:
             attempt += 1
             verdict = self._monitor()
             if verdict is Verdict.SUCCEEDED:
-                # HEALTHY -> SUCCEEDED: every worker exited 0
-                self._launcher.no_more_attempts()
-                group.state = WorkerState.SUCCEEDED
-                self._stop_workers(signal.SIGKILL, grace=0.0)
-                result = RunResult(WorkerState.SUCCEEDED, restarts=restarts,
-                                   global_ranks={w.local_rank: w.global_rank for w in group.workers})
-                self._events.job_end(result)
-                self._events.close()  # a temporary log directory goes now, events.jsonl with it
-                self._launcher.remove_log_dir_if_temporary()
-                self._rdzv.exit_barrier(self._exit_barrier_timeout)
-                return result
+                return self._succeeded(group, restarts)
             # which workers failed is fixed now; their error files are read once the rest
             # are stopped, so a restart does not wait for that
             exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
@@ -295,6 +285,19 @@ class ElasticAgent:
                 self._announce_restart(*announce)
                 announce = None
             sat_out = self._job.sit_out_if_blamed()
+
+    def _succeeded(self, group: WorkerGroup, restarts: int) -> RunResult:
+        """HEALTHY -> SUCCEEDED: every worker exited 0; end the run and wait at the exit barrier."""
+        self._launcher.no_more_attempts()
+        group.state = WorkerState.SUCCEEDED
+        self._stop_workers(signal.SIGKILL, grace=0.0)
+        result = RunResult(WorkerState.SUCCEEDED, restarts=restarts,
+                           global_ranks={w.local_rank: w.global_rank for w in group.workers})
+        self._events.job_end(result)
+        self._events.close()  # a temporary log directory goes now, events.jsonl with it
+        self._launcher.remove_log_dir_if_temporary()
+        self._rdzv.exit_barrier(self._exit_barrier_timeout)
+        return result
 
     def _reform_event(self, restarts: int) -> None:
         """The ``restart`` event of a re-form: the job's restart when the round failed on another node."""
