@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -57,6 +58,32 @@ def start(which: str, *args: str, env: dict | None = None, **kw) -> subprocess.P
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     return subprocess.Popen(launcher_cmd(which, *args), text=True, env=env or launcher_env(), **kw)
+
+
+def start_agent(backend: str, endpoint: str, *script_args: str, rdzv_id: str = "job", nnodes: str | int = 2,
+                conf: str = "last_call_timeout=1,join_timeout=60", nproc_per_node: int = 1,
+                monitor_interval: float = 0.1, extra: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
+    """Start one ``elaunch`` agent of a multi-agent job on loopback (``--local-addr=127.0.0.1``)."""
+    return start("elaunch", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", f"--rdzv-backend={backend}",
+                 f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
+                 "--local-addr=127.0.0.1", f"--monitor-interval={monitor_interval}", *extra, *script_args, env=env)
+
+
+def finish_agents(agents: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, float]]:
+    """Wait for every agent (``timeout``: a deadline per agent, not a speed check); kill whatever is left.
+
+    Returns:
+        ``(returncode, stderr, time.monotonic() when it was seen exited)`` per agent, in order.
+    """
+    results = []
+    try:
+        for a in agents:
+            _out, err = a.communicate(timeout=timeout)
+            results.append((a.returncode, err, time.monotonic()))
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    return results
 
 
 def kill_tree(pid: int) -> None:

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, kill_tree, launcher_cmd, launcher_env, start
+from tests.helpers import SCRIPTS, finish_agents, launcher_cmd, launcher_env, start_agent
 
 WORKER = SCRIPTS / "status_worker.py"
 
@@ -16,10 +16,8 @@ def start_job(backend: str, endpoint: str, rdzv_id: str, out: Path, conf: str, *
               max_restarts: int = 0) -> list[subprocess.Popen]:
     """Start two agents of one job (one worker each) running ``status_worker.py``."""
     extra = ["--fail-first"] if fail_first else []
-    return [start("elaunch", "--nnodes=2", "--nproc-per-node=1", f"--rdzv-backend={backend}",
-                  f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
-                  f"--max-restarts={max_restarts}", "--local-addr=127.0.0.1", "--monitor-interval=0.1",
-                  str(WORKER), str(out), *extra) for _ in range(2)]
+    return [start_agent(backend, endpoint, str(WORKER), str(out), *extra, rdzv_id=rdzv_id, conf=conf,
+                        extra=(f"--max-restarts={max_restarts}",)) for _ in range(2)]
 
 
 def worker_pids(out: Path, restart: int) -> dict[int, int]:
@@ -35,15 +33,7 @@ def wait_started(out: Path, restart: int, timeout: float = 90) -> dict[int, int]
 def finish(agents: list[subprocess.Popen], out: Path, timeout: float = 90) -> list[tuple[int, str]]:
     """Let the workers exit (the go file) and wait for both agents; kill whatever is left."""
     (out / "go").touch()
-    results = []
-    try:
-        for a in agents:
-            _out, err = a.communicate(timeout=timeout)
-            results.append((a.returncode, err))
-    finally:
-        for a in agents:
-            kill_tree(a.pid)
-    return results
+    return [(code, err) for code, err, _ in finish_agents(agents, timeout)]
 
 
 def status(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, alive, kill_tree, load_envs, start
+from tests.helpers import SCRIPTS, alive, finish_agents, kill_tree, load_envs, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -18,21 +18,9 @@ CONF = "last_call_timeout=1,join_timeout=60,read_timeout=20,keep_alive_interval=
 
 
 def _agent(backend, endpoints, script_args, *extra, rdzv_id="job", nnodes="2", conf=CONF):
-    return start("elaunch", f"--nnodes={nnodes}", "--nproc-per-node=1", f"--rdzv-backend={backend}",
-                 f"--rdzv-endpoint={endpoints}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
-                 "--local-addr=127.0.0.1", "--monitor-interval=0.1", *extra, *script_args)
+    return start_agent(backend, endpoints, *script_args, rdzv_id=rdzv_id, nnodes=nnodes, conf=conf, extra=extra)
 
 
-def _finish(agents, timeout=120):
-    results = []
-    try:
-        for a in agents:
-            _out, err = a.communicate(timeout=timeout)
-            results.append((a.returncode, err))
-    finally:
-        for a in agents:
-            kill_tree(a.pid)
-    return results
 
 
 @pytest.mark.parametrize("backend", ["etcd-v3", "etcd"])
@@ -41,7 +29,7 @@ def test_two_agents_run_gloo_workers(backend, etcd_v2, etcd_v3, tmp_path):
     ep = (etcd_v3 if backend == "etcd-v3" else etcd_v2).endpoints
     agents = [_agent(backend, ep, [str(SCRIPTS / "gloo_loop.py"), str(tmp_path), "1"], rdzv_id=f"gloo-{backend}")
               for _ in range(2)]
-    for code, err in _finish(agents):
+    for code, err, _ in finish_agents(agents):
         assert code == 0, err
     assert (tmp_path / "progress_2").read_text().split()[1] == "2"  # worker rank 0 hosted the store
 
@@ -60,7 +48,7 @@ def test_leader_killed_mid_job_causes_no_restart(etcd_cluster3, tmp_path):
         time.sleep(3)  # several keep-alive intervals (1 s) pass against the new leader
         assert all(alive(p) for p in _pids(tmp_path, 0))
         (tmp_path / "go_0").touch()
-        for code, err in _finish(agents):
+        for code, err, _ in finish_agents(agents):
             assert code == 0, err
     finally:
         for a in agents:
@@ -88,7 +76,7 @@ def test_etcd_restarted_mid_job_workers_survive_and_next_round_forms(backend, et
                 kill_tree(a.pid)
             raise AssertionError("\n---\n".join(a.communicate()[1][-3000:] for a in agents)) from None
         (tmp_path / "go_1").touch()
-        for code, err in _finish(agents):
+        for code, err, _ in finish_agents(agents):
             assert code == 0, err
     finally:
         for a in agents:

@@ -5,45 +5,23 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, free_port, kill_tree, launcher_env, load_envs, port_open, start
+from tests.helpers import SCRIPTS, finish_agents, free_port, kill_tree, launcher_env, load_envs, port_open, start, start_agent
 
 pytestmark = pytest.mark.slow
 
 
 def _agent(port, nnodes, script_args, *extra, rdzv_id="job", conf="last_call_timeout=1,join_timeout=60",
            monitor_interval=0.1, env=None):
-    return start(
-        "elaunch",
-        f"--nnodes={nnodes}",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={rdzv_id}",
-        f"--rdzv-conf={conf}",
-        "--local-addr=127.0.0.1",
-        f"--monitor-interval={monitor_interval}",
-        *extra,
-        *script_args,
-        env=env,
-    )
+    return start_agent("c10d", f"127.0.0.1:{port}", *script_args, rdzv_id=rdzv_id, nnodes=nnodes, conf=conf,
+                       monitor_interval=monitor_interval, extra=extra, env=env)
 
 
-def _finish(agents, timeout=120):
-    results = []
-    try:
-        for a in agents:
-            out, err = a.communicate(timeout=timeout)
-            results.append((a.returncode, err))
-    finally:
-        for a in agents:
-            kill_tree(a.pid)
-    return results
 
 
 def test_two_agents_form_a_world_of_two(tmp_path):
     port = free_port()
     agents = [_agent(port, 2, [str(SCRIPTS / "env_dump.py"), str(tmp_path)]) for _ in range(2)]
-    for code, err in _finish(agents):
+    for code, err, _ in finish_agents(agents):
         assert code == 0, err
     envs = load_envs(tmp_path)
     assert sorted(envs) == ["env_0_0", "env_1_0"]
@@ -63,11 +41,11 @@ def test_jobs_with_different_ids_never_merge(tmp_path):
     wait_for(lambda: port_open(port), 60, what="store host listening")
     other = _agent(port, 1, [str(SCRIPTS / "env_dump.py"), str(b)], rdzv_id="job-b")
     try:
-        results = _finish([other])
+        results = finish_agents([other])
     finally:
         release.touch()
-    results += _finish([host])
-    for code, err in results:
+    results += finish_agents([host])
+    for code, err, _ in results:
         assert code == 0, err
     for d in (a, b):
         envs = load_envs(d)
@@ -88,8 +66,8 @@ def test_scale_up_a_node_joins_a_running_job(tmp_path):
         wait_for(lambda: (tmp_path / "progress_2").exists(), 90, what="world of 2 running")
     finally:
         (tmp_path / "stop").touch()
-        results = _finish([a for a in (first, second) if a])
-    assert [code for code, _ in results] == [0, 0], results
+        results = finish_agents([a for a in (first, second) if a])
+    assert [code for code, _, _ in results] == [0, 0], results
 
 
 def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
@@ -109,9 +87,9 @@ def test_workers_killed_by_a_scale_up_elsewhere_are_not_a_failure(tmp_path):
         wait_for(lambda: (tmp_path / "progress_3").exists(), 90, what="world of 3 running")
     finally:
         (tmp_path / "stop").touch()
-        results = _finish([a for a in (fast, slow, late) if a])
+        results = finish_agents([a for a in (fast, slow, late) if a])
     # each agent's own exit status and the end of its log (INFO), so a failure says who and why
-    for name, (code, err) in zip(("fast (store host)", "slow", "late"), results):
+    for name, (code, err, _) in zip(("fast (store host)", "slow", "late"), results):
         assert code == 0, f"agent {name} exited {code}; its stderr ends:\n{err[-6000:]}"
     assert "new node(s) joined" in results[1][1], results[1][1]
     assert "worker group failed" not in results[1][1]
@@ -131,7 +109,7 @@ def test_scale_down_a_node_dies_and_the_rest_continue(tmp_path):
         wait_for(lambda: (tmp_path / "progress_1").exists(), 90, what="world of 1 running again")
     finally:
         (tmp_path / "stop").touch()
-        results = _finish([host, other])
+        results = finish_agents([host, other])
     assert results[0][0] == 0, results[0][1]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -18,7 +17,7 @@ import pytest
 
 from tests.conftest import FIXTURE_PIDS, wait_for
 from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
-from tests.helpers import SCRIPTS, free_port, kill_tree, launcher_env, port_open, start
+from tests.helpers import SCRIPTS, finish_agents, free_port, kill_tree, launcher_env, port_open, start, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -42,23 +41,12 @@ def _agents(endpoint, schedule: dict, out: Path, *extra: str, rdzv_id: str, n: i
     backend, ep = endpoint
     conf = CONF if backend == "c10d" else CONF + ",read_timeout=20"
     return [
-        start("elaunch", f"--nnodes={n}", "--nproc-per-node=2", f"--rdzv-backend={backend}",
-              f"--rdzv-endpoint={ep}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}", "--local-addr=127.0.0.1",
-              "--monitor-interval=0.1", *extra, FAULT, json.dumps(schedule), str(out))
+        start_agent(backend, ep, FAULT, json.dumps(schedule), str(out), rdzv_id=rdzv_id, nnodes=n, conf=conf,
+                    nproc_per_node=2, extra=extra)
         for _ in range(n)
     ]
 
 
-def _finish(agents, timeout=90):
-    results = []
-    try:
-        for a in agents:
-            _out, err = a.communicate(timeout=timeout)
-            results.append((a.returncode, err, time.monotonic()))
-    finally:
-        for a in agents:
-            kill_tree(a.pid)
-    return results
 
 
 def _starts(out: Path) -> list[tuple[int, int]]:
@@ -70,7 +58,7 @@ def _starts(out: Path) -> list[tuple[int, int]]:
 def test_a_spent_budget_on_one_node_stops_every_node_with_the_same_root_cause(endpoint, tmp_path):
     # global rank 3 exits 1; every other rank blocks, as NCCL ranks do when a peer is gone
     agents = _agents(endpoint, {"*:3": 7, "*:*": "hang"}, tmp_path, rdzv_id=f"fail-{endpoint[0]}")
-    results = _finish(agents)
+    results = finish_agents(agents)
     assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
     for _code, err, _ in results:
         root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
@@ -89,7 +77,7 @@ def test_the_restart_count_is_the_jobs_the_same_on_every_node(endpoint, tmp_path
     # restart 0: rank 3 fails, the others block; restart 1: everyone exits 0
     agents = _agents(endpoint, {"0:3": 1, "0:*": "hang"}, tmp_path, "--max-restarts=1",
                      rdzv_id=f"count-{endpoint[0]}")
-    results = _finish(agents)
+    results = finish_agents(agents)
     assert [code for code, _, _ in results] == [0, 0], [err[-3000:] for _, err, _ in results]
     starts = _starts(tmp_path)
     # every worker of the second round saw TORCHELASTIC_RESTART_COUNT=1, on both nodes
@@ -103,7 +91,7 @@ def test_max_restarts_is_a_budget_for_the_whole_job(endpoint, tmp_path):
     # one failure on each node, in two rounds: a per-node budget of 1 would allow both
     agents = _agents(endpoint, {"0:3": 1, "1:0": 1, "*:*": "hang"}, tmp_path, "--max-restarts=1",
                      rdzv_id="budget")
-    results = _finish(agents)
+    results = finish_agents(agents)
     assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
     assert {r for r, _ in _starts(tmp_path)} == {0, 1}  # no third round
     for _code, err, _ in results:
@@ -124,7 +112,7 @@ def test_a_hung_rank_is_found_its_stacks_dumped_on_every_node_and_the_job_stoppe
               json.dumps({"*:3": "hang-progress", "*:*": "hang"}), str(tmp_path))
         for log in logs
     ]
-    results = _finish(agents)
+    results = finish_agents(agents)
     assert [code for code, _, _ in results] == [1, 1], [err[-3000:] for _, err, _ in results]
     for _code, err, _ in results:
         root = err.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:", 1)[0]
@@ -271,7 +259,7 @@ def test_a_node_that_causes_failures_in_a_row_sits_out_and_the_others_go_on(endp
         except BaseException:
             kill_tree(bad.pid)
             raise
-    results = _finish([agent(), agent(), bad])
+    results = finish_agents([agent(), agent(), bad])
     (bad_code, bad_err, _), good = results[2], results[:2]
     assert [code for code, _, _ in good] == [0, 0], [err[-3000:] for _, err, _ in good]
     assert "sitting out the next rounds for 4 s" in bad_err, bad_err[-3000:]
