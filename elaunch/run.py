@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -294,64 +293,6 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     run_path([training_script, *training_script_args])
 
 
-def _torch_failure(failure: Any) -> Any:
-    """Build torch's ``ProcessFailure`` from elaunch's (same rank, pid, exit code, error file)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    out = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
-                         error_file=failure.error_file or "")
-    if os.path.isfile(out.error_file):
-        return out  # torch read it: message, traceback and timestamp are the error's
-    data = failure.error_data
-    if isinstance(data, dict):  # the file is gone (a temporary log dir); elaunch kept its data
-        out.error_file_data = data
-        message = data.get("message")
-        if isinstance(message, dict):
-            message = message.get("message")
-        if message:
-            out.message = str(message)
-    out.timestamp = int(failure.timestamp)
-    return out
-
-
-def _child_failed_error(name: str, result: Any) -> Exception:
-    """Return torch's ``ChildFailedError`` (a subclass) for a failed RunResult.
-
-    ``failures`` holds torch ``ProcessFailure`` objects keyed by global rank;
-    ``get_first_failure()`` returns elaunch's root cause (the rendezvous' job-wide
-    one when known, not only the earliest local timestamp) and ``format_msg()``
-    elaunch's failure summary, the table the ``elaunch`` command prints.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError as TorchChildFailedError
-
-    from elaunch.errors import format_failure_summary
-
-    class ChildFailedError(TorchChildFailedError):
-        def __init__(self) -> None:
-            self.elaunch_failures = dict(result.failures)
-            self.root_rank = result.root_rank
-            super().__init__(name, {rank: _torch_failure(f) for rank, f in result.failures.items()})
-
-        def get_first_failure(self):
-            if self.root_rank in self.failures:
-                return self.root_rank, self.failures[self.root_rank]
-            return super().get_first_failure()
-
-        def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
-            return format_failure_summary(self.elaunch_failures, title=f"{self.name} FAILED", first=self.root_rank)
-
-    ChildFailedError.__module__ = __name__
-    return ChildFailedError()
-
-
-def _torch_signal_exception(exc: Any) -> Exception:
-    """Return torch's ``SignalException`` for elaunch's (``sigval`` a ``signal.Signals``, as torch's)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    sig = signal.Signals(exc.sigval)
-    return SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
-
-
 def run(args: Any) -> None:
     """Run the job ``args`` describes on this node; return when it succeeded.
 
@@ -371,15 +312,16 @@ def run(args: Any) -> None:
         elaunch.rendezvous.api.RendezvousError: the rendezvous failed.
     """
     from elaunch.agent import SignalException as ElaunchSignalException
+    from elaunch.errors.as_torch import child_failed_error, signal_exception
     from elaunch.launch import entrypoint_name, run_job
 
     config, _, _ = config_from_args(args)
     try:
         result = run_job(config)
     except ElaunchSignalException as exc:
-        raise _torch_signal_exception(exc) from exc
+        raise signal_exception(exc) from exc
     if result is not None and result.is_failed():
-        raise _child_failed_error(entrypoint_name(config.cmd), result)
+        raise child_failed_error(entrypoint_name(config.cmd), result)
 
 
 def main(args: Sequence[str] | None = None) -> None:
@@ -396,21 +338,10 @@ def main(args: Sequence[str] | None = None) -> None:
         run(parse_args(args))
     except Exception as exc:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            _record(exc)
+            from elaunch.errors.as_torch import record_in_error_file
+
+            record_in_error_file(exc)
         raise
-
-
-def _record(exc: Exception) -> None:
-    from elaunch.errors import ErrorHandler
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    handler = ErrorHandler()
-    if not isinstance(exc, ChildFailedError):
-        handler.record_exception(exc)
-        return
-    _, failure = exc.get_first_failure()
-    if failure.error_file and os.path.isfile(failure.error_file):
-        handler.dump_error_file(failure.error_file, failure.exitcode)
 
 
 if __name__ == "__main__":

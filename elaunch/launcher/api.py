@@ -341,7 +341,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
     from elaunch.launch import run_job
     from elaunch.log import setup_logging
     from elaunch.procs import _fn_worker
-    from elaunch.run import _child_failed_error, _torch_signal_exception
+    from elaunch.errors.as_torch import child_failed_error, signal_exception
 
     setup_logging(os.environ)
     if not (callable(entrypoint) or isinstance(entrypoint, str)):
@@ -369,11 +369,11 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
         try:
             result = run_job(run_config, fork_target=fork_target)
         except SignalException as exc:
-            raise _torch_signal_exception(exc) from exc
+            raise signal_exception(exc) from exc
         if result is None:
             return {}
         if result.is_failed():
-            raise _child_failed_error(name, result)
+            raise child_failed_error(name, result)
         if isinstance(entrypoint, str):
             return dict.fromkeys(sorted(result.global_ranks.values()))
         return {rank: _read_result(_fn_worker.result_path(results, lr), rank)

@@ -19,6 +19,7 @@ torch_run = pytest.importorskip("torch.distributed.run")
 import elaunch.run as elaunch_run  # noqa: E402
 from elaunch.cli import main as command  # noqa: E402
 from elaunch.spec import ProcessFailure, RunResult, WorkerState  # noqa: E402
+from elaunch.errors.as_torch import child_failed_error  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -306,7 +307,7 @@ def test_child_failed_error_is_torchs_with_elaunchs_root_cause(tmp_path):
         1: ProcessFailure(local_rank=1, global_rank=1, pid=102, exitcode=3, timestamp=1001.0, hostname="h"),
     }
     result = RunResult(state=WorkerState.FAILED, failures=failures, root_rank=1)
-    exc = elaunch_run._child_failed_error("train.py", result)
+    exc = child_failed_error("train.py", result)
     assert isinstance(exc, ChildFailedError)
     rank, first = exc.get_first_failure()
     assert (rank, first.exitcode, first.pid, first.local_rank) == (1, 3, 102, 1)
