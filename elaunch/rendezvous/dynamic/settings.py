@@ -110,12 +110,15 @@ class RendezvousSettings:
 
     @property
     def heartbeat_interval(self) -> float:
-        """Seconds between a running member's heartbeats: ``member_lost_after / 8``, at most ``keep_alive_interval``.
+        """Seconds between a running member's heartbeats: ``lost_after / 8``, at most ``keep_alive_interval``.
 
         With the defaults 0.375 s: a member frozen for F seconds lags at most
         F + 0.375 s, so a 2 s freeze stays 0.6 s clear of ``lost_after`` (3 s).
+        Under torch's rule (``lost_after`` None) torch's ``keep_alive_interval``.
         """
-        return min(self.keep_alive_interval, self.member_lost_after / HEARTBEATS_PER_LOST_AFTER)
+        if self.lost_after is None:
+            return self.keep_alive_interval
+        return min(self.keep_alive_interval, self.lost_after / HEARTBEATS_PER_LOST_AFTER)
 
     @property
     def fresh_for(self) -> float:
