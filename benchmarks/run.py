@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import failures, rdzv_scale, report, scenarios
+from benchmarks import failures, link_cut, rdzv_scale, report, scenarios
 from benchmarks.common import REPO, log_line
 
-SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "rdzv_scale", "overhead",
+SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
              "job_abort", "job_abort_etcd", "hang", "exit_abort")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
 #: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
@@ -150,6 +150,10 @@ def run(a: argparse.Namespace) -> dict:
                 recs.append(scenarios.bench_scale_up(cfg))
             elif name == "scale_down":
                 recs.append(scenarios.bench_scale_down(cfg))
+            elif name == "link_cut":
+                cut_recs, cut_notes = link_cut.bench_link_cut(cfg)
+                recs += cut_recs
+                notes += cut_notes
             elif name == "rdzv_scale":
                 rec = rdzv_scale.bench_rdzv_scale(cfg.rdzv_sizes, cfg.rdzv_timeout)
                 for note in rdzv_scale.bench_rdzv_scale_etcd(rec, cfg.rdzv_sizes, cfg.rdzv_timeout):

@@ -437,3 +437,18 @@ def test_intent_log_round_trip_skips_malformed_lines():
     assert JoinIntent.parse_log(log) == good
     assert JoinIntent.parse_log(b"".join(i.to_bytes() for i in good)) == good
     assert JoinIntent.parse_log(None) == [] and JoinIntent.parse_log(b"") == []
+
+
+def test_a_running_member_is_dead_after_lost_after_a_joiner_after_torchs_rule():
+    s = RendezvousSettings("job", 1, 3, lost_after=3.0)  # dead_after stays 5 x 3 = 15 s
+    running = RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1},
+                              last_heartbeats={"a": 100.0, "b": 96.5, "w": 90.0}, wait_list={"w"})
+    # b, a member of the complete round, went 3.5 s without a beat; w waits and is judged by 15 s
+    assert ops.dead_nodes(running, s, 100.0) == ["b"]
+    assert ops.lost_members(running, 2, frozenset({"a", "b"}), "a", s) == 1
+    frozen_2s = RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1},
+                                last_heartbeats={"a": 100.0, "b": 97.625})  # a 2 s freeze + one 0.375 s interval
+    assert ops.dead_nodes(frozen_2s, s, 100.0) == [] and ops.lost_members(frozen_2s, 2, frozenset({"a", "b"}), "a", s) == 0
+    forming = RendezvousState(round=2, complete=False, participants={"a": -1, "b": -1},
+                              last_heartbeats={"a": 100.0, "b": 90.0})
+    assert ops.dead_nodes(forming, s, 100.0) == []  # a joining participant: torch's 15 s

@@ -156,7 +156,7 @@ class BatchedJoin:
         """
         assert self.round is not None
         read = read_state_and_intents(self._backend, self.round, known,
-                                      self._clock() - self._settings.keep_alive_interval)
+                                      self._clock() - self._settings.fresh_for)
         self.intents, self.position = read.intents, read.position
         return read.state, read.token
 

@@ -125,7 +125,7 @@ class OpExecutor:
             RendezvousStateError: the stored state is corrupt.
         """
         self._state, self._token = read_state(self._backend, self._state,
-                                              self._clock() - self._settings.keep_alive_interval)
+                                              self._clock() - self._settings.fresh_for)
         return self._state
 
     # -- operations ---------------------------------------------------------------------

@@ -248,7 +248,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             return self._cached[1]
         self._state_written = False  # before the read: a write during it makes the next check read again
         state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state,
-                                   self._clock() - self._settings.keep_alive_interval)
+                                   self._clock() - self._settings.fresh_for)
         self._cached = (now, state)
         if self._heartbeat_thread is not None and ops.should_answer_probe(state, self._node_id):
             self._beat_now.set()  # answer at once, not at the keep-alive thread's next tick
@@ -410,20 +410,24 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._heartbeat_stop = self._heartbeat_thread = None
 
     def _beat_keys(self, stop: threading.Event, tick: float) -> None:
-        """Heart-beat into this node's own key every ``tick`` s (``probe_timeout / 4``).
+        """Heart-beat into this node's own key now, then every ``tick`` s.
 
-        Such a write is cheap and uncontended, so it is simply frequent enough to
-        answer any probe in time, and no state is read for it; a probe the
-        monitor's read saw is answered at once (``_beat_now``). Dead nodes are
-        pruned by joining nodes (``decide_join``), as in torch.
+        Such a write is uncontended and no state is read for it, so it is simply
+        frequent enough to keep this running member clear of ``lost_after`` and to
+        answer any probe in time; a probe the monitor's read saw is answered at once
+        (``_beat_now``). After a freeze (SIGSTOP, a stalled VM) the overdue wait
+        returns at once, so the first thing a thawed agent does is beat. Dead nodes
+        are pruned by joining nodes (``decide_join``), as in torch.
         """
-        while not self._wait_tick(stop, tick):
+        while True:
             try:
                 self._backend.put_heartbeat(self._node_id, self._clock())
             except RendezvousError as exc:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
                 log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
+            if self._wait_tick(stop, tick):
+                return
 
     def _wait_tick(self, stop: threading.Event, seconds: float) -> bool:
         """Sleep ``seconds`` or until woken (a probe to answer, or ``stop``); True when stopped."""
@@ -432,25 +436,29 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         return stop.is_set()
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
-        """Heart-beat every ``keep_alive_interval`` s, and at once when a waiting node probes.
+        """Heart-beat every ``heartbeat_interval`` s (0.375 s by default), and at once when a waiting node probes.
 
-        Probes are looked for every ``probe_timeout / 4`` s in the (shared, cached) state
-        read, so an agent busy stopping its workers still proves it is alive; a probe
-        the monitor's read saw first is answered at once (``_beat_now``).
+        With per-node heartbeat keys (c10d, etcd-v3) each beat is one write of this
+        node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
+        Otherwise (etcd-v2) a beat rewrites the shared state: probes are looked for
+        every ``probe_timeout / 4`` s in the (shared, cached) state read, so an agent
+        busy stopping its workers still proves it is alive; a probe the monitor's
+        read saw first is answered at once (``_beat_now``).
         """
         s = self._settings
-        tick = min(s.keep_alive_interval, s.probe_timeout / 4)
-        if self._backend.supports_heartbeat_keys and self._backend.cheap_heartbeats:
-            self._beat_keys(stop, tick)
+        interval = s.heartbeat_interval
+        tick = min(interval, s.probe_timeout / 4)
+        if self._backend.supports_heartbeat_keys:
+            self._beat_keys(stop, tick if self._backend.cheap_heartbeats else interval)
             return
         # the first beat at a random point of the interval: the nodes of a round all start
         # together, and a thousand beats at once would contend for the one state key
-        next_beat = time.monotonic() + s.keep_alive_interval * random.uniform(0.1, 1.0)
+        next_beat = time.monotonic() + interval * random.uniform(0.1, 1.0)
         while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
             try:
                 if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
                     continue
-                next_beat = time.monotonic() + s.keep_alive_interval
+                next_beat = time.monotonic() + interval
                 with self._lock:
                     if stop.is_set():
                         return

@@ -98,11 +98,16 @@ def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float,
     Dead: the last heartbeat is older than ``settings.dead_after`` seconds (torch's
     rule), or older than a probe (``state.probe_at``) that is more than
     ``settings.probe_timeout`` seconds old: every live agent answers a probe at once.
+    A participant of a complete round (its agent runs a keep-alive thread, beating
+    every ``settings.heartbeat_interval`` s) is dead after ``settings.member_lost_after``
+    seconds already (``lost_after``, 3 s by default), as :func:`lost_members` judges it.
     """
     expire = now - settings.dead_after
     if state.probe_at is not None and now > state.probe_at + settings.probe_timeout:
         expire = max(expire, state.probe_at)
-    return sorted(n for n, t in state.last_heartbeats.items() if t < expire and n != exclude)
+    member_expire = max(expire, now - settings.member_lost_after) if state.complete else expire
+    return sorted(n for n, t in state.last_heartbeats.items()
+                  if n != exclude and t < (member_expire if n in state.participants else expire))
 
 
 def num_live_waiting(state: RendezvousState, settings: RendezvousSettings, now: float) -> int:
@@ -116,7 +121,10 @@ def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float, fract
     if last is None:
         return False
     probed = state.probe_at is not None and last < state.probe_at  # prove we are alive
-    return probed or last <= now - ctx.settings.keep_alive_interval * fraction
+    s = ctx.settings
+    member = state.complete and ctx.node_id in state.participants  # judged by lost_after: beat that often
+    interval = s.heartbeat_interval if member else s.keep_alive_interval
+    return probed or last <= now - interval * fraction
 
 
 def should_answer_probe(state: RendezvousState, node_id: str) -> bool:
@@ -201,8 +209,9 @@ def decide_close(state: RendezvousState, ctx: OpContext, now: float) -> Action:
 def decide_keep_alive(state: RendezvousState, ctx: OpContext, now: float) -> Action:
     """Decide the periodic heartbeat of a node (torch ``_RendezvousKeepAliveOp``).
 
-    A heartbeat is written when the last one is older than half the keep-alive
-    interval, so a timer firing every interval never skips one by a hair.
+    A heartbeat is written when the last one is older than half the interval
+    (``heartbeat_interval`` for a running round's member, else ``keep_alive_interval``),
+    so a timer firing every interval never skips one by a hair.
     """
     if ctx.node_id not in state.last_heartbeats:
         return Action.FINISH  # not in the rendezvous (left, or pruned as dead)
@@ -367,10 +376,10 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
 
     A member is gone when it left the participants (it is rejoining, or was pruned),
     when the round was superseded (a state of an older round is stale, not a loss), or when its last heartbeat lags ``me``'s own by
-    more than ``settings.dead_after`` seconds. Measuring the lag against our own
-    heartbeat (not the clock) means an outage of the backend, after which every
-    heartbeat is old, does not make everyone look dead. A closed rendezvous (the job
-    is ending) loses nobody.
+    more than ``settings.member_lost_after`` seconds (``lost_after``, 3 s by default).
+    Measuring the lag against our own heartbeat (not the clock) means an outage of
+    the backend, after which every heartbeat is old, does not make everyone look
+    dead. A closed rendezvous (the job is ending) loses nobody.
 
     Args:
         state: the stored state.
@@ -387,6 +396,6 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
     for node in members - {me}:
         if node not in state.participants:
             lost += 1
-        elif mine is not None and mine - state.last_heartbeats.get(node, 0.0) > settings.dead_after:
+        elif mine is not None and mine - state.last_heartbeats.get(node, 0.0) > settings.member_lost_after:
             lost += 1
     return lost

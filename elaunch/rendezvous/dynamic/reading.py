@@ -97,7 +97,7 @@ def fold_all_heartbeats(backend: RendezvousBackend, state: RendezvousState,
     key (heartbeats no longer rewrite the state), so its key is read (one more
     round trip) rather than judging it dead. Not needed when its stored
     heartbeat is at least ``fresh_after`` (callers pass now minus
-    ``keep_alive_interval``: nothing that recent counts as dead or lost), as in a
+    ``settings.fresh_for``: nothing that recent counts as dead or lost), as in a
     round that just completed.
 
     Raises:

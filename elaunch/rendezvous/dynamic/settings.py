@@ -12,6 +12,14 @@ from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
 
 #: Seconds without a new node after which a round with ``min_nodes`` completes.
 DEFAULT_SETTLE_TIMEOUT = 1.0
+#: Seconds a running round's member may go without a heartbeat before it counts as lost
+#: (conf ``lost_after``), unless ``keep_alive_interval``/``keep_alive_max_attempt`` are given.
+#: Above a 2 s freeze (SIGSTOP, a stalled VM) plus one heartbeat interval, so such a node
+#: is not thrown out; low enough that a cut link re-forms the survivors within 5 s.
+DEFAULT_LOST_AFTER = 3.0
+#: Heartbeats per ``lost_after`` of a running round's member: its largest possible lag
+#: without a freeze is ``lost_after / HEARTBEATS_PER_LOST_AFTER``.
+HEARTBEATS_PER_LOST_AFTER = 8
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,15 @@ class RendezvousSettings:
         heartbeat_timeout: seconds one keep-alive write may take (conf ``heartbeat_timeout``, 5).
         keep_alive_interval: seconds between a node's heartbeats (conf ``keep_alive_interval``, 5).
         keep_alive_max_attempt: heartbeats a node may miss before it is declared dead
-            and removed (conf ``keep_alive_max_attempt``, 3).
+            and removed (conf ``keep_alive_max_attempt``, 3). Torch's rule, ``dead_after``
+            = the two multiplied (15 s), still judges joining and waiting nodes.
+        lost_after: seconds a member of a complete (running) round may go without a
+            heartbeat before it counts as lost: its peers re-form without it, and a
+            joining node prunes it (conf ``lost_after``, an elaunch addition). None
+            means ``dead_after``. ``from_params`` sets 3 s (:data:`DEFAULT_LOST_AFTER`)
+            unless ``keep_alive_interval`` or ``keep_alive_max_attempt`` is given, so an
+            explicit torch key keeps torch's meaning. Running members heart-beat every
+            ``heartbeat_interval`` seconds from a thread of their own.
         poll_interval: seconds between reads of the state while waiting for others
             (conf ``poll_interval``, 0.2; torch polls every 1 s).
         probe_delay: seconds a node waits for the next round while the current one
@@ -61,6 +77,7 @@ class RendezvousSettings:
     heartbeat_timeout: float = 5.0
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
+    lost_after: float | None = None
     poll_interval: float = 0.2
     probe_delay: float = 1.0
     probe_timeout: float = 3.0
@@ -83,18 +100,53 @@ class RendezvousSettings:
 
     @property
     def dead_after(self) -> float:
-        """Seconds without a heartbeat after which a node counts as dead."""
+        """Seconds without a heartbeat after which a joining or waiting node counts as dead (torch's rule)."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
+    @property
+    def member_lost_after(self) -> float:
+        """Seconds without a heartbeat after which a running round's member counts as lost (``lost_after``)."""
+        return self.dead_after if self.lost_after is None else self.lost_after
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between a running member's heartbeats: ``lost_after / 8``, at most ``keep_alive_interval``.
+
+        With the defaults 0.375 s: a member frozen for F seconds lags at most
+        F + 0.375 s, so a 2 s freeze stays 0.6 s clear of ``lost_after`` (3 s).
+        Under torch's rule (``lost_after`` None) torch's ``keep_alive_interval``.
+        """
+        if self.lost_after is None:
+            return self.keep_alive_interval
+        return min(self.keep_alive_interval, self.lost_after / HEARTBEATS_PER_LOST_AFTER)
+
+    @property
+    def fresh_for(self) -> float:
+        """Seconds a stored heartbeat is recent enough that no rule judges its node dead or lost.
+
+        A read may skip a node's heartbeat key when its stored heartbeat is this recent
+        (``reading.fold_all_heartbeats``): ``min(keep_alive_interval, member_lost_after)``.
+        """
+        return min(self.keep_alive_interval, self.member_lost_after)
+
     @classmethod
-    def from_params(cls, params: RendezvousParameters) -> RendezvousSettings:
+    def from_params(cls, params: RendezvousParameters,
+                    default_lost_after: float | None = DEFAULT_LOST_AFTER) -> RendezvousSettings:
         """Read the settings from ``params`` and its ``--rdzv-conf`` keys.
+
+        ``default_lost_after``: ``lost_after`` (seconds) when neither it nor a torch
+        keep-alive key is given; None keeps torch's rule (etcd-v2 passes None).
 
         Raises:
             RendezvousConfigError: a value is not a positive number, or the node
                 bounds are inconsistent; the message names the key and value.
         """
         d = cls.__dataclass_fields__
+        lost_after = default_lost_after
+        if params.get("lost_after") is not None:
+            lost_after = params.get_as_seconds("lost_after", DEFAULT_LOST_AFTER)
+        elif params.get("keep_alive_interval") is not None or params.get("keep_alive_max_attempt") is not None:
+            lost_after = None  # torch's keys given: its rule (interval x attempts) judges members too
         attempts = params.get_as_int("keep_alive_max_attempt", d["keep_alive_max_attempt"].default)
         settle: float | None = d["settle_timeout"].default
         if params.get("settle_timeout") is not None:
@@ -112,6 +164,7 @@ class RendezvousSettings:
             heartbeat_timeout=params.get_as_seconds("heartbeat_timeout", d["heartbeat_timeout"].default),
             keep_alive_interval=params.get_as_seconds("keep_alive_interval", d["keep_alive_interval"].default),
             keep_alive_max_attempt=attempts,
+            lost_after=lost_after,
             poll_interval=params.get_as_seconds("poll_interval", d["poll_interval"].default),
             probe_delay=params.get_as_seconds("probe_delay", d["probe_delay"].default),
             probe_timeout=params.get_as_seconds("probe_timeout", d["probe_timeout"].default),

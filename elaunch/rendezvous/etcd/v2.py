@@ -22,6 +22,7 @@ from typing import Any
 
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.etcd.common import (
     EtcdConf,
     FailoverKV,
@@ -127,6 +128,10 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         params = replace(params, config={**params.config, "join_timeout": params.config["timeout"]})
     conf = parse_conf(params)
     kv = EtcdV2KV(conf, params.backend or "etcd-v2")
-    return build_handler(params, conf, kv, params.backend or "etcd-v2")
+    # torch's liveness rule by default (15 s): here a heartbeat is a compare-and-set of the one
+    # shared state, which under full CPU load was seen to stall past lost_after's 3 s (a false
+    # alarm in tests/integration/test_no_false_alarms.py); conf lost_after opts in
+    settings = RendezvousSettings.from_params(params, default_lost_after=None)
+    return build_handler(params, conf, kv, params.backend or "etcd-v2", settings=settings)
 
 
