@@ -336,6 +336,11 @@ def worker_main(argv: list[str]) -> None:
                    help="2: after every agent of this process joined, print ROUND1, wait for GO on stdin "
                         "and have every agent join again (a restart); report that second round")
     a = p.parse_args(argv)
+    if os.environ.get("RDZV_SCALE_LOG"):  # debugging aid: elaunch's DEBUG lines of this process, timestamped
+        import logging
+
+        logging.basicConfig(filename=os.path.join(os.environ["RDZV_SCALE_LOG"], f"worker-{os.getpid()}.log"),
+                            level=logging.DEBUG, format="%(created).3f %(threadName)s %(name)s %(message)s")
     make = _make_etcd_handlers if a.backend == "etcd" else _make_handlers
     handlers = make(a.impl, a.endpoint, a.n, a.count, a.run_id, a.timeout)
     print("READY", flush=True)
@@ -438,9 +443,12 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
                 p.stdin.write("GO\n")
                 p.stdin.flush()
             if any(f != ["ROUND1", "ok"] for f in firsts):
-                for p in procs:
-                    p.stdout.readline()
-                return {"seconds": None, "ops": [], "error": f"the first round did not complete in {timeout:g} s"}
+                lines = [p.stdout.readline() for p in procs]
+                errs = {a["err"] for line in lines if line.strip() for a in json.loads(line) if a["err"]}
+                # the first failure breaks the barrier the others wait at: name that one
+                why = sorted(e for e in errs if not e.startswith("BrokenBarrierError")) or sorted(errs)
+                return {"seconds": None, "ops": [], "error": f"the first round did not complete in {timeout:g} s"
+                        + (f" ({why[0].splitlines()[0][:120]})" if why else "")}
         agents: list[dict[str, Any]] = []
         for p in procs:
             line = p.stdout.readline()

@@ -255,6 +255,8 @@ class OpExecutor:
                         self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
                     else:
                         self.read()
+                    if call.batch is not None:
+                        call.batch.saw(self._token, self._clock())  # a changed state: the combiner works on
                 now = self._clock()
                 ctx = OpContext(self._node_id, self._node_info, self._settings, call.deadline, call.previous_rank,
                                 call.started)
@@ -310,7 +312,7 @@ class OpExecutor:
     def _post_join(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
         assert call.batch is not None
-        call.batch.post(self._state.round, now, call.deadline)
+        call.batch.post(self._state.round, now, call.deadline, self._token)
         if not call.batch.combiner:
             # the combiner adds us; nothing to read until the round's notice (or its grace ends)
             call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
@@ -356,7 +358,7 @@ class OpExecutor:
         """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
         assert call.batch is not None
         state = self._state
-        call.batch.post(state.round + 1, now, call.deadline)  # the exit's deadline: the join's is later
+        call.batch.post(state.round + 1, now, call.deadline, self._token)  # the exit's deadline: the join's is later
         log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
                   " (the combiner)" if call.batch.combiner else "")
         return False
