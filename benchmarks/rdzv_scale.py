@@ -71,10 +71,11 @@ from benchmarks.etcd_server import EtcdServer, etcd_binary, missing_for_etcd
 #: import (seconds of CPU on this 2-core machine); many threads per process slow the
 #: agents down on the GIL.
 MAX_PROCS = 8
-#: The etcd variant runs the c10d sizes up to this N: at N=1024 (2048 gRPC clients with
-#: their watch and keep-alive threads, one etcd server, 2 cores) not even elaunch's round
-#: completed within 30 s when tried.
-ETCD_MAX_N = 256
+#: The etcd variant runs the c10d sizes up to this N. elaunch's simulated agents share one
+#: gRPC channel and watch stream per process (each with its own client object, leases,
+#: watches and requests): with a channel and a watch thread per agent (2048 clients at
+#: N=1024) not even elaunch's round completed within 30 s on 2 cores.
+ETCD_MAX_N = 1024
 #: The rendezvous backend each launcher uses in the etcd variant.
 ETCD_BACKENDS = {"elaunch": "etcd-v3", "torchrun": "etcd-v2"}
 
@@ -229,13 +230,26 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
         from elaunch.rendezvous.registry import create_handler
 
         real_init, real_make_client = ev3.EtcdV3KV.__init__, ev3.EtcdV3KV._make_client
+        shared: dict[tuple[str, int], Any] = {}  # (host, port) -> this process's one client
+        shared_lock = threading.Lock()
 
         def init(self, *args, **kwargs):  # the rendezvous' KV and the presence's KV of one agent
             real_init(self, *args, **kwargs)
             self._bench_counter = local.counter
 
         def make_client(self, host, port):  # every (re)connection of that KV
-            return CountingEtcd3Client(real_make_client(self, host, port), self._bench_counter)
+            with shared_lock:
+                if (host, port) not in shared:
+                    shared[(host, port)] = real_make_client(self, host, port)
+            first = shared[(host, port)]
+            # the agent's own client object (its requests, leases and watch ids are its own)
+            # on the process's one gRPC channel and watch stream, as agents on separate
+            # hosts would each have one
+            client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
+                endpoints=list(first.endpoints.values()), timeout=first.timeout)
+            client.call_credentials = None
+            client.watcher = first.watcher
+            return CountingEtcd3Client(client, self._bench_counter)
 
         ev3.EtcdV3KV.__init__ = init
         ev3.EtcdV3KV._make_client = make_client

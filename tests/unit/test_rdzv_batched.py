@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step, decide_exit, decide_join
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
@@ -149,10 +149,10 @@ ROWS = [
      "read post beat read+log write await-post read+log write*2 notify", 0.0, 1, {ME: 0, "n2": 1, "n3": 2}),
     ("a leaver waits for the exit combiner, who removes it and adds it", (2, 2), running(ME, "n2"), [("n2", 1, 0.0)],
      [("wait_for_round", combiner_forms(1, ME, "n2"))], 0,
-     "read post beat read await-round read", 0.0, 1, {ME: 0, "n2": 1}),
+     "read post beat await-round read", 0.0, 1, {ME: 0, "n2": 1}),
     ("the exit combiner never acts: the leaver leaves on its own after the grace", (1, 2), running(ME, "n2"),
      [("n2", 1, 10.0)], [], 0,
-     "read post beat read await-round read write*3 read*16 write post await-round read+log write await-round "
+     "read post beat await-round read write*3 read*16 write post await-round read+log write await-round "
      "read+log write notify", 14.2, 1, {ME: 0}),
     ("exit from a round still forming: a plain removal, then a batched join", (1, 2), forming(ME), [], [], -1,
      "read write beat post read+log write await-post read+log write notify", 1.0, 0, {ME: 0}),
@@ -175,6 +175,35 @@ def test_one_node_batched(name, sizes, stored, posted, hooks, previous_rank, cal
     assert (trace(b.calls), clock.now - T0) == (calls, pytest.approx(took, abs=0.02))
     assert (state.round, state.complete, state.participants) == (round, True, ranks)
     assert RendezvousState.from_bytes(b.get_state()[0]).participants == ranks  # what we ended on is stored
+
+
+def test_a_participant_of_the_round_it_joined_posts_its_exit_without_reading():
+    clock = SimClock(T0)
+    b = IntentBackend(clock)
+    seed(b, running(ME, "n2"))
+    ex = OpExecutor(b, ME, NodeInfo(ME, "trainer", 1), settings(2, 2), clock.time, clock.sleep)
+    ex.read()  # the round as this node saw it complete
+    b.post("n2", 1, T0)  # n2 left first: it removes us (the exit's combiner)
+    b.calls.clear()
+    b.on("wait_for_round", combiner_forms(1, ME, "n2"))
+    state = next_round(ex, 0)
+    assert (trace(b.calls), state.round, state.participants) == ("post beat await-round read", 1, {ME: 0, "n2": 1})
+
+
+def test_a_stale_round_the_exit_posts_into_a_closed_rendezvous_then_fails_closed_at_once():
+    clock = SimClock(T0)
+    b = IntentBackend(clock)
+    seed(b, running(ME, "n2"))
+    ex = OpExecutor(b, ME, NodeInfo(ME, "trainer", 1), settings(2, 2), clock.time, clock.sleep)
+    ex.read()
+    closed = running(ME, "n2")
+    closed.closed = True
+    seed(b, closed)  # another node closed it; the close also announces the next round
+    b.announce(1)
+    b.calls.clear()
+    with pytest.raises(RendezvousClosedError):
+        next_round(ex, 0)
+    assert (trace(b.calls), clock.now) == ("post beat await-round read", T0)
 
 
 def test_a_crowd_of_handlers_joins_and_restarts_in_a_few_writes():
