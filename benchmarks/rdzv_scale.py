@@ -71,10 +71,11 @@ from benchmarks.etcd_server import EtcdServer, etcd_binary, missing_for_etcd
 #: import (seconds of CPU on this 2-core machine); many threads per process slow the
 #: agents down on the GIL.
 MAX_PROCS = 8
-#: The etcd variant runs the c10d sizes up to this N: at N=1024 (2048 gRPC clients with
-#: their watch and keep-alive threads, one etcd server, 2 cores) not even elaunch's round
-#: completed within 30 s when tried.
-ETCD_MAX_N = 256
+#: The etcd variant runs the c10d sizes up to this N. elaunch's simulated agents share one
+#: gRPC channel and watch stream per process (each with its own client object, leases,
+#: watches and requests): with a channel and a watch thread per agent (2048 clients at
+#: N=1024) not even elaunch's round completed within 30 s on 2 cores.
+ETCD_MAX_N = 1024
 #: The rendezvous backend each launcher uses in the etcd variant.
 ETCD_BACKENDS = {"elaunch": "etcd-v3", "torchrun": "etcd-v2"}
 
@@ -229,13 +230,26 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
         from elaunch.rendezvous.registry import create_handler
 
         real_init, real_make_client = ev3.EtcdV3KV.__init__, ev3.EtcdV3KV._make_client
+        shared: dict[tuple[str, int], Any] = {}  # (host, port) -> this process's one client
+        shared_lock = threading.Lock()
 
         def init(self, *args, **kwargs):  # the rendezvous' KV and the presence's KV of one agent
             real_init(self, *args, **kwargs)
             self._bench_counter = local.counter
 
         def make_client(self, host, port):  # every (re)connection of that KV
-            return CountingEtcd3Client(real_make_client(self, host, port), self._bench_counter)
+            with shared_lock:
+                if (host, port) not in shared:
+                    shared[(host, port)] = real_make_client(self, host, port)
+            first = shared[(host, port)]
+            # the agent's own client object (its requests, leases and watch ids are its own)
+            # on the process's one gRPC channel and watch stream, as agents on separate
+            # hosts would each have one
+            client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
+                endpoints=list(first.endpoints.values()), timeout=first.timeout)
+            client.call_credentials = None
+            client.watcher = first.watcher
+            return CountingEtcd3Client(client, self._bench_counter)
 
         ev3.EtcdV3KV.__init__ = init
         ev3.EtcdV3KV._make_client = make_client
@@ -336,6 +350,11 @@ def worker_main(argv: list[str]) -> None:
                    help="2: after every agent of this process joined, print ROUND1, wait for GO on stdin "
                         "and have every agent join again (a restart); report that second round")
     a = p.parse_args(argv)
+    if os.environ.get("RDZV_SCALE_LOG"):  # debugging aid: elaunch's DEBUG lines of this process, timestamped
+        import logging
+
+        logging.basicConfig(filename=os.path.join(os.environ["RDZV_SCALE_LOG"], f"worker-{os.getpid()}.log"),
+                            level=logging.DEBUG, format="%(created).3f %(threadName)s %(name)s %(message)s")
     make = _make_etcd_handlers if a.backend == "etcd" else _make_handlers
     handlers = make(a.impl, a.endpoint, a.n, a.count, a.run_id, a.timeout)
     print("READY", flush=True)
@@ -438,9 +457,12 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
                 p.stdin.write("GO\n")
                 p.stdin.flush()
             if any(f != ["ROUND1", "ok"] for f in firsts):
-                for p in procs:
-                    p.stdout.readline()
-                return {"seconds": None, "ops": [], "error": f"the first round did not complete in {timeout:g} s"}
+                lines = [p.stdout.readline() for p in procs]
+                errs = {a["err"] for line in lines if line.strip() for a in json.loads(line) if a["err"]}
+                # the first failure breaks the barrier the others wait at: name that one
+                why = sorted(e for e in errs if not e.startswith("BrokenBarrierError")) or sorted(errs)
+                return {"seconds": None, "ops": [], "error": f"the first round did not complete in {timeout:g} s"
+                        + (f" ({why[0].splitlines()[0][:120]})" if why else "")}
         agents: list[dict[str, Any]] = []
         for p in procs:
             line = p.stdout.readline()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step, decide_exit, decide_join
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
@@ -70,6 +70,22 @@ def combiner_forms(round: int, *nodes: str):
     return hook
 
 
+def combiner_adds(*nodes: str):
+    """The round's combiner (another node) writes round 0, still forming, with ``nodes`` (not announced)."""
+    def hook(b: IntentBackend) -> None:
+        seed(b, forming(*nodes, hb=b.clock.time()))
+    return hook
+
+
+def then(method: str, first, *rest):
+    """``first`` at this call of ``method``, each of ``rest`` at the next calls of ``method``, in order."""
+    def hook(b: IntentBackend) -> None:
+        first(b)
+        if rest:
+            b.on(method, then(method, *rest))
+    return hook
+
+
 #: the backend calls in a row's trace, by short name
 SHORT = {"get_state": "read", "get_state_and_heartbeats": "read", "get_heartbeats": "read-keys",
          "get_state_and_intents": "read+log", "set_state": "write", "put_heartbeat": "beat", "post_intent": "post",
@@ -114,6 +130,14 @@ ROWS = [
      "read beat post await-round read+log write await-round read+log write notify", 6.01, 0, {ME: 0}),
     ("the combiner never combines: a fresh combiner is added with the poster", (1, 2), None, [("n0", 0, 0.0)], [],
      -1, "read beat post await-round read+log write notify", GRACE, 0, {ME: 0, "n0": 1}),
+    ("the combiner works through a crowd: past the grace the poster sees its progress and waits on", (3, 3), None,
+     [("n0", 0, 0.0)],
+     [("wait_for_round", then("wait_for_round", combiner_adds("n0", "n2"), combiner_forms(0, "n0", "n2", ME)))], -1,
+     "read beat post await-round read+log await-round read", GRACE, 0, {"n0": 0, "n2": 1, ME: 2}),
+    ("the combiner stalls after a batch: a whole grace without progress, the poster adds itself", (3, 3), None,
+     [("n0", 0, 0.0)], [("wait_for_round", combiner_adds("n0", "n2"))], -1,
+     "read beat post await-round read+log await-round read+log write notify", 2 * GRACE, 0,
+     {ME: 0, "n0": 1, "n2": 2}),
     ("a dead member: the joiner posts first, then prunes it", (1, 1), forming("n0", hb=T0 - 100), [], [], -1,
      "read read-keys beat post read+log write*2 notify", 0.0, 0, {ME: 0}),
     ("restart, all leave: the combiner removes all, then adds all", (3, 3), running(ME, "n2", "n3"), [],
@@ -125,10 +149,10 @@ ROWS = [
      "read post beat read+log write await-post read+log write*2 notify", 0.0, 1, {ME: 0, "n2": 1, "n3": 2}),
     ("a leaver waits for the exit combiner, who removes it and adds it", (2, 2), running(ME, "n2"), [("n2", 1, 0.0)],
      [("wait_for_round", combiner_forms(1, ME, "n2"))], 0,
-     "read post beat read await-round read", 0.0, 1, {ME: 0, "n2": 1}),
+     "read post beat await-round read", 0.0, 1, {ME: 0, "n2": 1}),
     ("the exit combiner never acts: the leaver leaves on its own after the grace", (1, 2), running(ME, "n2"),
      [("n2", 1, 10.0)], [], 0,
-     "read post beat read await-round read write*3 read*16 write post await-round read+log write await-round "
+     "read post beat await-round read write*3 read*16 write post await-round read+log write await-round "
      "read+log write notify", 14.2, 1, {ME: 0}),
     ("exit from a round still forming: a plain removal, then a batched join", (1, 2), forming(ME), [], [], -1,
      "read write beat post read+log write await-post read+log write notify", 1.0, 0, {ME: 0}),
@@ -153,6 +177,35 @@ def test_one_node_batched(name, sizes, stored, posted, hooks, previous_rank, cal
     assert RendezvousState.from_bytes(b.get_state()[0]).participants == ranks  # what we ended on is stored
 
 
+def test_a_participant_of_the_round_it_joined_posts_its_exit_without_reading():
+    clock = SimClock(T0)
+    b = IntentBackend(clock)
+    seed(b, running(ME, "n2"))
+    ex = OpExecutor(b, ME, NodeInfo(ME, "trainer", 1), settings(2, 2), clock.time, clock.sleep)
+    ex.read()  # the round as this node saw it complete
+    b.post("n2", 1, T0)  # n2 left first: it removes us (the exit's combiner)
+    b.calls.clear()
+    b.on("wait_for_round", combiner_forms(1, ME, "n2"))
+    state = next_round(ex, 0)
+    assert (trace(b.calls), state.round, state.participants) == ("post beat await-round read", 1, {ME: 0, "n2": 1})
+
+
+def test_a_stale_round_the_exit_posts_into_a_closed_rendezvous_then_fails_closed_at_once():
+    clock = SimClock(T0)
+    b = IntentBackend(clock)
+    seed(b, running(ME, "n2"))
+    ex = OpExecutor(b, ME, NodeInfo(ME, "trainer", 1), settings(2, 2), clock.time, clock.sleep)
+    ex.read()
+    closed = running(ME, "n2")
+    closed.closed = True
+    seed(b, closed)  # another node closed it; the close also announces the next round
+    b.announce(1)
+    b.calls.clear()
+    with pytest.raises(RendezvousClosedError):
+        next_round(ex, 0)
+    assert (trace(b.calls), clock.now) == ("post beat await-round read", T0)
+
+
 def test_a_crowd_of_handlers_joins_and_restarts_in_a_few_writes():
     # the same paths in threads, in real time: 16 handlers join, then all restart at once
     backend = IntentBackend()
@@ -174,10 +227,15 @@ def test_a_crowd_of_handlers_joins_and_restarts_in_a_few_writes():
                 h._stop_heartbeats()
 
 
-def batch(round=None, combiner=False, posted=T0, intents=()):
-    """This node's BatchedJoin as it stands after posting to ``round`` (None: not posted)."""
+def batch(round=None, combiner=False, posted=T0, intents=(), progress_at=None):
+    """This node's BatchedJoin as it stands after posting to ``round`` (None: not posted).
+
+    ``progress_at``: when it last read a state changed since its previous look (None: never since posting).
+    """
     b = BatchedJoin(IntentBackend(), ME, NodeInfo(ME, "trainer", 1), -1, settings(2, 3))
-    b.round, b.first, b.posted_at = round, combiner, posted
+    b.round, b.first, b.posted_at, b.grace_from = round, combiner, posted, posted
+    if progress_at is not None:
+        b.saw(b"changed", progress_at)
     b.intents = [JoinIntent(n, {"addr": n, "role": "trainer", "local_world_size": 1}, -1, r, T0) for n, r in intents]
     return b
 
@@ -208,6 +266,10 @@ DECISIONS = [
      RendezvousState(complete=True, participants={"n0": 0}, wait_list={ME}, last_heartbeats={"n0": T0, ME: T0},
                      node_infos={n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in ("n0", ME)}),
      batch(1, True, intents=[(ME, 1)]), T0 + 0.5, Step.AWAIT_LEAVERS),
+    ("join: past the grace since the post, within it since the combiner's last write", decide_join, forming("n0"),
+     batch(0, posted=T0 - GRACE, progress_at=T0 - 1), T0, Step.AWAIT_COMBINER),
+    ("leaving: past the grace since the post, within it since the combiner's last write", decide_join,
+     running(ME, "n0"), batch(1, posted=T0 - GRACE, progress_at=T0 - 1), T0, Step.AWAIT_COMBINER),
     ("leaving: within the grace", decide_join, running(ME, "n0"), batch(1), T0 + 1, Step.AWAIT_COMBINER),
     ("leaving: past the grace, on our own", decide_join, running(ME, "n0"), batch(1), T0 + GRACE, Step.LEAVE_ALONE),
     ("leaving: past the grace and the deadline", decide_join, running(ME, "n0"), batch(1), T0 + 700,

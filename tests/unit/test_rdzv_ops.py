@@ -45,6 +45,8 @@ JOIN_CASES = [
     ("min reached, last call running", mk([ME, "n0"], deadline=NOW + 10), ctx(), Action.SYNC),
     ("last call expired", mk([ME, "n0"], deadline=NOW - 1), ctx(), Action.MARK_COMPLETE),
     ("complete and in it", mk({ME: 0, "n0": 1}, complete=True), ctx(), Action.FINISH),
+    ("complete and in it, a member silent past dead_after: finish, the monitors find it",
+     mk({ME: 0, "n0": 1}, complete=True, hb={"n0": NOW - 16}), ctx(), Action.FINISH),
     ("join after complete: room", mk({"n0": 0, "n2": 1}, complete=True), ctx(), Action.ADD_TO_WAIT_LIST),
     ("already waiting", mk({"n0": 0, "n2": 1}, complete=True, wait=[ME]), ctx(), Action.SYNC),
     ("join after complete: full", mk({"n0": 0, "n2": 1, "n3": 2}, complete=True), ctx(), Action.ADD_TO_REDUNDANCY_LIST),

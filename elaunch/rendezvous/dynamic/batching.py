@@ -12,7 +12,10 @@ round trips and the round O(N^2). With a backend that keeps an intent log
    ``merge.combine_pending``), then blocks until the next post, and repeats;
 3. any other node blocks until the round's notice (completed or closed), and
    adds itself (with every pending intent) only if the combiner has not added
-   it within ``grace`` seconds (the combiner died or stalls).
+   it within ``grace`` seconds (the combiner died or stalls). A grace restarts
+   whenever the node reads a state that changed since its last look: the combiner
+   still works through the crowd, and a thousand nodes writing for themselves
+   would only contend with it (and each other).
 
 Participants of a forming round keep alive without a contended write, in their
 heartbeat keys (``supports_heartbeat_keys``; every backend with an intent log
@@ -88,13 +91,15 @@ class BatchedJoin:
         self.round: int | None = None  # the round we posted our join to
         self.first = False  # ours was the round's first join: we are the combiner
         self.posted_at = 0.0
+        self.grace_from = 0.0  # the grace runs from here: the post, or the last sign of the combiner's progress
+        self.seen: Token | None = None  # the state's token at grace_from
         self.intents: list[JoinIntent] = []
         self.position = 0  # the log's position as of the last read (backend-defined)
         self.notified = False  # the last wait ended with the round's notice
 
     @property
     def grace(self) -> float:
-        """Seconds a non-combiner waits for the combiner before adding itself."""
+        """Seconds a non-combiner waits for the combiner's next write before acting on its own."""
         return self._settings.keep_alive_interval
 
     @property
@@ -115,12 +120,23 @@ class BatchedJoin:
         return self.round == state.round + 1 and state.complete and not state.closed
 
     def may_add_self(self, now: float) -> bool:
-        """True for the combiner, and for anyone the combiner left out for ``grace`` seconds."""
-        return self.combiner or now >= self.posted_at + self.grace
+        """True for the combiner, and for anyone who saw no write to the state for ``grace`` seconds."""
+        return self.combiner or now >= self.grace_from + self.grace
 
     def grace_left(self, now: float, deadline: float) -> float:
         """Seconds (at least 0.01) until the combiner's grace ends, or ``deadline`` if sooner."""
-        return max(0.01, min(self.posted_at + self.grace, deadline) - now)
+        return max(0.01, min(self.grace_from + self.grace, deadline) - now)
+
+    def saw(self, token: Token | None, now: float) -> None:
+        """Note a read of the state (its ``token``) at ``now``: a changed state restarts the grace.
+
+        Someone wrote since our last look (the combiner adding or removing a batch),
+        so the round still progresses: waiting costs nothing, while writing for
+        ourselves would contend with that writer. A state unchanged for a whole
+        grace (the combiner died or stalls) lets the grace run out.
+        """
+        if token != self.seen:
+            self.seen, self.grace_from = token, max(self.grace_from, now)
 
     def wants_log(self, known: RendezvousState, now: float) -> bool:
         """True when the next read should include the log (``known``: the state as last read).
@@ -132,14 +148,16 @@ class BatchedJoin:
         return ((self.active(known) and not self.notified and self.may_add_self(now))
                 or (self.combiner and self.leaving(known)))
 
-    def post(self, round: int, now: float, deadline: float = float("inf")) -> None:
+    def post(self, round: int, now: float, deadline: float = float("inf"), seen: Token | None = None) -> None:
         """Post our join intent to ``round`` (c10d: 3 store calls, etcd: 1 transaction).
 
         ``deadline``: when this node gives up the join (seconds since the epoch); the
-        combiner does not add it after that (``merge.combine_pending``).
+        combiner does not add it after that (``merge.combine_pending``). ``seen``:
+        the token of the state this node last read (the grace starts from it).
         """
         self.first = self._backend.post_intent(round, self._intent(round, now, deadline))
         self.round, self.posted_at, self.notified = round, now, False
+        self.grace_from, self.seen = now, seen
 
     def forget(self) -> None:
         """Our post no longer stands (the combiner moved us to the wait list): post again when the round opens."""

@@ -134,7 +134,8 @@ class OpExecutor:
         """Leave this node's round before joining the next (torch ``_RendezvousExitOp``).
 
         Batched (the backend keeps an intent log): a participant of a complete,
-        open round does not write; it posts its join of the next round, whose
+        open round (as this node last read it: no read first) does not write; it
+        posts its join of the next round, whose
         combiner removes every node that left (``merge.combine_exits``). The post
         is returned, for :meth:`join` to take over. Otherwise the node removes
         itself with a compare-and-set, as torch does. Arguments as :meth:`join`'s
@@ -151,8 +152,15 @@ class OpExecutor:
             self._run(self._call(ops.decide_exit, timeout, timeout_name, previous_rank), fresh=True)
             return None
         post = self._batch(previous_rank)
+        # A participant of the complete, open round it last joined posts its exit without
+        # reading first: at 1024 nodes, each reading the state and every heartbeat key at
+        # once was most of a restart's cost. A stale cache costs at most a grace: the
+        # combiner removes only participants, a close wakes the next round's waiters, and
+        # their next read shows where the rendezvous is.
+        s = self._state
+        fresh = not (s.complete and not s.closed and self._node_id in s.participants)
         self._run(self._call(partial(batching.decide_exit, batch=post), timeout, timeout_name, previous_rank, post),
-                  fresh=True)
+                  fresh=fresh)
         return post if post.round is not None else None
 
     def join(self, previous_rank: int, timeout: float, timeout_name: str, leaving: BatchedJoin | None = None,
@@ -193,7 +201,9 @@ class OpExecutor:
         if self._backend.supports_heartbeat_keys:
             # our heartbeat key exists before we first appear in the state (readers rely on it)
             self._backend.put_heartbeat(self._node_id, self._clock())
-        return self._run(call, fresh or leaving is not None)  # the log holds who left with us
+        # the exit's combiner reads the log (who left with us, who is alive) before it
+        # writes; the others wait for it first, on the state they left
+        return self._run(call, fresh or (leaving is not None and leaving.combiner))
 
     def run(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int = -1,
             fresh: bool = True) -> RendezvousState:
@@ -255,6 +265,8 @@ class OpExecutor:
                         self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
                     else:
                         self.read()
+                    if call.batch is not None:
+                        call.batch.saw(self._token, self._clock())  # a changed state: the combiner works on
                 now = self._clock()
                 ctx = OpContext(self._node_id, self._node_info, self._settings, call.deadline, call.previous_rank,
                                 call.started)
@@ -310,7 +322,7 @@ class OpExecutor:
     def _post_join(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
         assert call.batch is not None
-        call.batch.post(self._state.round, now, call.deadline)
+        call.batch.post(self._state.round, now, call.deadline, self._token)
         if not call.batch.combiner:
             # the combiner adds us; nothing to read until the round's notice (or its grace ends)
             call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
@@ -356,7 +368,7 @@ class OpExecutor:
         """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
         assert call.batch is not None
         state = self._state
-        call.batch.post(state.round + 1, now, call.deadline)  # the exit's deadline: the join's is later
+        call.batch.post(state.round + 1, now, call.deadline, self._token)  # the exit's deadline: the join's is later
         log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
                   " (the combiner)" if call.batch.combiner else "")
         return False

@@ -147,6 +147,11 @@ def decide_join(state: RendezvousState, ctx: OpContext, now: float) -> Action:
     if state.closed:
         # JOINING -> GRACEFUL EXIT: redundant node, job is over; others -> CLOSED error
         return Action.ERROR_GRACEFUL_EXIT if me in state.redundancy_list else Action.ERROR_CLOSED
+    if state.complete and me in state.participants:
+        # JOINING -> JOINED. Before judging anyone dead: a member slow to read the round
+        # it is in (1024 agents on 2 cores) is not pruned by another such member; a member
+        # that really died is the monitors' to find (num_nodes_lost, probes).
+        return Action.FINISH
     if dead_nodes(state, settings, now, exclude=me):
         return Action.REMOVE_DEAD_NODES
     n = len(state.participants)
