@@ -10,7 +10,6 @@ import pytest
 
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.rendezvous.etcd.common import parse_conf
-from elaunch.rendezvous.etcd.handler import EtcdStateBackend
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 
@@ -29,11 +28,11 @@ def backend(request, etcd_v2, etcd_v3):
         yield C10dBackend(store, run_id, f"127.0.0.1:{store.port}")
         return
     if request.param == "etcd-v2":
-        from elaunch.rendezvous.etcd.v2 import EtcdV2KV
+        from elaunch.rendezvous.etcd.v2 import EtcdV2KV, EtcdV2StateBackend
 
         conf = parse_conf(make_params("etcd-v2", etcd_v2.endpoints, run_id, 1, 1))
         kv = EtcdV2KV(conf)
-        yield EtcdStateBackend(kv, f"{conf.prefix}/{run_id}/state", "etcd-v2")
+        yield EtcdV2StateBackend(kv, f"{conf.prefix}/{run_id}/state")
     else:
         from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
 
@@ -139,6 +138,31 @@ def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
     assert backend.get_node_keys("agent", ["n1", "n2"]) == {"n1": b'{"round": 1}'}
     assert backend.get_node_keys("stacks", ["n2"]) == {"n2": b"x" * 100_000}
     assert backend.get_state()[0] == b"state"  # the state is untouched
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v2"], indirect=True)  # etcd-v3: beats count with a lease
+def test_heartbeat_keys_are_each_nodes_own_and_leave_the_state_alone(backend):
+    assert backend.supports_heartbeat_keys
+    backend.set_state(b"state", None)
+    _, token = backend.get_state()
+    nodes = [f"n{i}" for i in range(6)]
+    for i, node in enumerate(nodes):
+        backend.put_heartbeat(node, 1000.0 + i)
+    backend.put_heartbeat("n0", 2000.5)  # overwritten in place, no compare
+    expected = {n: 1000.0 + i for i, n in enumerate(nodes)} | {"n0": 2000.5}
+    assert backend.get_heartbeats(nodes[:2]) == {"n0": 2000.5, "n1": 1001.0}  # a few (the monitor's read)
+    assert backend.get_heartbeats(nodes) == expected  # many (a join's read; etcd-v2: one directory read)
+    assert backend.get_heartbeats([]) == {}
+    data, token_after, beats = backend.get_state_and_heartbeats(nodes[3:])
+    assert (data, beats) == (b"state", {n: expected[n] for n in nodes[3:]})
+    assert token_after == token  # beats never write the state
+
+
+@pytest.mark.parametrize("backend", ["etcd-v2"], indirect=True)  # c10d: nodes in a state have a key by contract
+def test_a_node_without_a_heartbeat_key_is_left_out(backend):
+    backend.put_heartbeat("here", 5.0)
+    assert backend.get_heartbeats(["here", "gone"]) == {"here": 5.0}
+    assert backend.get_heartbeats([f"gone{i}" for i in range(8)] + ["here"]) == {"here": 5.0}
 
 
 def test_c10d_reader_writes_nothing():
