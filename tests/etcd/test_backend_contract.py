@@ -128,6 +128,32 @@ def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
         kv.close()
 
 
+def test_v3_a_few_nodes_read_judges_only_their_presence(etcd_v3):
+    from elaunch.rendezvous.etcd.presence import Presence
+    from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
+
+    conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "few-job", 1, 3))
+    base = f"{conf.prefix}/few-job"
+    kv = EtcdV3KV(conf)
+    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+    alive = Presence(EtcdV3KV(conf), f"{base}/nodes/a", 30)
+    alive.start()
+    try:
+        state = RendezvousState(participants={"a": 0, "b": 1, "c": 2}, last_heartbeats=dict.fromkeys("abc", 10.0))
+        backend.set_state(state.to_bytes(), None)
+        backend.put_heartbeat("a", 20.0)
+        backend.put_heartbeat("b", 21.0)  # b beats but has no presence (its lease is gone): dead
+        data, _token, beats = backend.get_state_and_heartbeats(["a", "b"])  # the monitor's read: 2 nodes
+        assert beats == {"a": 20.0}
+        stored = RendezvousState.from_bytes(data).last_heartbeats
+        assert stored == {"a": 10.0, "b": 0.0, "c": 10.0}  # c was not read: not judged, though it has no presence
+        data, _token, _beats = backend.get_state_and_heartbeats(list("abcde"))  # many: every presence judged
+        assert RendezvousState.from_bytes(data).last_heartbeats == {"a": 10.0, "b": 0.0, "c": 0.0}
+    finally:
+        alive.stop()
+        kv.close()
+
+
 def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
     assert backend.supports_node_keys
     backend.set_state(b"state", None)
