@@ -154,11 +154,10 @@ def _etcd(params: RendezvousParameters, settings: RendezvousSettings, read_timeo
         kv: Any = EtcdV3KV(conf)
         backend: RendezvousBackend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
     else:
-        from elaunch.rendezvous.etcd.handler import EtcdStateBackend
-        from elaunch.rendezvous.etcd.v2 import EtcdV2KV
+        from elaunch.rendezvous.etcd.v2 import EtcdV2KV, EtcdV2StateBackend
 
         kv = EtcdV2KV(conf, params.backend)
-        backend = EtcdStateBackend(kv, f"{base}/state", params.backend)
+        backend = EtcdV2StateBackend(kv, f"{base}/state", params.backend)
     return Reader(backend, where, conf.endpoint_str, params.run_id, settings, read_timeout, close=kv.close)
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.rendezvous.etcd.common import parse_conf
-from elaunch.rendezvous.etcd.handler import EtcdStateBackend
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 
@@ -29,11 +28,11 @@ def backend(request, etcd_v2, etcd_v3):
         yield C10dBackend(store, run_id, f"127.0.0.1:{store.port}")
         return
     if request.param == "etcd-v2":
-        from elaunch.rendezvous.etcd.v2 import EtcdV2KV
+        from elaunch.rendezvous.etcd.v2 import EtcdV2KV, EtcdV2StateBackend
 
         conf = parse_conf(make_params("etcd-v2", etcd_v2.endpoints, run_id, 1, 1))
         kv = EtcdV2KV(conf)
-        yield EtcdStateBackend(kv, f"{conf.prefix}/{run_id}/state", "etcd-v2")
+        yield EtcdV2StateBackend(kv, f"{conf.prefix}/{run_id}/state")
     else:
         from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
 
@@ -129,6 +128,32 @@ def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
         kv.close()
 
 
+def test_v3_a_few_nodes_read_judges_only_their_presence(etcd_v3):
+    from elaunch.rendezvous.etcd.presence import Presence
+    from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
+
+    conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "few-job", 1, 3))
+    base = f"{conf.prefix}/few-job"
+    kv = EtcdV3KV(conf)
+    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+    alive = Presence(EtcdV3KV(conf), f"{base}/nodes/a", 30)
+    alive.start()
+    try:
+        state = RendezvousState(participants={"a": 0, "b": 1, "c": 2}, last_heartbeats=dict.fromkeys("abc", 10.0))
+        backend.set_state(state.to_bytes(), None)
+        backend.put_heartbeat("a", 20.0)
+        backend.put_heartbeat("b", 21.0)  # b beats but has no presence (its lease is gone): dead
+        data, _token, beats = backend.get_state_and_heartbeats(["a", "b"])  # the monitor's read: 2 nodes
+        assert beats == {"a": 20.0}
+        stored = RendezvousState.from_bytes(data).last_heartbeats
+        assert stored == {"a": 10.0, "b": 0.0, "c": 10.0}  # c was not read: not judged, though it has no presence
+        data, _token, _beats = backend.get_state_and_heartbeats(list("abcde"))  # many: every presence judged
+        assert RendezvousState.from_bytes(data).last_heartbeats == {"a": 10.0, "b": 0.0, "c": 0.0}
+    finally:
+        alive.stop()
+        kv.close()
+
+
 def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
     assert backend.supports_node_keys
     backend.set_state(b"state", None)
@@ -139,6 +164,31 @@ def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
     assert backend.get_node_keys("agent", ["n1", "n2"]) == {"n1": b'{"round": 1}'}
     assert backend.get_node_keys("stacks", ["n2"]) == {"n2": b"x" * 100_000}
     assert backend.get_state()[0] == b"state"  # the state is untouched
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v2"], indirect=True)  # etcd-v3: beats count with a lease
+def test_heartbeat_keys_are_each_nodes_own_and_leave_the_state_alone(backend):
+    assert backend.supports_heartbeat_keys
+    backend.set_state(b"state", None)
+    _, token = backend.get_state()
+    nodes = [f"n{i}" for i in range(6)]
+    for i, node in enumerate(nodes):
+        backend.put_heartbeat(node, 1000.0 + i)
+    backend.put_heartbeat("n0", 2000.5)  # overwritten in place, no compare
+    expected = {n: 1000.0 + i for i, n in enumerate(nodes)} | {"n0": 2000.5}
+    assert backend.get_heartbeats(nodes[:2]) == {"n0": 2000.5, "n1": 1001.0}  # a few (the monitor's read)
+    assert backend.get_heartbeats(nodes) == expected  # many (a join's read; etcd-v2: one directory read)
+    assert backend.get_heartbeats([]) == {}
+    data, token_after, beats = backend.get_state_and_heartbeats(nodes[3:])
+    assert (data, beats) == (b"state", {n: expected[n] for n in nodes[3:]})
+    assert token_after == token  # beats never write the state
+
+
+@pytest.mark.parametrize("backend", ["etcd-v2"], indirect=True)  # c10d: nodes in a state have a key by contract
+def test_a_node_without_a_heartbeat_key_is_left_out(backend):
+    backend.put_heartbeat("here", 5.0)
+    assert backend.get_heartbeats(["here", "gone"]) == {"here": 5.0}
+    assert backend.get_heartbeats([f"gone{i}" for i in range(8)] + ["here"]) == {"here": 5.0}
 
 
 def test_c10d_reader_writes_nothing():

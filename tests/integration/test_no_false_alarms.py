@@ -9,9 +9,10 @@ happen while the machine runs two busy processes per core (16 heartbeat interval
 nor when one agent is then frozen for 2 s (SIGSTOP, then SIGCONT) under that load.
 
 Every backend runs it: the running member's heartbeat takes a different path on
-each (c10d: a store key written every 0.375 s; etcd-v3: a raft write of its key;
-etcd-v2: a compare-and-set of the shared state), and etcd-v3 adds its presence
-lease. Checked by hand: with ``lost_after=1.5`` (below the freeze) the test fails
+each (c10d: a store key written every 0.375 s; etcd-v3: a raft put of its key;
+etcd-v2: a plain write of its key; it once was a compare-and-set of the shared
+state, and two beating agents' conflicts failed this test in 2 of ~7 runs), and
+etcd-v3 adds its presence lease. Checked by hand: with ``lost_after=1.5`` (below the freeze) the test fails
 at the freeze. The load alone did not cause a false alarm here even with
 ``lost_after=0.3`` (the kernel wakes a sleeping heartbeat thread ahead of busy
 loops), so the load phase guards the mechanism (a heartbeat written from its own

@@ -251,6 +251,45 @@ def test_lost_members(desc, state, expected):
     assert ops.lost_members(state, 2, ROUND, "a", S) == expected, desc
 
 
+@pytest.mark.parametrize("members, me, expected", [
+    ({"a"}, "a", ()),  # alone: nobody to judge
+    ({"a", "b"}, "a", ("b",)),  # 2 nodes: the other, once
+    ({"a", "b"}, "b", ("a",)),  # ... wrapping
+    ({"a", "b", "c"}, "c", ("a", "b")),  # 3 nodes: both others
+    ({"a", "b", "c", "d", "e"}, "b", ("c", "d")),  # the next two in sorted order
+    ({"a", "b", "c", "d", "e"}, "d", ("e", "a")),  # wrapping around the end
+    ({"a", "b", "c", "d", "e"}, "x", ()),  # not a member
+    ({f"n{i:04d}" for i in range(1024)}, "n1023", ("n0000", "n0001")),
+])
+def test_ring_neighbours(members, me, expected):
+    assert ops.ring_neighbours(frozenset(members), me) == expected
+
+
+def test_every_member_is_watched_by_two_others():
+    members = frozenset(f"10.0.0.{i}_1_0" for i in range(7))
+    watchers = {n: [m for m in members if n in ops.ring_neighbours(members, m)] for n in members}
+    assert all(len(w) == 2 and n not in w for n, w in watchers.items())
+
+
+@pytest.mark.parametrize(
+    "desc, beats, participants, watched, expected",
+    [
+        # a's monitor read only b's and c's keys: d's and e's stored heartbeats are as old as the round
+        ("unwatched members' stale stored beats are not a loss", dict(a=100, b=99.5, c=99.8, d=10, e=10),
+         "abcde", ("b", "c"), 0),
+        ("a watched member that lags (by more than 15 s) is lost", dict(a=100, b=80, c=99.8, d=10, e=10), "abcde", ("b", "c"), 1),
+        ("a watched member whose beat was not read at all is lost", dict(a=100, c=99.8), "abcde", ("b", "c"), 1),
+        ("an unwatched member that left the participants is still lost", dict(a=100, b=99.5, c=99.8),
+         "abce", ("b", "c"), 1),
+        ("watched None judges everyone (the old rule)", dict(a=100, b=99.5, c=99.8, d=10, e=10), "abcde", None, 2),
+    ],
+)
+def test_lost_members_judges_only_the_watched_beats(desc, beats, participants, watched, expected):
+    state = RendezvousState(round=2, complete=True, participants={n: i for i, n in enumerate(participants)},
+                            last_heartbeats={n: float(t) for n, t in beats.items()})
+    assert ops.lost_members(state, 2, frozenset("abcde"), "a", S, watched) == expected, desc
+
+
 @pytest.mark.parametrize(
     "desc, state, expected",
     [
@@ -454,3 +493,53 @@ def test_a_running_member_is_dead_after_lost_after_a_joiner_after_torchs_rule():
     forming = RendezvousState(round=2, complete=False, participants={"a": -1, "b": -1},
                               last_heartbeats={"a": 100.0, "b": 90.0})
     assert ops.dead_nodes(forming, s, 100.0) == []  # a joining participant: torch's 15 s
+
+
+class _CountingKeys:
+    """Wraps a ``KeyedHeartbeatBackend`` and records which heartbeat keys each read asked for."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.asked = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def get_state_and_heartbeats(self, nodes):
+        self.asked.append(("with the state", sorted(nodes)))
+        return self.backend.get_state_and_heartbeats(nodes)
+
+    def get_heartbeats(self, nodes):
+        self.asked.append(("alone", sorted(nodes)))
+        return self.backend.get_heartbeats(nodes)
+
+
+@pytest.mark.parametrize(
+    "desc, wait_list, stored, second_read",
+    [
+        ("a round running undisturbed: the state and 3 keys, nothing more", set(), {}, None),
+        ("a newcomer waits (stored beat stale): its key too", {"x"}, {"x": 50.0}, ["x"]),
+        ("a newcomer that just wrote the state: its stored beat is fresh", {"x"}, {"x": 99.0}, None),
+        ("a member rejoining long ago: its key too", {"e"}, {"e": 50.0}, ["e"]),
+    ],
+)
+def test_the_monitor_reads_its_neighbours_keys_and_only_the_waiting_nodes_besides(desc, wait_list, stored,
+                                                                                  second_read):
+    from elaunch.rendezvous.dynamic.reading import read_watched
+    from tests.unit.fakes import KeyedHeartbeatBackend
+
+    members = frozenset("abcdefgh")
+    beats = dict.fromkeys(members, 40.0) | stored  # stored in the state when the round formed
+    keys = KeyedHeartbeatBackend()
+    keys.put(RendezvousState(round=2, complete=True, participants={n: i for i, n in enumerate(sorted(members))},
+                             wait_list=wait_list, last_heartbeats=beats).to_bytes())
+    for n in sorted(members | wait_list):
+        keys.put_heartbeat(n, 99.5)
+    backend = _CountingKeys(keys)
+    watched = ("a", *ops.ring_neighbours(members, "a"))
+    state, _token = read_watched(backend, watched, members, fresh_after=100.0 - 3.0)
+    assert backend.asked[0] == ("with the state", ["a", "b", "c"]), desc
+    assert backend.asked[1:] == ([] if second_read is None else [("alone", second_read)]), desc
+    assert {n: state.last_heartbeats[n] for n in "abc"} == dict.fromkeys("abc", 99.5)
+    assert state.last_heartbeats["d"] == 40.0  # not read: as stored, and never judged
+    assert ops.lost_members(state, 2, members, "a", S, watched[1:]) == 0
+    assert ops.num_live_waiting(state, S, 100.0) == len(wait_list), desc

@@ -76,16 +76,15 @@ def test_bad_node_range_names_it():
         RendezvousSettings("job", 3, 2)
 
 
-@pytest.mark.parametrize("conf,default,lost,beat", [
-    ({}, 3.0, 3.0, 0.375),  # elaunch's default: a running member is lost after 3 s, beats every 0.375 s
-    ({"keep_alive_interval": 1}, 3.0, 3.0, 1.0),  # a torch key keeps torch's rule: 1 x 3
-    ({"keep_alive_max_attempt": 4}, 3.0, 20.0, 5.0),  # 5 x 4
-    ({"lost_after": 6}, 3.0, 6.0, 0.75),  # explicit
-    ({"lost_after": 2, "keep_alive_interval": 1}, 3.0, 2.0, 0.25),  # lost_after is the more specific key
-    ({}, None, 15.0, 5.0),  # etcd-v2's default: torch's rule
+@pytest.mark.parametrize("conf,lost,beat", [
+    ({}, 3.0, 0.375),  # elaunch's default (every backend): a running member is lost after 3 s, beats every 0.375 s
+    ({"keep_alive_interval": 1}, 3.0, 1.0),  # a torch key keeps torch's rule: 1 x 3
+    ({"keep_alive_max_attempt": 4}, 20.0, 5.0),  # 5 x 4
+    ({"lost_after": 6}, 6.0, 0.75),  # explicit
+    ({"lost_after": 2, "keep_alive_interval": 1}, 2.0, 0.25),  # lost_after is the more specific key
 ])
-def test_lost_after_is_elaunchs_rule_unless_a_torch_keep_alive_key_is_given(conf, default, lost, beat):
-    s = RendezvousSettings.from_params(params(**conf), default_lost_after=default)
+def test_lost_after_is_elaunchs_rule_unless_a_torch_keep_alive_key_is_given(conf, lost, beat):
+    s = RendezvousSettings.from_params(params(**conf))
     assert (s.member_lost_after, s.heartbeat_interval) == (lost, beat)
     assert s.dead_after == s.keep_alive_interval * s.keep_alive_max_attempt  # joining nodes: always torch's
 

@@ -33,7 +33,7 @@ from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.job_facts import JobFacts
-from elaunch.rendezvous.dynamic.reading import read_state
+from elaunch.rendezvous.dynamic.reading import read_watched
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -113,6 +113,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._stop_watch: Callable[[], None] | None = None
         self._current: RendezvousInfo | None = None
         self._members: frozenset[str] = frozenset()
+        self._watched: tuple[str, ...] = ()  # this node and the members whose heartbeats it judges
         self._cached: tuple[float, RendezvousState] | None = None
         self._declared_failure = False  # this node declared the job failed (fail_job)
 
@@ -176,7 +177,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if info is None:
             return
         state = self._cached[1] if self._cached is not None else self._executor.state
-        lost = ops.lost_members(state, info.round, self._members, self._node_id, s)
+        lost = ops.lost_members(state, info.round, self._members, self._node_id, s, self._watched[1:])
         alive = len(self._members) - lost
         if alive < s.min_nodes:
             log.warning("only %d of the job's nodes are left (--nnodes=%d:%d); waiting up to join_timeout=%g s "
@@ -216,6 +217,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             log.warning("round %d formed without %d node(s) of round %d: %s (left, stopped or lost)",
                         state.round, len(missing), self._current.round, ", ".join(missing))
         self._members = frozenset(state.participants)
+        self._watched = (self._node_id, *ops.ring_neighbours(self._members, self._node_id))
         nodes = state.ranked_nodes()
         self._start_heartbeats()
         stores = self._stores.setup_round(state.round, rank, world_size, nodes)
@@ -239,6 +241,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
     def _read(self) -> RendezvousState:
         """Read the state without touching the executor's cache; reuse a read younger than poll_interval.
 
+        The heartbeat keys read are this node's and its ring neighbours' (``reading.read_watched``):
+        O(1) keys per read, however many nodes the round has.
+
         Where the backend watches the state (etcd-v3), a write seen since the cached
         read makes it stale at once: another node's failure or verdict reaches the
         monitor at its next check, not ``poll_interval`` seconds later.
@@ -247,8 +252,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if self._cached is not None and not self._state_written and now - self._cached[0] < self._settings.poll_interval:
             return self._cached[1]
         self._state_written = False  # before the read: a write during it makes the next check read again
-        state, _token = read_state(self._backend, self._cached[1] if self._cached else self._executor.state,
-                                   self._clock() - self._settings.fresh_for)
+        state, _token = read_watched(self._backend, self._watched, self._members,
+                                     self._clock() - self._settings.fresh_for)
         self._cached = (now, state)
         if self._heartbeat_thread is not None and ops.should_answer_probe(state, self._node_id):
             self._beat_now.set()  # answer at once, not at the keep-alive thread's next tick
@@ -269,9 +274,12 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
     def num_nodes_lost(self) -> int:
         """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
 
-        A member is gone when it left or was pruned, or its heartbeat lags ours by
-        more than ``keep_alive_interval * keep_alive_max_attempt`` seconds (a dead
-        agent, a cut link). The read may be up to ``poll_interval`` seconds old.
+        A member is gone when it left or was pruned, the round was superseded, or,
+        for the members this node watches (the next ``ops.WATCHED_NEIGHBOURS`` in the
+        round's sorted member list), its heartbeat lags ours by more than
+        ``lost_after`` seconds (a dead agent, a cut link): the node that finds one
+        re-forms, and the others see it leave. The read may be up to ``poll_interval``
+        seconds old.
 
         Raises:
             RendezvousConnectionError: the backend is unreachable.
@@ -279,7 +287,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         info = self._current
         if info is None:
             return 0
-        return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings)
+        return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings,
+                                self._watched[1:])
 
     def num_nodes_new(self) -> int:
         """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).
@@ -438,9 +447,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         """Heart-beat every ``heartbeat_interval`` s (0.375 s by default), and at once when a waiting node probes.
 
-        With per-node heartbeat keys (c10d, etcd-v3) each beat is one write of this
-        node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
-        Otherwise (etcd-v2) a beat rewrites the shared state: probes are looked for
+        With per-node heartbeat keys (c10d, etcd-v2, etcd-v3) each beat is one write of
+        this node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
+        Otherwise (a backend without them) a beat rewrites the shared state: probes are looked for
         every ``probe_timeout / 4`` s in the (shared, cached) state read, so an agent
         busy stopping its workers still proves it is alive; a probe the monitor's
         read saw first is answered at once (``_beat_now``).

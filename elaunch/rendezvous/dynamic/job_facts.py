@@ -4,7 +4,7 @@ A mixin of :class:`~elaunch.rendezvous.dynamic.handler.DynamicRendezvousHandler`
 kept apart so the handler's module holds the rounds and this one the job: the
 restart count, the failure verdict and its acknowledgements, and stack-dump
 requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
-``_members``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
+``_members``, ``_watched``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
 ``_read()`` and ``_declared_failure`` (all set by the handler's ``__init__``).
 Stdlib only.
 """
@@ -45,7 +45,8 @@ class JobFacts:
         """Members of this node's round, besides itself, that ``state`` does not show as lost."""
         if self._current is None:
             return 0
-        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings)
+        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings,
+                                self._watched[1:])
         return max(0, len(self._members) - 1 - lost)
 
     def _update_job(self, transform) -> RendezvousState:

@@ -375,13 +375,35 @@ def new_nodes(state: RendezvousState, round: int, members: frozenset[str], setti
     return sum(1 for n in joining - members if n not in dead)
 
 
+#: Members after it in its round's sorted member list whose heartbeats a running member judges.
+WATCHED_NEIGHBOURS = 2
+
+
+def ring_neighbours(members: frozenset[str] | set[str], me: str, count: int = WATCHED_NEIGHBOURS) -> tuple[str, ...]:
+    """Return the ``count`` members after ``me`` in sorted order, wrapping around (pure).
+
+    Each running member judges the heartbeats of these only, so its monitor reads
+    O(1) keys however large the round: every member is judged by the ``count``
+    members before it, and a node that finds one lost re-forms, which every other
+    member sees in the state (it leaves the participants; the round is superseded).
+    Fewer in a smaller round (2 nodes: the other; 3: both others); none when ``me``
+    is alone or not a member.
+    """
+    ring = sorted(members)
+    if me not in ring:
+        return ()
+    i = ring.index(me)
+    return tuple(ring[(i + k) % len(ring)] for k in range(1, min(count, len(ring) - 1) + 1))
+
+
 def lost_members(state: RendezvousState, round: int, members: frozenset[str], me: str,
-                 settings: RendezvousSettings) -> int:
+                 settings: RendezvousSettings, watched: tuple[str, ...] | None = None) -> int:
     """Return how many nodes of ``me``'s running round are gone (pure).
 
     A member is gone when it left the participants (it is rejoining, or was pruned),
-    when the round was superseded (a state of an older round is stale, not a loss), or when its last heartbeat lags ``me``'s own by
-    more than ``settings.member_lost_after`` seconds (``lost_after``, 3 s by default).
+    when the round was superseded (a state of an older round is stale, not a loss),
+    or, if it is ``watched``, when its last heartbeat lags ``me``'s own by more than
+    ``settings.member_lost_after`` seconds (``lost_after``, 3 s by default).
     Measuring the lag against our own heartbeat (not the clock) means an outage of
     the backend, after which every heartbeat is old, does not make everyone look
     dead. A closed rendezvous (the job is ending) loses nobody.
@@ -389,6 +411,9 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
     Args:
         state: the stored state.
         round: the round ``me`` joined; members: its participants then.
+        watched: the members whose heartbeats ``state`` holds fresh (the monitor
+            reads only ``ring_neighbours``' keys); None: every member's. The
+            others' stored heartbeats may be as old as the round: never judged.
     """
     if state.closed or not members:
         return 0
@@ -398,9 +423,11 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
         return max(1, len(members - {me} - set(state.participants)))
     mine = state.last_heartbeats.get(me)
     lost = 0
+    judged = members if watched is None else frozenset(watched)
     for node in members - {me}:
         if node not in state.participants:
             lost += 1
-        elif mine is not None and mine - state.last_heartbeats.get(node, 0.0) > settings.member_lost_after:
+        elif (node in judged and mine is not None
+              and mine - state.last_heartbeats.get(node, 0.0) > settings.member_lost_after):
             lost += 1
     return lost

@@ -5,12 +5,14 @@ the stored blob and its token and decode it. Where heartbeats live in per-node
 keys (``RendezvousBackend.supports_heartbeat_keys``) they are read in the same
 round trip and laid over the state; where the backend keeps an intent log
 (``supports_intents``) a batched join reads the round's log with it. The
-executor, the batched join and the handler's monitor all read through here.
+executor, the batched join and the handler's monitor all read through here; the
+monitor reads only its ring neighbours' heartbeat keys (:func:`read_watched`).
 Stdlib only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from elaunch.rendezvous.dynamic import merge
@@ -42,6 +44,41 @@ def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
         return _decode(data), token
     data, token, heartbeats = backend.get_state_and_heartbeats(_nodes(known))
     return fold_all_heartbeats(backend, _decode(data), heartbeats, fresh_after), token
+
+
+def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Collection[str],
+                 fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
+    """The running member's monitor read: the state with the heartbeat keys of ``watched`` only.
+
+    ``watched`` is the node itself and its ring neighbours (``ops.ring_neighbours``),
+    so the read is of O(1) keys however large the round (c10d: one ``multi_get`` of
+    the state and 3 keys). The other members keep the heartbeat stored in the state,
+    as old as its last write: callers judge only ``watched``'s (``ops.lost_members``).
+    Nodes the monitor's other rules judge (``ops.num_live_waiting``,
+    ``ops.new_nodes``) -- the wait and redundancy lists and nodes outside
+    ``members`` -- get their keys read in a second round trip when their stored
+    heartbeat is older than ``fresh_after`` (none while a round runs undisturbed).
+
+    Args:
+        backend: where the state lives.
+        watched: the nodes whose heartbeat keys are read with the state.
+        members: the nodes of the caller's running round.
+        fresh_after: as in :func:`read_state`.
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+        RendezvousStateError: the stored state is corrupt.
+    """
+    if not backend.supports_heartbeat_keys:
+        data, token = backend.get_state()
+        return _decode(data), token
+    data, token, heartbeats = backend.get_state_and_heartbeats(list(watched))
+    state = _decode(data)
+    judged = state.wait_list | state.redundancy_list | (set(state.last_heartbeats) - set(members))
+    missing = sorted(n for n in judged if n not in heartbeats and state.last_heartbeats.get(n, fresh_after) < fresh_after)
+    if missing:
+        heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}
+    return merge.fold_heartbeats(state, heartbeats), token
 
 
 @dataclass(frozen=True)

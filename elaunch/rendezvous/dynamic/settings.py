@@ -130,19 +130,18 @@ class RendezvousSettings:
         return min(self.keep_alive_interval, self.member_lost_after)
 
     @classmethod
-    def from_params(cls, params: RendezvousParameters,
-                    default_lost_after: float | None = DEFAULT_LOST_AFTER) -> RendezvousSettings:
+    def from_params(cls, params: RendezvousParameters) -> RendezvousSettings:
         """Read the settings from ``params`` and its ``--rdzv-conf`` keys.
 
-        ``default_lost_after``: ``lost_after`` (seconds) when neither it nor a torch
-        keep-alive key is given; None keeps torch's rule (etcd-v2 passes None).
+        ``lost_after`` is :data:`DEFAULT_LOST_AFTER` when neither it nor a torch
+        keep-alive key is given (on every backend).
 
         Raises:
             RendezvousConfigError: a value is not a positive number, or the node
                 bounds are inconsistent; the message names the key and value.
         """
         d = cls.__dataclass_fields__
-        lost_after = default_lost_after
+        lost_after: float | None = DEFAULT_LOST_AFTER
         if params.get("lost_after") is not None:
             lost_after = params.get_as_seconds("lost_after", DEFAULT_LOST_AFTER)
         elif params.get("keep_alive_interval") is not None or params.get("keep_alive_max_attempt") is not None:

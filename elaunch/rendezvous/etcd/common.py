@@ -6,8 +6,8 @@ through :class:`FailoverKV`; ``etcd.handler`` builds the dynamic rendezvous on i
 (:class:`EtcdStateBackend`, :class:`EtcdRoundStores`, :func:`build_handler`).
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,
-JSON), ``nodes/{node_id}`` (v3 presence keys on leases), ``round/{n}/master_endpoint``
-and ``round/{n}/exit_barrier``.
+JSON), ``heartbeat/{node_id}`` (each node's heartbeat, its own key), ``nodes/{node_id}``
+(v3 presence keys on leases), ``round/{n}/master_endpoint`` and ``round/{n}/exit_barrier``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ with ``--enable-v2``; etcd 3.6 removed it: use ``etcd-v3`` there.
 
 The state lives in ``{etcd_prefix}/{run_id}/state`` (base64 JSON, TTL ``ttl``
 seconds, refreshed by every write), compared on its ``modifiedIndex``; waiting
-agents long-poll it (``?wait=true``) instead of re-reading. Reach this module
-through ``elaunch.rendezvous.registry`` only: it imports python-etcd.
+agents long-poll it (``?wait=true``) instead of re-reading. Each node's heartbeat
+is its own key ``{etcd_prefix}/{run_id}/heartbeat/{node}`` (its time as text, a
+plain write with the same TTL), so two beating nodes never contend for the state.
+Reach this module through ``elaunch.rendezvous.registry`` only: it imports python-etcd.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import http.client
 from base64 import b64decode, b64encode
 from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
@@ -29,7 +32,11 @@ from elaunch.rendezvous.etcd.common import (
     import_client,
     parse_conf,
 )
-from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, build_handler
+from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
+
+#: A heartbeat read of at most this many nodes reads their keys one by one (the
+#: monitor's: its own and its ring neighbours'); more read the directory at once.
+KEYS_READ_ONE_BY_ONE = 4
 
 
 class EtcdV2KV(FailoverKV):
@@ -102,6 +109,37 @@ class EtcdV2KV(FailoverKV):
 
         return self.call(self._hint(f"writing {key}"), op)
 
+    def put_text(self, key: str, text: str) -> None:
+        """Write ``text`` to ``key`` unconditionally (TTL ``conf.ttl``): one request, no compare."""
+        self.call(self._hint(f"writing {key}"), lambda client: client.write(key, text, ttl=self.conf.ttl))
+
+    def get_texts(self, keys: Sequence[str]) -> dict[str, str]:
+        """Read ``keys`` one request each; a missing key is left out."""
+        def op(client: Any) -> dict[str, str]:
+            out: dict[str, str] = {}
+            for key in keys:
+                try:
+                    out[key] = client.read(key).value
+                except self._etcd.EtcdKeyNotFound:
+                    continue
+            return out
+
+        return self.call(self._hint(f"reading {len(keys)} key(s)"), op)
+
+    def get_dir(self, directory: str) -> dict[str, str]:
+        """Read every key under ``directory`` in one recursive request: ``{name after the directory: text}``."""
+        prefix = directory.rstrip("/") + "/"
+
+        def op(client: Any) -> dict[str, str]:
+            try:
+                result = client.read(prefix.rstrip("/"), recursive=True)
+            except self._etcd.EtcdKeyNotFound:
+                return {}
+            return {r.key[len(prefix):]: r.value for r in result.leaves
+                    if not r.dir and r.key.startswith(prefix) and r.value is not None}
+
+        return self.call(self._hint(f"reading {directory}"), op)
+
     def wait(self, key: str, token: Token | None, timeout: float) -> None:
         """Long-poll ``key`` for a change after index ``token``; return after ``timeout`` s at most."""
         try:
@@ -111,6 +149,58 @@ class EtcdV2KV(FailoverKV):
             self._client().read(key, **kwargs)
         except Exception:  # noqa: BLE001 - a wait only shortens polling; the next read reports errors
             pass
+
+
+class EtcdV2StateBackend(EtcdStateBackend):
+    """The state key plus per-node heartbeat keys ``{base}/heartbeat/{node}`` (like c10d's and etcd-v3's).
+
+    A heartbeat is one unconditional write of the node's own key (TTL ``ttl``, far
+    longer than any liveness rule; it expires ``ttl`` s after the node's last beat,
+    so the keys a job leaves are bounded by its nodes). Reading a few nodes' beats
+    (the monitor's: itself and its ring neighbours) costs a request per key; more
+    (a join, ``elaunch status``) read the directory in one recursive request.
+
+    Args:
+        kv: the client.
+        key: the state key (``{base}/state``).
+    """
+
+    def __init__(self, kv: EtcdV2KV, key: str, name: str = "etcd-v2") -> None:
+        super().__init__(kv, key, name)
+        self._beats = f"{key.rpartition('/')[0]}/heartbeat"
+
+    @property
+    def supports_heartbeat_keys(self) -> bool:
+        return True
+
+    @property
+    def cheap_heartbeats(self) -> bool:
+        return False  # a raft write: beat at heartbeat_interval, no faster
+
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        assert isinstance(self.kv, EtcdV2KV)
+        self.kv.put_text(f"{self._beats}/{node_id}", repr(at))
+
+    def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
+        assert isinstance(self.kv, EtcdV2KV)
+        if not nodes:
+            return {}
+        if len(nodes) <= KEYS_READ_ONE_BY_ONE:
+            found = {k.rpartition("/")[2]: v for k, v in self.kv.get_texts([f"{self._beats}/{n}" for n in nodes]).items()}
+        else:
+            found = self.kv.get_dir(self._beats)
+        out: dict[str, float] = {}
+        for node in nodes:
+            try:
+                out[node] = float(found[node])
+            except (KeyError, TypeError, ValueError):
+                continue  # none (yet) or not ours: the state's own heartbeat stands
+        return out
+
+    def get_state_and_heartbeats(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, dict[str, float]]:
+        # two requests (the v2 API has no multi-key read): the state first, so no beat read is older than it
+        data, token = self.get_state()
+        return data, token, self.get_heartbeats(nodes)
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -127,11 +217,9 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     if params.get("timeout") is not None and "join_timeout" not in params.config:
         params = replace(params, config={**params.config, "join_timeout": params.config["timeout"]})
     conf = parse_conf(params)
-    kv = EtcdV2KV(conf, params.backend or "etcd-v2")
-    # torch's liveness rule by default (15 s): here a heartbeat is a compare-and-set of the one
-    # shared state, which under full CPU load was seen to stall past lost_after's 3 s (a false
-    # alarm in tests/integration/test_no_false_alarms.py); conf lost_after opts in
-    settings = RendezvousSettings.from_params(params, default_lost_after=None)
-    return build_handler(params, conf, kv, params.backend or "etcd-v2", settings=settings)
+    name = params.backend or "etcd-v2"
+    kv = EtcdV2KV(conf, name)
+    backend = EtcdV2StateBackend(kv, f"{conf.prefix}/{params.run_id}/state", name)
+    return build_handler(params, conf, kv, name, backend=backend, settings=RendezvousSettings.from_params(params))
 
 

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT = 5.0
 #: Default ``poll_interval`` of etcd-v3 (seconds): watches wake waiting agents on changes.
 DEFAULT_POLL_INTERVAL = 1.0
+#: A state read with the heartbeats of at most this many nodes reads their keys one by one
+#: in its transaction (the monitor's: itself and its ring neighbours); more read the prefixes.
+FEW_NODES = 4
 
 
 class EtcdV3KV(FailoverKV):
@@ -144,6 +147,23 @@ class EtcdV3KV(FailoverKV):
                 return None, None, found
             value, meta = state[0]
             return bytes(value), int(meta.mod_revision), found
+
+        return self.call(f"reading {key}", op)
+
+    def read_keys(self, key: str, keys: list[str]) -> tuple[bytes | None, Token, dict[str, bytes]]:
+        """Read ``key`` and each of ``keys`` (single keys) in one transaction; a missing key is left out.
+
+        Returns:
+            ``(value, mod_revision, {key: value})``.
+        """
+        def op(client: Any) -> tuple[bytes | None, Token, dict[str, bytes]]:
+            tx = client.transactions
+            _ok, (state, *found) = client.transaction([], [tx.get(key), *(tx.get(k) for k in keys)], [])
+            values = {k: bytes(items[0][0]) for k, items in zip(keys, found) if items}
+            if not state:
+                return None, None, values
+            value, meta = state[0]
+            return bytes(value), int(meta.mod_revision), values
 
         return self.call(f"reading {key}", op)
 
@@ -306,8 +326,22 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return self.kv.watch_forever(self.key, on_change)  # every node's, in one range read
 
     def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
-        data, token, _log, _pos, beats = self._read(None)
-        return data, token, beats
+        if len(nodes) > FEW_NODES:
+            data, token, _log, _pos, beats = self._read(None)
+            return data, token, beats
+        # a few nodes (the monitor's: itself and its ring neighbours): their presence and
+        # heartbeat keys, not every node's; only those are judged by their presence
+        assert isinstance(self.kv, EtcdV3KV)
+        keys = {n: (f"{self.nodes_prefix}{n}", f"{self._base}heartbeat/{n}") for n in nodes}
+        data, token, found = self.kv.read_keys(self.key, [k for pair in keys.values() for k in pair])
+        alive = {n for n, (presence, _beat) in keys.items() if presence in found}
+        beats: dict[str, float] = {}
+        for n in alive:
+            try:
+                beats[n] = float(found[keys[n][1]])
+            except (KeyError, ValueError):
+                continue
+        return self._zero_dead(data, alive, judged=set(nodes)), token, beats
 
     @property
     def supports_intents(self) -> bool:
@@ -361,14 +395,15 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return self._zero_dead(data, alive), token
 
     @staticmethod
-    def _zero_dead(data: bytes | None, alive: set[str]) -> bytes | None:
+    def _zero_dead(data: bytes | None, alive: set[str], judged: set[str] | None = None) -> bytes | None:
+        """The state with the heartbeat of each node (of ``judged``; None: all) not in ``alive`` set to 0."""
         if data is None:
             return None
         try:
             state = RendezvousState.from_bytes(data)
         except RendezvousStateError:
             return data  # not a state: the executor reports it when it decodes it
-        gone = [n for n in state.last_heartbeats if n not in alive]
+        gone = [n for n in state.last_heartbeats if n not in alive and (judged is None or n in judged)]
         if not gone:
             return data
         for node in gone:
