@@ -495,6 +495,16 @@ def test_a_running_member_is_dead_after_lost_after_a_joiner_after_torchs_rule():
     assert ops.dead_nodes(forming, s, 100.0) == []  # a joining participant: torch's 15 s
 
 
+def test_a_member_of_a_round_that_ran_is_dead_after_lost_after_once_the_next_round_forms():
+    """A survivor that found its neighbour lost starts round 3; a third member's failure probe judges round 2."""
+    s = RendezvousSettings("job", 1, 4, lost_after=3.0)
+    reforming = RendezvousState(round=3, complete=False, participants={"a": -1},
+                                last_heartbeats={"a": 100.0, "c": 99.9, "f": 96.5})
+    assert ops.dead_nodes(reforming, s, 100.0) == []  # f is judged as a joiner: torch's 15 s
+    assert ops.dead_nodes(reforming, s, 100.0, members={"c", "f"}) == ["f"]  # it ran round 2 with c
+    assert ops.dead_nodes(reforming, s, 100.0, members={"c", "f"}, exclude="f") == []
+
+
 class _CountingKeys:
     """Wraps a ``KeyedHeartbeatBackend`` and records which heartbeat keys each read asked for."""
 

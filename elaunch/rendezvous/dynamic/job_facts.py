@@ -91,7 +91,9 @@ class JobFacts:
         def pending(state: RendezvousState) -> list[str]:
             if state.job_failed:
                 return []
-            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
+            # ``others`` ran ``round`` (complete): a silent one is dead after lost_after, also when
+            # the state already moved on to an incomplete next round
+            dead = set(ops.dead_nodes(state, self._settings, self._clock(), members=others))
             alive, gone = job.answers(state, round, others, since, dead)
             seen.update(alive)
             now = time.monotonic()

@@ -15,6 +15,7 @@ are seconds since the epoch (``time.time()``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 import enum
 from dataclasses import dataclass
 
@@ -92,7 +93,8 @@ class OpContext:
     started: float = 0.0
 
 
-def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float, exclude: str = "") -> list[str]:
+def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float, exclude: str = "",
+               members: Collection[str] = ()) -> list[str]:
     """Return the ids (sorted) of the nodes that count as dead.
 
     Dead: the last heartbeat is older than ``settings.dead_after`` seconds (torch's
@@ -100,14 +102,18 @@ def dead_nodes(state: RendezvousState, settings: RendezvousSettings, now: float,
     ``settings.probe_timeout`` seconds old: every live agent answers a probe at once.
     A participant of a complete round (its agent runs a keep-alive thread, beating
     every ``settings.heartbeat_interval`` s) is dead after ``settings.member_lost_after``
-    seconds already (``lost_after``, 3 s by default), as :func:`lost_members` judges it.
+    seconds already (``lost_after``, 3 s by default), as :func:`lost_members` judges it;
+    so are ``members``, the nodes of a round the caller knows ran (complete), even once
+    the state moved on to a next round that is not complete yet (another member
+    re-formed after it found one of them lost).
     """
     expire = now - settings.dead_after
     if state.probe_at is not None and now > state.probe_at + settings.probe_timeout:
         expire = max(expire, state.probe_at)
-    member_expire = max(expire, now - settings.member_lost_after) if state.complete else expire
+    member_expire = max(expire, now - settings.member_lost_after)
+    running = set(members) | (set(state.participants) if state.complete else set())
     return sorted(n for n, t in state.last_heartbeats.items()
-                  if n != exclude and t < (member_expire if n in state.participants else expire))
+                  if n != exclude and t < (member_expire if n in running else expire))
 
 
 def num_live_waiting(state: RendezvousState, settings: RendezvousSettings, now: float) -> int:
