@@ -7,6 +7,13 @@ or verdict published by another node, stack-dump requests), hangs
 (``--hang-timeout``), workers stuck in the kernel. :class:`GroupMonitor` only
 observes and returns a :class:`~elaunch.agent.decide.Verdict`; the agent owns
 what follows (stopping, restarting, counting).
+
+Between checks it sleeps on the workers' pidfds and the wake pipe (signals
+included), so an idle agent costs nothing: it wakes every ``--monitor-interval``
+only for what can change without a child exiting (:meth:`GroupMonitor.polls`) —
+the rendezvous where other nodes may join, leave or publish the job's facts,
+``--hang-timeout``'s progress counters, the D-state watch. A standalone or
+static job with neither watch wakes only when a worker exits or a signal comes.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class GroupMonitor:
         """
         self.stuck = {}
         ranks = {w.local_rank: w.global_rank for w in group.workers}
+        timeout = self._interval if self.polls() else None
         while True:
             codes = procs.poll()
             if self._stuck_watch is not None and self._found_stuck(procs, group, codes):
@@ -128,11 +136,28 @@ class GroupMonitor:
                             job.failure.host, job.failure.rank)
             if verdict is not Verdict.RUNNING:
                 return verdict
-            procs.wait(self._interval)
+            procs.wait(timeout if self._errors_loaded else self._interval)
             if not self._errors_loaded:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def polls(self) -> bool:
+        """True when something must be looked at every ``interval`` seconds, not only on a child's exit.
+
+        That is: a rendezvous whose membership or job facts can change while the
+        group runs (``can_reform()``, or one that keeps job state: other nodes'
+        failures and verdicts, stack-dump requests from ``elaunch status``),
+        ``--hang-timeout`` > 0, or the D-state watch. Standalone and static
+        rendezvous have neither membership changes nor job state: torch's agent
+        polls their ``num_nodes_waiting`` (always 0) every ``monitor_interval``.
+        """
+        if self._hangs.watch.hang_timeout > 0 or self._stuck_watch is not None or self._rdzv.can_reform():
+            return True
+        try:
+            return self._rdzv.job_state() is not None
+        except RendezvousError:
+            return True  # it has job state, only unreadable now
 
     def _found_stuck(self, procs: WorkerProcesses, group: WorkerGroup, codes: dict[int, int | None]) -> bool:
         """``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``: True (and logged) when a running worker is stuck in D state."""
