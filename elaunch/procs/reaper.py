@@ -44,8 +44,10 @@ class Reaper:
     def _send(self, text: str) -> None:
         if self._wfd is None:
             return
+        data = memoryview(text.encode("ascii"))
         try:
-            os.write(self._wfd, text.encode("ascii"))
+            while data:  # a signal handler can cut a long write short
+                data = data[os.write(self._wfd, data):]
         except OSError as exc:  # the watchdog died: workers are no longer protected
             log.warning("reaper %d is gone (%s); workers will not be reaped if the agent is killed", self.pid, exc)
             self._close_fd()

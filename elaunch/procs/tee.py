@@ -23,6 +23,17 @@ try:
     import inotify_simple
 except ImportError:  # not installed, or not Linux: poll instead
     inotify_simple = None
+else:
+    if getattr(inotify_simple, "_libc", False) is None:
+        # The library finds libc on first use with ctypes.util.find_library, which
+        # execs `ldconfig -p`: on the agent's start path, once per agent. This
+        # process's own libc (the handle workers.py uses for prctl) is the same one.
+        import ctypes
+
+        try:
+            inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            pass
 
 log = logging.getLogger(__name__)
 
