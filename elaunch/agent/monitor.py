@@ -75,9 +75,12 @@ class GroupMonitor:
     def watch(self, procs: WorkerProcesses, group: WorkerGroup, logs: AttemptLogs, log_root: str | None) -> Verdict:
         """Block until the group is no longer RUNNING; return why.
 
-        Child exits wake this at once. Every ``interval`` seconds it also reads the
-        job's shared state (the same read as the waiting count): a job declared
-        failed on another node ends the group here too.
+        Child exits and handled signals wake this at once. When :meth:`polls`, it
+        also looks every ``interval`` seconds: at the job's shared state (the same
+        read as the waiting count; a job declared failed on another node ends the
+        group here too), the progress counters, the D-state watch. Otherwise it
+        sleeps until a child exits (after one first ``interval``, which loads what
+        a failure will need).
 
         Args:
             procs: the attempt's running workers.

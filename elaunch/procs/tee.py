@@ -19,25 +19,36 @@ import select
 import threading
 from typing import TextIO
 
-try:
-    import inotify_simple
-except ImportError:  # not installed, or not Linux: poll instead
-    inotify_simple = None
-else:
-    if getattr(inotify_simple, "_libc", False) is None:
-        # The library finds libc on first use with ctypes.util.find_library, which
-        # execs `ldconfig -p`: on the agent's start path, once per agent. This
-        # process's own libc (the handle workers.py uses for prctl) is the same one.
-        import ctypes
-
-        try:
-            inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            pass
-
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.05  # seconds between looks at the followed files, where inotify is unavailable
+_inotify_simple = None  # the module once imported; False: not available
+
+
+def inotify_lib():
+    """Return the ``inotify_simple`` module, or None where it cannot be imported.
+
+    Imported on the first follow, after the first workers were started, not with
+    the agent (a few ms). The library finds libc on first use with
+    ``ctypes.util.find_library``, which execs ``ldconfig -p``: it is handed this
+    process's own libc instead (the handle ``workers.py`` uses for prctl).
+    """
+    global _inotify_simple
+    if _inotify_simple is None:
+        try:
+            import inotify_simple
+        except ImportError:  # not installed, or not Linux: poll instead
+            _inotify_simple = False
+        else:
+            if getattr(inotify_simple, "_libc", False) is None:
+                import ctypes
+
+                try:
+                    inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
+                except OSError:
+                    pass
+            _inotify_simple = inotify_simple
+    return _inotify_simple or None
 
 
 class _Follow:
@@ -81,6 +92,7 @@ def _watcher(paths: list[str]):
     A directory watch also sees a file created after it was added, and writes to
     any file in it (``IN_MODIFY``).
     """
+    inotify_simple = inotify_lib()
     if inotify_simple is None:
         return None
     try:

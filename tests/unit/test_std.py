@@ -159,7 +159,7 @@ def test_tee_copies_lines_while_running_and_a_late_file(tmp_path, use_inotify):
     tee = Tee([(str(early), dst, "a:"), (str(late), dst, "b:")], interval=0.01, use_inotify=use_inotify).start()
     try:
         if use_inotify:
-            assert tee_module.inotify_simple is not None, "inotify_simple is a dependency: pip install -e ."
+            assert tee_module.inotify_lib() is not None, "inotify_simple is a dependency: pip install -e ."
         assert tee.mode == ("inotify" if use_inotify else "poll")
         wait_for(lambda: dst.getvalue() == "a:before\n", 10, what="the line written before start")
         with open(early, "a") as f:
