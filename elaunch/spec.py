@@ -56,8 +56,11 @@ class WorkerSpec:
         cmd: argv of one worker, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
             Occurrences of ``${local_rank}`` are replaced per worker.
         max_restarts: failed-group restarts allowed before the agent gives up (>= 0).
-        monitor_interval: seconds between the agent's checks of the rendezvous for
-            waiting nodes (workers' exits wake the agent at once regardless).
+        monitor_interval: seconds between the agent's checks of what can change while
+            the workers run: a dynamic rendezvous (waiting or lost nodes, the job's
+            facts), progress counters (``--hang-timeout``), D state. Workers' exits
+            and signals wake the agent at once regardless; with none of those checks
+            (standalone, static) it sleeps until then.
         master_addr: fixed MASTER_ADDR for the workers, or None to take the one the
             rendezvous publishes.
         master_port: fixed MASTER_PORT, or None to take the rendezvous' one.

@@ -9,7 +9,6 @@ decisions live in ``decide.py``; this module observes and applies them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import signal
@@ -17,13 +16,14 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 
-from elaunch.agent.decide import Step, Verdict, judge
+from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
 from elaunch.agent.hang_response import HangResponse
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
+from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.agent.stuck import UninterruptibleWatch, stuck_failures, timeout_from_env
@@ -31,7 +31,6 @@ from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
 from elaunch.rendezvous.api import (
     FailureRecord,
     RendezvousClosedError,
-    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousJobFailedError,
@@ -109,7 +108,6 @@ class ElasticAgent:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
         self._launcher = WorkerLauncher(logs, env_opts.run_id, warm_modules, fork_target=fork_target)
-        self._errors_loaded = False
         self._procs: WorkerProcesses | None = None
         self._exits_told: WorkerProcesses | None = None  # the procs whose exits are in the event log
         self._group: WorkerGroup | None = None
@@ -120,7 +118,7 @@ class ElasticAgent:
         self._file_timer = None
         stuck_after = timeout_from_env(self._base_env)
         self._stuck_watch = UninterruptibleWatch(stuck_after) if stuck_after else None
-        self._stuck: dict[int, float] = {}  # local rank -> seconds in D state, when the group ends for that
+        self._monitor: GroupMonitor | None = None  # made in run(), with the hang response and the event log
         self._echo = event_echo(event_log_handler)
         self._events = AgentEvents(None, "", self._hostname, spec.max_restarts)  # run() opens the real one
 
@@ -147,6 +145,8 @@ class ElasticAgent:
                                    node, self._hostname, self._spec.max_restarts, self._echo)
         watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
         self._hangs = HangResponse(watch, self._rdzv, self._hostname)
+        self._monitor = GroupMonitor(self._rdzv, self._job, self._hangs, self._events, self._spec.monitor_interval,
+                                     self._stuck_watch)
         self._start_file_timer()
         try:
             result = self._invoke_run()
@@ -231,7 +231,7 @@ class ElasticAgent:
                 # INIT -> FAILED: the workers cannot even start; no restart fixes that
                 return self._unstartable(info, exc, restarts)
             attempt += 1
-            verdict = self._monitor()
+            verdict = self._monitor.watch(self._procs, group, self._attempt_logs, self.log_root)
             if verdict is Verdict.SUCCEEDED:
                 return self._succeeded(group, restarts)
             # which workers failed is fixed now; their error files are read once the rest
@@ -248,10 +248,10 @@ class ElasticAgent:
                 group.state = WorkerState.STOPPED
                 self._reform_event(restarts)
                 continue
-            if self._stuck:
+            if self._monitor.stuck:
                 # HEALTHY -> FAILED: a worker stuck in the kernel; a restart beside it would fight it
-                failures = stuck_failures(group.workers, self._stuck, self._procs.poll(), self._stuck_watch.timeout,
-                                          self._hostname)
+                failures = stuck_failures(group.workers, self._monitor.stuck, self._procs.poll(),
+                                          self._stuck_watch.timeout, self._hostname)
                 return self._fail_at_once(info, failures, restarts)
             hangs = self._hangs
             failures = {**self._failures(group, *exited), **hangs.hung}
@@ -302,7 +302,7 @@ class ElasticAgent:
     def _reform_event(self, restarts: int) -> None:
         """The ``restart`` event of a re-form: the job's restart when the round failed on another node."""
         job = self._job.state
-        if self._failed_elsewhere(job):  # the reporting node counts it: the job's count is known once re-formed
+        if failed_elsewhere(job, self._group.round):  # the reporting node counts it: the job's count is known once re-formed
             self._events.restart_after_rendezvous(job.failure)
         else:
             self._events.restart(False, restarts, "membership")
@@ -383,93 +383,6 @@ class ElasticAgent:
             group.master_port,
         )
         return group
-
-    def _monitor(self) -> Verdict:
-        """Wait until the group is no longer RUNNING; child exits wake this at once.
-
-        Every ``monitor_interval`` seconds it also reads the job's shared state (the
-        same read as the waiting count): a job declared failed on another node ends
-        the group here too.
-        """
-        interval = self._spec.monitor_interval
-        while True:
-            codes = self._procs.poll()
-            if self._stuck_watch is not None and self._found_stuck(codes):
-                return Verdict.FAILED
-            job = self._job.read()
-            self._hangs.answer(job, self._procs.pids, self.log_root,
-                               {w.local_rank: w.global_rank for w in self._group.workers})
-            hung = self._hangs.watch.hung(codes)
-            if hung and self._recorded_an_error(hung):
-                # HEALTHY -> FAILED: quiet because it is failing (it raised and is still exiting), not hung
-                return Verdict.FAILED
-            verdict = judge(codes, 0, job_failed=job.failed, hung=hung)
-            if hung and verdict is Verdict.FAILED:
-                self._hangs.on_hang(hung, self._group.workers, self.log_root, self._procs.notify)
-                self._events.hang(self._hangs.hung, self._hangs.culprit)
-                return verdict
-            if verdict is Verdict.FAILED:
-                new = self._new_nodes()
-                verdict = judge(codes, 0, new)
-                if verdict is Verdict.MEMBERSHIP_CHANGE:
-                    log.warning(
-                        "workers exited (%s) while %d new node(s) joined; re-forming the group"
-                        " (a scale-up, not counted as a restart)", describe_exits(codes), new,
-                    )
-            elif verdict is Verdict.RUNNING and self._failed_elsewhere(job):
-                verdict = judge(codes, 0, round_failed=True)
-                log.warning("round %d failed on %s (rank %d, reported through the rendezvous); stopping this "
-                            "node's workers to re-form the group", job.failure.round, job.failure.host,
-                            job.failure.rank)
-            elif verdict is Verdict.RUNNING:
-                waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
-                verdict = judge(codes, waiting + lost)
-                if verdict is Verdict.MEMBERSHIP_CHANGE:
-                    log.warning(
-                        "membership changed (%d node(s) waiting to join, %d lost); re-forming the group"
-                        " (not counted as a restart)", waiting, lost,
-                    )
-            elif verdict is Verdict.JOB_FAILED and job.failure is not None:
-                log.warning("the job failed on %s (rank %d); stopping this node's workers",
-                            job.failure.host, job.failure.rank)
-            if verdict is not Verdict.RUNNING:
-                return verdict
-            self._procs.wait(interval)
-            if not self._errors_loaded:
-                # needed at the next failure: load it now that the workers are up, not on the restart's clock
-                importlib.import_module("elaunch.errors")
-                self._errors_loaded = True
-
-    def _found_stuck(self, codes: dict[int, int | None]) -> bool:
-        """``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``: True (and logged) when a running worker is stuck in D state."""
-        self._stuck = self._stuck_watch.stuck({lr: pid for lr, pid in self._procs.pids.items() if codes.get(lr) is None})
-        if self._stuck:
-            self._events.hang({self._group.workers[lr].global_rank: dwell for lr, dwell in self._stuck.items()},
-                              None, stuck=True)
-        for lr, dwell in sorted(self._stuck.items()):
-            log.error("worker pid=%d (local rank %d) stuck in uninterruptible sleep (D state) for %.1f s (>= %g s); "
-                      "the job ends without restarts", self._procs.pids[lr], lr, dwell, self._stuck_watch.timeout)
-        return bool(self._stuck)
-
-    def _failed_elsewhere(self, job) -> bool:
-        """True when another node reported a failure of this node's running round (``job``: a ``JobState``)."""
-        f = job.failure
-        # a hung rank that only waited on a peer (blocked) yields to a better root cause: leave this
-        # node's own hang watch the time to report the rank the others wait behind
-        return f is not None and f.round == self._group.round and f.node != job.node and not f.blocked
-
-    def _recorded_an_error(self, local_ranks: list[int]) -> bool:
-        """True when one of ``local_ranks`` wrote its error file (it raised: a failure on its way out)."""
-        files = self._attempt_logs.error_file
-        return any(files.get(lr) and os.path.exists(files[lr]) for lr in local_ranks)
-
-    def _new_nodes(self) -> int:
-        """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
-        try:
-            return self._rdzv.num_nodes_new()
-        except RendezvousError as exc:
-            log.warning("could not check for new nodes after a worker failure: %s", exc)
-            return 0
 
     def _failures(self, group: WorkerGroup, codes: dict[int, int | None],
                   times: dict[int, float]) -> dict[int, ProcessFailure]:

@@ -198,7 +198,9 @@ _CONTEXT = {
 @_opt("--max-restarts", "--max_restarts", "max_restarts", group=_WORKERS, type=P.PARSED, default="0",
       metavar="N", help="Worker-group restarts allowed after failures before the job fails.")
 @_opt("--monitor-interval", "--monitor_interval", "monitor_interval", group=_WORKERS, type=P.PARSED,
-      default="0.1", metavar="SECONDS", help="Seconds between the agent's checks of the workers (> 0).")
+      default="0.1", metavar="SECONDS",
+      help="Seconds between the agent's checks of the rendezvous, progress (--hang-timeout) and stuck workers "
+           "(> 0); a worker's exit is seen at once.")
 @_opt("--start-method", "--start_method", "start_method", group=_WORKERS, type=P.PARSED, default="spawn",
       metavar="spawn|fork|forkserver", help="Accepted for compatibility; workers are always exec'd processes.")
 @_opt("--role", "role", group=_WORKERS, default="default", metavar="NAME", help="Role of the workers (ROLE_NAME).")

@@ -2,29 +2,32 @@
 
 Reads commands from the agent on pipe ``fd`` (one per line):
 
-* ``w <pid> <start>`` — watch worker ``pid`` (its process group/session leader),
-  ``start`` being its /proc start time, guarding against pid reuse;
+* ``w <pid> <start> [<markers>]`` — watch worker ``pid`` (its process group/session
+  leader), ``start`` being its /proc start time, guarding against pid reuse;
+  ``markers``, hex of the ``NAME=value`` environment entries the worker's
+  descendants inherit, joined by NUL bytes (run id, error file, ranks: see
+  ``workers.marker_entries``);
 * ``f <pid>`` — forget it (the agent stopped it); ``f *`` — forget all;
-* ``s`` — snapshot the watched trees now, then write ``s`` to stdout (an ack).
+* ``s`` — write ``s`` to stdout (an ack: every command before it was read).
 
-Every ``SNAPSHOT_INTERVAL`` seconds (``EARLY_INTERVAL`` just after a watch) it records the descendants of the watched
-workers, so that one which left the group (``setsid``) and whose parent died is
-still known. On end-of-file (the agent exited, normally or by ``kill -9``) it
-SIGKILLs every watched group, session, recorded and descendant process until none
-is left, then exits. Stdlib only; imports its sibling ``_proctree`` by path.
+Between commands it sleeps in ``select`` on the pipe: no periodic work. On
+end-of-file (the agent exited, normally or by ``kill -9``) it finds the victims
+then: every watched group and session, the live descendants of those, and every
+process whose environment carries all the markers of a watched worker (a child
+that left its worker's session with ``setsid`` and whose parent died, wherever
+it was re-parented), with their descendants. It SIGKILLs them until none is
+left, then exits. A process that cleared its environment *and* left its
+worker's session after its parent died is not found. Stdlib only; imports its
+sibling ``_proctree`` by path.
 """
 
 import os
-import select
 import signal
 import sys
 import time
 
 import _proctree as pt
 
-SNAPSHOT_INTERVAL = 1.0  # seconds between tree snapshots while something is watched
-EARLY_INTERVAL = 0.1  # ... and during the first EARLY_PERIOD seconds after a watch, when
-EARLY_PERIOD = 3.0  # workers start their children (DataLoader workers, daemons)
 FINAL_ROUNDS = 50  # kill passes on EOF (each pass rescans; new forks get caught)
 
 
@@ -32,52 +35,38 @@ def main(fd: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # only EOF ends the watch
     watched: dict[int, int] = {}  # pid -> start
-    known: dict[int, set] = {}  # pid -> {(pid, start)} of its tree
+    markers: dict[int, frozenset] = {}  # pid -> the env entries its descendants carry
     buf = b""
-    next_snap = 0.0
-    acks = 0
-    early_until = 0.0
     while True:
-        timeout = max(0.0, next_snap - time.monotonic()) if watched else None
-        ready, _, _ = select.select([fd], [], [], timeout)
-        if ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                parts = line.decode("ascii", "replace").split()
-                if len(parts) == 3 and parts[0] == "w":
-                    watched[int(parts[1])] = int(parts[2])
-                    known.setdefault(int(parts[1]), set())
-                    next_snap = time.monotonic() + EARLY_INTERVAL
-                    early_until = time.monotonic() + EARLY_PERIOD
-                elif parts == ["s"]:
-                    next_snap = 0.0
-                    acks += 1
-                elif len(parts) == 2 and parts[0] == "f":
-                    if parts[1] == "*":
-                        watched.clear()
-                        known.clear()
-                    else:
-                        watched.pop(int(parts[1]), None)
-                        known.pop(int(parts[1]), None)
-        if watched and time.monotonic() >= next_snap:
-            table = pt.scan()
-            for pid, start in watched.items():
-                fam = pt.tree(table, roots=_alive_roots({pid: start}, table), groups=(pid,), known=known[pid])
-                known[pid] = {p.key for p in fam.values()}  # live members only: dead keys dropped
-            now = time.monotonic()
-            next_snap = now + (EARLY_INTERVAL if now < early_until else SNAPSHOT_INTERVAL)
+        chunk = os.read(fd, 65536)  # blocks until a command or EOF
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        acks = 0
+        for line in lines:
+            parts = line.decode("ascii", "replace").split()
+            if len(parts) in (3, 4) and parts[0] == "w":
+                pid = int(parts[1])
+                watched[pid] = int(parts[2])
+                entries = frozenset(bytes.fromhex(parts[3]).split(b"\0")) if len(parts) == 4 else frozenset()
+                markers[pid] = entries - {b""}
+            elif parts == ["s"]:
+                acks += 1
+            elif len(parts) == 2 and parts[0] == "f":
+                if parts[1] == "*":
+                    watched.clear()
+                    markers.clear()
+                else:
+                    watched.pop(int(parts[1]), None)
+                    markers.pop(int(parts[1]), None)
         if acks:
             try:
                 os.write(1, b"s" * acks)
             except OSError:  # the agent is gone; EOF follows
                 pass
-            acks = 0
     if watched:
-        _kill_all(watched, known)
+        _kill_all(watched, [m for m in markers.values() if m])
     return 0
 
 
@@ -85,16 +74,39 @@ def _alive_roots(watched: dict, table: dict) -> list:
     return [pid for pid, start in watched.items() if pid in table and table[pid].start == start]
 
 
-def _kill_all(watched: dict, known: dict) -> None:
-    allknown = set().union(*known.values()) if known else set()
+def _environ(pid: int) -> frozenset:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return frozenset(f.read().split(b"\0"))
+    except OSError:
+        return frozenset()
+
+
+def _marked(table: dict, markers: list) -> list:
+    """Pids of ``table`` whose environment carries every entry of one of ``markers``."""
+    if not markers:
+        return []
+    me = os.getpid()
+    found = []
+    for pid, p in table.items():
+        if pid != me and p.state not in ("Z", "X"):
+            env = _environ(pid)
+            if any(m <= env for m in markers):
+                found.append(pid)
+    return found
+
+
+def _kill_all(watched: dict, markers: list) -> None:
+    known: set = set()
     for _ in range(FINAL_ROUNDS):
         pt.killpg(watched, signal.SIGKILL)
         table = pt.scan()
-        fam = pt.tree(table, roots=_alive_roots(watched, table), groups=watched, known=allknown)
+        roots = _alive_roots(watched, table) + _marked(table, markers)
+        fam = pt.tree(table, roots=roots, groups=watched, known=known)
         victims = [p for p in fam.values() if p.state not in ("Z", "X")]
         if not victims:
             return
-        allknown.update(p.key for p in victims)
+        known.update(p.key for p in victims)
         pt.kill(victims, signal.SIGKILL)
         time.sleep(0.01)
 

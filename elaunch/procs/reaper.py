@@ -5,7 +5,9 @@ but not the worker's own children (DataLoader workers, a ``bash -c`` grandchild,
 a daemon that called ``setsid``). torchrun leaves those behind; elaunch starts one
 small watchdog per agent that holds the read end of a pipe from the agent. The
 kernel closes the write end when the agent exits for any reason; on that EOF the
-watchdog SIGKILLs every watched process group, session and descendant, then exits.
+watchdog SIGKILLs every watched process group, session and descendant, and every
+process carrying a watched worker's environment markers (a ``setsid`` child whose
+parent died), then exits. Until then it sleeps on the pipe: no periodic work.
 
 The watchdog is ``python -S -E elaunch/procs/_reaper_child.py <fd>`` (no site, no
 psutil, no torch: a few MB, started without waiting for it).
@@ -18,7 +20,7 @@ import select
 import os
 import subprocess
 import sys
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 from . import _proctree
 
@@ -42,22 +44,34 @@ class Reaper:
     def _send(self, text: str) -> None:
         if self._wfd is None:
             return
+        data = memoryview(text.encode("ascii"))
         try:
-            os.write(self._wfd, text.encode("ascii"))
+            while data:  # a signal handler can cut a long write short
+                data = data[os.write(self._wfd, data):]
         except OSError as exc:  # the watchdog died: workers are no longer protected
             log.warning("reaper %d is gone (%s); workers will not be reaped if the agent is killed", self.pid, exc)
             self._close_fd()
 
-    def watch(self, pids: Iterable[int]) -> None:
+    def watch(self, pids: Iterable[int], markers: Mapping[int, Iterable[bytes]] | None = None) -> None:
         """Protect the process trees led by ``pids`` (workers started in their own session).
+
+        Args:
+            pids: the workers (process group and session leaders).
+            markers: pid -> ``NAME=value`` environment entries (bytes) that the
+                worker's descendants inherit (``workers.marker_entries``); a
+                process carrying all of one worker's is killed with the trees,
+                wherever it went. None or an empty set: the tree only.
 
         Unknown or already-exited pids are ignored.
         """
         lines = []
+        markers = markers or {}
         for pid in pids:
             p = _proctree.read(pid)
             if p is not None:
-                lines.append(f"w {pid} {p.start}\n")
+                entries = sorted(markers.get(pid, ()))
+                tail = " " + b"\0".join(entries).hex() if entries else ""
+                lines.append(f"w {pid} {p.start}{tail}\n")
         if lines:
             self._send("".join(lines))
 
@@ -69,11 +83,9 @@ class Reaper:
             self._send("".join(f"f {pid}\n" for pid in pids))
 
     def sync(self, timeout: float = 10.0) -> bool:
-        """Make the watchdog snapshot the watched trees now; wait up to ``timeout`` seconds for it.
+        """Wait up to ``timeout`` seconds until the watchdog has read every command sent so far.
 
-        After this returns True, a child that already left its worker's group and
-        session (``setsid``) is known and will be killed even if its parent dies.
-        Used by tests; the watchdog also snapshots by itself every second.
+        Used by tests: after True, the watched pids and markers are in force.
         """
         self._send("s\n")
         out = self._proc.stdout

@@ -3,18 +3,52 @@
 Mirrors torch's ``TailLog`` (tee = redirect to the file + follow the file), with
 one thread for all files instead of one per file, and partial lines held back
 until their newline (or the end) so prefixes never land mid-line.
+
+torch's ``TailLog`` looks at each file every 0.1 s. Here the thread sleeps until
+the kernel says a followed file's directory changed (inotify, through the
+``inotify_simple`` library), so following costs nothing while no bytes arrive;
+where inotify is unavailable (not Linux, the library missing, the per-user limit
+of inotify instances or watches reached) it looks every ``interval`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 from typing import TextIO
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL = 0.05  # seconds between looks at the followed files
+POLL_INTERVAL = 0.05  # seconds between looks at the followed files, where inotify is unavailable
+_inotify_simple = None  # the module once imported; False: not available
+
+
+def inotify_lib():
+    """Return the ``inotify_simple`` module, or None where it cannot be imported.
+
+    Imported on the first follow, after the first workers were started, not with
+    the agent (a few ms). The library finds libc on first use with
+    ``ctypes.util.find_library``, which execs ``ldconfig -p``: it is handed this
+    process's own libc instead (the handle ``workers.py`` uses for prctl).
+    """
+    global _inotify_simple
+    if _inotify_simple is None:
+        try:
+            import inotify_simple
+        except ImportError:  # not installed, or not Linux: poll instead
+            _inotify_simple = False
+        else:
+            if getattr(inotify_simple, "_libc", False) is None:
+                import ctypes
+
+                try:
+                    inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
+                except OSError:
+                    pass
+            _inotify_simple = inotify_simple
+    return _inotify_simple or None
 
 
 class _Follow:
@@ -52,38 +86,93 @@ class _Follow:
             self.fh = None
 
 
+def _watcher(paths: list[str]):
+    """An inotify instance watching the directories of ``paths``, or None when inotify cannot be used.
+
+    A directory watch also sees a file created after it was added, and writes to
+    any file in it (``IN_MODIFY``).
+    """
+    inotify_simple = inotify_lib()
+    if inotify_simple is None:
+        return None
+    try:
+        watcher = inotify_simple.INotify(nonblocking=True)
+    except OSError as exc:  # e.g. fs.inotify.max_user_instances reached
+        log.debug("inotify unavailable (%s); polling the tee'd files every %g s", exc, POLL_INTERVAL)
+        return None
+    f = inotify_simple.flags
+    mask = f.MODIFY | f.CREATE | f.MOVED_TO | f.CLOSE_WRITE
+    try:
+        for d in sorted({os.path.dirname(os.path.abspath(p)) for p in paths}):
+            watcher.add_watch(d, mask)
+    except OSError as exc:  # no such directory, or fs.inotify.max_user_watches reached
+        log.debug("cannot watch the tee'd files' directories (%s); polling instead", exc)
+        watcher.close()
+        return None
+    return watcher
+
+
 class Tee:
     """Follow files and copy their new lines, prefixed, to console streams.
 
     Args:
-        follows: ``(path, destination stream, prefix)`` triples; files need not exist yet.
-        interval: seconds between polls of the files.
+        follows: ``(path, destination stream, prefix)`` triples; files need not exist yet
+            (their directories should: a missing one makes the copy poll).
+        interval: seconds between looks at the files where inotify is unavailable.
+        use_inotify: False: always poll every ``interval`` seconds.
+
+    Attributes:
+        mode: how the running thread learns of new bytes: ``"inotify"`` or ``"poll"``
+            (None before :meth:`start`, or when there is nothing to follow).
     """
 
-    def __init__(self, follows: list[tuple[str, TextIO, str]], interval: float = POLL_INTERVAL) -> None:
+    def __init__(self, follows: list[tuple[str, TextIO, str]], interval: float = POLL_INTERVAL,
+                 use_inotify: bool = True) -> None:
         self._follows = [_Follow(p, d, pre) for p, d, pre in follows]
         self._interval = interval
+        self._use_inotify = use_inotify
         self._done = threading.Event()
+        self._stop_r, self._stop_w = -1, -1
+        self._watcher = None
         self._thread: threading.Thread | None = None
+        self.mode: str | None = None
 
     def start(self) -> "Tee":
         """Start the follower thread (no-op when there is nothing to follow)."""
         if self._follows and self._thread is None:
+            self._watcher = _watcher([f.path for f in self._follows]) if self._use_inotify else None
+            if self._watcher is not None:
+                self._stop_r, self._stop_w = os.pipe()
+            self.mode = "poll" if self._watcher is None else "inotify"
             self._thread = threading.Thread(target=self._run, name="elaunch-tee", daemon=True)
             self._thread.start()
         return self
 
+    def _pump_all(self) -> None:
+        for f in self._follows:
+            f.pump(final=False)
+
     def _run(self) -> None:
         try:
-            while not self._done.wait(self._interval):
-                for f in self._follows:
-                    f.pump(final=False)
+            if self._watcher is None:
+                while not self._done.wait(self._interval):
+                    self._pump_all()
+                return
+            self._pump_all()  # bytes written before the watches were added
+            while True:
+                ready, _, _ = select.select([self._watcher, self._stop_r], [], [])
+                if self._stop_r in ready:
+                    return
+                self._watcher.read(timeout=0)  # drain: one look covers every event so far
+                self._pump_all()
         except Exception:  # never take the agent down for a console copy
             log.exception("tee of worker logs failed")
 
     def stop(self) -> None:
         """Copy whatever is left (including a last unterminated line) and stop. Idempotent."""
         self._done.set()
+        if self._stop_w >= 0:
+            os.write(self._stop_w, b"!")
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -94,6 +183,13 @@ class Tee:
                 pass
             f.close()
         self._follows = []
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        for fd in (self._stop_r, self._stop_w):
+            if fd >= 0:
+                os.close(fd)
+        self._stop_r = self._stop_w = -1
 
 
 def follows_for(

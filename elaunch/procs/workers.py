@@ -8,7 +8,10 @@ process tree is signalled (group, session and descendants, including children
 that called ``setsid``), every worker gets ``PR_SET_PDEATHSIG=SIGKILL``, and an
 optional :class:`~elaunch.procs.reaper.Reaper` covers ``kill -9`` of the agent.
 With a reaper the agent is also a child subreaper, so a ``setsid`` child of a
-worker that exited at once is re-parented to the agent and still stopped.
+worker that exited at once is re-parented to the agent and still stopped: it is
+found then by the worker's env entries it carries, and ``wait()`` does no
+periodic work at all. Without one (no reaper, or not Linux) ``wait()`` snapshots
+the trees every ``SNAPSHOT_INTERVAL`` seconds to remember such children.
 
 No torch import here: the agent imports this module.
 """
@@ -22,6 +25,7 @@ import selectors
 import signal as _signal
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -35,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Seconds between snapshots of the worker trees (to remember children that left).
+#: Seconds between snapshots of the worker trees (to remember children that left), when
+#: the agent is no child subreaper.
 SNAPSHOT_INTERVAL = 1.0
 #: Seconds to wait for SIGKILLed processes to vanish before giving up on them
 #: (a process in uninterruptible sleep cannot die; torch gives up the same way).
@@ -109,15 +114,24 @@ def popen_worker(
                 f.close()
 
 
-def _become_subreaper() -> None:
-    """Make this process adopt its orphaned descendants (``PR_SET_CHILD_SUBREAPER``).
+def _become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (``PR_SET_CHILD_SUBREAPER``); True on success.
 
     A worker's child that leaves its session (``setsid``) and whose worker exits
     is then re-parented to the agent instead of init, so the agent still finds it
     (:meth:`WorkerProcesses._family`) however soon the worker exited.
     """
-    if _prctl is not None:
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return _prctl is not None and _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def marker_entries(env: dict[str, str]) -> frozenset[bytes]:
+    """The ``NAME=value`` entries of ``env`` that mark a process as one of this worker's (run, attempt, rank).
+
+    A descendant inherits them unless it clears its environment; the agent (for the
+    orphans it adopts) and the watchdog (when the agent died) find a worker's
+    descendants by the whole set.
+    """
+    return frozenset(f"{k}={env[k]}".encode() for k in _MARKERS if k in env)
 
 
 def _environ(pid: int) -> set[bytes]:
@@ -147,7 +161,7 @@ class WorkerProcesses:
         self._times: dict[int, float] = {}
         self._reported: set[int] = set()
         self._known: set[tuple[int, int]] = set()
-        self._next_snapshot = time.monotonic() + 0.2
+        self._next_snapshot = time.monotonic() + 0.2  # made inf once the agent is a child subreaper
         self._stopped = False
         self._closed = False
         self._pidfds: dict[int, int] = {}
@@ -159,7 +173,7 @@ class WorkerProcesses:
                     os.close(fd)
                 self._pidfds = {}
                 break
-        self._markers: list[set[bytes]] = []  # per worker: the env entries its descendants inherit
+        self._markers: list[frozenset[bytes]] = []  # per worker: the env entries its descendants inherit
         self._adopted: set[int] = set()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -209,15 +223,16 @@ class WorkerProcesses:
                 + follows_for(logs.tee_stderr, sys.stderr, prefixes, logs.unprefixed)
             ).start()
             self = cls(procs, tee, reaper)
-            self._markers = [{f"{k}={envs[lr][k]}".encode() for k in _MARKERS if k in envs[lr]} for lr in procs]
+            self._markers = [marker_entries(envs[lr]) for lr in procs]
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)
                 p.wait()
             raise
         if reaper is not None:
-            _become_subreaper()  # before a worker can leave orphans behind
-            reaper.watch(self.pids.values())
+            if _become_subreaper():  # before a worker can leave orphans behind
+                self._next_snapshot = float("inf")  # orphans come to the agent: no snapshot needed
+            reaper.watch(self.pids.values(), {self.pids[lr]: marker_entries(envs[lr]) for lr in procs})
         return self
 
     # ---------------------------------------------------------------- watching
@@ -249,18 +264,20 @@ class WorkerProcesses:
         self._refresh()
         return dict(self._times)
 
-    def wait(self, timeout: float) -> bool:
-        """Block until a worker exits or ``timeout`` seconds pass.
+    def wait(self, timeout: float | None) -> bool:
+        """Block until a worker exits or ``timeout`` seconds pass (None: no limit).
 
         Wakes at once on a worker exit (pidfds; short polling where unavailable) or
-        on :meth:`wakeup`. A Python signal handler runs promptly during the wait and,
-        if it raises, the exception propagates.
+        on :meth:`wakeup`. A Python signal handler runs promptly during the wait,
+        whichever thread the signal reached (called from the main thread, the wait
+        is the interpreter's signal wakeup fd meanwhile), and if it raises, the
+        exception propagates.
 
         Returns:
             True if a worker exit not yet reported by ``poll``/``wait`` was seen, or no
-            worker is running; False on timeout or wakeup.
+            worker is running; False on timeout, wakeup or a handled signal.
         """
-        deadline = time.monotonic() + max(0.0, timeout)
+        deadline = float("inf") if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
             self._refresh()
             if self._unreported() or all(c is not None for c in self._codes.values()):
@@ -271,21 +288,29 @@ class WorkerProcesses:
             if now >= deadline:
                 return False
             step = min(deadline, self._next_snapshot) - now
-            if self._block(max(step, 0.0)):
+            if self._block(None if step == float("inf") else max(step, 0.0)):
                 self._refresh()
                 return self._unreported() or all(c is not None for c in self._codes.values())
 
-    def _block(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True if woken by :meth:`wakeup`."""
+    def _block(self, seconds: float | None) -> bool:
+        """Sleep up to ``seconds`` (None: until an event); True if woken by :meth:`wakeup` or a signal."""
         if not self._pidfds:
-            time.sleep(min(seconds, FALLBACK_POLL))
+            time.sleep(FALLBACK_POLL if seconds is None else min(seconds, FALLBACK_POLL))
             return self._drain_wakeup()
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            for lr, fd in self._pidfds.items():
-                if self._codes[lr] is None:
-                    sel.register(fd, selectors.EVENT_READ)
-            sel.select(seconds)
+        # A signal that reached another thread (the tee's, the keep-alive's) would not end
+        # select() here: as the wakeup fd, the wake pipe makes it, and the handler then runs.
+        main = threading.current_thread() is threading.main_thread()
+        previous = _signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False) if main else -1
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self._wake_r, selectors.EVENT_READ)
+                for lr, fd in self._pidfds.items():
+                    if self._codes[lr] is None:
+                        sel.register(fd, selectors.EVENT_READ)
+                sel.select(seconds)
+        finally:
+            if main:
+                _signal.set_wakeup_fd(previous)
         return self._drain_wakeup()
 
     def _drain_wakeup(self) -> bool:

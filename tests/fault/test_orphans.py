@@ -49,23 +49,52 @@ def test_kill_9_of_launcher_leaves_no_worker_or_grandchild(tmp_path):
             launcher.wait()
 
 
+def test_kill_9_right_after_adopting_a_setsid_orphan_leaves_no_process(tmp_path):
+    """The launcher adopted a worker's setsid'd daemon (child subreaper) and is killed before it looked at it.
+
+    The daemon was never a child of the worker the watchdog watches, nor in its
+    session; the watchdog finds it at the launcher's death by the worker's env
+    entries it carries. (It used to rely on a snapshot the agent sent once a second.)
+    """
+    launcher = subprocess.Popen([sys.executable, str(SCRIPTS / "procs_launcher.py"), str(tmp_path), "daemon"])
+    sleeper = None
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists() or launcher.poll() is not None, 30, what="launcher ready")
+        assert launcher.poll() is None, "launcher died early"
+        reaper, worker = _read_pids(tmp_path / "launcher.pids")
+        _, sleeper = _read_pids(tmp_path / "w0.pid")
+        assert _gone(worker) and psutil.Process(sleeper).ppid() == launcher.pid and os.getsid(sleeper) != worker
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        wait_for(lambda: _gone(reaper), 15, what="the watchdog to finish")
+        assert _gone(sleeper), "the adopted daemon outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if sleeper is not None and not _gone(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("worker_dies_first", [False, True], ids=["tree-intact", "orphaned-setsid-child"])
 def test_reaper_kills_watched_trees_on_eof_and_exits(tmp_path, worker_dies_first):
     """Closing the pipe (what the kernel does when the agent dies) kills watched trees.
 
     With ``worker_dies_first`` the worker is gone before the EOF, so its setsid'd
-    child is linked to nothing: only the reaper's snapshot (forced by sync) finds it.
+    child is linked to nothing: only the worker's env entries it carries (given
+    to ``watch``) find it.
     """
     reaper = start_reaper()
+    marker = f"TORCHELASTIC_ERROR_FILE={tmp_path / 'error.json'}"
     child = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "procs_worker.py"), "--child", "setsid", "--pidfile", str(tmp_path / "p"),
          "--sleep", "300"],
-        start_new_session=True,
+        start_new_session=True, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(tmp_path / "error.json")),
     )
     try:
         wait_for(lambda: (tmp_path / "p").exists(), 20, what="pidfile")
         worker, grandchild = _read_pids(tmp_path / "p")
-        reaper.watch([worker])
+        reaper.watch([worker], {worker: {marker.encode()}})
         assert reaper.sync()
         if worker_dies_first:
             child.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import psutil
 import pytest
@@ -268,3 +269,58 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+class _Handled(Exception):
+    pass
+
+
+def test_a_signal_that_reaches_another_thread_ends_an_unlimited_wait(launch):
+    """wait(None) sleeps until an event; a handled signal is one even when the kernel gave it to another thread.
+
+    With a watchdog the agent is a child subreaper, so no snapshot of the trees
+    wakes the wait. Once the main thread sleeps in the kernel (its wchan names
+    epoll), the helper thread sends the signal to itself; should the wait go on,
+    the helper ends it after 30 s by killing the worker: the wait must raise,
+    not return.
+    """
+    import threading
+
+    reaper = start_reaper()
+    main = threading.get_native_id()
+    asleep, killed, done = [], [], threading.Event()
+
+    def helper(procs):
+        deadline = time.monotonic() + 30
+        while not asleep and time.monotonic() < deadline:
+            with open(f"/proc/self/task/{main}/wchan") as f:
+                if "epoll" in f.read():
+                    asleep.append(True)
+                    break
+            time.sleep(0.01)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+        if not done.wait(30):
+            killed.append(True)
+            procs.notify(signal.SIGKILL)
+
+    def handler(signum, frame):
+        raise _Handled()
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        procs = launch({0: ["--sleep", "300"]}, reaper=reaper)
+        thread = threading.Thread(target=helper, args=(procs,))
+        thread.start()
+        try:
+            with pytest.raises(_Handled):
+                procs.wait(None)
+        finally:
+            done.set()
+            thread.join()
+        procs.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        reaper.close()
+        workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+    assert asleep, "the main thread was never seen asleep in epoll_wait"
+    assert not killed, "the wait ended only when the worker was killed"

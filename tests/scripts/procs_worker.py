@@ -5,7 +5,10 @@ Options (all optional, applied in this order):
   --partial TEXT            write TEXT to stdout without a newline
   --env NAME                print "NAME=<value>" to stdout
   --ignore-term             ignore SIGTERM
-  --child plain|setsid      start a sleeping grandchild (setsid: in its own session);
+  --child plain|setsid|daemon
+                            start a sleeping grandchild (setsid: in its own session;
+                            daemon: in its own session through an intermediate child
+                            that exits at once, so it never is this worker's child);
                             it ignores SIGTERM too when --ignore-term is given
   --pidfile PATH            write "<pid> [<grandchild pid>]" to PATH when set up
   --until PATH              then sleep until PATH exists
@@ -46,6 +49,9 @@ def main(argv):
         code = "import time\nwhile True: time.sleep(1)"
         if "--ignore-term" in flags:
             code = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + code
+        if mode == "daemon":
+            pids.append(_daemon(code))
+            continue
         child = subprocess.Popen([sys.executable, "-c", code], start_new_session=(mode == "setsid"))
         pids.append(child.pid)
     if "--pidfile" in opts:
@@ -62,6 +68,23 @@ def main(argv):
         os.kill(os.getpid(), int(opts["--kill"][0]))
         time.sleep(60)
     return int(opts.get("--exit", ["0"])[0])
+
+
+def _daemon(code: str) -> int:
+    """Double fork: the sleeper is orphaned microseconds after it is forked; return its pid."""
+    r, w = os.pipe()
+    mid = os.fork()
+    if mid == 0:
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:
+            os.execv(sys.executable, [sys.executable, "-c", code])
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(mid, 0)
+    with os.fdopen(r) as f:
+        return int(f.read())
 
 
 if __name__ == "__main__":

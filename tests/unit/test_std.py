@@ -9,7 +9,9 @@ import pytest
 
 from elaunch.procs import LogsSpec, RunLogDir, Std, line_prefix, std_for, to_map
 from elaunch.procs import _proctree
+from elaunch.procs import tee as tee_module
 from elaunch.procs.tee import Tee
+from tests.conftest import wait_for
 
 
 @pytest.mark.parametrize(
@@ -146,6 +148,41 @@ def test_tee_prefixes_lines_and_flushes_partial_line(tmp_path):
         f.write("one\ntwo\nthr")
     tee.stop()
     assert dst.getvalue() == "[default0]:one\n[default0]:two\n[default0]:thr\n"
+
+
+@pytest.mark.parametrize("use_inotify", [True, False], ids=["inotify", "poll"])
+def test_tee_copies_lines_while_running_and_a_late_file(tmp_path, use_inotify):
+    """Lines reach the console while the file is still written (not only at stop), also from a file made later."""
+    early, late = tmp_path / "early.log", tmp_path / "late.log"
+    early.write_text("before\n")  # written before the follower started
+    dst = io.StringIO()
+    tee = Tee([(str(early), dst, "a:"), (str(late), dst, "b:")], interval=0.01, use_inotify=use_inotify).start()
+    try:
+        if use_inotify:
+            assert tee_module.inotify_lib() is not None, "inotify_simple is a dependency: pip install -e ."
+        assert tee.mode == ("inotify" if use_inotify else "poll")
+        wait_for(lambda: dst.getvalue() == "a:before\n", 10, what="the line written before start")
+        with open(early, "a") as f:
+            f.write("one\ntw")
+            f.flush()
+            wait_for(lambda: "a:one\n" in dst.getvalue(), 10, what="a line while the file is written")
+            f.write("o\n")
+            f.flush()
+            wait_for(lambda: "a:two\n" in dst.getvalue(), 10, what="the rest of a split line")
+        with open(late, "w") as f:
+            f.write("new\n")
+        wait_for(lambda: "b:new\n" in dst.getvalue(), 10, what="a line of a file created after start")
+    finally:
+        tee.stop()
+    assert dst.getvalue() == "a:before\na:one\na:two\nb:new\n"
+
+
+def test_tee_polls_when_the_directory_cannot_be_watched(tmp_path):
+    dst = io.StringIO()
+    tee = Tee([(str(tmp_path / "no-such-dir" / "out.log"), dst, "p:")]).start()
+    assert tee.mode == "poll"
+    tee.stop()
+    assert dst.getvalue() == ""
 
 
 def test_tee_missing_file_is_fine(tmp_path):

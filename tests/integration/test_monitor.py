@@ -1,0 +1,104 @@
+"""GroupMonitor with real workers: it polls the rendezvous only where something can change.
+
+The rendezvous handlers are real (standalone) with a counter around
+``num_nodes_waiting``; the "dynamic" one also says ``can_reform()``, as the
+c10d/etcd handlers do. No timing is asserted: a worker that runs 1 s gives a
+polling monitor (0.1 s) many reads, an event-driven one a fixed few.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from elaunch.agent.decide import Verdict
+from elaunch.agent.events import AgentEvents
+from elaunch.agent.hang_response import HangResponse
+from elaunch.agent.hangs import HangWatch
+from elaunch.agent.job import JobView
+from elaunch.agent.monitor import GroupMonitor
+from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, start_reaper, workers
+from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.standalone import StandaloneRendezvous
+from elaunch.spec import Worker, WorkerGroup, WorkerSpec
+from tests.conftest import SCRIPTS
+
+WORKER = str(SCRIPTS / "procs_worker.py")
+
+
+class CountingStandalone(StandaloneRendezvous):
+    """The standalone handler, counting the monitor's membership reads."""
+
+    def __init__(self, reform: bool = False) -> None:
+        super().__init__("monitor-test", NodeInfo("127.0.0.1", "default", 1))
+        self.reads = 0
+        self._reform = reform
+
+    def num_nodes_waiting(self) -> int:
+        self.reads += 1
+        return 0
+
+    def can_reform(self) -> bool:
+        return self._reform
+
+
+def _monitor(rdzv, hang_timeout: float = 0.0) -> GroupMonitor:
+    hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
+    return GroupMonitor(rdzv, JobView(rdzv, 0), hangs, AgentEvents(None, "", "host", 0), interval=0.1)
+
+
+@pytest.fixture
+def run_one(tmp_path):
+    """``run_one(monitor, seconds)``: one worker sleeping ``seconds``, watched to its end -> Verdict."""
+    reaper = start_reaper()
+    started = []
+
+    def _run(monitor: GroupMonitor, seconds: float) -> Verdict:
+        spec = LogsSpec(log_dir=str(tmp_path / f"logs{len(started)}"))
+        logs = RunLogDir(spec, "t").attempt(0, 1)
+        procs = WorkerProcesses.start({0: [sys.executable, WORKER, "--sleep", str(seconds)]}, {0: dict(os.environ)},
+                                      logs, spec, {}, reaper=reaper)
+        started.append(procs)
+        group = WorkerGroup(spec=WorkerSpec(role="default", local_world_size=1, cmd=("x",)),
+                            workers=[Worker(local_rank=0, global_rank=0)], round=0)
+        return monitor.watch(procs, group, logs, None)
+
+    yield _run
+    for procs in started:
+        procs.close()
+    reaper.close()
+    workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+
+
+def test_standalone_sleeps_until_the_worker_exits(run_one):
+    rdzv = CountingStandalone()
+    monitor = _monitor(rdzv)
+    assert not monitor.polls()
+    assert run_one(monitor, 1.0) is Verdict.SUCCEEDED
+    # the first look, and one after the first short wait (when the errors module is loaded); then
+    # nothing until the exit, which ends the watch before any read
+    assert rdzv.reads <= 2
+
+
+def test_a_rendezvous_that_can_change_is_polled_every_interval(run_one):
+    rdzv = CountingStandalone(reform=True)
+    monitor = _monitor(rdzv)
+    assert monitor.polls()
+    assert run_one(monitor, 1.0) is Verdict.SUCCEEDED
+    assert rdzv.reads >= 3  # ~10 at 0.1 s over the worker's 1 s; 3 leaves room for a loaded machine
+
+
+@pytest.mark.parametrize("hang_timeout, stuck, polls", [(0.0, False, False), (5.0, False, True), (0.0, True, True)])
+def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
+    rdzv = CountingStandalone()
+    hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
+    from elaunch.agent.stuck import UninterruptibleWatch
+
+    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), hangs, AgentEvents(None, "", "host", 0), interval=0.1,
+                           stuck_watch=UninterruptibleWatch(60.0) if stuck else None)
+    try:
+        assert monitor.polls() is polls
+    finally:
+        hangs.watch.close()
