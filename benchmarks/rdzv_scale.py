@@ -215,6 +215,10 @@ def _counted(fn: Any, counter: OpCounter) -> Any:
     return counted
 
 
+def _leave_shared_open() -> None:
+    """``close`` of a simulated agent's etcd client: its channel and watch stream are shared, left open."""
+
+
 def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, timeout: float):
     """Build ``count`` etcd handlers of ``impl`` in parallel; returns ``[(handler, OpCounter)]``.
 
@@ -249,6 +253,11 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
                 endpoints=list(first.endpoints.values()), timeout=first.timeout)
             client.call_credentials = None
             client.watcher = first.watcher
+            # an agent drops (closes) its client on a transient error and makes a new one;
+            # closing would close the shared channel and watch stream under every other agent
+            # of this process ("Cannot invoke RPC on closed channel!"), which separate hosts
+            # never see: the agent's close leaves them open (they live as long as the process)
+            client.close = _leave_shared_open
             return CountingEtcd3Client(client, self._bench_counter)
 
         ev3.EtcdV3KV.__init__ = init

@@ -74,6 +74,19 @@ def test_a_crowd_joins_one_round_in_a_bounded_number_of_store_calls(crowd):
     assert writes < 48 + 10, writes  # each handler initialises the key once; few state writes beyond
 
 
+def test_a_node_woken_by_the_notice_reads_the_state_without_the_heartbeat_keys(crowd):
+    # it only finishes: at 1024 nodes each such read also fetched 1,024 heartbeat keys
+    hs = crowd(8, 8, 8)
+    infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
+    assert {(i.round, i.world_size) for i in infos} == {(0, 8)}
+    calls = [h._backend._store.calls for h in hs]
+    # what each node read after its last wait (its heartbeat thread's sets left out)
+    after = [[c for c in cs[len(cs) - cs[::-1].index("wait"):] if c != "set"] for cs in calls if "wait" in cs]
+    # 7 non-combiners wait for the notice, then read with one plain get (a woken node
+    # whose grace ran out first may have read with the keys: allow two of those)
+    assert sum(a == ["get"] for a in after) >= 5, after
+
+
 def test_joiners_add_themselves_when_the_combiner_never_combines(crowd):
     # a ghost posts round 0's first join and then does nothing (a combiner that died)
     hs = crowd(3, 3, 3, keep_alive_interval=0.5)

@@ -204,7 +204,7 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
     import sys
     import time
 
-    from torch.distributed import TCPStore
+    from torch.distributed import FileStore, TCPStore
 
     from elaunch.rendezvous.api import RendezvousConnectionError
     from elaunch.rendezvous.c10d_store import BoundedStore
@@ -229,6 +229,41 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
         with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}.*no answer to get"):
             store.get("k")
         assert time.monotonic() - started < 60  # it returned at all (the raw client never does)
+        # the pool's worker stuck on that call is not handed the next one: a healthy store still answers
+        other = BoundedStore(FileStore(str(tmp_path / "healthy"), 1), "healthy", timeout=10.0)
+        other.set("k", b"v")
+        assert bytes(other.get("k")) == b"v"
     finally:
         server.kill()
         server.wait()
+
+
+def test_bounded_calls_reuse_one_worker_thread(tmp_path):
+    # A thread per store call was a tenth of a 1024-agent round's CPU: sequential calls
+    # run on one pooled worker, and errors still reach the caller.
+    import threading
+
+    from torch.distributed import FileStore
+
+    from elaunch.rendezvous.c10d_store import BoundedStore
+
+    store = BoundedStore(FileStore(str(tmp_path / "store"), 1), "file", timeout=10.0)
+    ran_on = set()
+
+    class Probe:
+        def get(self, key):
+            ran_on.add(threading.current_thread())  # (idents of ended threads are reused)
+            if key == "bad":
+                raise ValueError("bad key")
+            return key
+
+    probe = BoundedStore(Probe(), "probe", timeout=10.0)
+    store.set("warm", b"1")  # a worker exists and is idle again
+    before = threading.active_count()
+    for i in range(50):
+        store.set(f"k{i}", b"v")
+        assert probe.get(f"k{i}") == f"k{i}"
+    with pytest.raises(ValueError, match="bad key"):
+        probe.get("bad")
+    assert len(ran_on) == 1 and threading.current_thread() not in ran_on
+    assert threading.active_count() <= before  # no thread per call

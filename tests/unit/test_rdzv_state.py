@@ -45,6 +45,42 @@ def test_corrupt_state_raises_state_error(data):
         RendezvousState.from_bytes(data)
 
 
+def _edited(**fields) -> bytes:
+    doc = json.loads(full_state().to_bytes())
+    doc.update(fields)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("data, says", [
+    (_edited(participants={"a": 1, "b": "0"}), "integer ranks"),
+    (_edited(participants={"a": 1, "b": True}), "integer ranks"),
+    (_edited(last_heartbeats={"a": "1.5"}), "expected a number"),
+    (_edited(node_infos={"a": ["10.0.0.1", "trainer"]}), r"\[addr, role, local_world_size\]"),
+    (_edited(node_infos={"a": ["10.0.0.1", "trainer", "4"]}), r"\[addr, role, local_world_size\]"),
+])
+def test_bad_node_tables_are_named(data, says):
+    with pytest.raises(RendezvousStateError, match=says):
+        RendezvousState.from_bytes(data)
+
+
+def test_a_state_of_the_previous_layout_is_refused_naming_both_versions():
+    # an agent of an older elaunch (node_infos as objects) must fail clearly, not misread
+    old = _edited(version=1, node_infos={"a": {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 4}})
+    with pytest.raises(RendezvousStateError, match="state version 1, expected 2"):
+        RendezvousState.from_bytes(old)
+
+
+def test_integer_heartbeats_read_as_seconds():
+    assert RendezvousState.from_bytes(_edited(last_heartbeats={"a": 2})).last_heartbeats == {"a": 2.0}
+
+
+def test_ranked_nodes_refuse_ranks_that_are_not_a_permutation():
+    state = full_state()
+    state.participants = {"a": 1, "b": 1}
+    with pytest.raises(RendezvousStateError, match="ranks participant"):
+        state.ranked_nodes()
+
+
 def params(**conf) -> RendezvousParameters:
     return RendezvousParameters("c10d", "localhost:29400", "job", 1, 2, config={k: str(v) for k, v in conf.items()})
 

@@ -29,7 +29,7 @@ from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.progress import WaitReporter
-from elaunch.rendezvous.dynamic.reading import read_state
+from elaunch.rendezvous.dynamic.reading import read_state, read_state_only
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -255,14 +255,20 @@ class OpExecutor:
 
     def _run(self, call: _Call, fresh: bool) -> RendezvousState:
         """Read -> decide -> one step per action, until the decision is FINISH."""
-        need_read = fresh
+        need_read, light_used = fresh, False
         if call.progress is not None:
             call.progress.start()
         try:
             while True:
+                light = False
                 if need_read:
                     if call.batch is not None and call.batch.wants_log(self._state, self._clock()):
                         self._state, self._token = call.batch.read(self._state)  # with the log: we may combine
+                    elif call.batch is not None and call.batch.notified and not light_used:
+                        # woken by the round's notice: most likely we only finish, which needs no
+                        # heartbeat keys (at 1024 nodes: 1,024 keys per reader, all at once)
+                        self._state, self._token = read_state_only(self._backend, self._state)
+                        light = light_used = True
                     else:
                         self.read()
                     if call.batch is not None:
@@ -273,6 +279,11 @@ class OpExecutor:
                 action = call.decide(self._state, ctx, now)
                 if action is Action.FINISH:
                     return self._state
+                if light and not self._state.closed:
+                    # neither finishing nor closed (the only decisions that ignore heartbeats):
+                    # decide again on a read with the heartbeat keys
+                    need_read = True
+                    continue
                 if call.progress is not None:
                     call.progress.update(self._state, now, call.deadline)
                 need_read = self._steps[action](call, ctx, now)

@@ -81,6 +81,23 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
     return merge.fold_heartbeats(state, heartbeats), token
 
 
+def read_state_only(backend: RendezvousBackend, known: RendezvousState) -> tuple[RendezvousState, Token]:
+    """Read the state alone (1 call, no heartbeat keys), with ``known``'s heartbeats folded in.
+
+    For a node woken by its round's notice, which most likely only finishes its
+    join (``ops.decide_join``: a participant of a complete round, or a closed
+    rendezvous, needs no heartbeats). Its stored heartbeats can be old where they
+    live in keys: the caller must not judge anyone dead on this read (read again
+    with :func:`read_state` before any other decision).
+
+    Raises:
+        RendezvousConnectionError: the backend cannot be reached.
+        RendezvousStateError: the stored state is corrupt.
+    """
+    data, token = backend.get_state()
+    return merge.fold_heartbeats(_decode(data), known.last_heartbeats), token
+
+
 @dataclass(frozen=True)
 class LogRead:
     """The state read together with one round's intent log (:func:`read_state_and_intents`).
