@@ -1,4 +1,4 @@
-"""Fixtures shared by the integration tests of the example training."""
+"""Fixtures shared by the integration tests: the example training's, and one rendezvous endpoint per backend."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES
-from tests.helpers import run
+from tests.conftest import EXAMPLES, FIXTURE_PIDS
+from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
+from tests.helpers import free_port, run
 
+ETCD_FIXTURES = (etcd_bin, etcd_v2, etcd_v3)  # imported for pytest to find; used through `endpoint`
 EXAMPLE = str(EXAMPLES / "ddp_digits.py")
 #: 3 epochs of 23 steps per rank at world size 2
 SHORT = ("--epochs", "3")
@@ -28,3 +30,18 @@ def reference_digest(tmp_path_factory) -> str:
             "--checkpoint", str(tmp / "ck.pt"), "--final-params", str(tmp / "final.json"), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return final_digest(tmp / "final.json")
+
+
+@pytest.fixture
+def endpoint(request):
+    """``(backend, endpoint)`` for ``request.param`` (``c10d``, ``etcd-v2``, ``etcd-v3``); use it indirectly.
+
+    c10d: a free loopback port (the first agent hosts the store); etcd: the module's
+    etcd server, whose processes the leak check is told about.
+    """
+    backend = request.param
+    if backend == "c10d":
+        return backend, f"127.0.0.1:{free_port()}"
+    cluster = request.getfixturevalue("etcd_v3" if backend == "etcd-v3" else "etcd_v2")
+    FIXTURE_PIDS.update(m.proc.pid for m in cluster.members if m.proc is not None)  # module-scoped servers
+    return backend, cluster.endpoints

@@ -15,26 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FIXTURE_PIDS, wait_for
-from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
-from tests.helpers import SCRIPTS, finish_agents, free_port, kill_tree, launcher_env, port_open, start, start_agent
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, finish_agents, kill_tree, launcher_env, port_open, start, start_agent
 
 pytestmark = pytest.mark.slow
 
 FAULT = str(SCRIPTS / "job_fault.py")
 CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
 BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
-ETCD_FIXTURES = (etcd_bin, etcd_v2, etcd_v3)  # imported for pytest to find; used through `endpoint`
 
-
-@pytest.fixture
-def endpoint(request):
-    backend = request.param
-    if backend == "c10d":
-        return backend, f"127.0.0.1:{free_port()}"
-    cluster = request.getfixturevalue("etcd_v3" if backend == "etcd-v3" else "etcd_v2")
-    FIXTURE_PIDS.update(m.proc.pid for m in cluster.members if m.proc is not None)  # module-scoped servers
-    return backend, cluster.endpoints
 
 
 def _agents(endpoint, schedule: dict, out: Path, *extra: str, rdzv_id: str, n: int = 2):

@@ -20,24 +20,13 @@ import subprocess
 import psutil
 import pytest
 
-from tests.conftest import FIXTURE_PIDS, wait_for
-from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
-from tests.helpers import SCRIPTS, free_port, kill_tree, start
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, kill_tree, start
 
 pytestmark = pytest.mark.slow
 
-ETCD_FIXTURES = (etcd_bin, etcd_v2, etcd_v3)  # imported for pytest to find; used through `endpoint`
 AGENTS = 4
 
-
-@pytest.fixture
-def endpoint(request):
-    backend = request.param
-    if backend == "c10d":
-        return backend, f"127.0.0.1:{free_port()}"
-    cluster = request.getfixturevalue("etcd_v3" if backend == "etcd-v3" else "etcd_v2")
-    FIXTURE_PIDS.update(m.proc.pid for m in cluster.members if m.proc is not None)  # module-scoped servers
-    return backend, cluster.endpoints
 
 
 def _listens_on(pid: int, port: int) -> bool:

@@ -30,14 +30,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURE_PIDS, wait_for
-from tests.etcd.conftest import etcd_bin, etcd_v2, etcd_v3
-from tests.helpers import SCRIPTS, free_port, kill_tree, start
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, kill_tree, start
 
 pytestmark = pytest.mark.slow
 
 BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
-ETCD_FIXTURES = (etcd_bin, etcd_v2, etcd_v3)  # imported for pytest to find; used through `endpoint`
 #: Seconds an agent is frozen: the issue's figure, below the default ``lost_after`` (3 s).
 FREEZE = 2.0
 #: Seconds after the thaw (or the load) during which a wrong verdict would show: a lost
@@ -46,15 +44,6 @@ SETTLE = 3.0
 #: Seconds of full CPU load: 16 heartbeat intervals at the default 0.375 s.
 LOAD_FOR = 6.0
 
-
-@pytest.fixture
-def endpoint(request):
-    backend = request.param
-    if backend == "c10d":
-        return backend, f"127.0.0.1:{free_port()}"
-    cluster = request.getfixturevalue("etcd_v3" if backend == "etcd-v3" else "etcd_v2")
-    FIXTURE_PIDS.update(m.proc.pid for m in cluster.members if m.proc is not None)  # module-scoped servers
-    return backend, cluster.endpoints
 
 
 class _Job:
