@@ -5,7 +5,7 @@ Two agents of ``--nnodes=1:2`` run a world of 2 with the default liveness settin
 etcd, ``read_timeout`` are given, neither of which changes them). A lost member
 would make the survivor re-form alone: a new line in ``rounds.txt`` (the worker
 script writes one per round) and "membership changed" on its stderr. Neither may
-happen while the machine runs two busy processes per core (16 heartbeat intervals),
+happen while the machine runs two busy processes per core (10 heartbeat intervals),
 nor when one agent is then frozen for 2 s (SIGSTOP, then SIGCONT) under that load.
 
 Every backend runs it: the running member's heartbeat takes a different path on
@@ -41,8 +41,8 @@ FREEZE = 2.0
 #: Seconds after the thaw (or the load) during which a wrong verdict would show: a lost
 #: member is judged at most ``lost_after`` after its last heartbeat, which was before the freeze.
 SETTLE = 3.0
-#: Seconds of full CPU load: 16 heartbeat intervals at the default 0.375 s.
-LOAD_FOR = 6.0
+#: Seconds of full CPU load: 10 heartbeat intervals at the default 0.375 s.
+LOAD_FOR = 4.0
 
 
 

@@ -47,6 +47,9 @@ def test_ddp_digits_world_of_four_reaches_its_accuracy(net, agents, rdzv, tmp_pa
     no_processes_in(net.hosts)
 
 
+# etcd-v2 is left out for suite time: its node death goes through the same per-node heartbeat
+# keys and lost_after rule, which its link-cut test below and test_job_wide's kill -9 cover
+@pytest.mark.parametrize("rdzv", ["c10d", "etcd-v3"], indirect=True)
 def test_a_host_killed_the_rest_resume_from_the_checkpoint(net, agents, rdzv, tmp_path):
     """c10d: a host that does not hold the store dies; etcd: any host may, so the first one does."""
     h1, h2, h3 = net.add_host(), net.add_host(), net.add_host()
