@@ -159,7 +159,7 @@ def test_shutdown_stops_heartbeats_closes_and_releases_stores(world_factory):
     w = world_factory(1, 1, keep_alive_interval=0.05)
     a = w.handler("a")
     list(w.join(a))
-    thread = a._heartbeat_thread
+    thread = a._keep_alive.thread
     assert thread is not None and thread.is_alive()
     assert a.shutdown() is True
     assert not thread.is_alive() and a._stores.closed and w.state().closed

@@ -33,6 +33,7 @@ from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.job_facts import JobFacts
+from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.reading import read_watched
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -106,9 +107,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._sleep = sleep
         self._executor = OpExecutor(backend, self._node_id, node, settings, clock, sleep)
         self._lock = threading.RLock()
-        self._heartbeat_stop: threading.Event | None = None
-        self._heartbeat_thread: threading.Thread | None = None
-        self._beat_now = threading.Event()  # wakes the keep-alive thread: a read saw a probe it must answer
+        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._read, self._beat_through_state)
         self._state_written = False  # the backend's watch saw a write since the cached read
         self._stop_watch: Callable[[], None] | None = None
         self._current: RendezvousInfo | None = None
@@ -255,8 +254,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         state, _token = read_watched(self._backend, self._watched, self._members,
                                      self._clock() - self._settings.fresh_for)
         self._cached = (now, state)
-        if self._heartbeat_thread is not None and ops.should_answer_probe(state, self._node_id):
-            self._beat_now.set()  # answer at once, not at the keep-alive thread's next tick
+        if self._keep_alive.running and ops.should_answer_probe(state, self._node_id):
+            self._keep_alive.beat_now()  # answer at once, not at the keep-alive thread's next tick
         return state
 
     def num_nodes_waiting(self) -> int:
@@ -392,87 +391,24 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             if not rejoin:
                 self._stores.close()
 
-    # -- keep-alive -------------------------------------------------------------------
+    # -- keep-alive (the thread itself: keepalive.py) -------------------------------------
 
     def _on_state_written(self) -> None:
         self._state_written = True
 
     def _start_heartbeats(self) -> None:
         self._stop_watch = self._backend.watch_state(self._on_state_written)
-        stop = threading.Event()
-        thread = threading.Thread(
-            target=self._heartbeat_loop, args=(stop,), name=f"elaunch-rdzv-keepalive-{self._node_id}", daemon=True
-        )
-        self._heartbeat_stop, self._heartbeat_thread = stop, thread
-        thread.start()
+        self._keep_alive.start()
 
     def _stop_heartbeats(self) -> None:
         if self._stop_watch is not None:
             self._stop_watch()
             self._stop_watch = None
-        if self._heartbeat_stop is None or self._heartbeat_thread is None:
-            return
-        self._heartbeat_stop.set()
-        self._beat_now.set()
-        if self._heartbeat_thread is not threading.current_thread():
-            self._heartbeat_thread.join(self._settings.heartbeat_timeout + 1.0)
-        self._heartbeat_stop = self._heartbeat_thread = None
+        self._keep_alive.stop()
 
-    def _beat_keys(self, stop: threading.Event, tick: float) -> None:
-        """Heart-beat into this node's own key now, then every ``tick`` s.
-
-        Such a write is uncontended and no state is read for it, so it is simply
-        frequent enough to keep this running member clear of ``lost_after`` and to
-        answer any probe in time; a probe the monitor's read saw is answered at once
-        (``_beat_now``). After a freeze (SIGSTOP, a stalled VM) the overdue wait
-        returns at once, so the first thing a thawed agent does is beat. Dead nodes
-        are pruned by joining nodes (``decide_join``), as in torch.
-        """
-        while True:
-            try:
-                self._backend.put_heartbeat(self._node_id, self._clock())
-            except RendezvousError as exc:
-                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
-            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
-                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
-            if self._wait_tick(stop, tick):
+    def _beat_through_state(self, stop: threading.Event) -> None:
+        """One heartbeat written into the shared state (a backend without per-node heartbeat keys)."""
+        with self._lock:
+            if stop.is_set():
                 return
-
-    def _wait_tick(self, stop: threading.Event, seconds: float) -> bool:
-        """Sleep ``seconds`` or until woken (a probe to answer, or ``stop``); True when stopped."""
-        self._beat_now.wait(seconds)
-        self._beat_now.clear()
-        return stop.is_set()
-
-    def _heartbeat_loop(self, stop: threading.Event) -> None:
-        """Heart-beat every ``heartbeat_interval`` s (0.375 s by default), and at once when a waiting node probes.
-
-        With per-node heartbeat keys (c10d, etcd-v2, etcd-v3) each beat is one write of
-        this node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
-        Otherwise (a backend without them) a beat rewrites the shared state: probes are looked for
-        every ``probe_timeout / 4`` s in the (shared, cached) state read, so an agent
-        busy stopping its workers still proves it is alive; a probe the monitor's
-        read saw first is answered at once (``_beat_now``).
-        """
-        s = self._settings
-        interval = s.heartbeat_interval
-        tick = min(interval, s.probe_timeout / 4)
-        if self._backend.supports_heartbeat_keys:
-            self._beat_keys(stop, tick if self._backend.cheap_heartbeats else interval)
-            return
-        # the first beat at a random point of the interval: the nodes of a round all start
-        # together, and a thousand beats at once would contend for the one state key
-        next_beat = time.monotonic() + interval * random.uniform(0.1, 1.0)
-        while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
-            try:
-                if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
-                    continue
-                next_beat = time.monotonic() + interval
-                with self._lock:
-                    if stop.is_set():
-                        return
-                    self._executor.run(ops.decide_keep_alive, s.heartbeat_timeout, "heartbeat_timeout")
-            except RendezvousError as exc:
-                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
-            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
-                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
+            self._executor.run(ops.decide_keep_alive, self._settings.heartbeat_timeout, "heartbeat_timeout")

@@ -1,0 +1,136 @@
+"""The keep-alive thread of a dynamic rendezvous' running member (``DynamicRendezvousHandler``).
+
+Mirrors the keep-alive of torch's ``DynamicRendezvousHandler`` (``_keep_alive``
+on a timer), with a thread that beats into the node's own heartbeat key where the
+backend has one (c10d, etcd-v2, etcd-v3) and can be woken to answer a probe at
+once. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+from elaunch.rendezvous.api import RendezvousError
+from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic.backend import RendezvousBackend
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.state import RendezvousState
+
+log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
+
+
+class KeepAlive:
+    """Heart-beats for one node while its round runs; started and stopped by the handler.
+
+    Args:
+        node_id: the node whose heartbeat this is.
+        settings: ``heartbeat_interval`` (seconds between beats), ``probe_timeout``
+            (a probe is answered within a quarter of it), ``heartbeat_timeout``.
+        backend: writes the node's heartbeat key (``put_heartbeat``) where it has one.
+        clock: seconds since the epoch, the time written into a heartbeat.
+        read: the handler's cached read of the state (backends without heartbeat keys
+            look for probes in it).
+        beat_through_state: writes one heartbeat into the shared state (backends
+            without heartbeat keys); given the thread's stop event, it returns
+            without writing once that is set.
+    """
+
+    def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
+                 clock: Callable[[], float], read: Callable[[], RendezvousState],
+                 beat_through_state: Callable[[threading.Event], None]) -> None:
+        self._node_id = node_id
+        self._settings = settings
+        self._backend = backend
+        self._clock = clock
+        self._read = read
+        self._beat_through_state = beat_through_state
+        self._beat_now = threading.Event()  # wakes the thread: a read saw a probe it must answer
+        self._stop: threading.Event | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self.thread is not None
+
+    def beat_now(self) -> None:
+        """Make the thread beat at once (a probe to answer) instead of at its next tick."""
+        self._beat_now.set()
+
+    def start(self) -> None:
+        """Start the thread (a daemon, named after the node)."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self._loop, args=(stop,), name=f"elaunch-rdzv-keepalive-{self._node_id}",
+                                  daemon=True)
+        self._stop, self.thread = stop, thread
+        thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; wait up to ``heartbeat_timeout + 1`` seconds for a beat in flight. Idempotent."""
+        if self._stop is None or self.thread is None:
+            return
+        self._stop.set()
+        self._beat_now.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(self._settings.heartbeat_timeout + 1.0)
+        self._stop = self.thread = None
+
+    def _beat_keys(self, stop: threading.Event, tick: float) -> None:
+        """Heart-beat into this node's own key now, then every ``tick`` s.
+
+        Such a write is uncontended and no state is read for it, so it is simply
+        frequent enough to keep this running member clear of ``lost_after`` and to
+        answer any probe in time; a probe the monitor's read saw is answered at once
+        (``_beat_now``). After a freeze (SIGSTOP, a stalled VM) the overdue wait
+        returns at once, so the first thing a thawed agent does is beat. Dead nodes
+        are pruned by joining nodes (``decide_join``), as in torch.
+        """
+        while True:
+            try:
+                self._backend.put_heartbeat(self._node_id, self._clock())
+            except RendezvousError as exc:
+                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
+            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
+                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
+            if self._wait_tick(stop, tick):
+                return
+
+    def _wait_tick(self, stop: threading.Event, seconds: float) -> bool:
+        """Sleep ``seconds`` or until woken (a probe to answer, or ``stop``); True when stopped."""
+        self._beat_now.wait(seconds)
+        self._beat_now.clear()
+        return stop.is_set()
+
+    def _loop(self, stop: threading.Event) -> None:
+        """Heart-beat every ``heartbeat_interval`` s (0.375 s by default), and at once when a waiting node probes.
+
+        With per-node heartbeat keys (c10d, etcd-v2, etcd-v3) each beat is one write of
+        this node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
+        Otherwise (a backend without them) a beat rewrites the shared state: probes are looked for
+        every ``probe_timeout / 4`` s in the (shared, cached) state read, so an agent
+        busy stopping its workers still proves it is alive; a probe the monitor's
+        read saw first is answered at once (``_beat_now``).
+        """
+        s = self._settings
+        interval = s.heartbeat_interval
+        tick = min(interval, s.probe_timeout / 4)
+        if self._backend.supports_heartbeat_keys:
+            self._beat_keys(stop, tick if self._backend.cheap_heartbeats else interval)
+            return
+        # the first beat at a random point of the interval: the nodes of a round all start
+        # together, and a thousand beats at once would contend for the one state key
+        next_beat = time.monotonic() + interval * random.uniform(0.1, 1.0)
+        while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
+            try:
+                if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
+                    continue
+                next_beat = time.monotonic() + interval
+                self._beat_through_state(stop)
+            except RendezvousError as exc:
+                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
+            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
+                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
