@@ -298,7 +298,8 @@ def bench_scale_down(cfg: BenchConfig) -> Recorder:
     conf = "last_call_timeout=3" if cfg.quick else None
     suffix = " (last_call_timeout=3)" if conf else ""
     rec = Recorder("scale_down")
-    rec.metric("running", "scale-down 2 -> 1 nodes: node killed -> world of 1 running" + suffix, "s")
+    rec.metric("running", "scale-down 2 -> 1 nodes: node killed -> world of 1 running" + suffix, "s",
+               {"kind": "abs_le", "value": 5.0, "text": "<= 5 s"})
     rec.metric("ready", "scale-down 2 -> 1 nodes: node killed -> world of 1 ready" + suffix, "s")
 
     def once(which, log, out):
@@ -339,7 +340,8 @@ def bench_overhead(cfg: BenchConfig) -> Recorder:
     start, which is launch cost, not idle cost.
     """
     rec = Recorder("overhead")
-    rec.metric("cpu_per_min", "agent overhead: launcher CPU per minute, 2 sleeping workers", "s/min")
+    rec.metric("cpu_per_min", "agent overhead: launcher CPU per minute, 2 sleeping workers", "s/min",
+               {"kind": "ratio_le", "value": 0.5, "text": "<= 0.5x torchrun"})
     rec.metric("rss", "agent overhead: agent RSS while workers run", "MiB")
     rec.metric("helpers_rss", "agent overhead: RSS of the launcher's helper processes", "MiB")
     window = cfg.overhead_seconds
