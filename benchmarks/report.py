@@ -43,6 +43,8 @@ def target_status(metric: dict[str, Any], by_key: dict[str, dict[str, Any]]) -> 
         t = metric["median"]["torchrun"]
         if t is None:  # torchrun did not complete: any completion beats it
             return "met"
+        if t <= 0:  # nothing to divide by (e.g. no idle CPU measured in a short window): only 0 matches it
+            return "met" if e <= 0 else "not met"
         return "met" if e / t <= value else "not met"
     if kind == "rate_ge":  # a yes/no per repeat: elaunch's rate of yes at least ``value`` x torchrun's
         def rate(which: str) -> float | None:
