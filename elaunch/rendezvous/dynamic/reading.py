@@ -40,10 +40,15 @@ def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
         RendezvousStateError: the stored state is corrupt.
     """
     if not backend.supports_heartbeat_keys:
-        data, token = backend.get_state()
-        return _decode(data), token
+        return _read_plain(backend)
     data, token, heartbeats = backend.get_state_and_heartbeats(_nodes(known))
     return fold_all_heartbeats(backend, _decode(data), heartbeats, fresh_after), token
+
+
+def _read_plain(backend: RendezvousBackend) -> tuple[RendezvousState, Token]:
+    """The state alone, heartbeats as stored in it (a backend without per-node heartbeat keys)."""
+    data, token = backend.get_state()
+    return _decode(data), token
 
 
 def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Collection[str],
@@ -70,8 +75,7 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
         RendezvousStateError: the stored state is corrupt.
     """
     if not backend.supports_heartbeat_keys:
-        data, token = backend.get_state()
-        return _decode(data), token
+        return _read_plain(backend)
     data, token, heartbeats = backend.get_state_and_heartbeats(list(watched))
     state = _decode(data)
     judged = state.wait_list | state.redundancy_list | (set(state.last_heartbeats) - set(members))
