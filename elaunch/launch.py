@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
+from elaunch.agent.heap import freeze_startup_heap
 from elaunch.config.errors import EXIT_USAGE
 from elaunch.config import LaunchConfig
 from elaunch.config.logs_specs import make_logs_specs
@@ -123,7 +124,8 @@ def _unimplemented(config: LaunchConfig) -> list[tuple[str, str]]:
     return [(flag, value) for flag, value in given if value]
 
 
-def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = None) -> RunResult | None:
+def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = None,
+            own_process: bool = False) -> RunResult | None:
     """Run the job a LaunchConfig describes on this node; return its RunResult.
 
     Mirrors ``torch.distributed.launcher.api.launch_agent`` minus the exception it
@@ -189,6 +191,8 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         fork_target=fork_target,
         event_log_handler=config.event_log_handler,
     )
+    if own_process:
+        freeze_startup_heap()
     try:
         with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):
             try:
@@ -216,7 +220,7 @@ def launch(config: LaunchConfig) -> int:
     error, ``128 + signum`` after a handled signal.
     """
     try:
-        result = run_job(config)
+        result = run_job(config, own_process=True)
     except SignalException as exc:
         return 128 + exc.sigval
     except RendezvousConfigError as exc:
