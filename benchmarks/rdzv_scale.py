@@ -37,7 +37,10 @@ How a round runs (both variants): the orchestrator starts a few processes, each
 running several agents as threads. Every agent builds its handler the way its
 launcher does (elaunch: ``elaunch.rendezvous.registry.create_handler``; torchrun:
 ``torch.distributed.elastic.rendezvous.registry.get_rendezvous_handler``), each
-with its own client(s), counted per agent. After all handlers exist, the
+with its own client(s), counted per agent. A process of elaunch agents then
+freezes its start-up heap out of garbage collection, as the ``elaunch``
+command's agent does before its first rendezvous (``elaunch.agent.heap``);
+torchrun's agent does not, nor do its simulating processes. After all handlers exist, the
 orchestrator says "go" and every agent calls ``next_rendezvous()`` once; a round's
 time is go -> the last agent's return, and an agent's operations are those it made
 from the creation of its handler until its own ``next_rendezvous()`` returned
@@ -366,6 +369,11 @@ def worker_main(argv: list[str]) -> None:
                             level=logging.DEBUG, format="%(created).3f %(threadName)s %(name)s %(message)s")
     make = _make_etcd_handlers if a.backend == "etcd" else _make_handlers
     handlers = make(a.impl, a.endpoint, a.n, a.count, a.run_id, a.timeout)
+    if a.impl == "elaunch":
+        # as the elaunch command's agent does once its handler exists; torchrun's does not
+        from elaunch.agent.heap import freeze_startup_heap
+
+        freeze_startup_heap()
     print("READY", flush=True)
     line = sys.stdin.readline().split()
     if not line or line[0] != "GO":
@@ -424,6 +432,8 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
     Returns:
         ``{"seconds": float | None, "ops": [per-agent ops], "error": str | None}``;
         seconds is None when the round did not complete within ``timeout`` seconds.
+        A completed round adds ``"finish"``: each agent's seconds from go to its
+        return, sorted (``seconds`` is the last).
     """
     server = None
     if backend == "c10d":
@@ -488,7 +498,8 @@ def one_round(impl: str, n: int, timeout: float, backend: str = "c10d", endpoint
         first = errors[0].splitlines()[0][:80]
         return {"seconds": None, "ops": [a["ops"] for a in agents if a["ops"] is not None],
                 "error": f"did not complete in {timeout:g} s" if timed_out else first}
-    return {"seconds": max(a["t"] for a in agents) - go, "ops": [a["ops"] for a in agents], "error": None}
+    finish = sorted(a["t"] - go for a in agents)
+    return {"seconds": finish[-1], "ops": [a["ops"] for a in agents], "error": None, "finish": finish}
 
 
 def _measure(rec: Recorder, sizes: tuple[int, ...], timeout: float, prefix: str, what: str,
