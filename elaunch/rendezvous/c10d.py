@@ -71,6 +71,8 @@ class C10dBackend(RendezvousBackend):
 
     def __init__(self, store: Any, run_id: str, endpoint: str, create: bool = True) -> None:
         self._store = store
+        # the keep-alive thread's heartbeats skip BoundedStore's hand-off (see ``beat``)
+        self._direct = store.store if isinstance(store, BoundedStore) else store
         self._endpoint = endpoint
         self._prefix = f"elaunch/rdzv/{run_id}"
         self.key = f"{self._prefix}/state"
@@ -163,6 +165,12 @@ class C10dBackend(RendezvousBackend):
     def put_heartbeat(self, node_id: str, at: float) -> None:
         with _translated(self._endpoint, "writing a heartbeat"):
             self._store.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
+
+    def beat(self, node_id: str, at: float) -> None:
+        # Two thread hand-offs fewer per beat: at 1024 simulated agents on 2 cores the beats
+        # (one per agent every 0.375 s) were as many store calls as the round's own.
+        with _translated(self._endpoint, "writing a heartbeat"):
+            self._direct.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
 
     def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
         if not nodes:

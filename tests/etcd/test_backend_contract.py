@@ -23,9 +23,11 @@ def backend(request, etcd_v2, etcd_v3):
     if request.param == "c10d":
         torch_dist = pytest.importorskip("torch.distributed")
         from elaunch.rendezvous.c10d import C10dBackend
+        from elaunch.rendezvous.c10d_store import BoundedStore
 
         store = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        yield C10dBackend(store, run_id, f"127.0.0.1:{store.port}")
+        endpoint = f"127.0.0.1:{store.port}"
+        yield C10dBackend(BoundedStore(store, endpoint, 10.0), run_id, endpoint)  # as create_handler builds it
         return
     if request.param == "etcd-v2":
         from elaunch.rendezvous.etcd.v2 import EtcdV2KV, EtcdV2StateBackend
@@ -175,7 +177,8 @@ def test_heartbeat_keys_are_each_nodes_own_and_leave_the_state_alone(backend):
     for i, node in enumerate(nodes):
         backend.put_heartbeat(node, 1000.0 + i)
     backend.put_heartbeat("n0", 2000.5)  # overwritten in place, no compare
-    expected = {n: 1000.0 + i for i, n in enumerate(nodes)} | {"n0": 2000.5}
+    backend.beat("n2", 2002.5)  # the keep-alive thread's write (c10d: not through the pool): the same key
+    expected = {n: 1000.0 + i for i, n in enumerate(nodes)} | {"n0": 2000.5, "n2": 2002.5}
     assert backend.get_heartbeats(nodes[:2]) == {"n0": 2000.5, "n1": 1001.0}  # a few (the monitor's read)
     assert backend.get_heartbeats(nodes) == expected  # many (a join's read; etcd-v2: one directory read)
     assert backend.get_heartbeats([]) == {}

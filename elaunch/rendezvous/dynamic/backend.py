@@ -76,6 +76,19 @@ class RendezvousBackend(abc.ABC):
         """
         raise NotImplementedError(f"{self.name}: no heartbeat keys")
 
+    def beat(self, node_id: str, at: float) -> None:
+        """:meth:`put_heartbeat` from the node's keep-alive thread (``keepalive.KeepAlive``).
+
+        Nothing waits on that thread, so a backend may skip what bounds its calls
+        in time for the others (c10d: the hand-off to a pooled thread); a stalled
+        server then stalls only the keep-alive thread, which the handler abandons
+        after ``heartbeat_timeout + 1`` seconds. Default: :meth:`put_heartbeat`.
+
+        Raises:
+            As :meth:`put_heartbeat`.
+        """
+        self.put_heartbeat(node_id, at)
+
     def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
         """Return the heartbeat keys of ``nodes`` (nodes that appeared in a state have one).
 

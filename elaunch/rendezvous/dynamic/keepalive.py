@@ -30,7 +30,7 @@ class KeepAlive:
         node_id: the node whose heartbeat this is.
         settings: ``heartbeat_interval`` (seconds between beats), ``probe_timeout``
             (a probe is answered within a quarter of it), ``heartbeat_timeout``.
-        backend: writes the node's heartbeat key (``put_heartbeat``) where it has one.
+        backend: writes the node's heartbeat key (``beat``) where it has one.
         clock: seconds since the epoch, the time written into a heartbeat.
         read: the handler's cached read of the state (backends without heartbeat keys
             look for probes in it).
@@ -91,7 +91,7 @@ class KeepAlive:
         """
         while True:
             try:
-                self._backend.put_heartbeat(self._node_id, self._clock())
+                self._backend.beat(self._node_id, self._clock())
             except RendezvousError as exc:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
