@@ -39,6 +39,18 @@ class CountingStore(BoundedStore):
         return attr
 
 
+class CountingDirect:
+    """The raw store the keep-alive thread writes through (``C10dBackend.beat``), counted in ``counting.calls``."""
+
+    def __init__(self, raw, counting: CountingStore) -> None:
+        self._raw, self._counting = raw, counting
+
+    def set(self, key, value):
+        with self._counting._lock:
+            self._counting.calls.append("set")
+        return self._raw.set(key, value)
+
+
 @pytest.fixture
 def crowd():
     handlers = []
@@ -51,6 +63,7 @@ def crowd():
         handlers.extend(hs)
         for h in hs:
             h._backend._store = CountingStore(h._backend._store)
+            h._backend._direct = CountingDirect(h._backend._direct, h._backend._store)
         return hs
 
     make.pool = pool
