@@ -102,15 +102,32 @@ def test_reaching_min_starts_last_call():
     assert s.deadline == NOW + 30 and not s.complete
 
 
-def test_reaching_max_completes_at_once_with_sorted_ranks():
+def test_reaching_max_completes_at_once_the_writer_first_then_by_node_id():
     s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(["n2", "n0"], deadline=NOW + 5), ctx(), NOW)
     assert s.complete and s.deadline is None
-    assert s.participants == {"n0": 0, ME: 1, "n2": 2}
+    assert s.participants == {ME: 0, "n0": 1, "n2": 2}  # the completing writer hosts the workers' store
 
 
 def test_last_call_expiry_completes():
     s = ops.apply(Action.MARK_COMPLETE, mk([ME, "n0"], deadline=NOW - 1), ctx(), NOW)
-    assert s.complete and s.deadline is None and s.participants == {"n0": 0, ME: 1}
+    assert s.complete and s.deadline is None and s.participants == {ME: 0, "n0": 1}
+
+
+@pytest.mark.parametrize(
+    "desc, hints, writer, ranks",
+    [
+        ("first round: the writer, then node id", {"b": -1, "c": -1, "a": -1}, "c", {"c": 0, "a": 1, "b": 2}),
+        ("no writer (as torch): node id", {"b": -1, "c": -1, "a": -1}, None, {"a": 0, "b": 1, "c": 2}),
+        ("a kept rank 0 wins over the writer", {"a": -1, "b": 0, "c": -1}, "c", {"b": 0, "a": 1, "c": 2}),
+        ("the writer keeps its own previous rank", {"a": -1, "b": -1, "c": 2}, "c", {"c": 2, "a": 0, "b": 1}),
+        ("rank 0 left: the writer takes it", {"a": 1, "b": -1, "c": -1}, "c", {"a": 1, "c": 0, "b": 2}),
+        ("a writer outside the round changes nothing", {"a": -1, "b": -1}, "z", {"a": 0, "b": 1}),
+    ],
+)
+def test_mark_complete_ranks(desc, hints, writer, ranks):
+    s = mk(hints)
+    ops._mark_complete(s, writer)
+    assert s.complete and s.participants == ranks, desc
 
 
 def test_previous_ranks_are_kept_when_free():
@@ -421,6 +438,14 @@ def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kep
     assert s.last_heartbeats["a"] == NOW - 2 and s.participants["a"] == 1
     assert s.node_infos["a"]["addr"] == "a"
     assert merge.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
+
+
+def test_the_combiner_whose_write_completes_the_round_gets_rank_0():
+    # BATCH: max 3 nodes; x (the combiner, a participant) adds the last two posters
+    s = merge.combine_pending(mk(["x"]), [intent("a"), intent("b")], BATCH, NOW, writer="x")
+    assert s.complete and s.participants == {"x": 0, "a": 1, "b": 2}
+    joined = merge.combine_joins(mk(["a", "b"]), ctx(), [], NOW)  # ME adds itself: the world is full
+    assert joined.complete and joined.participants == {ME: 0, "a": 1, "b": 2}
 
 
 ROUND_OF_THREE = {"a": 0, "b": 1, "c": 2}  # a complete round of three

@@ -368,7 +368,7 @@ class OpExecutor:
     def _combine_pending(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """SYNC of the combiner: add every node that posted since in one write, or wait for the next post."""
         assert call.batch is not None
-        combined = merge.combine_pending(self._state, call.batch.intents, self._settings, now)
+        combined = merge.combine_pending(self._state, call.batch.intents, self._settings, now, self._node_id)
         if combined is None:
             return self._await_round(call, ctx, now)
         return self._commit(call, Step.COMBINE_PENDING, self._state, combined)

@@ -32,7 +32,7 @@ def combine_joins(state: RendezvousState, ctx: OpContext, intents: list[JoinInte
         The new state; ``state`` is unchanged.
     """
     s = ops.apply(Action.ADD_TO_PARTICIPANTS, state, ctx, now)
-    _add_intents(s, intents, ctx.settings, now)
+    _add_intents(s, intents, ctx.settings, now, ctx.node_id)
     return s
 
 
@@ -79,7 +79,7 @@ def leavers(state: RendezvousState, intents: list[JoinIntent]) -> dict[str, Join
 
 
 def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings,
-                    now: float) -> RendezvousState | None:
+                    now: float, writer: str | None = None) -> RendezvousState | None:
     """Return ``state`` with the pending intents' nodes added, or None when none may join (pure).
 
     A node's intent is added, in log order, while the round is open and has room,
@@ -91,13 +91,15 @@ def combine_pending(state: RendezvousState, intents: list[JoinIntent], settings:
     node that was pruned (for a heartbeat older than ``dead_after``); the deadline
     keeps out one that gave up its join: with ``join_timeout`` < ``dead_after`` its
     intent is still fresh then, and adding it would make a phantom participant,
-    counted toward ``min_nodes`` until its heartbeat expired.
+    counted toward ``min_nodes`` until its heartbeat expired. ``writer`` (the
+    combiner) gets rank 0 if this completes the round (``ops.add_participant``).
     """
     s = state.copy()
-    return s if _add_intents(s, intents, settings, now) else None
+    return s if _add_intents(s, intents, settings, now, writer) else None
 
 
-def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings, now: float) -> bool:
+def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: RendezvousSettings, now: float,
+                 writer: str | None) -> bool:
     newest: dict[str, float] = {}  # a node keeps alive by posting again: its last post is its heartbeat
     for intent in intents:
         newest[intent.node_id] = max(intent.at, newest.get(intent.node_id, 0.0))
@@ -111,7 +113,7 @@ def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: Rendez
                 or now > intent.until - DEADLINE_MARGIN):
             continue
         ops.add_participant(s, intent.node_id, dict(intent.info), intent.previous_rank, settings, now,
-                         heartbeat=min(newest[intent.node_id], now))
+                         heartbeat=min(newest[intent.node_id], now), writer=writer)
         added = True
     if added:
         ops.prune_node_infos(s)

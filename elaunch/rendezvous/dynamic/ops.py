@@ -253,7 +253,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     if action is Action.KEEP_ALIVE:
         s.last_heartbeats[me] = now
     elif action is Action.ADD_TO_PARTICIPANTS:
-        add_participant(s, me, info, ctx.previous_rank, settings, now)
+        add_participant(s, me, info, ctx.previous_rank, settings, now, writer=me)
     elif action is Action.ADD_TO_WAIT_LIST:
         # OUTSIDE -> WAITING: running groups see num_nodes_waiting() > 0
         s.redundancy_list.discard(me)
@@ -286,7 +286,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         if removed_participant:
             after_participant_removed(s, settings)
     elif action is Action.MARK_COMPLETE:
-        _mark_complete(s)  # INCOMPLETE -> COMPLETE: last call expired
+        _mark_complete(s, me)  # INCOMPLETE -> COMPLETE: last call expired
     elif action is Action.MARK_CLOSED:
         s.closed = True  # OPEN -> CLOSED
     elif action is Action.PROBE:
@@ -304,11 +304,14 @@ def prune_node_infos(s: RendezvousState) -> None:
 
 
 def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: int,
-                     settings: RendezvousSettings, now: float, heartbeat: float | None = None) -> None:
+                     settings: RendezvousSettings, now: float, heartbeat: float | None = None,
+                     writer: str | None = None) -> None:
     """OUTSIDE/WAITING -> PARTICIPANT, in place (the rank is fixed when the round completes).
 
     ``heartbeat``: the node's last sign of life (default ``now``; ``merge.py`` adds
-    nodes on their intent's time).
+    nodes on their intent's time). ``writer``: the node writing this state (itself,
+    or the combiner of a batched join), which gets rank 0 if this completes the round
+    (see :func:`_mark_complete`).
     """
     s.wait_list.discard(node)
     s.participants[node] = previous_rank
@@ -323,7 +326,7 @@ def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: in
         hard = s.last_call_deadline if s.last_call_deadline is not None else s.deadline
         s.deadline = now + settings.settle_timeout if hard is None else min(now + settings.settle_timeout, hard)
     if n == settings.max_nodes:
-        _mark_complete(s)  # INCOMPLETE -> COMPLETE: world full
+        _mark_complete(s, writer)  # INCOMPLETE -> COMPLETE: world full
 
 
 def after_participant_removed(s: RendezvousState, settings: RendezvousSettings) -> None:
@@ -338,8 +341,18 @@ def after_participant_removed(s: RendezvousState, settings: RendezvousSettings) 
         s.deadline = s.last_call_deadline = None  # below min again: the last call is off
 
 
-def _mark_complete(s: RendezvousState) -> None:
-    """Rank the participants: previous ranks kept when free and in range, others by node id."""
+def _mark_complete(s: RendezvousState, writer: str | None = None) -> None:
+    """Rank the participants: previous ranks kept when free and in range, then ``writer``, then the others by node id.
+
+    ``writer`` is the node whose write completes the round; it takes rank 0 when no
+    node keeps that from its previous round (in a first round, always). It holds the
+    complete state already, so it can host the workers' store (c10d: rank 0 hosts it
+    and publishes its port, which every other node waits for) while the others are
+    still reading the state: the publication is off the round's critical path. At
+    1024 simulated agents, a rank 0 that read the state late held the whole round
+    up by seconds. torch ranks by node id alone; a group rank carries no meaning
+    beyond the round.
+    """
     s.complete = True
     s.deadline = s.last_call_deadline = None
     ids = sorted(s.participants)
@@ -351,6 +364,9 @@ def _mark_complete(s: RendezvousState) -> None:
         if 0 <= hint < size and hint not in taken:
             ranks[node] = hint
             taken.add(hint)
+    if writer in s.participants and writer not in ranks and 0 not in taken:
+        ranks[writer] = 0
+        taken.add(0)
     free = iter(r for r in range(size) if r not in taken)
     for node in ids:
         if node not in ranks:
