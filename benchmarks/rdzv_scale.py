@@ -59,6 +59,7 @@ Run by hand: ``python -m benchmarks.rdzv_scale worker --impl elaunch --backend c
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -252,8 +253,12 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
             # the agent's own client object (its requests, leases and watch ids are its own)
             # on the process's one gRPC channel and watch stream, as agents on separate
             # hosts would each have one
+            # each agent's own copies of the endpoints: the channel is shared, but an
+            # endpoint's failed mark (pyetcd's Endpoint.fail, set by one request's timeout and
+            # refusing every request for time_retry seconds) must stay that agent's, as on
+            # separate hosts; with shared endpoints one timeout failed all of a process's agents
             client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
-                endpoints=list(first.endpoints.values()), timeout=first.timeout)
+                endpoints=[copy.copy(e) for e in first.endpoints.values()], timeout=first.timeout)
             client.call_credentials = None
             client.watcher = first.watcher
             # an agent drops (closes) its client on a transient error and makes a new one;
