@@ -137,6 +137,10 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         fork_target: ``elaunch.launcher`` with a function and ``start_method="fork"``:
             each worker is a fork of this process calling ``fork_target(local_rank)``
             (``config.cmd`` is not run); None: workers exec ``config.cmd``.
+        own_process: this process is the agent alone (the ``elaunch`` command): its
+            start-up heap is frozen out of garbage collection before the first
+            rendezvous (``elaunch.agent.heap``). False for the Python API, which
+            runs in the caller's process.
 
     Returns:
         The agent's RunResult (``is_failed()`` tells a failed job), or None when the
@@ -150,6 +154,37 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
             the workers are stopped and this node left the rendezvous.
     """
     setup_logging(os.environ)
+    _warn_about(config)
+    # the workers' environment: snapshot it before a backend adjusts the agent's own
+    # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
+    base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
+    # torchrun instantiates its LogsSpecs before the rendezvous too
+    specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
+                            config.local_ranks_filter)
+    handler = create_handler(rendezvous_parameters(config))
+    agent = _build_agent(config, handler, specs, base_env, fork_target)
+    if own_process:
+        freeze_startup_heap()
+    try:
+        with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):
+            try:
+                result = agent.run()
+            except SignalException:
+                # a node that leaves: the others re-form without it (they may still meet MIN nodes)
+                handler.leave()
+                raise
+            except BaseException:
+                handler.shutdown()
+                raise
+            handler.shutdown()
+    except RendezvousGracefulExitError as exc:
+        log.warning("this node is not needed: %s", exc)
+        return None
+    return result
+
+
+def _warn_about(config: LaunchConfig) -> None:
+    """Log torchrun's warnings: flags accepted without effect, and the OMP_NUM_THREADS default."""
     for flag, value in _unimplemented(config):
         log.warning("%s=%s is accepted for torchrun compatibility but has no effect in this version of elaunch",
                     flag, value)
@@ -159,14 +194,12 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
             "tune it for your application.",
             config.omp_num_threads,
         )
-    # the workers' environment: snapshot it before a backend adjusts the agent's own
-    # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
-    base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
-    # torchrun instantiates its LogsSpecs before the rendezvous too
-    specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
-                            config.local_ranks_filter)
-    handler = create_handler(rendezvous_parameters(config))
-    agent = ElasticAgent(
+
+
+def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
+                 fork_target: Callable[[int], int] | None) -> ElasticAgent:
+    """The node's ElasticAgent for ``config`` (arguments as :func:`run_job` has them)."""
+    return ElasticAgent(
         build_spec(config),
         handler,
         LogsSpec(
@@ -191,24 +224,6 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         fork_target=fork_target,
         event_log_handler=config.event_log_handler,
     )
-    if own_process:
-        freeze_startup_heap()
-    try:
-        with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):
-            try:
-                result = agent.run()
-            except SignalException:
-                # a node that leaves: the others re-form without it (they may still meet MIN nodes)
-                handler.leave()
-                raise
-            except BaseException:
-                handler.shutdown()
-                raise
-            handler.shutdown()
-    except RendezvousGracefulExitError as exc:
-        log.warning("this node is not needed: %s", exc)
-        return None
-    return result
 
 
 def launch(config: LaunchConfig) -> int:
