@@ -21,14 +21,11 @@ from __future__ import annotations
 import gc
 
 
-def freeze_startup_heap() -> int:
+def freeze_startup_heap() -> None:
     """Move every object the collector tracks now into its permanent generation.
 
     Call once, when start-up (imports, the rendezvous handler, the agent) is done
-    and before the first rendezvous. Costs well under a millisecond (no collection).
-
-    Returns:
-        The number of objects frozen so far (``gc.get_freeze_count()``).
+    and before the first rendezvous. Costs well under a millisecond (no collection);
+    ``gc.get_freeze_count()`` tells how many objects are frozen.
     """
     gc.freeze()
-    return gc.get_freeze_count()

@@ -163,14 +163,16 @@ class C10dBackend(RendezvousBackend):
         return True
 
     def put_heartbeat(self, node_id: str, at: float) -> None:
-        with _translated(self._endpoint, "writing a heartbeat"):
-            self._store.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
+        self._set_heartbeat(self._store, node_id, at)
 
     def beat(self, node_id: str, at: float) -> None:
         # Two thread hand-offs fewer per beat: at 1024 simulated agents on 2 cores the beats
         # (one per agent every 0.375 s) were as many store calls as the round's own.
+        self._set_heartbeat(self._direct, node_id, at)
+
+    def _set_heartbeat(self, store: Any, node_id: str, at: float) -> None:
         with _translated(self._endpoint, "writing a heartbeat"):
-            self._direct.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
+            store.set(f"{self._prefix}/heartbeat/{node_id}", repr(at))
 
     def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
         if not nodes:
