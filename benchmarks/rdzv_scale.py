@@ -251,12 +251,10 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
                     shared[(host, port)] = real_make_client(self, host, port)
             first = shared[(host, port)]
             # the agent's own client object (its requests, leases and watch ids are its own)
-            # on the process's one gRPC channel and watch stream, as agents on separate
-            # hosts would each have one
-            # each agent's own copies of the endpoints: the channel is shared, but an
-            # endpoint's failed mark (pyetcd's Endpoint.fail, set by one request's timeout and
-            # refusing every request for time_retry seconds) must stay that agent's, as on
-            # separate hosts; with shared endpoints one timeout failed all of a process's agents
+            # and its own copies of the endpoints (pyetcd's failed mark, set by one request's
+            # timeout, refuses every request for time_retry seconds: shared, one timeout failed
+            # all of a process's agents), on the process's one gRPC channel and watch stream,
+            # as agents on separate hosts would each have their own
             client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
                 endpoints=[copy.copy(e) for e in first.endpoints.values()], timeout=first.timeout)
             client.call_credentials = None
