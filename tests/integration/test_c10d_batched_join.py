@@ -16,7 +16,7 @@ from torch.distributed import TCPStore  # noqa: E402
 
 from elaunch.rendezvous import registry  # noqa: E402
 from elaunch.rendezvous.c10d import C10dBackend  # noqa: E402
-from elaunch.rendezvous.api import RendezvousTimeoutError  # noqa: E402
+from elaunch.rendezvous.api import NodeInfo, RendezvousTimeoutError  # noqa: E402
 from elaunch.rendezvous.c10d_store import BoundedStore  # noqa: E402
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
@@ -104,7 +104,7 @@ def test_joiners_add_themselves_when_the_combiner_never_combines(crowd):
     # a ghost posts round 0's first join and then does nothing (a combiner that died)
     hs = crowd(3, 3, 3, keep_alive_interval=0.5)
     backend = hs[0]._backend
-    ghost = JoinIntent("ghost", {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 1}, -1, 0, 0.0)
+    ghost = JoinIntent("ghost", NodeInfo("10.0.0.1", "trainer", 1), -1, 0, 0.0)
     assert backend.post_intent(0, ghost.to_bytes()) is True
     started = time.monotonic()
     infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
@@ -168,7 +168,7 @@ def test_leavers_leave_on_their_own_when_the_combiner_never_combines(crowd):
     hs = crowd(3, 3, 3, keep_alive_interval=0.5)
     list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
     # a ghost takes round 1's first ticket and then does nothing (a combiner that died)
-    ghost = JoinIntent("ghost", {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 1}, -1, 1, 0.0)
+    ghost = JoinIntent("ghost", NodeInfo("10.0.0.1", "trainer", 1), -1, 1, 0.0)
     assert hs[0]._backend.post_intent(1, ghost.to_bytes()) is True
     infos = list(crowd.pool.map(lambda h: h.next_rendezvous(), hs))
     assert {(i.round, i.world_size) for i in infos} == {(1, 3)}  # after the grace, each left by itself

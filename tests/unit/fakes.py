@@ -209,5 +209,5 @@ class IntentBackend(KeyedHeartbeatBackend):
 
     def post(self, node: str, round: int, at: float, previous_rank: int = -1) -> bool:
         """Post ``node``'s join intent (another node's, to seed a test); True when it is the combiner."""
-        info = {"addr": node, "role": "trainer", "local_world_size": 1}
+        info = NodeInfo(node, "trainer", 1)
         return self._append(round, JoinIntent(node, info, previous_rank, round, at).to_bytes())

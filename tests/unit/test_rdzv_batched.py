@@ -34,14 +34,14 @@ def settings(min_nodes: int, max_nodes: int) -> RendezvousSettings:
 
 def running(*nodes: str, round: int = 0, hb: float = T0) -> RendezvousState:
     """A complete round of ``nodes`` (ranks in order), each heart-beating at ``hb``."""
-    infos = {n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in nodes}
+    infos = {n: NodeInfo(n, "trainer", 1) for n in nodes}
     return RendezvousState(round=round, complete=True, participants={n: r for r, n in enumerate(nodes)},
                            node_infos=infos, last_heartbeats={n: hb for n in nodes})
 
 
 def forming(*nodes: str, hb: float = T0) -> RendezvousState:
     """Round 0, not complete, with ``nodes`` joined."""
-    infos = {n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in nodes}
+    infos = {n: NodeInfo(n, "trainer", 1) for n in nodes}
     return RendezvousState(participants={n: -1 for n in nodes}, node_infos=infos,
                            last_heartbeats={n: hb for n in nodes})
 
@@ -236,7 +236,7 @@ def batch(round=None, combiner=False, posted=T0, intents=(), progress_at=None):
     b.round, b.first, b.posted_at, b.grace_from = round, combiner, posted, posted
     if progress_at is not None:
         b.saw(b"changed", progress_at)
-    b.intents = [JoinIntent(n, {"addr": n, "role": "trainer", "local_world_size": 1}, -1, r, T0) for n, r in intents]
+    b.intents = [JoinIntent(n, NodeInfo(n, "trainer", 1), -1, r, T0) for n, r in intents]
     return b
 
 
@@ -264,7 +264,7 @@ DECISIONS = [
      T0, Step.COMBINE_EXITS),
     ("leaving: the combiner, nobody left to remove, waits on the wait list", decide_join,
      RendezvousState(complete=True, participants={"n0": 0}, wait_list={ME}, last_heartbeats={"n0": T0, ME: T0},
-                     node_infos={n: {"addr": n, "role": "trainer", "local_world_size": 1} for n in ("n0", ME)}),
+                     node_infos={n: NodeInfo(n, "trainer", 1) for n in ("n0", ME)}),
      batch(1, True, intents=[(ME, 1)]), T0 + 0.5, Step.AWAIT_LEAVERS),
     ("join: past the grace since the post, within it since the combiner's last write", decide_join, forming("n0"),
      batch(0, posted=T0 - GRACE, progress_at=T0 - 1), T0, Step.AWAIT_COMBINER),

@@ -26,7 +26,7 @@ def mk(participants=(), complete=False, deadline=None, wait=(), redundant=(), cl
     nodes = set(parts) | set(wait) | set(redundant)
     beats = {n: NOW for n in nodes}
     beats.update(hb or {})
-    infos = {n: {"addr": n, "role": "default", "local_world_size": 1} for n in nodes}
+    infos = {n: NodeInfo(n, "default", 1) for n in nodes}
     return RendezvousState(round, complete, deadline, closed, parts, infos, set(wait), set(redundant), beats, hard)
 
 
@@ -94,7 +94,7 @@ def test_first_node_joins_without_last_call():
     s = ops.apply(Action.ADD_TO_PARTICIPANTS, mk(), ctx(), NOW)
     assert s.participants == {ME: -1} and not s.complete and s.deadline is None
     assert s.last_heartbeats == {ME: NOW}
-    assert s.node_infos[ME] == {"addr": ME, "role": "default", "local_world_size": 2}
+    assert s.node_infos[ME] == NodeInfo(ME, "default", 2)
 
 
 def test_reaching_min_starts_last_call():
@@ -401,7 +401,7 @@ BATCH = RendezvousSettings("job", 1, 3, keep_alive_interval=5, keep_alive_max_at
 
 
 def intent(node, at=NOW - 1, round=0, prev=-1, until=float("inf")):
-    return JoinIntent(node, {"addr": node, "role": "default", "local_world_size": 1}, prev, round, at, until)
+    return JoinIntent(node, NodeInfo(node, "default", 1), prev, round, at, until)
 
 
 @pytest.mark.parametrize(
@@ -436,7 +436,7 @@ def test_combine_joins(desc, state, intents, added):
 def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kept():
     s = merge.combine_pending(mk(["x"]), [intent("a", at=NOW - 9, prev=1), intent("a", at=NOW - 2, prev=1)], BATCH, NOW)
     assert s.last_heartbeats["a"] == NOW - 2 and s.participants["a"] == 1
-    assert s.node_infos["a"]["addr"] == "a"
+    assert s.node_infos["a"].addr == "a"
     assert merge.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
 
 
@@ -476,7 +476,7 @@ def test_combine_exits(desc, state, intents, expected):
     assert s.complete == bool(participants), desc
     for i in intents:  # a waiting leaver's heartbeat is its post; its info is kept
         if i.node_id in s.wait_list:
-            assert s.last_heartbeats[i.node_id] == i.at and s.node_infos[i.node_id]["addr"] == i.node_id, desc
+            assert s.last_heartbeats[i.node_id] == i.at and s.node_infos[i.node_id].addr == i.node_id, desc
         else:
             assert i.node_id not in s.last_heartbeats and i.node_id not in s.node_infos, desc
     assert set(state.participants) == set(ROUND_OF_THREE)  # pure

@@ -15,9 +15,9 @@ def full_state() -> RendezvousState:
     return RendezvousState(
         round=3, complete=True, deadline=12.5, closed=False,
         participants={"b": 0, "a": 1},
-        node_infos={"a": {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 4},
-                    "b": {"addr": "10.0.0.2", "role": "trainer", "local_world_size": 2},
-                    "c": {"addr": "10.0.0.3", "role": "default", "local_world_size": 1}},
+        node_infos={"a": NodeInfo("10.0.0.1", "trainer", 4),
+                    "b": NodeInfo("10.0.0.2", "trainer", 2),
+                    "c": NodeInfo("10.0.0.3", "default", 1)},
         wait_list={"c"}, redundancy_list=set(), last_heartbeats={"a": 1.5, "b": 2.0, "c": 3.0},
     )
 

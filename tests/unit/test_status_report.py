@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from elaunch.rendezvous.api import FailureRecord
+from elaunch.rendezvous.api import FailureRecord, NodeInfo
 from elaunch.rendezvous.dynamic import job
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.status import report
 
-INFO = {"addr": "10.0.0.1", "role": "default", "local_world_size": 2}
+INFO = NodeInfo("10.0.0.1", "default", 2)
 
 
 def _state(**kw) -> RendezvousState:
     s = RendezvousState(**kw)
     for node in set(s.participants) | s.wait_list | s.redundancy_list:
-        s.node_infos.setdefault(node, dict(INFO))
+        s.node_infos.setdefault(node, INFO)
     return s
 
 

@@ -85,7 +85,7 @@ class BatchedJoin:
         self._backend = backend
         self._clock = clock
         self._node_id = node_id
-        self._info = ops.node_info_dict(node_info)
+        self._info = node_info
         self._previous_rank = previous_rank
         self._settings = settings
         self.round: int | None = None  # the round we posted our join to

@@ -61,7 +61,7 @@ def combine_exits(state: RendezvousState, intents: list[JoinIntent],
     if s.round == state.round:  # members still run: the leavers wait for the next round
         for node, intent in leaving.items():
             s.wait_list.add(node)
-            s.node_infos[node] = dict(intent.info)
+            s.node_infos[node] = intent.info
             s.last_heartbeats[node] = intent.at
     ops.prune_node_infos(s)
     return s
@@ -112,7 +112,7 @@ def _add_intents(s: RendezvousState, intents: list[JoinIntent], settings: Rendez
                 or not now - settings.dead_after <= intent.at <= now + settings.dead_after
                 or now > intent.until - DEADLINE_MARGIN):
             continue
-        ops.add_participant(s, intent.node_id, dict(intent.info), intent.previous_rank, settings, now,
+        ops.add_participant(s, intent.node_id, intent.info, intent.previous_rank, settings, now,
                          heartbeat=min(newest[intent.node_id], now), writer=writer)
         added = True
     if added:

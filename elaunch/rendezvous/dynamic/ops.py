@@ -236,11 +236,6 @@ def decide_keep_alive(state: RendezvousState, ctx: OpContext, now: float) -> Act
     return Action.KEEP_ALIVE
 
 
-def node_info_dict(info: NodeInfo) -> dict:
-    """``NodeInfo`` as stored in ``RendezvousState.node_infos``."""
-    return {"addr": info.addr, "role": info.role, "local_world_size": info.local_world_size}
-
-
 def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) -> RendezvousState:
     """Return the state after this node performs the write ``action`` (``state`` is unchanged).
 
@@ -249,7 +244,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     """
     s = state.copy()
     me, settings = ctx.node_id, ctx.settings
-    info = node_info_dict(ctx.node_info)
+    info = ctx.node_info
     if action is Action.KEEP_ALIVE:
         s.last_heartbeats[me] = now
     elif action is Action.ADD_TO_PARTICIPANTS:
@@ -303,7 +298,7 @@ def prune_node_infos(s: RendezvousState) -> None:
     s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
 
 
-def add_participant(s: RendezvousState, node: str, info: dict, previous_rank: int,
+def add_participant(s: RendezvousState, node: str, info: NodeInfo, previous_rank: int,
                      settings: RendezvousSettings, now: float, heartbeat: float | None = None,
                      writer: str | None = None) -> None:
     """OUTSIDE/WAITING -> PARTICIPANT, in place (the rank is fixed when the round completes).

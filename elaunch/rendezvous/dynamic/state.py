@@ -10,6 +10,7 @@ without extra store round trips. Stdlib only.
 from __future__ import annotations
 
 import json
+from itertools import repeat
 from dataclasses import dataclass, field
 
 from elaunch.rendezvous.api import NodeInfo, RendezvousStateError
@@ -36,7 +37,7 @@ class RendezvousState:
         closed: True once any node closed the rendezvous (no new round forms).
         participants: node id -> group rank. Before the round completes the value is
             the rank the node would like to keep from its previous round (-1: none).
-        node_infos: node id -> ``{"addr", "role", "local_world_size"}`` of every node
+        node_infos: node id -> :class:`~elaunch.rendezvous.api.NodeInfo` of every node
             that is a participant or on the wait or redundancy list.
         wait_list: node ids waiting for the next round (a complete round had room).
         redundancy_list: node ids not needed (the world is at ``max_nodes``).
@@ -67,7 +68,7 @@ class RendezvousState:
     deadline: float | None = None
     closed: bool = False
     participants: dict[str, int] = field(default_factory=dict)
-    node_infos: dict[str, dict] = field(default_factory=dict)
+    node_infos: dict[str, NodeInfo] = field(default_factory=dict)
     wait_list: set[str] = field(default_factory=set)
     redundancy_list: set[str] = field(default_factory=set)
     last_heartbeats: dict[str, float] = field(default_factory=dict)
@@ -92,7 +93,7 @@ class RendezvousState:
             deadline=self.deadline,
             closed=self.closed,
             participants=dict(self.participants),
-            node_infos={k: dict(v) for k, v in self.node_infos.items()},
+            node_infos=dict(self.node_infos),  # NodeInfo is immutable
             wait_list=set(self.wait_list),
             redundancy_list=set(self.redundancy_list),
             last_heartbeats=dict(self.last_heartbeats),
@@ -127,7 +128,7 @@ class RendezvousState:
                 raise RendezvousStateError(f"rendezvous state ranks participant {node_id!r} {rank}: "
                                            f"not one of 0..{len(by_rank) - 1} once")
             by_rank[rank] = info
-        return tuple(NodeInfo(i["addr"], i["role"], i["local_world_size"]) for i in by_rank)
+        return tuple(by_rank)
 
     def to_bytes(self) -> bytes:
         """Encode as compact, key-sorted JSON (ASCII), so equal states give equal bytes."""
@@ -138,7 +139,7 @@ class RendezvousState:
             "deadline": self.deadline,
             "closed": self.closed,
             "participants": self.participants,
-            "node_infos": {n: [i["addr"], i["role"], i["local_world_size"]] for n, i in self.node_infos.items()},
+            "node_infos": self.node_infos,  # NodeInfo, a named tuple, is the [addr, role, local_world_size] array
             "wait_list": sorted(self.wait_list),
             "redundancy_list": sorted(self.redundancy_list),
             "last_heartbeats": self.last_heartbeats,
@@ -188,7 +189,7 @@ class RendezvousState:
                 deadline=None if deadline is None else float(deadline),
                 closed=_bool(doc["closed"]),
                 participants=participants,
-                node_infos={k: _node_info(v) for k, v in _dict(doc["node_infos"]).items()},
+                node_infos=_node_infos(_dict(doc["node_infos"])),
                 wait_list={str(n) for n in _list(doc["wait_list"])},
                 redundancy_list={str(n) for n in _list(doc["redundancy_list"])},
                 last_heartbeats=heartbeats,
@@ -224,11 +225,25 @@ def _float(v) -> float:
     return float(v)
 
 
-def _node_info(v) -> dict:
-    """``[addr, role, local_world_size]`` -> the ``node_infos`` value."""
-    if type(v) is not list or len(v) != 3 or type(v[0]) is not str or type(v[1]) is not str or type(v[2]) is not int:
-        raise TypeError(f"expected [addr, role, local_world_size], got {v!r}")
-    return {"addr": v[0], "role": v[1], "local_world_size": v[2]}
+def _node_infos(raw: dict) -> dict[str, NodeInfo]:
+    """``{node id: [addr, role, local_world_size]}`` -> ``node_infos``, checked in bulk."""
+    values = raw.values()
+    if not raw:
+        return {}
+    # C-level checks and construction only: a Python frame per node was most of the cost
+    if set(map(type, values)) == {list} and set(map(len, values)) == {3}:
+        addrs, roles, sizes = zip(*values)
+        if set(map(type, addrs)) == {str} and set(map(type, roles)) == {str} and set(map(type, sizes)) == {int}:
+            return dict(zip(raw, map(tuple.__new__, repeat(NodeInfo), values)))
+    bad = next(v for v in values if not (type(v) is list and len(v) == 3 and type(v[0]) is str
+                                         and type(v[1]) is str and type(v[2]) is int))
+    raise TypeError(f"expected [addr, role, local_world_size], got {bad!r}")
+
+
+def _info(v) -> NodeInfo:
+    """A join intent's ``{"addr", "role", "local_world_size"}`` -> NodeInfo."""
+    v = _dict(v)
+    return NodeInfo(str(v["addr"]), str(v["role"]), _int(v["local_world_size"]))
 
 
 def _bool(v) -> bool:
@@ -265,7 +280,7 @@ class JoinIntent:
 
     Attributes:
         node_id: the joining node's id.
-        info: ``{"addr", "role", "local_world_size"}`` as in ``node_infos``.
+        info: the node's NodeInfo, as in ``node_infos``.
         previous_rank: its rank in its previous round, or -1.
         round: the round it joins.
         at: when it posted, seconds since the epoch (intents go stale).
@@ -274,7 +289,7 @@ class JoinIntent:
     """
 
     node_id: str
-    info: dict
+    info: NodeInfo
     previous_rank: int
     round: int
     at: float
@@ -282,7 +297,7 @@ class JoinIntent:
 
     def to_bytes(self) -> bytes:
         """One JSON line, newline-terminated (the log is the concatenation of lines)."""
-        doc = {"node": self.node_id, "info": self.info, "prev": self.previous_rank, "round": self.round,
+        doc = {"node": self.node_id, "info": self.info._asdict(), "prev": self.previous_rank, "round": self.round,
                "at": self.at}
         if self.until != float("inf"):
             doc["until"] = self.until
@@ -300,11 +315,9 @@ class JoinIntent:
         for line in (docs if docs is not None else lines):
             try:
                 doc = line if docs is not None else json.loads(line)
-                info = _dict(doc["info"])
                 out.append(cls(
                     node_id=str(doc["node"]),
-                    info={"addr": str(info["addr"]), "role": str(info["role"]),
-                          "local_world_size": _int(info["local_world_size"])},
+                    info=_info(doc["info"]),
                     previous_rank=_int(doc["prev"]),
                     round=_int(doc["round"]),
                     at=float(doc["at"]),
