@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -114,7 +113,7 @@ def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
         now = time.time()
         state = RendezvousState(participants={"a": 0, "b": 1}, last_heartbeats={"a": now, "b": now})
         backend.set_state(state.to_bytes(), None)
-        beats = json.loads(backend.get_state()[0])["last_heartbeats"]
+        beats = RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats
         assert beats["a"] > 0 and beats["b"] > 0
         dying._stop.set()  # the agent "dies": no more keep-alives, no revoke; the 2 s lease expires
         dying._thread.join(5)

@@ -25,7 +25,9 @@ def full_state() -> RendezvousState:
 def test_round_trip_is_exact_and_json():
     state = full_state()
     data = state.to_bytes()
-    assert json.loads(data)["participants"] == {"a": 1, "b": 0}  # plain JSON, not pickle
+    nodes = json.loads(data)["nodes"]  # plain JSON, not pickle: one column table, each id once
+    assert nodes["id"] == ["a", "b", "c"] and nodes["rank"] == [1, 0, None] and nodes["size"] == [4, 2, 1]
+    assert data.count(b'"a"') == 1
     assert RendezvousState.from_bytes(data) == state
     assert RendezvousState.from_bytes(data).to_bytes() == data
 
@@ -51,12 +53,22 @@ def _edited(**fields) -> bytes:
     return json.dumps(doc).encode()
 
 
+def _columns(**columns) -> bytes:
+    """full_state()'s bytes with some columns of its node table (ids a, b, c) replaced."""
+    doc = json.loads(full_state().to_bytes())
+    doc["nodes"].update(columns)
+    return json.dumps(doc).encode()
+
+
 @pytest.mark.parametrize("data, says", [
-    (_edited(participants={"a": 1, "b": "0"}), "integer ranks"),
-    (_edited(participants={"a": 1, "b": True}), "integer ranks"),
-    (_edited(last_heartbeats={"a": "1.5"}), "expected a number"),
-    (_edited(node_infos={"a": ["10.0.0.1", "trainer"]}), r"\[addr, role, local_world_size\]"),
-    (_edited(node_infos={"a": ["10.0.0.1", "trainer", "4"]}), r"\[addr, role, local_world_size\]"),
+    (_columns(rank=[1, "0", None]), "integer ranks"),
+    (_columns(rank=[1, True, None]), "integer ranks"),
+    (_columns(beat=["1.5", 2.0, 3.0]), "expected a number"),
+    (_columns(size=[4, 2, "1"]), r"\[addr, role, local_world_size\] .* for 'c'"),
+    (_columns(role=["trainer", None, "default"]), r"\[addr, role, local_world_size\] .* for 'b'"),
+    (_columns(addr=["10.0.0.1", "10.0.0.2"]), r"columns \['addr'\] do not have one entry per id \(3\)"),
+    (_columns(id=["a", "a", "c"]), "distinct strings"),
+    (_edited(nodes=[]), "expected an object"),
 ])
 def test_bad_node_tables_are_named(data, says):
     with pytest.raises(RendezvousStateError, match=says):
@@ -64,14 +76,25 @@ def test_bad_node_tables_are_named(data, says):
 
 
 def test_a_state_of_the_previous_layout_is_refused_naming_both_versions():
-    # an agent of an older elaunch (node_infos as objects) must fail clearly, not misread
-    old = _edited(version=1, node_infos={"a": {"addr": "10.0.0.1", "role": "trainer", "local_world_size": 4}})
-    with pytest.raises(RendezvousStateError, match="state version 1, expected 2"):
+    # an agent of an older elaunch (per-node objects keyed by id) must fail clearly, not misread
+    old = _edited(version=2, node_infos={"a": ["10.0.0.1", "trainer", 4]}, participants={"a": 0})
+    with pytest.raises(RendezvousStateError, match="state version 2, expected 3"):
         RendezvousState.from_bytes(old)
 
 
 def test_integer_heartbeats_read_as_seconds():
-    assert RendezvousState.from_bytes(_edited(last_heartbeats={"a": 2})).last_heartbeats == {"a": 2.0}
+    beats = RendezvousState.from_bytes(_columns(beat=[2, 2.5, None])).last_heartbeats
+    assert beats == {"a": 2.0, "b": 2.5} and type(beats["a"]) is float
+
+
+def test_nodes_in_only_some_tables_round_trip():
+    # a heartbeat without info or rank, info without a heartbeat, a participant with neither
+    state = RendezvousState(participants={"p": 0}, node_infos={"i": NodeInfo("10.0.0.9", "x", 3)},
+                            last_heartbeats={"h": 4.0})
+    back = RendezvousState.from_bytes(state.to_bytes())
+    assert back == state
+    assert (back.participants, back.node_infos, back.last_heartbeats) == (
+        {"p": 0}, {"i": NodeInfo("10.0.0.9", "x", 3)}, {"h": 4.0})
 
 
 def test_ranked_nodes_refuse_ranks_that_are_not_a_permutation():
