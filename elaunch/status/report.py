@@ -11,13 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 #: Version of the ``--json`` object's layout.
 SCHEMA = 1
 #: A node without node info (a corrupt state): its fields are reported as null.
-_NO_INFO = NodeInfo(None, None, None)  # type: ignore[arg-type]
+_NO_INFO = (None, None, None)
 #: Round states, as the report names them.
 WAITING, RUNNING, CLOSED, FAILED = "waiting", "running", "closed", "failed"
 
@@ -50,8 +49,7 @@ def _ranks(state: RendezvousState, node: str, agent: Mapping | None) -> list[int
         return []
     start = 0
     for other, _rank in sorted(state.participants.items(), key=lambda kv: kv[1]):
-        info = state.node_infos.get(other)
-        size = info.local_world_size if info is not None else 0
+        size = state.node_infos.get(other, _NO_INFO)[2] or 0
         if other == node:
             return list(range(start, start + size))
         start += size
@@ -74,12 +72,12 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
     """
     nodes = []
     for node, group_rank in sorted(state.participants.items(), key=lambda kv: (kv[1], kv[0])):
-        info = state.node_infos.get(node, _NO_INFO)
+        addr, role, size = state.node_infos.get(node, _NO_INFO)
         agent = agents.get(node)
         age = _age(state, node, now)
         nodes.append({
-            "node": node, "addr": info.addr, "pid": agent_pid(node),
-            "role": info.role, "local_world_size": info.local_world_size,
+            "node": node, "addr": addr, "pid": agent_pid(node),
+            "role": role, "local_world_size": size,
             "group_rank": group_rank if state.complete else None,
             "ranks": _ranks(state, node, agent),
             "joined_at": agent.get("joined_at") if agent and agent.get("round") == state.round else None,
@@ -89,7 +87,7 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
     waiting = []
     for node in sorted(state.wait_list | state.redundancy_list):
         age = _age(state, node, now)
-        waiting.append({"node": node, "addr": state.node_infos.get(node, _NO_INFO).addr, "pid": agent_pid(node),
+        waiting.append({"node": node, "addr": state.node_infos.get(node, _NO_INFO)[0], "pid": agent_pid(node),
                         "list": "wait" if node in state.wait_list else "redundant",
                         "heartbeat_age": age, "dead": age is not None and age > dead_after})
     budgets = sorted({int(a["max_restarts"]) for n, a in agents.items()

@@ -436,7 +436,7 @@ def test_combine_joins(desc, state, intents, added):
 def test_combined_node_heartbeat_is_its_newest_post_and_its_previous_rank_is_kept():
     s = merge.combine_pending(mk(["x"]), [intent("a", at=NOW - 9, prev=1), intent("a", at=NOW - 2, prev=1)], BATCH, NOW)
     assert s.last_heartbeats["a"] == NOW - 2 and s.participants["a"] == 1
-    assert s.node_infos["a"].addr == "a"
+    assert s.node_infos["a"][0] == "a"
     assert merge.combine_pending(s, [intent("a")], BATCH, NOW) is None  # nothing pending: no write
 
 
@@ -476,7 +476,7 @@ def test_combine_exits(desc, state, intents, expected):
     assert s.complete == bool(participants), desc
     for i in intents:  # a waiting leaver's heartbeat is its post; its info is kept
         if i.node_id in s.wait_list:
-            assert s.last_heartbeats[i.node_id] == i.at and s.node_infos[i.node_id].addr == i.node_id, desc
+            assert s.last_heartbeats[i.node_id] == i.at and s.node_infos[i.node_id][0] == i.node_id, desc
         else:
             assert i.node_id not in s.last_heartbeats and i.node_id not in s.node_infos, desc
     assert set(state.participants) == set(ROUND_OF_THREE)  # pure

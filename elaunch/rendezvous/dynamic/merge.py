@@ -61,7 +61,7 @@ def combine_exits(state: RendezvousState, intents: list[JoinIntent],
     if s.round == state.round:  # members still run: the leavers wait for the next round
         for node, intent in leaving.items():
             s.wait_list.add(node)
-            s.node_infos[node] = intent.info
+            s.node_infos[node] = tuple(intent.info)  # a NodeRow
             s.last_heartbeats[node] = intent.at
     ops.prune_node_infos(s)
     return s

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.dynamic.state import NodeRow, RendezvousState
 
 #: Seconds after the join deadline during which a timed-out node still removes
 #: itself from the state before raising (torch: ``rollback_period``).
@@ -244,7 +244,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     """
     s = state.copy()
     me, settings = ctx.node_id, ctx.settings
-    info = ctx.node_info
+    info = tuple(ctx.node_info)  # a NodeRow
     if action is Action.KEEP_ALIVE:
         s.last_heartbeats[me] = now
     elif action is Action.ADD_TO_PARTICIPANTS:
@@ -298,7 +298,7 @@ def prune_node_infos(s: RendezvousState) -> None:
     s.node_infos = {n: v for n, v in s.node_infos.items() if n in members}
 
 
-def add_participant(s: RendezvousState, node: str, info: NodeInfo, previous_rank: int,
+def add_participant(s: RendezvousState, node: str, info: NodeRow, previous_rank: int,
                      settings: RendezvousSettings, now: float, heartbeat: float | None = None,
                      writer: str | None = None) -> None:
     """OUTSIDE/WAITING -> PARTICIPANT, in place (the rank is fixed when the round completes).
@@ -310,7 +310,7 @@ def add_participant(s: RendezvousState, node: str, info: NodeInfo, previous_rank
     """
     s.wait_list.discard(node)
     s.participants[node] = previous_rank
-    s.node_infos[node] = info
+    s.node_infos[node] = tuple(info)  # a NodeRow
     s.last_heartbeats[node] = now if heartbeat is None else heartbeat
     n = len(s.participants)
     if n == settings.min_nodes:
