@@ -71,10 +71,9 @@ class NodeInfo(NamedTuple):
     """What a node declares when it joins: enough to assign ranks without a store.
 
     An immutable named tuple ``(addr, role, local_world_size)``: every agent of a
-    1024-node round builds one per node from the shared state, and a tuple is ~3x
-    cheaper to build than a frozen dataclass and leaves nothing for the garbage
-    collector to track. torch has no public counterpart (its ``_NodeDesc`` names a
-    node, not its workers).
+    1024-node round builds one per node (``RendezvousInfo.nodes``), and a tuple is
+    ~3x cheaper to build than a frozen dataclass. torch has no public counterpart
+    (its ``_NodeDesc`` names a node, not its workers).
 
     Attributes:
         addr: the node's address as others reach it.

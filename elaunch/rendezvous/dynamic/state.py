@@ -232,12 +232,6 @@ def _int(v) -> int:
     return v
 
 
-def _float(v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {v!r}")
-    return float(v)
-
-
 _NONE = type(None)
 
 
