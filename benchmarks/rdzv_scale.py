@@ -75,6 +75,14 @@ from benchmarks.etcd_server import EtcdServer, etcd_binary, missing_for_etcd
 #: import (seconds of CPU on this 2-core machine); many threads per process slow the
 #: agents down on the GIL.
 MAX_PROCS = 8
+#: Seconds of CPython's switch interval in a simulating process (default 0.005). Each of
+#: up to 128 agent threads waiting for the GIL wakes every interval to ask for it: at the
+#: default, on this machine's kernel, those wake-ups alone kept both cores ~80% in the
+#: kernel (futex waits, 150k context switches/s) and a 1024-agent c10d round took 40-64 s
+#: instead of ~4. Separate hosts have no shared GIL; a longer interval only delays the
+#: preemption of a thread that runs Python without blocking (a thread that blocks on I/O
+#: hands the GIL over at once). Same for both launchers.
+SWITCH_INTERVAL = 0.25
 #: The etcd variant runs the c10d sizes up to this N. elaunch's simulated agents share one
 #: gRPC channel and watch stream per process (each with its own client object, leases,
 #: watches and requests): with a channel and a watch thread per agent (2048 clients at
@@ -365,6 +373,7 @@ def worker_main(argv: list[str]) -> None:
                    help="2: after every agent of this process joined, print ROUND1, wait for GO on stdin "
                         "and have every agent join again (a restart); report that second round")
     a = p.parse_args(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     if os.environ.get("RDZV_SCALE_LOG"):  # debugging aid: elaunch's DEBUG lines of this process, timestamped
         import logging
 
