@@ -101,11 +101,12 @@ def _default_signals() -> None:
 
 
 def _child(run: Callable[[], int], env: Mapping[str, str], out: int | None, err: int | None,
-           close_fds: Iterable[int], ready: int, parent: int, mask: Iterable[int]) -> None:
-    """The forked child: set up like an exec'd worker, tell the parent, run, ``os._exit``.
+           close_fds: Iterable[int], ready: int, go: int, parent: int, mask: Iterable[int]) -> None:
+    """The forked child: set up like an exec'd worker, tell the parent, wait for its go, run, ``os._exit``.
 
     Signals are blocked on entry; they are unblocked (``mask``) once the handlers are
-    an interpreter's defaults again.
+    an interpreter's defaults again. End-of-file instead of the go (the parent died or
+    gave up on this child) ends the child before it runs anything.
     """
     code = 1
     try:
@@ -126,6 +127,9 @@ def _child(run: Callable[[], int], env: Mapping[str, str], out: int | None, err:
         os.environ.update(env)
         os.write(ready, b"1")
         os.close(ready)
+        if os.read(go, 1) != b"1":
+            os._exit(1)
+        os.close(go)
         code = run()
     except KeyboardInterrupt:
         _flush()
@@ -158,6 +162,7 @@ def fork_worker(
     stdout_path: str | None,
     stderr_path: str | None,
     close_fds: Iterable[int] = (),
+    before_run: Callable[[int], None] | None = None,
 ) -> ForkedProcess:
     """Fork this process into one worker that calls ``run()`` and exits with its status.
 
@@ -173,10 +178,15 @@ def fork_worker(
         stdout_path, stderr_path: files the streams are appended to (``os.devnull``
             included); None inherits the agent's.
         close_fds: descriptors of the agent the child must not hold.
+        before_run: called with the child's pid once it is set up and before it calls
+            ``run()`` (the child waits for it): e.g. registering it with the watchdog,
+            so that not even a child the worker forks at once outlives a ``kill -9``
+            of the agent. If it raises, the child is killed and reaped and the
+            exception propagates.
 
     Returns:
         The child's :class:`ForkedProcess`, once it runs in its own session with its
-        streams and environment in place.
+        streams and environment in place (and ``before_run`` returned).
 
     Raises:
         OSError: a log file cannot be opened, ``fork`` failed, or the child died
@@ -184,11 +194,12 @@ def fork_worker(
     """
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # this thread's mask, unchanged
     out = _open_append(stdout_path)
-    err = read_end = ready = None
+    err = read_end = ready = go_read = go = None
     pid = 0
     try:
         err = _open_append(stderr_path)
         read_end, ready = os.pipe()
+        go_read, go = os.pipe()
         _flush()  # what this process printed must not be printed again by the child
         parent = os.getpid()
         # Signals wait until the fork is over: a handler run inside os.fork() (by its
@@ -198,11 +209,17 @@ def fork_worker(
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            _child(run, env, out, err, close_fds, ready, parent, mask)
-        fd, ready = ready, None
-        os.close(fd)
+            os.close(go)
+            _child(run, env, out, err, close_fds, ready, go_read, parent, mask)
+        for fd in (ready, go_read):
+            os.close(fd)
+        ready = go_read = None
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending handled signal raises here
         started = os.read(read_end, 1)
+        if started:
+            if before_run is not None:
+                before_run(pid)
+            os.write(go, b"1")
     except BaseException:  # e.g. a handled signal: leave the mask as it was and no child behind
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if pid:
@@ -210,7 +227,7 @@ def fork_worker(
             os.waitpid(pid, 0)
         raise
     finally:
-        for fd in (out, err, read_end, ready):
+        for fd in (out, err, read_end, ready, go_read, go):
             if fd is not None:
                 os.close(fd)
     proc = ForkedProcess(pid)

@@ -21,7 +21,7 @@ from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
 from .warm import WarmPool
-from .workers import WorkerProcesses
+from .workers import WorkerProcesses, marker_entries
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +168,17 @@ class WorkerLauncher:
 
     def _forker(self, logs: AttemptLogs) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
         """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target."""
-        target = self._fork_target
-        private = self._reaper.private_fds() if self._reaper is not None else ()
+        target, reaper = self._fork_target, self._reaper
+        private = reaper.private_fds() if reaper is not None else ()
         if self._store_host is not None:
             private = (*private, *self._store_host.private_fds())
 
         def fork(local_rank: int, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+            # the watchdog knows the worker before it runs a line of the target: a child it
+            # forks at once and a kill -9 of the agent right after still find it watched
+            watch = None if reaper is None else lambda pid: reaper.watch([pid], {pid: marker_entries(env)})
             return fork_worker(lambda: target(local_rank), env, logs.stdout.get(local_rank),
-                               logs.stderr.get(local_rank), close_fds=private)
+                               logs.stderr.get(local_rank), close_fds=private, before_run=watch)
 
         return fork
 

@@ -213,10 +213,16 @@ class WorkerProcesses:
             raise ValueError(f"cmds local ranks {sorted(cmds)} != envs local ranks {sorted(envs)}")
         prefixes = prefixes or {}
         procs: dict[int, subprocess.Popen] = {}
+        # before a worker can leave orphans behind: they come to the agent, not init
+        subreaper = reaper is not None and _become_subreaper()
         try:
             for lr in sorted(cmds):
                 adopted = adopt(lr, cmds[lr], envs[lr]) if adopt is not None else None
-                procs[lr] = adopted or popen_worker(cmds[lr], envs[lr], logs.stdout.get(lr), logs.stderr.get(lr))
+                p = procs[lr] = adopted or popen_worker(cmds[lr], envs[lr], logs.stdout.get(lr), logs.stderr.get(lr))
+                if reaper is not None:
+                    # at once, not after the rest started: a kill -9 of the agent from here
+                    # on takes this worker's tree with it (a repeated watch is harmless)
+                    reaper.watch([p.pid], {p.pid: marker_entries(envs[lr])})
             log.info("started workers %s", {lr: p.pid for lr, p in procs.items()})
             tee = Tee(
                 follows_for(logs.tee_stdout, sys.stdout, prefixes)
@@ -229,10 +235,8 @@ class WorkerProcesses:
                 _proctree.killpg([p.pid], _SIGKILL)
                 p.wait()
             raise
-        if reaper is not None:
-            if _become_subreaper():  # before a worker can leave orphans behind
-                self._next_snapshot = float("inf")  # orphans come to the agent: no snapshot needed
-            reaper.watch(self.pids.values(), {self.pids[lr]: marker_entries(envs[lr]) for lr in procs})
+        if subreaper:
+            self._next_snapshot = float("inf")  # orphans come to the agent: no snapshot needed
         return self
 
     # ---------------------------------------------------------------- watching

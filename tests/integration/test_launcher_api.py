@@ -294,10 +294,10 @@ KILLED_DRIVER = textwrap.dedent("""
     from elaunch.launcher import LaunchConfig, elastic_launch
     from tests.integration import launcher_fns
 
-    pid_dir = sys.argv[1]
+    pid_dir, fn = sys.argv[1], getattr(launcher_fns, sys.argv[2] if len(sys.argv) > 2 else "fork_child_then_wait")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", start_method="fork", max_restarts=0)
-    elastic_launch(config, lambda: launcher_fns.fork_child_then_wait(pid_dir))()
+    elastic_launch(config, lambda: fn(pid_dir))()
 """)
 
 
@@ -321,3 +321,24 @@ def test_forked_workers_and_their_children_die_with_a_killed_agent(tmp_path):
             agent.wait()
     # the worker dies of PR_SET_PDEATHSIG, its child by the reaper
     wait_for(lambda: _gone(pids), 20, what=f"worker {pids[0]} and its child {pids[1]} to die")
+
+
+def test_workers_killing_their_agent_at_once_leave_no_child(tmp_path):
+    """Each worker forks a child and ``kill -9``s the agent the moment it runs, while the
+    agent may still be starting the other worker: the watchdog must know a worker before
+    it runs (the gap a loaded CI machine once hit with the agent killed from outside)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    agent = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(pid_dir), "fork_child_then_kill_agent"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert agent.wait(60) == -signal.SIGKILL
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    pids = [int(p) for f in sorted(pid_dir.glob("*.pids")) for p in f.read_text().split()]
+    assert pids, "no worker ran before the agent died"
+    track_processes(pids)
+    wait_for(lambda: _gone(pids), 20, what=f"workers and their children {pids} to die")

@@ -324,3 +324,34 @@ def test_a_signal_that_reaches_another_thread_ends_an_unlimited_wait(launch):
         workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
     assert asleep, "the main thread was never seen asleep in epoll_wait"
     assert not killed, "the wait ended only when the worker was killed"
+
+
+def test_a_forked_worker_runs_nothing_before_before_run_returned(tmp_path):
+    """fork_worker's child waits for ``before_run`` (the agent registers it with the watchdog there)."""
+    from elaunch.procs.forked import fork_worker
+
+    watched = tmp_path / "watched"
+    seen: list[int] = []
+
+    def before_run(pid: int) -> None:
+        seen.append(pid)
+        watched.write_text(str(pid))
+
+    proc = fork_worker(lambda: 0 if watched.exists() else 3, dict(os.environ), os.devnull, os.devnull,
+                       before_run=before_run)
+    assert proc.wait(30) == 0
+    assert seen == [proc.pid]
+
+
+def test_a_forked_worker_whose_before_run_raised_never_runs(tmp_path):
+    from elaunch.procs.forked import fork_worker
+
+    ran = tmp_path / "ran"
+
+    def refuse(pid: int) -> None:
+        raise RuntimeError(f"cannot watch {pid}")
+
+    with pytest.raises(RuntimeError, match="cannot watch"):
+        fork_worker(lambda: ran.write_text("ran") and 0, dict(os.environ), os.devnull, os.devnull,
+                    before_run=refuse)
+    assert not ran.exists()
