@@ -120,6 +120,9 @@ def test_v3_node_without_a_live_lease_reads_as_dead(etcd_v3):
         wait_for(lambda: RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["b"] == 0.0,
                  15, what="b's lease to expire")
         assert RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["a"] > 0
+        # the stored state, for a reader that judges no one (read_state_only): as written
+        stored, token = backend.get_stored_state()
+        assert stored == state.to_bytes() and token == backend.get_state()[1]
         alive.stop()  # a clean exit revokes at once
         wait_for(lambda: RendezvousState.from_bytes(backend.get_state()[0]).last_heartbeats["a"] == 0.0,
                  5, what="a's revoked lease")

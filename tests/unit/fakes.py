@@ -145,6 +145,10 @@ class IntentBackend(KeyedHeartbeatBackend):
         self.calls.append("get_state")
         return super().get_state()
 
+    def get_stored_state(self):
+        self.calls.append("get_stored_state")
+        return super().get_state()
+
     def set_state(self, state: bytes, token):
         self.calls.append("set_state")
         return super().set_state(state, token)

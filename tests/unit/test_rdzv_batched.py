@@ -87,7 +87,7 @@ def then(method: str, first, *rest):
 
 
 #: the backend calls in a row's trace, by short name
-SHORT = {"get_state": "read", "get_state_and_heartbeats": "read", "get_heartbeats": "read-keys",
+SHORT = {"get_state": "read", "get_stored_state": "read-stored", "get_state_and_heartbeats": "read", "get_heartbeats": "read-keys",
          "get_state_and_intents": "read+log", "set_state": "write", "put_heartbeat": "beat", "post_intent": "post",
          "wait_for_arrival": "await-post", "wait_for_round": "await-round", "notify_round": "notify"}
 
@@ -124,7 +124,7 @@ ROWS = [
      "read beat post read+log write await-post read+log write notify", 0.0, 0, {ME: 0, "n2": 1, "n3": 2}),
     ("a poster waits for the combiner, who adds it: no write of its own", (2, 2), None, [("n0", 0, 0.0)],
      [("wait_for_round", combiner_forms(0, "n0", ME))], -1,
-     "read beat post await-round read", 0.0, 0, {"n0": 0, ME: 1}),
+     "read beat post await-round read-stored", 0.0, 0, {"n0": 0, ME: 1}),
     ("the combiner never combines: the poster adds itself after the grace, not the stale combiner", (1, 2), None,
      [("ghost", 0, 100.0)], [], -1,
      "read beat post await-round read+log write await-round read+log write notify", 6.01, 0, {ME: 0}),
@@ -133,7 +133,7 @@ ROWS = [
     ("the combiner works through a crowd: past the grace the poster sees its progress and waits on", (3, 3), None,
      [("n0", 0, 0.0)],
      [("wait_for_round", then("wait_for_round", combiner_adds("n0", "n2"), combiner_forms(0, "n0", "n2", ME)))], -1,
-     "read beat post await-round read+log await-round read", GRACE, 0, {"n0": 0, "n2": 1, ME: 2}),
+     "read beat post await-round read+log await-round read-stored", GRACE, 0, {"n0": 0, "n2": 1, ME: 2}),
     ("the combiner stalls after a batch: a whole grace without progress, the poster adds itself", (3, 3), None,
      [("n0", 0, 0.0)], [("wait_for_round", combiner_adds("n0", "n2"))], -1,
      "read beat post await-round read+log await-round read+log write notify", 2 * GRACE, 0,
@@ -149,7 +149,7 @@ ROWS = [
      "read post beat read+log write await-post read+log write*2 notify", 0.0, 1, {ME: 0, "n2": 1, "n3": 2}),
     ("a leaver waits for the exit combiner, who removes it and adds it", (2, 2), running(ME, "n2"), [("n2", 1, 0.0)],
      [("wait_for_round", combiner_forms(1, ME, "n2"))], 0,
-     "read post beat await-round read", 0.0, 1, {ME: 0, "n2": 1}),
+     "read post beat await-round read-stored", 0.0, 1, {ME: 0, "n2": 1}),
     ("the exit combiner never acts: the leaver leaves on its own after the grace", (1, 2), running(ME, "n2"),
      [("n2", 1, 10.0)], [], 0,
      "read post beat await-round read write*3 read*16 write post await-round read+log write await-round "
@@ -187,7 +187,7 @@ def test_a_participant_of_the_round_it_joined_posts_its_exit_without_reading():
     b.calls.clear()
     b.on("wait_for_round", combiner_forms(1, ME, "n2"))
     state = next_round(ex, 0)
-    assert (trace(b.calls), state.round, state.participants) == ("post beat await-round read", 1, {ME: 0, "n2": 1})
+    assert (trace(b.calls), state.round, state.participants) == ("post beat await-round read-stored", 1, {ME: 0, "n2": 1})
 
 
 def test_a_stale_round_the_exit_posts_into_a_closed_rendezvous_then_fails_closed_at_once():
@@ -203,7 +203,7 @@ def test_a_stale_round_the_exit_posts_into_a_closed_rendezvous_then_fails_closed
     b.calls.clear()
     with pytest.raises(RendezvousClosedError):
         next_round(ex, 0)
-    assert (trace(b.calls), clock.now) == ("post beat await-round read", T0)
+    assert (trace(b.calls), clock.now) == ("post beat await-round read-stored", T0)
 
 
 def test_a_crowd_of_handlers_joins_and_restarts_in_a_few_writes():

@@ -32,6 +32,19 @@ class RendezvousBackend(abc.ABC):
             RendezvousConnectionError: the backend cannot be reached.
         """
 
+    def get_stored_state(self) -> tuple[bytes | None, Token]:
+        """Return the state and its token as stored, with nothing about liveness laid over them.
+
+        For a reader that judges no node's liveness on this read
+        (``reading.read_state_only``). Default: :meth:`get_state`. A backend whose
+        :meth:`get_state` reads more than the state key to tell who is dead (etcd-v3:
+        every node's presence key, 1,024 keys at 1,024 nodes) reads the one key here.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        return self.get_state()
+
     @abc.abstractmethod
     def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if the stored one still has ``token`` (None: nothing stored yet).

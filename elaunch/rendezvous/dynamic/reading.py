@@ -86,7 +86,7 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
 
 
 def read_state_only(backend: RendezvousBackend, known: RendezvousState) -> tuple[RendezvousState, Token]:
-    """Read the state alone (1 call, no heartbeat keys), with ``known``'s heartbeats folded in.
+    """Read the state alone (1 call, no heartbeat or presence keys), with ``known``'s heartbeats folded in.
 
     For a node woken by its round's notice, which most likely only finishes its
     join (``ops.decide_join``: a participant of a complete round, or a closed
@@ -98,7 +98,7 @@ def read_state_only(backend: RendezvousBackend, known: RendezvousState) -> tuple
         RendezvousConnectionError: the backend cannot be reached.
         RendezvousStateError: the stored state is corrupt.
     """
-    data, token = backend.get_state()
+    data, token = backend.get_stored_state()
     return merge.fold_heartbeats(_decode(data), known.last_heartbeats), token
 
 

@@ -394,6 +394,9 @@ class EtcdV3StateBackend(EtcdStateBackend):
         data, token, alive = self.kv.get_with_prefix(self.key, self.nodes_prefix)
         return self._zero_dead(data, alive), token
 
+    def get_stored_state(self) -> tuple[bytes | None, Token]:
+        return self.kv.get(self.key)  # the state key alone: no presence keys, no decode here
+
     @staticmethod
     def _zero_dead(data: bytes | None, alive: set[str], judged: set[str] | None = None) -> bytes | None:
         """The state with the heartbeat of each node (of ``judged``; None: all) not in ``alive`` set to 0."""
