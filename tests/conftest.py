@@ -7,6 +7,7 @@ one to be gone. Survivors are killed and the test fails, naming them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -98,6 +99,26 @@ def no_leftover_processes():
             except psutil.Error:
                 pass
         pytest.fail(f"test left processes behind: {left}")
+
+
+@pytest.fixture(autouse=True)
+def logging_lock_left_free():
+    """No test may leave logging's module lock held by this (the main) thread.
+
+    An exception raised by a signal handler inside logging's locked windows (a
+    cache fill, its at-fork hooks around a ``Popen`` with ``preexec_fn``) leaks
+    the lock: the main thread goes on (the lock is re-entrant), while every other
+    thread that logs later blocks forever. A CI run once hung that way in a later
+    test's threads. The lock is freed here and the test that left it fails.
+    """
+    yield
+    lock = getattr(logging, "_lock", None)
+    held = 0
+    while lock is not None and lock._is_owned():
+        lock.release()
+        held += 1
+    if held:
+        pytest.fail(f"the test left logging's module lock held ({held}x): other threads that log would block forever")
 
 
 @pytest.fixture
