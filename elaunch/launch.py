@@ -22,6 +22,7 @@ from elaunch.config import LaunchConfig
 from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
+from elaunch.procs.deferral import raise_or_defer
 from elaunch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousError,
@@ -61,7 +62,7 @@ class _SignalHandlers:
         if self._received is not None:
             return
         self._received = signum
-        raise SignalException(signum)
+        raise_or_defer(SignalException(signum))
 
     def __enter__(self) -> "_SignalHandlers":
         for name in self._names:

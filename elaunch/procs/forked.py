@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Callable
 
+from .deferral import deferred
 from .workers import _child_setup
 
 #: Seconds between ``waitpid`` polls in :meth:`ForkedProcess.wait`.
@@ -152,10 +153,6 @@ def _flush() -> None:
             pass
 
 
-def _run_pending_handlers() -> None:
-    """Do nothing: calling a Python function lets the interpreter run pending signal handlers."""
-
-
 def fork_worker(
     run: Callable[[], int],
     env: Mapping[str, str],
@@ -197,31 +194,32 @@ def fork_worker(
     err = read_end = ready = go_read = go = None
     pid = 0
     try:
-        err = _open_append(stderr_path)
-        read_end, ready = os.pipe()
-        go_read, go = os.pipe()
-        _flush()  # what this process printed must not be printed again by the child
-        parent = os.getpid()
-        # Signals wait until the fork is over: a handler run inside os.fork() (by its
-        # at-fork hooks) has its exception printed and dropped, and the signal is lost.
-        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        _run_pending_handlers()  # one caught before the block raises now, before the fork
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            os.close(go)
-            _child(run, env, out, err, close_fds, ready, go_read, parent, mask)
-        for fd in (ready, go_read):
+        with deferred():  # a handled signal raises once the fork is over, here (see deferral)
+            err = _open_append(stderr_path)
+            read_end, ready = os.pipe()
+            go_read, go = os.pipe()
+            _flush()  # what this process printed must not be printed again by the child
+            parent = os.getpid()
+            # the child starts with every signal blocked: it runs the agent's handlers until it reset them
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    os.close(read_end)
+                    os.close(go)
+                    _child(run, env, out, err, close_fds, ready, go_read, parent, mask)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            fd, ready = ready, None
             os.close(fd)
-        ready = go_read = None
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending handled signal raises here
-        started = os.read(read_end, 1)
-        if started:
-            if before_run is not None:
-                before_run(pid)
-            os.write(go, b"1")
-    except BaseException:  # e.g. a handled signal: leave the mask as it was and no child behind
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            fd, go_read = go_read, None
+            os.close(fd)
+            started = os.read(read_end, 1)
+            if started:
+                if before_run is not None:
+                    before_run(pid)
+                os.write(go, b"1")
+    except BaseException:  # e.g. a handled signal: no child behind
         if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from . import _proctree
+from .deferral import deferred
 from .tee import Tee, follows_for
 
 if TYPE_CHECKING:
@@ -60,14 +61,20 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
-def _child_setup(parent: int):
-    """Return a preexec_fn: die with the agent (PDEATHSIG), even if it died during the fork."""
+def _child_setup(parent: int, mask: "set[_signal.Signals] | None" = None):
+    """Return a preexec_fn: die with the agent (PDEATHSIG), even if it died during the fork.
+
+    ``mask``: the signal mask to put back before ``exec`` (the parent blocked every
+    signal around the fork, see :func:`popen_worker`); None leaves it as inherited.
+    """
 
     def setup() -> None:
         if _prctl is not None:
             _prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), _SIGKILL)
+        if mask is not None:
+            _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
 
     return setup
 
@@ -98,20 +105,34 @@ def popen_worker(
     """
     out = _open(stdout_path)
     err = _open(stderr_path)
+    proc = None
     try:
-        return subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            preexec_fn=_child_setup(os.getpid()),
-            pass_fds=pass_fds,
-        )
-    finally:
-        for f in (out, err):
-            if f is not None and not isinstance(f, int):
-                f.close()
+        # with a preexec_fn Popen runs the interpreter's at-fork hooks: a handled signal
+        # raises once the fork is over, here (see deferral); the child starts with every
+        # signal blocked (it runs Python, the agent's handlers, until exec)
+        with deferred():
+            mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    preexec_fn=_child_setup(os.getpid(), mask),
+                    pass_fds=pass_fds,
+                )
+            finally:
+                _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+                for f in (out, err):
+                    if f is not None and not isinstance(f, int):
+                        f.close()
+    except BaseException:
+        if proc is not None:  # started, but the caller never gets it: leave no orphan
+            _proctree.killpg([proc.pid], _SIGKILL)
+            proc.wait()
+        raise
+    return proc
 
 
 def _become_subreaper() -> bool:

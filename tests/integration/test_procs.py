@@ -355,3 +355,55 @@ def test_a_forked_worker_whose_before_run_raised_never_runs(tmp_path):
         fork_worker(lambda: ran.write_text("ran") and 0, dict(os.environ), os.devnull, os.devnull,
                     before_run=refuse)
     assert not ran.exists()
+
+
+def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked(monkeypatch):
+    """A handled signal raised inside the interpreter's at-fork hooks (Popen runs them for its
+    preexec_fn) was printed and dropped there: the signal was lost, and logging's module lock,
+    which the hook was about to release, stayed held by the main thread for good (a CI run then
+    hung in another thread's log call). The exception must come out of the start instead."""
+    import logging
+    import threading
+
+    from elaunch.procs.deferral import raise_or_defer
+    from elaunch.procs.workers import popen_worker
+
+    class Handled(Exception):
+        pass
+
+    dropped, procs = [], []
+    starting = [False]  # the handler raises only during a start, once
+    stop = threading.Event()
+    hook = sys.unraisablehook
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u) if isinstance(u.exc_value, Handled)
+                        else hook(u))
+
+    def handler(signum, frame):
+        if starting[0]:
+            starting[0] = False
+            raise_or_defer(Handled())
+
+    def pelt():  # process-directed: the kernel hands it to a thread that does not block it
+        while not stop.wait(0.0005):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    pelter = threading.Thread(target=pelt, daemon=True)
+    pelter.start()
+    raised = 0
+    try:
+        for _ in range(150):
+            starting[0] = True
+            try:
+                procs.append(popen_worker(["true"], dict(os.environ), os.devnull, os.devnull))
+                starting[0] = False
+            except Handled:
+                raised += 1
+    finally:
+        stop.set()
+        pelter.join()
+        signal.signal(signal.SIGUSR1, previous)
+        for p in procs:
+            p.wait()
+    assert (dropped, logging._lock._is_owned()) == ([], False)
+    assert raised  # the signals did land during starts
