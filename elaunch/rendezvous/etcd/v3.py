@@ -400,8 +400,8 @@ class EtcdV3StateBackend(EtcdStateBackend):
     @staticmethod
     def _zero_dead(data: bytes | None, alive: set[str], judged: set[str] | None = None) -> bytes | None:
         """The state with the heartbeat of each node (of ``judged``; None: all) not in ``alive`` set to 0."""
-        if data is None:
-            return None
+        if data is None or (judged is not None and not judged):
+            return data  # no one to judge: no decode
         try:
             state = RendezvousState.from_bytes(data)
         except RendezvousStateError:
