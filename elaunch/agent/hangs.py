@@ -119,12 +119,14 @@ class HangWatch:
 
 
 #: Frames that show a worker blocked in a collective, waiting for its peers (py-spy and
-#: faulthandler both print the file path).
-_COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\")
+#: faulthandler both print the file path): ``torch.distributed`` (a collective, a barrier),
+#: and the autograd engine, where DistributedDataParallel's gradient all-reduce waits (its
+#: reducer runs in C++ under ``backward``: no ``torch/distributed`` frame is on the stack).
+_COLLECTIVE_MARKERS = ("torch/distributed/", "torch\\distributed\\", "torch/autograd/", "torch\\autograd\\")
 
 
 def waits_on_peer(stack_text: str) -> bool:
-    """True when a dumped stack shows the worker inside ``torch.distributed`` (a collective, a barrier)."""
+    """True when a dumped stack shows the worker inside ``torch.distributed`` or a backward pass (DDP's all-reduce)."""
     return any(marker in stack_text for marker in _COLLECTIVE_MARKERS)
 
 

@@ -610,6 +610,12 @@ def test_waits_on_peer_reads_a_collective_in_the_stack():
 
     assert waits_on_peer("Thread 1 (idle)\n    all_reduce (torch/distributed/distributed_c10d.py:2501)\n")
     assert not waits_on_peer("Thread 1 (idle)\n    hang_forever (ddp_digits.py:120)\n")
+    # DistributedDataParallel all-reduces its gradients from C++ inside backward: a rank waiting
+    # for a stopped peer's gradients shows only the autograd engine (seen in the chaos test,
+    # where its node then competed as root cause with the stopped rank's by time alone)
+    assert waits_on_peer("Thread 1 (idle)\n    _engine_run_backward (torch/autograd/graph.py:979)\n"
+                         "    backward (torch/autograd/__init__.py:395)\n    Tensor.backward (torch/_tensor.py:623)\n"
+                         "    main (ddp_digits.py:400)\n")
 
 
 @pytest.mark.parametrize("known, report, root_after", [
