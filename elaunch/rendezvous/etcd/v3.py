@@ -134,14 +134,6 @@ class EtcdV3KV(FailoverKV):
 
         return self.call(f"reading {key}", op)
 
-    def revision(self, key: str) -> Token:
-        """Return ``key``'s ``mod_revision`` (None when it does not exist), without its value."""
-        def op(client: Any) -> Token:
-            _value, meta = client.get(key, keys_only=True)
-            return None if meta is None else int(meta.mod_revision)
-
-        return self.call(f"reading {key}", op)
-
     def get_with_prefix(self, key: str, prefix: str) -> tuple[bytes | None, Token, set[str]]:
         """Read ``key`` and the names under ``prefix`` in one transaction (one revision)."""
         utils = self._pyetcd.utils
@@ -404,10 +396,6 @@ class EtcdV3StateBackend(EtcdStateBackend):
 
     def get_stored_state(self) -> tuple[bytes | None, Token]:
         return self.kv.get(self.key)  # the state key alone: no presence keys, no decode here
-
-    def get_state_token(self) -> Token:
-        assert isinstance(self.kv, EtcdV3KV)
-        return self.kv.revision(self.key)  # the revision alone: ~100 bytes, not the ~90 KB state
 
     @staticmethod
     def _zero_dead(data: bytes | None, alive: set[str], judged: set[str] | None = None) -> bytes | None:
