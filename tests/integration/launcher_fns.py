@@ -67,22 +67,6 @@ def _write_pids(pid_dir: str, *pids: int) -> None:
     os.replace(tmp, os.path.join(pid_dir, f"{rank}.pids"))
 
 
-def fork_child_then_kill_agent(pid_dir: str) -> None:
-    """Fork a child, record both pids, then ``kill -9`` the agent at once (the worker's parent).
-
-    The agent is killed while it may still be starting the other workers: the
-    window in which the watchdog did not know the workers yet.
-    """
-    agent = os.getppid()
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(300)
-        os._exit(0)
-    _write_pids(pid_dir, os.getpid(), pid)
-    os.kill(agent, signal.SIGKILL)
-    time.sleep(300)
-
-
 def child_then_fail(pid_dir: str) -> None:
     """Every rank starts a ``sleep`` child and records both pids; rank 0 then raises, the others wait.
 
@@ -104,11 +88,18 @@ def child_then_fail(pid_dir: str) -> None:
     time.sleep(300)
 
 
-def fork_child_then_wait(pid_dir: str) -> None:
-    """Fork a child that does not exec (as a DataLoader worker), record both pids, wait."""
+def fork_child_then_wait(pid_dir: str, kill_agent: bool = False) -> None:
+    """Fork a child that does not exec (as a DataLoader worker), record both pids, wait.
+
+    ``kill_agent``: ``kill -9`` the agent (this worker's parent) at once, while it may
+    still be starting the other workers.
+    """
+    agent = os.getppid()
     pid = os.fork()
     if pid == 0:
         time.sleep(300)
         os._exit(0)
     _write_pids(pid_dir, os.getpid(), pid)
+    if kill_agent:
+        os.kill(agent, signal.SIGKILL)
     time.sleep(300)

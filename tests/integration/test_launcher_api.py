@@ -294,10 +294,10 @@ KILLED_DRIVER = textwrap.dedent("""
     from elaunch.launcher import LaunchConfig, elastic_launch
     from tests.integration import launcher_fns
 
-    pid_dir, fn = sys.argv[1], getattr(launcher_fns, sys.argv[2] if len(sys.argv) > 2 else "fork_child_then_wait")
+    pid_dir, kill_agent = sys.argv[1], sys.argv[2:] == ["kill-agent"]
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", start_method="fork", max_restarts=0)
-    elastic_launch(config, lambda: fn(pid_dir))()
+    elastic_launch(config, lambda: launcher_fns.fork_child_then_wait(pid_dir, kill_agent))()
 """)
 
 
@@ -330,7 +330,7 @@ def test_workers_killing_their_agent_at_once_leave_no_child(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    agent = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(pid_dir), "fork_child_then_kill_agent"],
+    agent = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(pid_dir), "kill-agent"],
                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert agent.wait(60) == -signal.SIGKILL

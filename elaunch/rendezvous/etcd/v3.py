@@ -395,7 +395,7 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return self._zero_dead(data, alive), token
 
     def get_stored_state(self) -> tuple[bytes | None, Token]:
-        return self.kv.get(self.key)  # the state key alone: no presence keys, no decode here
+        return super().get_state()  # the state key alone: no presence keys, no decode here
 
     @staticmethod
     def _zero_dead(data: bytes | None, alive: set[str], judged: set[str] | None = None) -> bytes | None:
