@@ -6,7 +6,7 @@ Reads commands from the agent on pipe ``fd`` (one per line):
   leader), ``start`` being its /proc start time, guarding against pid reuse;
   ``markers``, hex of the ``NAME=value`` environment entries the worker's
   descendants inherit, joined by NUL bytes (run id, error file, ranks: see
-  ``workers.marker_entries``);
+  ``spawn.marker_entries``);
 * ``f <pid>`` — forget it (the agent stopped it); ``f *`` — forget all;
 * ``s`` — write ``s`` to stdout (an ack: every command before it was read).
 

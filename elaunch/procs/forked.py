@@ -4,7 +4,7 @@ torch runs a function entrypoint with ``torch.multiprocessing`` and the
 ``fork`` start method when asked to: the child already holds the function,
 so one defined in a notebook (which cannot be pickled) works. elaunch forks
 the same way, and gives the child everything an exec'd worker gets from
-:func:`elaunch.procs.workers.popen_worker`: its own session (process group id =
+:func:`elaunch.procs.spawn.popen_worker`: its own session (process group id =
 pid), ``PR_SET_PDEATHSIG=SIGKILL`` (and death if the agent already died),
 stdout/stderr appended to its log files, and its complete environment in
 ``os.environ``. It also closes the agent's private descriptors (the reaper's
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Callable
 
 from .deferral import deferred
-from .workers import _child_setup
+from .spawn import _child_setup
 
 #: Seconds between ``waitpid`` polls in :meth:`ForkedProcess.wait`.
 _POLL = 0.01

@@ -21,7 +21,8 @@ from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
 from .warm import WarmPool
-from .workers import WorkerProcesses, marker_entries
+from .spawn import marker_entries
+from .workers import WorkerProcesses
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class Reaper:
         Args:
             pids: the workers (process group and session leaders).
             markers: pid -> ``NAME=value`` environment entries (bytes) that the
-                worker's descendants inherit (``workers.marker_entries``); a
+                worker's descendants inherit (``spawn.marker_entries``); a
                 process carrying all of one worker's is killed with the trees,
                 wherever it went. None or an empty set: the tree only.
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 
-from .workers import popen_worker
+from .spawn import popen_worker
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ def inotify_lib():
     Imported on the first follow, after the first workers were started, not with
     the agent (a few ms). The library finds libc on first use with
     ``ctypes.util.find_library``, which execs ``ldconfig -p``: it is handed this
-    process's own libc instead (the handle ``workers.py`` uses for prctl).
+    process's own libc instead (the handle ``spawn.py`` uses for prctl).
     """
     global _inotify_simple
     if _inotify_simple is None:

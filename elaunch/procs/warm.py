@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import _proctree
-from .workers import popen_worker
+from .spawn import popen_worker
 
 if TYPE_CHECKING:
     from .logs import AttemptLogs

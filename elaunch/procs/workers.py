@@ -18,7 +18,6 @@ No torch import here: the agent imports this module.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import selectors
@@ -30,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from . import _proctree
-from .deferral import deferred
+from .spawn import become_subreaper, marker_entries, popen_worker
 from .tee import Tee, follows_for
 
 if TYPE_CHECKING:
@@ -49,110 +48,7 @@ KILL_TIMEOUT = 10.0
 #: Polling period (seconds) of wait() where pidfds are unavailable.
 FALLBACK_POLL = 0.05
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-#: Worker env entries an adopted orphan must carry (those the worker had) to be taken
-#: for one of this attempt's: together they name the run, attempt and rank.
-_MARKERS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RANK", "LOCAL_RANK", "MASTER_PORT")
 _SIGKILL = int(_signal.SIGKILL)
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _child_setup(parent: int, mask: "set[_signal.Signals] | None" = None):
-    """Return a preexec_fn: die with the agent (PDEATHSIG), even if it died during the fork.
-
-    ``mask``: the signal mask to put back before ``exec`` (the parent blocked every
-    signal around the fork, see :func:`popen_worker`); None leaves it as inherited.
-    """
-
-    def setup() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), _SIGKILL)
-        if mask is not None:
-            _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
-
-    return setup
-
-
-def _open(path: str | None):
-    if path is None:
-        return None
-    if path == os.devnull:
-        return subprocess.DEVNULL
-    return open(path, "ab")  # noqa: SIM115 - handed to the child, closed after Popen
-
-
-def popen_worker(
-    cmd: list[str],
-    env: dict[str, str],
-    stdout_path: str | None,
-    stderr_path: str | None,
-    pass_fds: tuple[int, ...] = (),
-) -> subprocess.Popen:
-    """Start one process the way every worker is started (also used for warm spares).
-
-    Its own session (process group id = pid), ``PR_SET_PDEATHSIG=SIGKILL``, streams
-    appended to ``stdout_path``/``stderr_path`` (None: inherit the agent's). Call from
-    the agent's main thread.
-
-    Raises:
-        OSError: the program could not be started.
-    """
-    out = _open(stdout_path)
-    err = _open(stderr_path)
-    proc = None
-    try:
-        # with a preexec_fn Popen runs the interpreter's at-fork hooks: a handled signal
-        # raises once the fork is over, here (see deferral); the child starts with every
-        # signal blocked (it runs Python, the agent's handlers, until exec)
-        with deferred():
-            mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
-            try:
-                proc = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    preexec_fn=_child_setup(os.getpid(), mask),
-                    pass_fds=pass_fds,
-                )
-            finally:
-                _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
-                for f in (out, err):
-                    if f is not None and not isinstance(f, int):
-                        f.close()
-    except BaseException:
-        if proc is not None:  # started, but the caller never gets it: leave no orphan
-            _proctree.killpg([proc.pid], _SIGKILL)
-            proc.wait()
-        raise
-    return proc
-
-
-def _become_subreaper() -> bool:
-    """Make this process adopt its orphaned descendants (``PR_SET_CHILD_SUBREAPER``); True on success.
-
-    A worker's child that leaves its session (``setsid``) and whose worker exits
-    is then re-parented to the agent instead of init, so the agent still finds it
-    (:meth:`WorkerProcesses._family`) however soon the worker exited.
-    """
-    return _prctl is not None and _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-
-
-def marker_entries(env: dict[str, str]) -> frozenset[bytes]:
-    """The ``NAME=value`` entries of ``env`` that mark a process as one of this worker's (run, attempt, rank).
-
-    A descendant inherits them unless it clears its environment; the agent (for the
-    orphans it adopts) and the watchdog (when the agent died) find a worker's
-    descendants by the whole set.
-    """
-    return frozenset(f"{k}={env[k]}".encode() for k in _MARKERS if k in env)
 
 
 def _environ(pid: int) -> set[bytes]:
@@ -235,7 +131,7 @@ class WorkerProcesses:
         prefixes = prefixes or {}
         procs: dict[int, subprocess.Popen] = {}
         # before a worker can leave orphans behind: they come to the agent, not init
-        subreaper = reaper is not None and _become_subreaper()
+        subreaper = reaper is not None and become_subreaper()
         try:
             for lr in sorted(cmds):
                 adopted = adopt(lr, cmds[lr], envs[lr]) if adopt is not None else None
@@ -366,7 +262,7 @@ class WorkerProcesses:
         return _proctree.tree(table, roots=roots, groups=self.pids.values(), known=self._known)
 
     def _orphans(self, table: dict[int, _proctree.Proc]) -> list[int]:
-        """Descendants of our workers the agent adopted (see :func:`_become_subreaper`).
+        """Descendants of our workers the agent adopted (see :func:`~elaunch.procs.spawn.become_subreaper`).
 
         Children of the agent it did not start, carrying a worker's env entries
         (run id, error file, ranks, master port). Each is also given to the reaper,

@@ -19,7 +19,7 @@ from elaunch.agent.hang_response import HangResponse
 from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView
 from elaunch.agent.monitor import GroupMonitor
-from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, start_reaper, workers
+from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, spawn, start_reaper
 from elaunch.rendezvous.api import NodeInfo
 from elaunch.rendezvous.standalone import StandaloneRendezvous
 from elaunch.spec import Worker, WorkerGroup, WorkerSpec
@@ -69,7 +69,7 @@ def run_one(tmp_path):
     for procs in started:
         procs.close()
     reaper.close()
-    workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+    spawn._prctl(spawn._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
 
 
 def test_standalone_sleeps_until_the_worker_exits(run_one):

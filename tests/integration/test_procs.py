@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 
-from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, start_reaper, workers
+from elaunch.procs import LogsSpec, RunLogDir, Std, WorkerProcesses, spawn, start_reaper
 from tests.conftest import SCRIPTS, track_processes, wait_for
 
 WORKER = str(SCRIPTS / "procs_worker.py")
@@ -261,7 +261,7 @@ def test_setsid_grandchild_of_a_worker_that_exits_at_once_is_stopped(launch, tmp
                 os.kill(grandchild, signal.SIGKILL)
     finally:
         reaper.close()
-        workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+        spawn._prctl(spawn._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
 
 
 def _alive(pid: int) -> bool:
@@ -321,7 +321,7 @@ def test_a_signal_that_reaches_another_thread_ends_an_unlimited_wait(launch):
     finally:
         signal.signal(signal.SIGUSR1, previous)
         reaper.close()
-        workers._prctl(workers._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
+        spawn._prctl(spawn._PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)  # pytest is no agent
     assert asleep, "the main thread was never seen asleep in epoll_wait"
     assert not killed, "the wait ended only when the worker was killed"
 
@@ -366,7 +366,7 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
     import threading
 
     from elaunch.procs.deferral import raise_or_defer
-    from elaunch.procs.workers import popen_worker
+    from elaunch.procs.spawn import popen_worker
 
     class Handled(Exception):
         pass
