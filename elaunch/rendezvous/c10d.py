@@ -36,7 +36,7 @@ from elaunch.rendezvous.api import (
     RendezvousConfigError,
     RendezvousParameters,
 )
-from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, _translated
+from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -267,11 +267,14 @@ class C10dRoundStores(RoundStoreFactory):
         endpoint: the agent store's address, for error messages.
         hosts_agent_store: True on the agent hosting the agent store (it leaves the
             exit barrier last, so the others can still reach it).
+        line: the agent store client's :class:`StoreLine`, shared with the backend's
+            calls on it; None: one of its own.
     """
 
     def __init__(self, agent_store: Any, run_id: str, local_addr: str, read_timeout: float,
-                 use_libuv: bool, endpoint: str, hosts_agent_store: bool) -> None:
+                 use_libuv: bool, endpoint: str, hosts_agent_store: bool, line: StoreLine | None = None) -> None:
         self.agent_store = agent_store
+        self._line = StoreLine() if line is None else line
         self._run_id = run_id
         self._local_addr = local_addr
         self._timeout = datetime.timedelta(seconds=read_timeout)
@@ -283,7 +286,7 @@ class C10dRoundStores(RoundStoreFactory):
     def round_store(self, round: int) -> Any:
         """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
         store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
-        return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE)
+        return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE, self._line)
 
     def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
         """Host (rank 0) or look up (others) the workers' store of ``round``.
@@ -434,7 +437,9 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         hosting = False
     else:
         raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
-    backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE), params.run_id, endpoint)
-    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, hosting)
+    line = StoreLine()  # the backend's calls and the round stores' go through one client
+    backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE, line), params.run_id, endpoint)
+    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, hosting,
+                             line)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
     return DynamicRendezvousHandler(node, settings, backend, stores)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from typing import Any, Iterator
 
 from elaunch.rendezvous.api import RendezvousConnectionError
@@ -72,12 +73,17 @@ class _Worker(threading.Thread):
 
 
 class _Job:
-    """One call for a :class:`_Worker`; its worker releases ``finished`` once the outcome is set."""
+    """One call for a :class:`_Worker`; its worker releases ``finished`` once the outcome is set.
 
-    __slots__ = ("fn", "args", "kwargs", "ok", "value", "finished")
+    ``name`` is the store method's (for messages), ``started`` when the call was made
+    (``time.monotonic()``), ``done`` whether it returned (read by :class:`StoreLine`).
+    """
 
-    def __init__(self, fn: Any, args: tuple, kwargs: dict) -> None:
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+    __slots__ = ("fn", "args", "kwargs", "name", "started", "done", "ok", "value", "finished")
+
+    def __init__(self, fn: Any, args: tuple, kwargs: dict, name: str = "") -> None:
+        self.fn, self.args, self.kwargs, self.name = fn, args, kwargs, name
+        self.started, self.done = time.monotonic(), False
         self.ok, self.value = False, None
         self.finished = threading.Lock()
         self.finished.acquire()
@@ -87,6 +93,8 @@ class _Job:
             self.value, self.ok = self.fn(*self.args, **self.kwargs), True
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             self.value = exc
+        finally:
+            self.done = True
 
 
 #: Seconds an idle store worker waits for a call before it exits.
@@ -107,6 +115,35 @@ def _submit(job: _Job) -> None:
     worker.jobs.put(job)
 
 
+class StoreLine:
+    """The one connection a torch store client sends its calls on, one call at a time.
+
+    torch's TCPStore client holds a lock around each call: a call made while an
+    earlier one hangs waits behind it. The :class:`BoundedStore` wrappers of one
+    client (the agent store, its per-round prefixes) share one line, so that once
+    a call of theirs was abandoned (no answer within the timeout: the store has
+    been silent that long) the calls made while it still hangs fail at once,
+    instead of each waiting out a timeout of its own behind it. A cut-off agent's
+    job read, rendezvous and close took three timeouts in a row (36 s at
+    ``read_timeout=10``); now they take one. Once the abandoned call returns, calls
+    go through again.
+
+    Attributes:
+        stuck: the abandoned call still in flight, or None.
+    """
+
+    def __init__(self) -> None:
+        self.stuck: _Job | None = None
+
+    def blocked_by(self) -> _Job | None:
+        """The abandoned call that still hangs (a new call would wait behind it), or None."""
+        stuck = self.stuck
+        if stuck is not None and stuck.done:
+            self.stuck = None
+            return None
+        return stuck
+
+
 class BoundedStore:
     """A torch Store whose server calls give up after ``timeout`` seconds.
 
@@ -115,17 +152,21 @@ class BoundedStore:
     An agent must never hang on that, so each call runs on a pooled worker thread
     (:class:`_Worker`, reused across calls and stores) and the caller gets
     RendezvousConnectionError (naming the endpoint) once ``timeout`` seconds pass.
-    The stuck call is left to finish or die with the process (daemon thread).
+    The stuck call is left to finish or die with the process (daemon thread);
+    while it hangs, later calls on the same ``line`` raise at once (:class:`StoreLine`).
     Other attributes pass through unchanged.
 
     Args:
         store: the torch Store (TCPStore, PrefixStore, FileStore).
         endpoint: its address, for messages.
         timeout: seconds a call may take (read_timeout plus a small grace).
+        line: the client connection this store's calls share with other wrappers
+            of the same client; None: a line of its own.
     """
 
-    def __init__(self, store: Any, endpoint: str, timeout: float) -> None:
+    def __init__(self, store: Any, endpoint: str, timeout: float, line: StoreLine | None = None) -> None:
         self.store, self._endpoint, self._timeout = store, endpoint, timeout
+        self._line = StoreLine() if line is None else line
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.store, name)
@@ -133,9 +174,18 @@ class BoundedStore:
             return attr
 
         def bounded(*args: Any, **kwargs: Any) -> Any:
-            job = _Job(attr, args, kwargs)
+            stuck = self._line.blocked_by()
+            if stuck is not None:
+                raise RendezvousConnectionError(
+                    f"c10d rendezvous store at {self._endpoint}: no answer to {name}: an earlier "
+                    f"{stuck.name} has had no answer for {time.monotonic() - stuck.started:.0f} s "
+                    f"(the store lives in the agent whose address matches the endpoint: "
+                    f"has it exited or died, or is the network down?)"
+                )
+            job = _Job(attr, args, kwargs, name)
             _submit(job)
             if not job.finished.acquire(timeout=self._timeout):
+                self._line.stuck = job
                 raise RendezvousConnectionError(
                     f"c10d rendezvous store at {self._endpoint}: no answer to {name} within {self._timeout:g} s "
                     f"(the store lives in the agent whose address matches the endpoint: "

@@ -238,6 +238,52 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
         server.wait()
 
 
+def test_calls_behind_an_abandoned_one_fail_at_once_until_it_returns():
+    # torch's client sends one call at a time: once a call got no answer within the
+    # timeout, later calls on the same client (through any wrapper sharing its line)
+    # would each wait out a timeout of their own behind it. A cut-off agent took three
+    # in a row (job read, rendezvous, close). They fail at once, naming the stuck call;
+    # once it returns (the server wakes), calls go through again.
+    import datetime
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from elaunch.rendezvous.api import RendezvousConnectionError
+    from elaunch.rendezvous.c10d_store import BoundedStore, StoreLine
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from torch.distributed import TCPStore; "
+         "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+         "print(s.port, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        port = int(server.stdout.readline())
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        line = StoreLine()
+        store = BoundedStore(client, f"127.0.0.1:{port}", timeout=1.0, line=line)
+        rounds = BoundedStore(PrefixStore("round/1", client), f"127.0.0.1:{port}", timeout=1.0, line=line)
+        store.set("k", b"v")
+        server.send_signal(signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
+        with pytest.raises(RendezvousConnectionError, match="no answer to get within 1 s"):
+            store.get("k")
+        for call in (lambda: store.add("n", 1), lambda: rounds.set("m", b"1")):
+            with pytest.raises(RendezvousConnectionError, match=r"127\.0\.0\.1.*an earlier get has had no answer"):
+                call()
+        server.send_signal(signal.SIGCONT)
+        wait_for(lambda: line.blocked_by() is None, 30, what="the abandoned get to return")
+        assert bytes(store.get("k")) == b"v"
+        rounds.set("m", b"1")
+        assert bytes(store.get("round/1/m")) == b"1"
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_bounded_calls_reuse_one_worker_thread(tmp_path):
     # A thread per store call was a tenth of a 1024-agent round's CPU: sequential calls
     # run on one pooled worker, and errors still reach the caller.
