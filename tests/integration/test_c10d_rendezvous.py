@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -195,20 +197,9 @@ def test_two_agent_processes_form_a_world():
     assert {(r[0], r[2], r[3], r[4]) for r in results} == {(0, 2, "127.0.0.1", results[0][4])}
 
 
-def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
-    # torch's TCPStore client waits forever on a server that stalls silently (a cut
-    # link, a frozen host); BoundedStore gives up after its timeout, naming the endpoint.
-    import datetime
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from torch.distributed import FileStore, TCPStore
-
-    from elaunch.rendezvous.api import RendezvousConnectionError
-    from elaunch.rendezvous.c10d_store import BoundedStore
-
+@contextlib.contextmanager
+def _store_server():
+    """A TCPStore server in a process of its own (to SIGSTOP): yields ``(process, port)``; killed at the end."""
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from torch.distributed import TCPStore; "
          "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
@@ -216,15 +207,36 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
         stdout=subprocess.PIPE, text=True,
     )
     try:
-        port = int(server.stdout.readline())
+        yield server, int(server.stdout.readline())
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGSTOP ``server`` and wait until its threads have stopped."""
+    server.send_signal(signal.SIGSTOP)
+    # kill() returns before the server's threads have stopped; a request sent in
+    # that window is still answered (seen once in CI), so wait for the stop.
+    wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
+
+
+def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
+    # torch's TCPStore client waits forever on a server that stalls silently (a cut
+    # link, a frozen host); BoundedStore gives up after its timeout, naming the endpoint.
+    import time
+
+    from torch.distributed import FileStore, TCPStore
+
+    from elaunch.rendezvous.api import RendezvousConnectionError
+    from elaunch.rendezvous.c10d_store import BoundedStore
+
+    with _store_server() as (server, port):
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
         store = BoundedStore(client, f"127.0.0.1:{port}", timeout=2.0)
         store.set("k", b"v")
         assert bytes(store.get("k")) == b"v"
-        server.send_signal(signal.SIGSTOP)
-        # kill() returns before the server's threads have stopped; a request sent in
-        # that window is still answered (seen once in CI), so wait for the stop.
-        wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
+        _stop(server)
         started = time.monotonic()
         with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}.*no answer to get"):
             store.get("k")
@@ -233,9 +245,6 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
         other = BoundedStore(FileStore(str(tmp_path / "healthy"), 1), "healthy", timeout=10.0)
         other.set("k", b"v")
         assert bytes(other.get("k")) == b"v"
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_calls_behind_an_abandoned_one_fail_at_once_until_it_returns():
@@ -244,31 +253,18 @@ def test_calls_behind_an_abandoned_one_fail_at_once_until_it_returns():
     # would each wait out a timeout of their own behind it. A cut-off agent took three
     # in a row (job read, rendezvous, close). They fail at once, naming the stuck call;
     # once it returns (the server wakes), calls go through again.
-    import datetime
-    import signal
-    import subprocess
-    import sys
-
     from torch.distributed import PrefixStore, TCPStore
 
     from elaunch.rendezvous.api import RendezvousConnectionError
     from elaunch.rendezvous.c10d_store import BoundedStore, StoreLine
 
-    server = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from torch.distributed import TCPStore; "
-         "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
-         "print(s.port, flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        port = int(server.stdout.readline())
+    with _store_server() as (server, port):
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         line = StoreLine()
         store = BoundedStore(client, f"127.0.0.1:{port}", timeout=1.0, line=line)
         rounds = BoundedStore(PrefixStore("round/1", client), f"127.0.0.1:{port}", timeout=1.0, line=line)
         store.set("k", b"v")
-        server.send_signal(signal.SIGSTOP)
-        wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
+        _stop(server)
         with pytest.raises(RendezvousConnectionError, match="no answer to get within 1 s"):
             store.get("k")
         for call in (lambda: store.add("n", 1), lambda: rounds.set("m", b"1")):
@@ -279,9 +275,6 @@ def test_calls_behind_an_abandoned_one_fail_at_once_until_it_returns():
         assert bytes(store.get("k")) == b"v"
         rounds.set("m", b"1")
         assert bytes(store.get("round/1/m")) == b"1"
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_bounded_calls_reuse_one_worker_thread(tmp_path):
