@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from . import _proctree
-from .spawn import become_subreaper, marker_entries, popen_worker
+from .spawn import _SIGKILL, become_subreaper, marker_entries, popen_worker
 from .tee import Tee, follows_for
 
 if TYPE_CHECKING:
@@ -47,8 +47,6 @@ SNAPSHOT_INTERVAL = 1.0
 KILL_TIMEOUT = 10.0
 #: Polling period (seconds) of wait() where pidfds are unavailable.
 FALLBACK_POLL = 0.05
-
-_SIGKILL = int(_signal.SIGKILL)
 
 
 def _environ(pid: int) -> set[bytes]:

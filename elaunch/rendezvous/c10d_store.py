@@ -17,6 +17,9 @@ from typing import Any, Iterator
 
 from elaunch.rendezvous.api import RendezvousConnectionError
 
+#: The end of every store error message: where the store lives, and what to check.
+_WHERE_THE_STORE_IS = ("(the store lives in the agent whose address matches the endpoint: "
+                       "has it exited or died, or is the network down?)")
 #: Errors torch's stores raise (DistError and its subclasses are RuntimeErrors).
 _STORE_ERRORS = (RuntimeError, ValueError, TimeoutError, OSError)
 
@@ -29,9 +32,7 @@ def _translated(endpoint: str, what: str) -> Iterator[None]:
     except _STORE_ERRORS as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RendezvousConnectionError(
-            f"c10d rendezvous store at {endpoint}: {what} failed: {first_line} "
-            f"(the store lives in the agent whose address matches the endpoint: "
-            f"has it exited or died, or is the network down?)"
+            f"c10d rendezvous store at {endpoint}: {what} failed: {first_line} {_WHERE_THE_STORE_IS}"
         ) from exc
 
 
@@ -179,8 +180,7 @@ class BoundedStore:
                 raise RendezvousConnectionError(
                     f"c10d rendezvous store at {self._endpoint}: no answer to {name}: an earlier "
                     f"{stuck.name} has had no answer for {time.monotonic() - stuck.started:.0f} s "
-                    f"(the store lives in the agent whose address matches the endpoint: "
-                    f"has it exited or died, or is the network down?)"
+                    f"{_WHERE_THE_STORE_IS}"
                 )
             job = _Job(attr, args, kwargs, name)
             _submit(job)
@@ -188,8 +188,7 @@ class BoundedStore:
                 self._line.stuck = job
                 raise RendezvousConnectionError(
                     f"c10d rendezvous store at {self._endpoint}: no answer to {name} within {self._timeout:g} s "
-                    f"(the store lives in the agent whose address matches the endpoint: "
-                    f"has it exited or died, or is the network down?)"
+                    f"{_WHERE_THE_STORE_IS}"
                 )
             if not job.ok:
                 raise job.value

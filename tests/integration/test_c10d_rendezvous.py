@@ -216,7 +216,7 @@ def _store_server():
 def _stop(server: subprocess.Popen) -> None:
     """SIGSTOP ``server`` and wait until its threads have stopped."""
     server.send_signal(signal.SIGSTOP)
-    # kill() returns before the server's threads have stopped; a request sent in
+    # send_signal() returns before the server's threads have stopped; a request sent in
     # that window is still answered (seen once in CI), so wait for the stop.
     wait_for(lambda: all_threads_stopped(server.pid), 10, what="the store server to stop")
 
