@@ -18,7 +18,6 @@ import datetime
 import ipaddress
 import logging
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ import os
 # Only the agent is affected: launch() snapshots the workers' env before this import.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from torch.distributed import FileStore, PrefixStore, TCPStore  # noqa: E402
+from torch.distributed import FileStore, TCPStore  # noqa: E402
 
 from elaunch.rendezvous.api import (
     NodeInfo,
@@ -38,7 +37,8 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
-from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
+from elaunch.rendezvous.c10d_rounds import C10dRoundStores
+from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.endpoint import parse_endpoint
 
@@ -253,94 +253,6 @@ def _heartbeats(nodes: Sequence[str], values: list[bytes]) -> dict[str, float]:
         except ValueError:
             continue  # not ours to judge: the state's own heartbeat stands
     return out
-
-
-class C10dRoundStores(RoundStoreFactory):
-    """Per round: a fresh workers' TCPStore on the rank-0 agent, published in the agent store.
-
-    Args:
-        agent_store: the store every agent shares.
-        run_id: the job id (namespace ``elaunch/{run_id}/round/{round}/``).
-        local_addr: this node's address; the workers' store is reached there.
-        read_timeout: seconds for store operations (and waiting for rank 0's publication).
-        use_libuv: TCPStore's libuv backend flag.
-        endpoint: the agent store's address, for error messages.
-        hosts_agent_store: True on the agent hosting the agent store (it leaves the
-            exit barrier last, so the others can still reach it).
-        line: the agent store client's :class:`StoreLine`, shared with the backend's
-            calls on it; None: one of its own.
-    """
-
-    def __init__(self, agent_store: Any, run_id: str, local_addr: str, read_timeout: float,
-                 use_libuv: bool, endpoint: str, hosts_agent_store: bool, line: StoreLine | None = None) -> None:
-        self.agent_store = agent_store
-        self._line = StoreLine() if line is None else line
-        self._run_id = run_id
-        self._local_addr = local_addr
-        self._timeout = datetime.timedelta(seconds=read_timeout)
-        self._use_libuv = use_libuv
-        self._endpoint = endpoint
-        self._hosts_agent_store = hosts_agent_store
-        self._server: Any = None
-
-    def round_store(self, round: int) -> Any:
-        """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
-        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
-        return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE, self._line)
-
-    def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
-        """Host (rank 0) or look up (others) the workers' store of ``round``.
-
-        Raises:
-            RendezvousConnectionError: the store cannot be created, or rank 0's
-                address was not published within ``read_timeout`` seconds.
-        """
-        store = self.round_store(round)
-        if rank == 0:
-            where = f"{self._local_addr}:0 (workers' store of round {round})"
-            with _translated(where, "hosting"):
-                server = TCPStore(self._local_addr, 0, is_master=True, multi_tenant=True,
-                                  wait_for_workers=False, timeout=self._timeout, use_libuv=self._use_libuv)
-            self._server = server  # created before the old one is dropped: the port differs
-            addr, port = self._local_addr, int(server.port)
-            with _translated(self._endpoint, f"publishing round {round}'s master address"):
-                store.set("master_endpoint", f"{addr}:{port}")
-                if round >= RendezvousBackend.FORGET_AFTER:  # read by that round's nodes only, long ago
-                    self.round_store(round - RendezvousBackend.FORGET_AFTER).delete_key("master_endpoint")
-        else:
-            self._server = None  # a store hosted in an earlier round (as rank 0) is no longer used
-            with _translated(self._endpoint, f"reading round {round}'s master address"):
-                published = bytes(store.get("master_endpoint")).decode()
-            addr, _, port_str = published.rpartition(":")
-            port = int(port_str)
-        return RoundStores(addr, port, True, store)
-
-    def exit_barrier(self, round: int, rank: int, world_size: int, timeout: float) -> None:
-        """Check in and wait up to ``timeout`` seconds for all ``world_size`` nodes of ``round``.
-
-        Raises:
-            RendezvousConnectionError: the agent store is unreachable.
-        """
-        store = self.round_store(round)
-        deadline = time.monotonic() + timeout
-        with _translated(self._endpoint, "the exit barrier"):
-            count = store.add("exit_barrier", 1)
-            while count < world_size:
-                if time.monotonic() > deadline:
-                    log.warning("exit barrier: %d of %d nodes of round %d arrived within %g s; leaving",
-                                count, world_size, round, timeout)
-                    return
-                time.sleep(0.05)
-                count = store.add("exit_barrier", 0)
-            left = store.add("exit_barrier_left", 1)
-            # the agent-store host leaves last, so no one loses the store mid-barrier
-            while self._hosts_agent_store and left < world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = store.add("exit_barrier_left", 0)
-
-    def close(self) -> None:
-        """Drop the workers' store this node hosts (its server stops)."""
-        self._server = None
 
 
 def is_this_machine(host: str, local_addr: str | None = None) -> bool:
