@@ -14,272 +14,34 @@ against an etcd serving v3 only. Same conf keys as ``etcd-v2`` plus ``user`` /
 * the state and round keys are on a lease of ``ttl`` seconds (default 7200), so an
   abandoned run id is cleaned up by etcd.
 
+The key-value client (gets, transactions, watches, fail-over) is ``etcd.v3_kv``.
 Reach this module through ``elaunch.rendezvous.registry`` only: it imports grpc.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import queue
-import time
 from dataclasses import replace
 from collections.abc import Callable
-from typing import Any
 
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
-from elaunch.rendezvous.etcd.common import (
-    EtcdConf,
-    FailoverKV,
-    import_client,
-    parse_conf,
-)
+from elaunch.rendezvous.etcd.common import import_client, parse_conf
 from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
 from elaunch.rendezvous.etcd.presence import Presence
+from elaunch.rendezvous.etcd.v3_kv import RPC_TIMEOUT, EtcdV3KV
 
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_POLL_INTERVAL", "RPC_TIMEOUT", "EtcdV3KV", "EtcdV3StateBackend", "create_handler",
+           "import_client"]
 
-#: Seconds one gRPC call may take before the next endpoint is tried.
-RPC_TIMEOUT = 5.0
 #: Default ``poll_interval`` of etcd-v3 (seconds): watches wake waiting agents on changes.
 DEFAULT_POLL_INTERVAL = 1.0
 #: A state read with the heartbeats of at most this many nodes reads their keys one by one
 #: in its transaction (the monitor's: itself and its ring neighbours); more read the prefixes.
 FEW_NODES = 4
-
-
-class EtcdV3KV(FailoverKV):
-    """Single-key get / compare-and-set / watch over the v3 API, with endpoint fail-over.
-
-    Tokens are ``mod_revision`` ints. Written keys are attached to a lease of
-    ``conf.ttl`` seconds (re-granted when half used).
-
-    Args:
-        conf: connection settings (endpoints, TLS, user/password, read timeout in seconds).
-        backend: the registry name, for messages.
-    """
-
-    def __init__(self, conf: EtcdConf, backend: str = "etcd-v3") -> None:
-        super().__init__(conf, backend)
-        # The agent forks workers (subprocess + preexec_fn) while gRPC threads run;
-        # gRPC's fork handlers then abort the child ("epoll_wait: Bad file
-        # descriptor"). The child execs at once, so they are not needed. Set before
-        # grpc is first imported; launch() snapshots the workers' env before this.
-        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-        self._pyetcd = import_client("pyetcd", backend)
-        self._grpc = import_client("grpc", backend)
-        self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
-        self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
-
-    def _make_client(self, host: str, port: int) -> Any:
-        c, grpc, pyetcd = self.conf, self._grpc, self._pyetcd
-        creds = None
-        secure = c.protocol == "https"
-        if secure:
-            def read(path: str | None) -> bytes | None:
-                if not path:
-                    return None
-                with open(path, "rb") as f:
-                    return f.read()
-
-            creds = grpc.ssl_channel_credentials(read(c.ca_cert), read(c.ssl_cert_key), read(c.ssl_cert))
-        ep = pyetcd.Endpoint(host, port, secure=secure, creds=creds)
-        client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=self._rpc_timeout,
-                                                 user=c.user, password=c.password)
-        client.call_credentials = None  # the token travels as metadata: call credentials need TLS
-        return client
-
-    def _describe(self, exc: BaseException) -> str:
-        """A gRPC error as ``UNAVAILABLE: <details>``, never the client's multi-line repr."""
-        grpc = self._grpc
-        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-            try:
-                code, details = exc.code(), str(exc.details() or "").strip()
-            except Exception:  # noqa: BLE001 - a half-built error: fall back to its type
-                return type(exc).__name__
-            name = getattr(code, "name", str(code))
-            return f"{name}: {details.splitlines()[0]}" if details else name
-        return super()._describe(exc)
-
-    def _classify(self, exc: BaseException) -> str | None:
-        grpc, errors = self._grpc, self._pyetcd.exceptions
-        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-            code, details = exc.code(), str(exc.details() or "")
-            if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
-                return "reconnect"  # token expired or etcd restarted: authenticate again
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
-                return "config"  # wrong user/password, missing permission, user name missing
-            return "retry"
-        if isinstance(exc, errors.Etcd3Exception) or isinstance(exc, (OSError, TimeoutError)):
-            return "retry"
-        if isinstance(exc, ValueError) and "failed node" in str(exc):
-            return "retry"
-        return None
-
-    def _lease_id(self, client: Any) -> int:
-        now = time.monotonic()
-        if self._ttl_lease is None or now - self._ttl_lease[1] > self.conf.ttl / 2:
-            self._ttl_lease = (client.lease(self.conf.ttl).id, now)
-        return self._ttl_lease[0]
-
-    def get(self, key: str) -> tuple[bytes | None, Token]:
-        def op(client: Any) -> tuple[bytes | None, Token]:
-            value, meta = client.get(key)
-            return (None, None) if meta is None else (bytes(value), int(meta.mod_revision))
-
-        return self.call(f"reading {key}", op)
-
-    def get_with_prefix(self, key: str, prefix: str) -> tuple[bytes | None, Token, set[str]]:
-        """Read ``key`` and the names under ``prefix`` in one transaction (one revision)."""
-        utils = self._pyetcd.utils
-
-        def op(client: Any) -> tuple[bytes | None, Token, set[str]]:
-            tx = client.transactions
-            end = utils.prefix_range_end(utils.to_bytes(prefix))
-            _ok, (state, names) = client.transaction([], [tx.get(key), tx.get(prefix, end)], [])
-            found = {m.key.decode()[len(prefix):] for _v, m in names}
-            if not state:
-                return None, None, found
-            value, meta = state[0]
-            return bytes(value), int(meta.mod_revision), found
-
-        return self.call(f"reading {key}", op)
-
-    def read_keys(self, key: str, keys: list[str]) -> tuple[bytes | None, Token, dict[str, bytes]]:
-        """Read ``key`` and each of ``keys`` (single keys) in one transaction; a missing key is left out.
-
-        Returns:
-            ``(value, mod_revision, {key: value})``.
-        """
-        def op(client: Any) -> tuple[bytes | None, Token, dict[str, bytes]]:
-            tx = client.transactions
-            _ok, (state, *found) = client.transaction([], [tx.get(key), *(tx.get(k) for k in keys)], [])
-            values = {k: bytes(items[0][0]) for k, items in zip(keys, found) if items}
-            if not state:
-                return None, None, values
-            value, meta = state[0]
-            return bytes(value), int(meta.mod_revision), values
-
-        return self.call(f"reading {key}", op)
-
-    def read_many(self, key: str, prefixes: list[str]
-                  ) -> tuple[bytes | None, Token, list[list[tuple[str, bytes, int, int]]]]:
-        """Read ``key`` and everything under each of ``prefixes`` in one transaction (one revision).
-
-        Returns:
-            ``(value, mod_revision, [[(name after the prefix, value, create_revision, mod_revision), ...]
-            per prefix])``.
-        """
-        utils = self._pyetcd.utils
-
-        def op(client: Any) -> tuple[bytes | None, Token, list[list[tuple[str, bytes, int, int]]]]:
-            tx = client.transactions
-            ranges = [tx.get(p, utils.prefix_range_end(utils.to_bytes(p))) for p in prefixes]
-            _ok, (state, *found) = client.transaction([], [tx.get(key), *ranges], [])
-            listed = [[(m.key.decode()[len(p):], bytes(v), int(m.create_revision), int(m.mod_revision))
-                       for v, m in items]
-                      for p, items in zip(prefixes, found)]
-            if not state:
-                return None, None, listed
-            value, meta = state[0]
-            return bytes(value), int(meta.mod_revision), listed
-
-        return self.call(f"reading {key}", op)
-
-    def put_many(self, items: list[tuple[str, bytes]], unless_exists: str | None = None,
-                 otherwise: list[tuple[str, bytes]] | None = None) -> bool:
-        """Put ``items`` in one transaction; with ``unless_exists``, only if that key is absent.
-
-        Returns:
-            True when ``items`` were written; False when ``unless_exists`` existed
-            (``otherwise`` was written instead).
-        """
-        def op(client: Any) -> bool:
-            tx = client.transactions
-            lease = self._lease_id(client)
-            compare = [tx.version(unless_exists) == 0] if unless_exists else []
-            ok, _ = client.transaction(compare, [tx.put(k, v, lease=lease) for k, v in items],
-                                       [tx.put(k, v, lease=lease) for k, v in (otherwise or [])])
-            return bool(ok)
-
-        return self.call(f"writing {items[0][0]}", op)
-
-    def watch(self, key: str, timeout: float, prefix: bool = False, start_revision: int | None = None,
-              exists: bool = False) -> bool:
-        """Return True on the first event on ``key`` (or under it, ``prefix``), False after ``timeout`` s.
-
-        ``start_revision``: replay events from that revision on. ``exists``: also
-        return True when ``key`` exists already (checked after the watch started,
-        so a write in between is not missed).
-        """
-        deadline = time.monotonic() + timeout
-        events: queue.Queue = queue.Queue()
-        try:
-            client = self._client()
-            kwargs = {} if start_revision is None else {"start_revision": int(start_revision)}
-            add = client.add_watch_prefix_callback if prefix else client.add_watch_callback
-            watch_id = add(key, events.put, **kwargs)
-            try:
-                if exists and client.get(key)[1] is not None:
-                    return True
-                events.get(timeout=max(0.0, deadline - time.monotonic()))
-                return True
-            except queue.Empty:
-                return False
-            finally:
-                client.cancel_watch(watch_id)
-        except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
-            log.debug("etcd-v3: watching %s failed: %s", key, exc)
-            time.sleep(max(0.0, deadline - time.monotonic()))
-            return False
-
-    def watch_forever(self, key: str, on_change: Callable[[], None]) -> Callable[[], None] | None:
-        """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
-
-        Returns None when the watch cannot be set up (logged at DEBUG): callers then poll.
-        """
-        def event(_response: Any) -> None:
-            on_change()  # an event or a broken stream alike: the caller re-reads either way
-
-        try:
-            client = self._client()
-            watch_id = client.add_watch_callback(key, event)
-        except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
-            log.debug("etcd-v3: watching %s failed: %s", key, exc)
-            return None
-
-        def cancel() -> None:
-            try:
-                client.cancel_watch(watch_id)
-            except Exception as exc:  # noqa: BLE001 - the client may be gone already
-                log.debug("etcd-v3: cancelling the watch on %s failed: %s", key, exc)
-
-        return cancel
-
-    def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
-        def op(client: Any) -> Token | None:
-            tx = client.transactions
-            compare = [tx.version(key) == 0] if token is None else [tx.mod(key) == int(token)]
-            ok, responses = client.transaction(compare, [tx.put(key, value, lease=self._lease_id(client))], [])
-            return int(responses[0].response_put.header.revision) if ok else None
-
-        return self.call(f"writing {key}", op)
-
-    def wait(self, key: str, token: Token | None, timeout: float) -> None:
-        """Watch ``key`` from revision ``token + 1``; return on the first event or after ``timeout`` s.
-
-        With ``token`` None (the key was missing) it also returns at once if the
-        key exists by the time the watch started: a write in between is not missed.
-        """
-        if token is None:
-            self.watch(key, timeout, exists=True)
-        else:
-            self.watch(key, timeout, start_revision=int(token) + 1)
 
 
 class EtcdV3StateBackend(EtcdStateBackend):
