@@ -206,3 +206,12 @@ def test_c10d_reader_writes_nothing():
     assert not store.check([reader.key])  # an agent's backend would have created it
     C10dBackend(store, "never-started", f"127.0.0.1:{store.port}")
     assert reader.exists()
+
+
+def test_presence_first_refresh_is_spread_over_its_interval():
+    from elaunch.rendezvous.etcd.presence import Presence
+
+    presence = Presence(kv=None, key="k", ttl=15)  # type: ignore[arg-type] - no call reaches the client
+    firsts = [presence.first_refresh_after() for _ in range(200)]
+    assert all(15 / 12 <= f <= 15 / 3 for f in firsts)
+    assert max(firsts) - min(firsts) > 2.0  # agents started together do not refresh in step

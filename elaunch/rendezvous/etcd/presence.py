@@ -9,6 +9,7 @@ module, not the reverse).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from typing import Any
 
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 class Presence:
     """This node's presence key on its own lease, kept alive by a daemon thread.
 
-    The lease's TTL is ``ttl`` seconds; it is refreshed every ``ttl / 3`` seconds and
+    The lease's TTL is ``ttl`` seconds; it is refreshed every ``ttl / 3`` seconds (the
+    first time at a random point of that interval) and
     re-granted (with the key written again) when etcd lost it (e.g. after a long
     partition). :meth:`stop` revokes it, so the node disappears at once.
 
@@ -57,8 +59,18 @@ class Presence:
         self._thread = threading.Thread(target=self._loop, name="elaunch-etcd-presence", daemon=True)
         self._thread.start()
 
+    def first_refresh_after(self) -> float:
+        """Seconds from :meth:`start` to the first refresh: a random point of the first ``ttl / 3``.
+
+        Agents a scheduler starts together would otherwise refresh in step, every
+        one of them in the same instant, once per ``ttl / 3`` seconds for the job's life.
+        """
+        return self.ttl / 3 * random.uniform(0.25, 1.0)
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        wait = self.first_refresh_after()
+        while not self._stop.wait(wait):
+            wait = self.ttl / 3
             try:
                 lease_id = self.lease_id
                 ttls = self.kv.call("refreshing the node lease",
