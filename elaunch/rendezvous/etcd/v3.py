@@ -10,7 +10,8 @@ against an etcd serving v3 only. Same conf keys as ``etcd-v2`` plus ``user`` /
   alive by a thread): when an agent dies its key expires and the others see it
   dead at their next read, without waiting for stale heartbeats;
 * waiting agents watch the state key and wake on a change (``poll_interval``,
-  default 1 s here, only bounds time-driven steps such as the last call);
+  default 1 s here, only bounds time-driven steps such as the last call); every
+  round's completion notice is waited for on one standing watch (``etcd.standing``);
 * the state and round keys are on a lease of ``ttl`` seconds (default 7200), so an
   abandoned run id is cleaned up by etcd.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import replace
 from collections.abc import Callable
 
@@ -84,8 +86,34 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return self._read(None)[4]
 
     def watch_state(self, on_change: Callable[[], None]) -> Callable[[], None] | None:
+        """The state watch, set up off the caller's thread (see ``RendezvousBackend.watch_state``).
+
+        A node that just completed its round returns without waiting for the watch's
+        create (etcd-sdk-python creates one watch at a time per stream); until it is
+        open, the monitor re-reads the state every ``poll_interval`` seconds, as it
+        does without a watch.
+        """
         assert isinstance(self.kv, EtcdV3KV)
-        return self.kv.watch_forever(self.key, on_change)  # every node's, in one range read
+        kv, lock = self.kv, threading.Lock()
+        opened: list[Callable[[], None]] = []
+        stopped = threading.Event()
+
+        def open_watch() -> None:
+            cancel = kv.watch_forever(self.key, on_change)
+            with lock:
+                if cancel is None or not stopped.is_set():
+                    opened.extend([cancel] if cancel else [])
+                    return
+            cancel()  # stopped while it was being set up
+
+        def stop() -> None:
+            with lock:
+                stopped.set()
+            for cancel in opened:
+                cancel()
+
+        threading.Thread(target=open_watch, name="elaunch-etcd-state-watch", daemon=True).start()
+        return stop
 
     def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
         if len(nodes) > FEW_NODES:
@@ -210,4 +238,6 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         presence.kv.close()
         raise
     holder.append(presence)
+    # every round's completion notice is waited for on one watch, opened now (etcd answered)
+    kv.keep_watching(f"{base}/done/")
     return handler

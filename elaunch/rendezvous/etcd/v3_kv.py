@@ -18,6 +18,7 @@ from typing import Any
 
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.etcd.common import EtcdConf, FailoverKV, import_client
+from elaunch.rendezvous.etcd.standing import StandingWatch
 
 log = logging.getLogger("elaunch.rendezvous.etcd.v3")
 
@@ -46,6 +47,7 @@ class EtcdV3KV(FailoverKV):
         self._pyetcd = import_client("pyetcd", backend)
         self._grpc = import_client("grpc", backend)
         self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
+        self._standing: list[StandingWatch] = []
         self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
 
     def _make_client(self, host: str, port: int) -> Any:
@@ -193,6 +195,9 @@ class EtcdV3KV(FailoverKV):
         events: queue.Queue = queue.Queue()
         try:
             client = self._client()
+            standing = self._standing_for(key, client) if exists and not prefix and start_revision is None else None
+            if standing is not None:
+                return standing.wait_exists(key, timeout, lambda: client.get(key)[1] is not None)
             kwargs = {} if start_revision is None else {"start_revision": int(start_revision)}
             add = client.add_watch_prefix_callback if prefix else client.add_watch_callback
             watch_id = add(key, events.put, **kwargs)
@@ -209,6 +214,28 @@ class EtcdV3KV(FailoverKV):
             log.debug("etcd-v3: watching %s failed: %s", key, exc)
             time.sleep(max(0.0, deadline - time.monotonic()))
             return False
+
+    def keep_watching(self, prefix: str) -> None:
+        """Keep one watch on ``prefix`` open for this client's life (a :class:`StandingWatch`).
+
+        :meth:`watch` with ``exists`` of a key under it then waits on that watch's
+        events instead of setting up a watch of its own. Best effort: while it cannot
+        be opened (etcd away), such waits take their own watch as before.
+        """
+        put = self._pyetcd.events.PutEvent
+        standing = StandingWatch(prefix, lambda event: isinstance(event, put))
+        self._standing.append(standing)
+        standing.start(self._client())
+
+    def _standing_for(self, key: str, client: Any) -> StandingWatch | None:
+        """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
+        for standing in self._standing:
+            if key.startswith(standing.prefix):
+                with self._lock:
+                    if standing.serves(key, client) or standing.start(client):
+                        return standing
+                return None
+        return None
 
     def watch_forever(self, key: str, on_change: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.

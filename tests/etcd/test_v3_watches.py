@@ -1,0 +1,133 @@
+"""etcd-v3's watches: round notices on one standing watch, the state watch set up off the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elaunch.rendezvous.etcd.common import parse_conf
+from tests.conftest import wait_for
+from tests.etcd.conftest import make_params
+
+pytest.importorskip("pyetcd")
+
+_ids = iter(range(10**6))
+
+
+@pytest.fixture
+def v3(etcd_v3):
+    """``(kv, backend, base, creates)`` on a fresh run id; ``creates`` lists every single-key watch create."""
+    from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
+
+    run_id = f"watches-{next(_ids)}"
+    conf = parse_conf(make_params("etcd-v3", etcd_v3.endpoints, run_id, 1, 1))
+    base = f"{conf.prefix}/{run_id}"
+    kv = EtcdV3KV(conf)
+    client = kv._client()
+    creates: list[str] = []
+    real_add = client.add_watch_callback
+
+    def counted_add(key, *args, **kwargs):  # the real create, recorded
+        creates.append(key)
+        return real_add(key, *args, **kwargs)
+
+    client.add_watch_callback = counted_add
+    yield kv, EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/"), base, creates
+    kv.close()
+
+
+def _other_writer(etcd_v3, base):
+    """A second client on the same run (another agent), to write the notices."""
+    from elaunch.rendezvous.etcd.v3 import EtcdV3KV, EtcdV3StateBackend
+
+    kv = EtcdV3KV(parse_conf(make_params("etcd-v3", etcd_v3.endpoints, "unused", 1, 1)))
+    return kv, EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+
+
+def test_v3_round_notices_are_waited_for_on_one_standing_watch(etcd_v3, v3):
+    kv, backend, base, creates = v3
+    kv.keep_watching(f"{base}/done/")
+    other_kv, other = _other_writer(etcd_v3, base)
+    try:
+        timer = threading.Timer(0.3, lambda: other.notify_round(0))
+        timer.start()
+        start = time.monotonic()
+        assert backend.wait_for_round(0, 30.0) is True  # woken by the notice, not after 30 s
+        timer.join()
+        assert time.monotonic() - start < 20
+        assert backend.wait_for_round(0, 30.0) is True  # seen already: at once
+        assert backend.wait_for_round(1, 0.3) is False  # no notice: the timeout
+        other.notify_round(1)
+        wait_for(lambda: backend.wait_for_round(1, 0.1), 10, what="round 1's notice")
+        assert creates == [f"{base}/done/"]  # the standing watch only: no wait took a watch of its own
+    finally:
+        other_kv.close()
+
+
+def test_v3_notice_written_before_the_wait_is_found(etcd_v3, v3):
+    kv, backend, base, creates = v3
+    other_kv, other = _other_writer(etcd_v3, base)
+    try:
+        other.notify_round(3)  # before the standing watch exists: its events never show it
+        kv.keep_watching(f"{base}/done/")
+        start = time.monotonic()
+        assert backend.wait_for_round(3, 30.0) is True
+        assert time.monotonic() - start < 20 and creates == [f"{base}/done/"]
+    finally:
+        other_kv.close()
+
+
+def test_v3_standing_watch_opens_again_on_a_new_client(etcd_v3, v3):
+    kv, backend, base, _creates = v3
+    kv.keep_watching(f"{base}/done/")
+    standing = kv._standing[0]
+    client = kv._client()
+    key = f"{base}/done/5"
+    assert standing.serves(key, client)
+    kv._drop_client(0)  # as after a failed call: the client and its channel closed, its streams broken
+    wait_for(lambda: not standing.serves(key, client), 10, what="the standing watch to see its stream break")
+    assert not standing.serves(key, kv._client())  # the new client has no standing watch yet
+    other_kv, other = _other_writer(etcd_v3, base)
+    try:
+        timer = threading.Timer(0.3, lambda: other.notify_round(5))
+        timer.start()
+        assert backend.wait_for_round(5, 30.0) is True  # opened again on the next wait
+        timer.join()
+        assert standing.serves(key, kv._client())
+    finally:
+        other_kv.close()
+
+
+def _opening() -> bool:
+    return any(t.name == "elaunch-etcd-state-watch" for t in threading.enumerate())
+
+
+def test_v3_state_watch_is_opened_off_the_callers_thread_and_stops(etcd_v3, v3):
+    _kv, backend, _base, creates = v3
+    calls: list[float] = []
+    stop = backend.watch_state(lambda: calls.append(time.monotonic()))
+    try:
+        wait_for(lambda: creates and not _opening(), 10, what="the state watch to open")
+        backend.set_state(b"one", None)
+        wait_for(lambda: calls, 10, what="the write's event")
+    finally:
+        stop()
+    seen = len(calls)
+    _, token = backend.get_state()
+    backend.set_state(b"two", token)
+    assert backend.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
+    assert len(calls) == seen  # stopped: no more calls
+
+
+def test_v3_state_watch_stopped_before_it_opened_is_cancelled(etcd_v3, v3):
+    _kv, backend, _base, creates = v3
+    calls: list[float] = []
+    backend.watch_state(lambda: calls.append(time.monotonic()))()  # stopped at once
+    wait_for(lambda: creates and not _opening(), 10, what="the state watch to open and be cancelled")
+    time_left = time.monotonic() + 0.5
+    backend.set_state(b"one", None)
+    while time.monotonic() < time_left and not calls:
+        backend.wait_for_round(9, 0.1)  # bounded waits, for a stray event to arrive
+    assert calls == []
