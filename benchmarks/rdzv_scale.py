@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -84,10 +85,16 @@ MAX_PROCS = 8
 #: hands the GIL over at once). Same for both launchers.
 SWITCH_INTERVAL = 0.25
 #: The etcd variant runs the c10d sizes up to this N. elaunch's simulated agents share one
-#: gRPC channel and watch stream per process (each with its own client object, leases,
-#: watches and requests): with a channel and a watch thread per agent (2048 clients at
-#: N=1024) not even elaunch's round completed within 30 s on 2 cores.
+#: gRPC channel per process and one of its WATCH_STREAMS watch streams (each agent with its
+#: own client object, leases, watches and requests): with a channel and a watch thread per
+#: agent (2048 clients at N=1024) not even elaunch's round completed within 30 s on 2 cores.
 ETCD_MAX_N = 1024
+#: Watch streams per simulating process (etcd-sdk-python's ``Watcher``: a stream and its
+#: thread), its agents spread over them. A stream sets up one watch at a time, which a
+#: host's agent never notices; 128 agents on one stream queued behind each other's
+#: creates (the watches a round needs took seconds to open, and in some runs a create
+#: timed out and the round did not complete). 16 keeps 8 agents per stream at N=1024.
+WATCH_STREAMS = 16
 #: The rendezvous backend each launcher uses in the etcd variant.
 ETCD_BACKENDS = {"elaunch": "etcd-v3", "torchrun": "etcd-v2"}
 
@@ -247,26 +254,31 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
 
         real_init, real_make_client = ev3.EtcdV3KV.__init__, ev3.EtcdV3KV._make_client
         shared: dict[tuple[str, int], Any] = {}  # (host, port) -> this process's one client
+        streams: dict[tuple[str, int], list[Any]] = {}  # (host, port) -> its watch streams
         shared_lock = threading.Lock()
 
         def init(self, *args, **kwargs):  # the rendezvous' KV and the presence's KV of one agent
             real_init(self, *args, **kwargs)
             self._bench_counter = local.counter
+            self._bench_agent = local.agent
 
         def make_client(self, host, port):  # every (re)connection of that KV
             with shared_lock:
                 if (host, port) not in shared:
                     shared[(host, port)] = real_make_client(self, host, port)
-            first = shared[(host, port)]
+                    streams[(host, port)] = [shared[(host, port)].watcher]
+                first, watchers = shared[(host, port)], streams[(host, port)]
+                while len(watchers) < WATCH_STREAMS:
+                    watchers.append(first.get_watcher())  # on the one channel
             # the agent's own client object (its requests, leases and watch ids are its own)
             # and its own copies of the endpoints (pyetcd's failed mark, set by one request's
             # timeout, refuses every request for time_retry seconds: shared, one timeout failed
-            # all of a process's agents), on the process's one gRPC channel and watch stream,
+            # all of a process's agents), on the process's one gRPC channel and one of its watch streams,
             # as agents on separate hosts would each have their own
             client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
                 endpoints=[copy.copy(e) for e in first.endpoints.values()], timeout=first.timeout)
             client.call_credentials = None
-            client.watcher = first.watcher
+            client.watcher = watchers[self._bench_agent % WATCH_STREAMS]
             # an agent drops (closes) its client on a transient error and makes a new one;
             # closing would close the shared channel and watch stream under every other agent
             # of this process ("Cannot invoke RPC on closed channel!"), which separate hosts
@@ -304,8 +316,10 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
                                           join_timeout=timeout)
             return get_rendezvous_handler(params)
 
+    agents = itertools.count()
+
     def make():
-        local.counter = OpCounter()
+        local.counter, local.agent = OpCounter(), next(agents)
         return build(), local.counter
 
     with ThreadPoolExecutor(max_workers=min(count, 128)) as pool:
