@@ -278,7 +278,19 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
             client = ev3.import_client("pyetcd", "etcd-v3").MultiEndpointEtcd3Client(
                 endpoints=[copy.copy(e) for e in first.endpoints.values()], timeout=first.timeout)
             client.call_credentials = None
-            client.watcher = watchers[self._bench_agent % WATCH_STREAMS]
+            watcher = client.watcher = watchers[self._bench_agent % WATCH_STREAMS]
+
+            def clear_stubs() -> None:
+                # pyetcd calls this on a failed request (a timeout, say): it drops the stubs and
+                # closes the client's watcher, here a stream 7 other agents watch on. Closed, their
+                # standing watches broke; and close() blocks on the stream's full request queue
+                # while holding its lock, so each of them then hung in its next call (a round of
+                # 1024 did not complete: 64 agents stuck in close()). On separate hosts a failed
+                # request closes only that agent's own stream: keep the shared one open.
+                client._stubs.clear()
+                client.watcher = watcher
+
+            client._clear_old_stubs = clear_stubs
             # an agent drops (closes) its client on a transient error and makes a new one;
             # closing would close the shared channel and watch stream under every other agent
             # of this process ("Cannot invoke RPC on closed channel!"), which separate hosts

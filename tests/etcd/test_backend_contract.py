@@ -51,6 +51,13 @@ def test_empty_then_set_then_get(backend):
     assert data == b'{"a": 1}' and token == written[1]
 
 
+def test_the_token_alone_is_the_stored_states_and_changes_with_each_write(backend):
+    written = backend.set_state(b"first", None)
+    assert backend.get_state_token() == written[1] == backend.get_stored_state()[1]
+    again = backend.set_state(b"second", written[1])
+    assert again[2] is True and backend.get_state_token() == again[1] != written[1]
+
+
 def test_stale_token_loses_and_returns_the_current_state(backend):
     backend.set_state(b"first", None)
     _, token = backend.get_state()

@@ -149,6 +149,10 @@ class IntentBackend(KeyedHeartbeatBackend):
         self.calls.append("get_stored_state")
         return super().get_state()
 
+    def get_state_token(self):
+        self.calls.append("get_state_token")
+        return super().get_state()[1]
+
     def set_state(self, state: bytes, token):
         self.calls.append("set_state")
         return super().set_state(state, token)

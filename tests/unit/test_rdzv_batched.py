@@ -87,7 +87,7 @@ def then(method: str, first, *rest):
 
 
 #: the backend calls in a row's trace, by short name
-SHORT = {"get_state": "read", "get_stored_state": "read-stored", "get_state_and_heartbeats": "read", "get_heartbeats": "read-keys",
+SHORT = {"get_state": "read", "get_stored_state": "read-stored", "get_state_token": "probe", "get_state_and_heartbeats": "read", "get_heartbeats": "read-keys",
          "get_state_and_intents": "read+log", "set_state": "write", "put_heartbeat": "beat", "post_intent": "post",
          "wait_for_arrival": "await-post", "wait_for_round": "await-round", "notify_round": "notify"}
 
@@ -127,16 +127,16 @@ ROWS = [
      "read beat post await-round read-stored", 0.0, 0, {"n0": 0, ME: 1}),
     ("the combiner never combines: the poster adds itself after the grace, not the stale combiner", (1, 2), None,
      [("ghost", 0, 100.0)], [], -1,
-     "read beat post await-round read+log write await-round read+log write notify", 6.01, 0, {ME: 0}),
+     "read beat post await-round probe read+log write await-round probe read+log write notify", 6.01, 0, {ME: 0}),
     ("the combiner never combines: a fresh combiner is added with the poster", (1, 2), None, [("n0", 0, 0.0)], [],
-     -1, "read beat post await-round read+log write notify", GRACE, 0, {ME: 0, "n0": 1}),
+     -1, "read beat post await-round probe read+log write notify", GRACE, 0, {ME: 0, "n0": 1}),
     ("the combiner works through a crowd: past the grace the poster sees its progress and waits on", (3, 3), None,
      [("n0", 0, 0.0)],
      [("wait_for_round", then("wait_for_round", combiner_adds("n0", "n2"), combiner_forms(0, "n0", "n2", ME)))], -1,
-     "read beat post await-round read+log await-round read-stored", GRACE, 0, {"n0": 0, "n2": 1, ME: 2}),
+     "read beat post await-round probe await-round read-stored", GRACE, 0, {"n0": 0, "n2": 1, ME: 2}),
     ("the combiner stalls after a batch: a whole grace without progress, the poster adds itself", (3, 3), None,
      [("n0", 0, 0.0)], [("wait_for_round", combiner_adds("n0", "n2"))], -1,
-     "read beat post await-round read+log await-round read+log write notify", 2 * GRACE, 0,
+     "read beat post await-round probe await-round probe read+log read-keys write notify", 2 * GRACE, 0,
      {ME: 0, "n0": 1, "n2": 2}),
     ("a dead member: the joiner posts first, then prunes it", (1, 1), forming("n0", hb=T0 - 100), [], [], -1,
      "read read-keys beat post read+log write*2 notify", 0.0, 0, {ME: 0}),
@@ -152,8 +152,8 @@ ROWS = [
      "read post beat await-round read-stored", 0.0, 1, {ME: 0, "n2": 1}),
     ("the exit combiner never acts: the leaver leaves on its own after the grace", (1, 2), running(ME, "n2"),
      [("n2", 1, 10.0)], [], 0,
-     "read post beat await-round read write*3 read*16 write post await-round read+log write await-round "
-     "read+log write notify", 14.2, 1, {ME: 0}),
+     "read post beat await-round probe read write*3 read*16 write post await-round probe read+log write "
+     "await-round probe read+log write notify", 14.2, 1, {ME: 0}),
     ("exit from a round still forming: a plain removal, then a batched join", (1, 2), forming(ME), [], [], -1,
      "read write beat post read+log write await-post read+log write notify", 1.0, 0, {ME: 0}),
 ]

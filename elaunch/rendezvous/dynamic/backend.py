@@ -45,6 +45,19 @@ class RendezvousBackend(abc.ABC):
         """
         return self.get_state()
 
+    def get_state_token(self) -> Token:
+        """Return the stored state's token alone (None when no state was written yet).
+
+        For a node that only wants to know whether the state changed since it last
+        looked (a batched join's grace, ``batching.BatchedJoin.wait``). Default: the
+        token of :meth:`get_stored_state`. etcd-v3 reads the key's revision without
+        its value; c10d's token is the value itself.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        return self.get_stored_state()[1]
+
     @abc.abstractmethod
     def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if the stored one still has ``token`` (None: nothing stored yet).

@@ -15,7 +15,9 @@ round trips and the round O(N^2). With a backend that keeps an intent log
    it within ``grace`` seconds (the combiner died or stalls). A grace restarts
    whenever the node reads a state that changed since its last look: the combiner
    still works through the crowd, and a thousand nodes writing for themselves
-   would only contend with it (and each other).
+   would only contend with it (and each other). When its grace runs out, the node
+   first looks at the state's token alone, and reads the whole log only when the
+   state did not change.
 
 Participants of a forming round keep alive without a contended write, in their
 heartbeat keys (``supports_heartbeat_keys``; every backend with an intent log
@@ -138,6 +140,10 @@ class BatchedJoin:
         if token != self.seen:
             self.seen, self.grace_from = token, max(self.grace_from, now)
 
+    def wrote(self, token: Token | None) -> None:
+        """Note the token of our own write: a later look that finds it is no sign of the combiner's progress."""
+        self.seen = token
+
     def wants_log(self, known: RendezvousState, now: float) -> bool:
         """True when the next read should include the log (``known``: the state as last read).
 
@@ -178,14 +184,34 @@ class BatchedJoin:
         self.intents, self.position = read.intents, read.position
         return read.state, read.token
 
-    def wait(self, state: RendezvousState, timeout: float) -> None:
-        """Block up to ``timeout`` seconds: the combiner for the next post, others for the notice."""
+    def wait(self, state: RendezvousState, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds: the combiner for the next post, others for the notice.
+
+        A non-combiner whose wait ends without the notice and past its grace first
+        looks at the state's token alone (one small read): a new token means the
+        combiner still writes, so the grace restarts and there is nothing worth
+        reading yet. At 1,024 nodes the alternative was ~1,000 reads of the state with
+        the whole log at the moment the graces ran out, slowing the combiner they wait for.
+
+        Returns:
+            False when that look restarted the grace (the caller decides again on the
+            state it has, which says wait); True when the caller should read.
+
+        Raises:
+            RendezvousConnectionError: from the backend.
+        """
         assert self.round is not None
         if self.combiner and self._node_id in state.participants:
             self.notified = False
             self._backend.wait_for_arrival(self.round, self.position, timeout)
-        else:
-            self.notified = self._backend.wait_for_round(self.round, timeout)
+            return True
+        self.notified = self._backend.wait_for_round(self.round, timeout)
+        now = self._clock()
+        if self.notified or now < self.grace_from + self.grace:
+            return True
+        seen = self.seen
+        self.saw(self._backend.get_state_token(), now)
+        return self.seen == seen  # unchanged: the grace ran out, read (with the log) and act
 
     def wait_for_post(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds until someone posts to our round (or it is announced)."""

@@ -336,14 +336,13 @@ class OpExecutor:
         call.batch.post(self._state.round, now, call.deadline, self._token)
         if not call.batch.combiner:
             # the combiner adds us; nothing to read until the round's notice (or its grace ends)
-            call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
+            return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
         return True
 
     def _await_combiner(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """Posted (a join or an exit): the combiner adds or removes us; wait for it, at most until the grace ends."""
         assert call.batch is not None
-        call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
-        return True
+        return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
 
     def _await_round(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """SYNC of a participant of a forming round: block for its notice (the combiner: the next post).
@@ -356,8 +355,7 @@ class OpExecutor:
         due = [call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval]
         if s.deadline is not None:
             due.append(s.deadline)
-        call.batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
-        return True
+        return call.batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
 
     def _combine_joins(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """ADD_TO_PARTICIPANTS, batched: add ourselves and every pending intent in one write."""
@@ -428,6 +426,8 @@ class OpExecutor:
         if written is None:
             return True
         if written:
+            if call.batch is not None:
+                call.batch.wrote(self._token)  # our own write: no sign of the combiner's progress
             if what is Action.REMOVE_FROM_REDUNDANCY_LIST:
                 call.deadline = self._clock() + call.timeout  # REDUNDANT -> JOINING: fresh join deadline
             return False
