@@ -108,6 +108,14 @@ class EtcdV3KV(FailoverKV):
 
         return self.call(f"reading {key}", op)
 
+    def revision(self, key: str) -> Token:
+        """Return ``key``'s ``mod_revision`` (None when it does not exist), without its value."""
+        def op(client: Any) -> Token:
+            _value, meta = client.get(key, keys_only=True)
+            return None if meta is None else int(meta.mod_revision)
+
+        return self.call(f"reading {key}", op)
+
     def get_with_prefix(self, key: str, prefix: str) -> tuple[bytes | None, Token, set[str]]:
         """Read ``key`` and the names under ``prefix`` in one transaction (one revision)."""
         utils = self._pyetcd.utils
