@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REPO
 from tests.helpers import kill_tree, launcher_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 LAUNCHERS = ("elaunch", "torchrun")
 #: (metric key, launchers that must have produced a number); torchrun never completes a scale-up,
