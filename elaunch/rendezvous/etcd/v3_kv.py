@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,8 @@ class EtcdV3KV(FailoverKV):
         self._grpc = import_client("grpc", backend)
         self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
         self._standing: list[StandingWatch] = []
+        # opens a standing watch again; not the client lock, which a heartbeat must never wait behind
+        self._standing_lock = threading.Lock()
         self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
 
     def _make_client(self, host: str, port: int) -> Any:
@@ -239,7 +242,7 @@ class EtcdV3KV(FailoverKV):
         """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
         for standing in self._standing:
             if key.startswith(standing.prefix):
-                with self._lock:
+                with self._standing_lock:
                     if standing.serves(key, client) or standing.start(client):
                         return standing
                 return None
