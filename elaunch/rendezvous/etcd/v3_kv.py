@@ -248,28 +248,57 @@ class EtcdV3KV(FailoverKV):
                 return None
         return None
 
-    def watch_forever(self, key: str, on_change: Callable[[], None]) -> Callable[[], None] | None:
+    def watch_forever(self, key: str, on_change: Callable[[], None],
+                      reopen_after: float = 1.0) -> Callable[[], None] | None:
         """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
+
+        When the watch's stream breaks (etcd restarted; etcd-sdk-python also closes
+        the client's streams after any failed request), ``on_change()`` is called
+        once and the watch is opened again, on the client then in use, every
+        ``reopen_after`` seconds until that succeeds or the watch is stopped.
 
         Returns None when the watch cannot be set up (logged at DEBUG): callers then poll.
         """
-        def event(_response: Any) -> None:
-            on_change()  # an event or a broken stream alike: the caller re-reads either way
+        lock = threading.Lock()
+        current: list[Any] = [None, None]  # [client, watch id] of the open watch
+        stopped = threading.Event()
 
-        try:
-            client = self._client()
-            watch_id = client.add_watch_callback(key, event)
-        except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
-            log.debug("etcd-v3: watching %s failed: %s", key, exc)
-            return None
+        def event(response: Any) -> None:
+            on_change()  # an event or a broken stream alike: the caller re-reads either way
+            if getattr(response, "events", None) is None and not stopped.is_set():
+                threading.Thread(target=reopen, name="elaunch-etcd-state-watch", daemon=True).start()
+
+        def open_watch() -> bool:
+            try:
+                client = self._client()
+                watch_id = client.add_watch_callback(key, event)
+            except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
+                log.debug("etcd-v3: watching %s failed: %s", key, exc)
+                return False
+            with lock:
+                current[:] = [client, watch_id]
+            if stopped.is_set():
+                cancel()
+            return True
+
+        def reopen() -> None:
+            while not stopped.wait(reopen_after):
+                if open_watch():
+                    on_change()  # writes while it was closed went unseen
+                    return
 
         def cancel() -> None:
+            stopped.set()
+            with lock:
+                client, watch_id = current
+            if client is None:
+                return
             try:
                 client.cancel_watch(watch_id)
             except Exception as exc:  # noqa: BLE001 - the client may be gone already
                 log.debug("etcd-v3: cancelling the watch on %s failed: %s", key, exc)
 
-        return cancel
+        return cancel if open_watch() else None
 
     def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
         def op(client: Any) -> Token | None:
