@@ -134,11 +134,11 @@ def test_v3_state_watch_stopped_before_it_opened_is_cancelled(etcd_v3, v3):
 
 
 def test_v3_state_watch_opens_again_after_its_stream_broke(etcd_v3, v3):
-    kv, backend, _base, _creates = v3
+    kv, backend, _base, creates = v3
     calls: list[float] = []
     stop = kv.watch_forever(backend.key, lambda: calls.append(time.monotonic()), reopen_after=0.1)
-    assert stop is not None
     try:
+        wait_for(lambda: creates and not _opening(), 10, what="the watch to open")
         kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
         # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
         wait_for(lambda: len(calls) >= 2, 10, what="the watch to break and open again")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from dataclasses import replace
 from collections.abc import Callable
 
@@ -86,34 +85,14 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return self._read(None)[4]
 
     def watch_state(self, on_change: Callable[[], None]) -> Callable[[], None] | None:
-        """The state watch, set up off the caller's thread (see ``RendezvousBackend.watch_state``).
+        """The state watch (``RendezvousBackend.watch_state``), opened off the caller's thread and re-opened when it breaks.
 
         A node that just completed its round returns without waiting for the watch's
-        create (etcd-sdk-python creates one watch at a time per stream); until it is
-        open, the monitor re-reads the state every ``poll_interval`` seconds, as it
-        does without a watch.
+        create (``EtcdV3KV.watch_forever``); until it is open, the monitor re-reads the
+        state every ``poll_interval`` seconds, as it does without a watch.
         """
         assert isinstance(self.kv, EtcdV3KV)
-        kv, lock = self.kv, threading.Lock()
-        opened: list[Callable[[], None]] = []
-        stopped = threading.Event()
-
-        def open_watch() -> None:
-            cancel = kv.watch_forever(self.key, on_change)
-            with lock:
-                if cancel is None or not stopped.is_set():
-                    opened.extend([cancel] if cancel else [])
-                    return
-            cancel()  # stopped while it was being set up
-
-        def stop() -> None:
-            with lock:
-                stopped.set()
-            for cancel in opened:
-                cancel()
-
-        threading.Thread(target=open_watch, name="elaunch-etcd-state-watch", daemon=True).start()
-        return stop
+        return self.kv.watch_forever(self.key, on_change)
 
     def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
         if len(nodes) > FEW_NODES:

@@ -249,15 +249,16 @@ class EtcdV3KV(FailoverKV):
         return None
 
     def watch_forever(self, key: str, on_change: Callable[[], None],
-                      reopen_after: float = 1.0) -> Callable[[], None] | None:
+                      reopen_after: float = 1.0) -> Callable[[], None]:
         """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
 
-        When the watch's stream breaks (etcd restarted; etcd-sdk-python also closes
-        the client's streams after any failed request), ``on_change()`` is called
-        once and the watch is opened again, on the client then in use, every
-        ``reopen_after`` seconds until that succeeds or the watch is stopped.
-
-        Returns None when the watch cannot be set up (logged at DEBUG): callers then poll.
+        The watch is opened off the caller's thread (etcd-sdk-python opens one watch at
+        a time per stream: the caller never waits behind another create). When it
+        cannot be opened, or its stream breaks later (etcd restarted; etcd-sdk-python
+        also closes a client's streams after any failed request), it is opened again,
+        on the client then in use, every ``reopen_after`` seconds until that succeeds
+        or the watch is stopped; ``on_change()`` is then called once, for the writes
+        nobody saw meanwhile. Until it is open, callers see no events (they poll).
         """
         lock = threading.Lock()
         current: list[Any] = [None, None]  # [client, watch id] of the open watch
@@ -266,7 +267,7 @@ class EtcdV3KV(FailoverKV):
         def event(response: Any) -> None:
             on_change()  # an event or a broken stream alike: the caller re-reads either way
             if getattr(response, "events", None) is None and not stopped.is_set():
-                threading.Thread(target=reopen, name="elaunch-etcd-state-watch", daemon=True).start()
+                keep_open(reopen_after, catch_up=True)
 
         def open_watch() -> bool:
             try:
@@ -278,14 +279,20 @@ class EtcdV3KV(FailoverKV):
             with lock:
                 current[:] = [client, watch_id]
             if stopped.is_set():
-                cancel()
+                cancel()  # stopped while it was being opened
             return True
 
-        def reopen() -> None:
-            while not stopped.wait(reopen_after):
+        def opener(delay: float, catch_up: bool) -> None:
+            while not stopped.wait(delay):
                 if open_watch():
-                    on_change()  # writes while it was closed went unseen
+                    if catch_up:
+                        on_change()
                     return
+                delay, catch_up = reopen_after, True
+
+        def keep_open(delay: float, catch_up: bool) -> None:
+            threading.Thread(target=opener, args=(delay, catch_up), name="elaunch-etcd-state-watch",
+                             daemon=True).start()
 
         def cancel() -> None:
             stopped.set()
@@ -298,7 +305,8 @@ class EtcdV3KV(FailoverKV):
             except Exception as exc:  # noqa: BLE001 - the client may be gone already
                 log.debug("etcd-v3: cancelling the watch on %s failed: %s", key, exc)
 
-        return cancel if open_watch() else None
+        keep_open(0.0, catch_up=False)
+        return cancel
 
     def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
         def op(client: Any) -> Token | None:
