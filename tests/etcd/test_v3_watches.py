@@ -8,6 +8,7 @@ import time
 import pytest
 
 from elaunch.rendezvous.etcd.common import parse_conf
+from elaunch.rendezvous.etcd.handler import EtcdRoundStores
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 
@@ -48,7 +49,7 @@ def _other_writer(etcd_v3, base):
 
 def test_v3_round_notices_are_waited_for_on_one_standing_watch(etcd_v3, v3):
     kv, backend, base, creates = v3
-    kv.keep_watching(f"{base}/done/")
+    kv.keep_watching(f"{base}/round/")
     other_kv, other = _other_writer(etcd_v3, base)
     try:
         timer = threading.Timer(0.3, lambda: other.notify_round(0))
@@ -61,7 +62,7 @@ def test_v3_round_notices_are_waited_for_on_one_standing_watch(etcd_v3, v3):
         assert backend.wait_for_round(1, 0.3) is False  # no notice: the timeout
         other.notify_round(1)
         wait_for(lambda: backend.wait_for_round(1, 0.1), 10, what="round 1's notice")
-        assert creates == [f"{base}/done/"]  # the standing watch only: no wait took a watch of its own
+        assert creates == [f"{base}/round/"]  # the standing watch only: no wait took a watch of its own
     finally:
         other_kv.close()
 
@@ -71,20 +72,20 @@ def test_v3_notice_written_before_the_wait_is_found(etcd_v3, v3):
     other_kv, other = _other_writer(etcd_v3, base)
     try:
         other.notify_round(3)  # before the standing watch exists: its events never show it
-        kv.keep_watching(f"{base}/done/")
+        kv.keep_watching(f"{base}/round/")
         start = time.monotonic()
         assert backend.wait_for_round(3, 30.0) is True
-        assert time.monotonic() - start < 20 and creates == [f"{base}/done/"]
+        assert time.monotonic() - start < 20 and creates == [f"{base}/round/"]
     finally:
         other_kv.close()
 
 
 def test_v3_standing_watch_opens_again_on_a_new_client(etcd_v3, v3):
     kv, backend, base, _creates = v3
-    kv.keep_watching(f"{base}/done/")
+    kv.keep_watching(f"{base}/round/")
     standing = kv._standing[0]
     client = kv._client()
-    key = f"{base}/done/5"
+    key = f"{base}/round/5/done"
     assert standing.serves(key, client)
     kv._drop_client(0)  # as after a failed call: the client and its channel closed, its streams broken
     wait_for(lambda: not standing.serves(key, client), 10, what="the standing watch to see its stream break")
@@ -96,6 +97,48 @@ def test_v3_standing_watch_opens_again_on_a_new_client(etcd_v3, v3):
         assert backend.wait_for_round(5, 30.0) is True  # opened again on the next wait
         timer.join()
         assert standing.serves(key, kv._client())
+    finally:
+        other_kv.close()
+
+
+def test_v3_workers_address_arrives_on_the_agents_standing_watch(etcd_v3, handlers):
+    """setup_round of a non-zero rank: rank 0's address comes as an event of the standing watch the
+    agent opened when it started: no watch create and no read after it (one read, before rank 0 wrote)."""
+    h = handlers.make("etcd-v3", etcd_v3.endpoints, "address-event", 1, 2)
+    stores, kv = h._stores, h._stores.kv
+    base = stores._base
+    key = f"{base}/round/4/master_endpoint"
+    client = kv._client()
+    calls: list[tuple[str, str]] = []
+    real_add, real_get = client.add_watch_callback, client.get
+
+    def counted_add(k, *args, **kwargs):
+        calls.append(("watch", k))
+        return real_add(k, *args, **kwargs)
+
+    def counted_get(k, *args, **kwargs):
+        calls.append(("get", k))
+        return real_get(k, *args, **kwargs)
+
+    client.add_watch_callback, client.get = counted_add, counted_get
+    other_kv, _other = _other_writer(etcd_v3, base)
+    rank0 = EtcdRoundStores(other_kv, base, "127.0.0.2", read_timeout=30.0)
+    try:
+        published = []
+        timer = threading.Timer(0.3, lambda: published.append(rank0.setup_round(4, 0, 2, ())))
+        timer.start()
+        start = time.monotonic()
+        got = stores.setup_round(4, 1, 2, ())
+        timer.join()
+        assert time.monotonic() - start < 20
+        assert (got.master_addr, got.master_port) == ("127.0.0.2", published[0].master_port)
+        assert calls == [("get", key)]
+        # the exit barrier's counts are not under round/: the standing watch never carries them
+        other_side = threading.Thread(target=rank0.exit_barrier, args=(4, 0, 2, 30.0), daemon=True)
+        other_side.start()
+        stores.exit_barrier(4, 1, 2, 30.0)
+        other_side.join(30)
+        assert not [k for k in kv._standing[0]._seen if "exit" in k]
     finally:
         other_kv.close()
 

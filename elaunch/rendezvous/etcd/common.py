@@ -7,7 +7,9 @@ through :class:`FailoverKV`; ``etcd.handler`` builds the dynamic rendezvous on i
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,
 JSON), ``heartbeat/{node_id}`` (each node's heartbeat, its own key), ``nodes/{node_id}``
-(v3 presence keys on leases), ``round/{n}/master_endpoint`` and ``round/{n}/exit_barrier``.
+(v3 presence keys on leases), ``round/{n}/master_endpoint`` (and on v3 ``round/{n}/done``, the round's completion
+notice: keys written once, which a standing watch on ``round/`` delivers) and
+``exit_barrier/{n}``.
 """
 
 from __future__ import annotations
@@ -161,6 +163,25 @@ class EtcdKV(abc.ABC):
     @abc.abstractmethod
     def wait(self, key: str, token: Token | None, timeout: float) -> None:
         """Return when ``key`` changed after ``token``, or after ``timeout`` seconds; never raises."""
+
+    def get_when_written(self, key: str, timeout: float) -> bytes | None:
+        """Return the value of ``key``, a key written once, waiting up to ``timeout`` seconds for it to exist.
+
+        Returns:
+            The value, or None when ``key`` was not written within ``timeout``.
+
+        Raises:
+            RendezvousConnectionError: etcd is unreachable.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            data, token = self.get(key)
+            if data is not None:
+                return data
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.wait(key, token, min(left, 1.0))
 
     def close(self) -> None:
         """Release the client (leases, threads)."""

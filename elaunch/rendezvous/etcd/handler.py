@@ -118,31 +118,28 @@ class EtcdRoundStores(RoundStoreFactory):
             RendezvousConnectionError: etcd is unreachable, or nothing was published in time.
         """
         key = self._key(round, "master_endpoint")
+        data = None
         if rank == 0:
             port = self._port = free_port(self._local_addr, avoid=self._port)
-            value = f"{self._local_addr}:{port}"
-            self.kv.cas(key, value.encode(), None)
-        deadline = time.monotonic() + self._read_timeout
-        while True:
-            data, token = self.kv.get(key)
-            if data is not None:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RendezvousConnectionError(
-                    f"etcd at {self.kv.endpoint}: round {round}'s master address ({key}) was not "
-                    f"published within read_timeout={self._read_timeout:g} s")
-            self.kv.wait(key, token, min(left, 1.0))
+            value = f"{self._local_addr}:{port}".encode()
+            if self.kv.cas(key, value, None) is not None:
+                data = value
+        if data is None:  # not rank 0, or a retry of its setup found its first publication
+            data = self.kv.get_when_written(key, self._read_timeout)
+        if data is None:
+            raise RendezvousConnectionError(
+                f"etcd at {self.kv.endpoint}: round {round}'s master address ({key}) was not "
+                f"published within read_timeout={self._read_timeout:g} s")
         addr, _, port_s = data.decode().rpartition(":")
         return RoundStores(addr, int(port_s), False, None)
 
     def exit_barrier(self, round: int, rank: int, world_size: int, timeout: float) -> None:
-        """Count this node in ``round/{n}/exit_barrier`` and wait up to ``timeout`` s for all.
+        """Count this node in ``exit_barrier/{n}`` and wait up to ``timeout`` s for all.
 
         Raises:
             RendezvousConnectionError: etcd is unreachable.
         """
-        key = self._key(round, "exit_barrier")
+        key = f"{self._base}/exit_barrier/{round}"  # not under round/: v3's standing watch would carry every count
         deadline = time.monotonic() + timeout
         while True:  # increment with compare-and-set
             data, token = self.kv.get(key)

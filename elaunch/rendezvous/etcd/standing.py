@@ -41,7 +41,7 @@ class StandingWatch:
         self.prefix = prefix
         self._is_put = is_put
         self._cond = threading.Condition()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen: OrderedDict[str, bytes] = OrderedDict()  # key -> the value it was written with
         self._client: Any = None  # the client whose stream carries the watch; None: closed
 
     def start(self, client: Any) -> bool:
@@ -69,27 +69,29 @@ class StandingWatch:
             else:
                 for event in events:
                     if self._is_put(event):
-                        self._seen[event.key.decode()] = None
+                        self._seen[event.key.decode()] = bytes(event.value)
                 while len(self._seen) > REMEMBERED:
                     self._seen.popitem(last=False)
             self._cond.notify_all()
 
-    def wait_exists(self, key: str, timeout: float, exists_now: Callable[[], bool]) -> bool:
-        """Return True once ``key`` exists, False after ``timeout`` seconds or when the watch breaks.
+    def wait_written(self, key: str, timeout: float, read_now: Callable[[], bytes | None]) -> bytes | None:
+        """Return ``key``'s value once it was written; None after ``timeout`` seconds or when the watch breaks.
 
-        ``exists_now()`` reads the key once (the watch was open before that read, so a
-        write after it is seen as an event).
+        For keys written once (a notice, an address): the value an event carried is
+        the key's value. ``read_now()`` reads the key once, None when it is missing
+        (the watch was open before that read, so a write after it is seen as an event).
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             if key in self._seen:
-                return True
-        if exists_now():
-            return True
+                return self._seen[key]
+        value = read_now()
+        if value is not None:
+            return value
         with self._cond:
             while key not in self._seen and self._client is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False
+                    return None
                 self._cond.wait(left)
-            return key in self._seen
+            return self._seen.get(key)

@@ -56,7 +56,7 @@ class EtcdV3StateBackend(EtcdStateBackend):
     ``{base}``: ``heartbeat/{node}`` (a put, no compare-and-set), round r's intent
     log ``intents/r/{node}:{time}`` (its position is the newest create revision),
     ``combiner/r`` (written by the round's first join, in the same transaction)
-    and the completion notice ``done/r``. Waiting is a watch.
+    and the completion notice ``round/r/done``. Waiting is a watch.
 
     Args:
         kv: the client.
@@ -132,11 +132,11 @@ class EtcdV3StateBackend(EtcdStateBackend):
 
     def notify_round(self, round: int) -> None:
         assert isinstance(self.kv, EtcdV3KV)
-        self.kv.put_many([(f"{self._base}done/{round}", b"1"), (f"{self._base}intents/{round}/~notice", b"")])
+        self.kv.put_many([(f"{self._base}round/{round}/done", b"1"), (f"{self._base}intents/{round}/~notice", b"")])
 
     def wait_for_round(self, round: int, timeout: float) -> bool:
         assert isinstance(self.kv, EtcdV3KV)
-        return self.kv.watch(f"{self._base}done/{round}", timeout, exists=True)
+        return self.kv.watch(f"{self._base}round/{round}/done", timeout, exists=True)
 
     def _read(self, round: int | None) -> tuple[bytes | None, Token, bytes, int, dict[str, float]]:
         """State (dead nodes zeroed), intent log of ``round``, its position and live nodes' heartbeats."""
@@ -221,6 +221,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         presence.kv.close()
         raise
     holder.append(presence)
-    # every round's completion notice is waited for on one watch, opened now (etcd answered)
-    kv.keep_watching(f"{base}/done/")
+    # every round's completion notice and workers' address are waited for on one watch,
+    # opened now (etcd answered)
+    kv.keep_watching(f"{base}/round/")
     return handler

@@ -27,6 +27,12 @@ log = logging.getLogger("elaunch.rendezvous.etcd.v3")
 RPC_TIMEOUT = 5.0
 
 
+def _value_of(got: tuple[Any, Any]) -> bytes | None:
+    """The value of etcd-sdk-python's ``get`` answer, None for a missing key."""
+    value, meta = got
+    return None if meta is None else bytes(value)
+
+
 class EtcdV3KV(FailoverKV):
     """Single-key get / compare-and-set / watch over the v3 API, with endpoint fail-over.
 
@@ -208,7 +214,7 @@ class EtcdV3KV(FailoverKV):
             client = self._client()
             standing = self._standing_for(key, client) if exists and not prefix and start_revision is None else None
             if standing is not None:
-                return standing.wait_exists(key, timeout, lambda: client.get(key)[1] is not None)
+                return standing.wait_written(key, timeout, lambda: _value_of(client.get(key))) is not None
             kwargs = {} if start_revision is None else {"start_revision": int(start_revision)}
             add = client.add_watch_prefix_callback if prefix else client.add_watch_callback
             watch_id = add(key, events.put, **kwargs)
@@ -225,6 +231,21 @@ class EtcdV3KV(FailoverKV):
             log.debug("etcd-v3: watching %s failed: %s", key, exc)
             time.sleep(max(0.0, deadline - time.monotonic()))
             return False
+
+    def get_when_written(self, key: str, timeout: float) -> bytes | None:
+        """``EtcdKV.get_when_written``; under a standing watch, from the value its event carried (no read)."""
+        try:
+            client = self._client()
+            standing = self._standing_for(key, client)
+        except Exception as exc:  # noqa: BLE001 - reading reports errors; this only saves a watch
+            log.debug("etcd-v3: standing watch for %s: %s", key, exc)
+            standing = None
+        if standing is None:
+            return super().get_when_written(key, timeout)
+        value = standing.wait_written(key, timeout, lambda: self.get(key)[0])
+        if value is None and not standing.serves(key, self._client()):
+            return super().get_when_written(key, timeout)  # the watch broke meanwhile: wait the plain way
+        return value
 
     def keep_watching(self, prefix: str) -> None:
         """Keep one watch on ``prefix`` open for this client's life (a :class:`StandingWatch`).
