@@ -143,16 +143,16 @@ def test_v3_workers_address_arrives_on_the_agents_standing_watch(etcd_v3, handle
         other_kv.close()
 
 
-def _opening() -> bool:
-    return any(t.name == "elaunch-etcd-state-watch" for t in threading.enumerate())
+def _opening(kv) -> bool:
+    return not kv._opener.idle()
 
 
 def test_v3_state_watch_is_opened_off_the_callers_thread_and_stops(etcd_v3, v3):
-    _kv, backend, _base, creates = v3
+    kv, backend, _base, creates = v3
     calls: list[float] = []
     stop = backend.watch_state(lambda: calls.append(time.monotonic()))
     try:
-        wait_for(lambda: creates and not _opening(), 10, what="the state watch to open")
+        wait_for(lambda: creates and not _opening(kv), 10, what="the state watch to open")
         backend.set_state(b"one", None)
         wait_for(lambda: calls, 10, what="the write's event")
     finally:
@@ -165,10 +165,11 @@ def test_v3_state_watch_is_opened_off_the_callers_thread_and_stops(etcd_v3, v3):
 
 
 def test_v3_state_watch_stopped_before_it_opened_is_cancelled(etcd_v3, v3):
-    _kv, backend, _base, creates = v3
+    kv, backend, _base, _creates = v3
     calls: list[float] = []
     backend.watch_state(lambda: calls.append(time.monotonic()))()  # stopped at once
-    wait_for(lambda: creates and not _opening(), 10, what="the state watch to open and be cancelled")
+    # not opened at all, or opened and cancelled at once
+    wait_for(lambda: not _opening(kv), 10, what="the state watch's open to be done")
     time_left = time.monotonic() + 0.5
     backend.set_state(b"one", None)
     while time.monotonic() < time_left and not calls:
@@ -181,7 +182,7 @@ def test_v3_state_watch_opens_again_after_its_stream_broke(etcd_v3, v3):
     calls: list[float] = []
     stop = kv.watch_forever(backend.key, lambda: calls.append(time.monotonic()), reopen_after=0.1)
     try:
-        wait_for(lambda: creates and not _opening(), 10, what="the watch to open")
+        wait_for(lambda: creates and not _opening(kv), 10, what="the watch to open")
         kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
         # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
         wait_for(lambda: len(calls) >= 2, 10, what="the watch to break and open again")
@@ -190,3 +191,47 @@ def test_v3_state_watch_opens_again_after_its_stream_broke(etcd_v3, v3):
         wait_for(lambda: len(calls) > seen, 10, what="the write's event on the re-opened watch")
     finally:
         stop()
+
+
+def test_opener_runs_opens_when_due_in_order_and_stops():
+    """The Opener (pure thread logic, no etcd): due order, not submission order; stop drops what waits."""
+    from elaunch.rendezvous.etcd.standing import Opener
+
+    opener = Opener(name="test-opener")
+    ran: list[str] = []
+    opener.run_in(0.3, lambda: ran.append("later"))
+    opener.run_in(0.0, lambda: ran.append("now"))
+    opener.run_in(0.0, lambda: 1 / 0)  # an error is logged; the thread goes on
+    wait_for(lambda: ran == ["now", "later"], 10, what="both opens")
+    wait_for(opener.idle, 10, what="the opener to be idle")
+    opener.run_in(60.0, lambda: ran.append("never"))
+    assert not opener.idle()
+    opener.stop()
+    thread = next(t for t in threading.enumerate() if t.name == "test-opener")
+    thread.join(10)
+    assert not thread.is_alive() and ran == ["now", "later"]
+
+
+def test_v3_handler_starts_its_watch_opener_with_the_agent_and_ends_it(etcd_v3, handlers):
+    """No round starts a thread to open the state watch: the agent's opener runs from the start."""
+    h = handlers.make("etcd-v3", etcd_v3.endpoints, "opener-thread", 1, 1)
+    openers = [t for t in threading.enumerate() if t.name == "elaunch-etcd-watch-opener"]
+    assert len(openers) == 1 and openers[0].is_alive()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def counted_start(self, *args, **kwargs):
+        started.append(self.name)
+        return real_start(self, *args, **kwargs)
+
+    threading.Thread.start = counted_start
+    try:
+        info = h.next_rendezvous()
+        wait_for(h._stores.kv._opener.idle, 10, what="the state watch to open")
+    finally:
+        threading.Thread.start = real_start
+    assert info.world_size == 1
+    assert not [name for name in started if "watch" in name]
+    h.shutdown()
+    openers[0].join(10)
+    assert not openers[0].is_alive()

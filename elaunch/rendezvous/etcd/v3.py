@@ -224,4 +224,5 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     # every round's completion notice and workers' address are waited for on one watch,
     # opened now (etcd answered)
     kv.keep_watching(f"{base}/round/")
+    kv.start_opener()  # the running member's state watch is opened there: no round starts a thread
     return handler

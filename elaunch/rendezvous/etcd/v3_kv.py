@@ -19,7 +19,7 @@ from typing import Any
 
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.etcd.common import EtcdConf, FailoverKV, import_client
-from elaunch.rendezvous.etcd.standing import StandingWatch
+from elaunch.rendezvous.etcd.standing import Opener, StandingWatch
 
 log = logging.getLogger("elaunch.rendezvous.etcd.v3")
 
@@ -58,6 +58,7 @@ class EtcdV3KV(FailoverKV):
         # opens a standing watch again; not the client lock, which a heartbeat must never wait behind
         self._standing_lock = threading.Lock()
         self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
+        self._opener = Opener()  # opens watch_forever's watches; its thread starts on first use
 
     def _make_client(self, host: str, port: int) -> Any:
         c, grpc, pyetcd = self.conf, self._grpc, self._pyetcd
@@ -247,6 +248,14 @@ class EtcdV3KV(FailoverKV):
             return super().get_when_written(key, timeout)  # the watch broke meanwhile: wait the plain way
         return value
 
+    def start_opener(self) -> None:
+        """Start the thread that opens :meth:`watch_forever`'s watches now, not in the first round."""
+        self._opener.start()
+
+    def close(self) -> None:
+        self._opener.stop()
+        super().close()
+
     def keep_watching(self, prefix: str) -> None:
         """Keep one watch on ``prefix`` open for this client's life (a :class:`StandingWatch`).
 
@@ -273,8 +282,9 @@ class EtcdV3KV(FailoverKV):
                       reopen_after: float = 1.0) -> Callable[[], None]:
         """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
 
-        The watch is opened off the caller's thread (etcd-sdk-python opens one watch at
-        a time per stream: the caller never waits behind another create). When it
+        The watch is opened off the caller's thread, by this client's :class:`Opener`
+        (etcd-sdk-python opens one watch at a time per stream: the caller never waits
+        behind another create); one stopped before its turn is never opened. When it
         cannot be opened, or its stream breaks later (etcd restarted; etcd-sdk-python
         also closes a client's streams after any failed request), it is opened again,
         on the client then in use, every ``reopen_after`` seconds until that succeeds
@@ -303,17 +313,17 @@ class EtcdV3KV(FailoverKV):
                 cancel()  # stopped while it was being opened
             return True
 
-        def opener(delay: float, catch_up: bool) -> None:
-            while not stopped.wait(delay):
-                if open_watch():
-                    if catch_up:
-                        on_change()
-                    return
-                delay, catch_up = reopen_after, True
+        def opener(catch_up: bool) -> None:
+            if stopped.is_set():
+                return
+            if open_watch():
+                if catch_up:
+                    on_change()
+            else:
+                self._opener.run_in(reopen_after, lambda: opener(True))
 
         def keep_open(delay: float, catch_up: bool) -> None:
-            threading.Thread(target=opener, args=(delay, catch_up), name="elaunch-etcd-state-watch",
-                             daemon=True).start()
+            self._opener.run_in(delay, lambda: opener(catch_up))
 
         def cancel() -> None:
             stopped.set()
