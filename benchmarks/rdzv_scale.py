@@ -59,6 +59,7 @@ Run by hand: ``python -m benchmarks.rdzv_scale worker --impl elaunch --backend c
 from __future__ import annotations
 
 import argparse
+import gc
 import copy
 import itertools
 import json
@@ -84,6 +85,15 @@ MAX_PROCS = 8
 #: preemption of a thread that runs Python without blocking (a thread that blocks on I/O
 #: hands the GIL over at once). Same for both launchers.
 SWITCH_INTERVAL = 0.25
+#: The cyclic garbage collector is off in a simulating process from just before "go" to its report
+#: (``gc.disable()``, since 2026-11-27 session 13, both launchers). 128 agents share one
+#: heap there: every collection walks all 128 agents' objects and is triggered by all
+#: their allocations, so its cost grows with the square of the agents per process, where an
+#: agent on its own host pays for its own heap only. Measured at N=1024 (etcd-v3, elaunch):
+#: 0.8-1.2 s of collection per process in a ~9 s round (half of it full collections), of
+#: the ~2 CPU-seconds per second the 8 processes had. The round is seconds long; its
+#: garbage is freed at exit.
+COLLECTOR_OFF = True
 #: The etcd variant runs the c10d sizes up to this N. elaunch's simulated agents share one
 #: gRPC channel per process and one of its WATCH_STREAMS watch streams (each agent with its
 #: own client object, leases, watches and requests): with a channel and a watch thread per
@@ -412,6 +422,8 @@ def worker_main(argv: list[str]) -> None:
         from elaunch.agent.heap import freeze_startup_heap
 
         freeze_startup_heap()
+    if COLLECTOR_OFF:
+        gc.disable()
     print("READY", flush=True)
     line = sys.stdin.readline().split()
     if not line or line[0] != "GO":
