@@ -182,3 +182,23 @@ def test_v3_crowd_joins_in_batches_with_a_bounded_number_of_calls(etcd_v3, handl
     assert statistics.median(calls.values()) <= 10, calls
     state = RendezvousState.from_bytes(hs[0]._backend.kv.get(hs[0]._backend.key)[0])
     assert len(state.participants) == n
+
+
+def test_v3_handler_grants_its_keys_lease_before_the_first_round(etcd_v3, handlers):
+    """The lease of the run's keys (``ttl``) is granted with the handler, not by the first join's post."""
+    h = handlers.make("etcd-v3", etcd_v3.endpoints, "lease-early", 1, 1)
+    kv = h._stores.kv
+    client = kv._client()
+    grants: list[int] = []
+    real_lease = client.lease
+
+    def counted_lease(ttl, *args, **kwargs):
+        grants.append(ttl)
+        return real_lease(ttl, *args, **kwargs)
+
+    client.lease = counted_lease
+    info = h.next_rendezvous()
+    assert info.world_size == 1
+    assert grants == []
+    _value, meta = client.get(h._backend.key)  # the state the round wrote is on that lease
+    assert meta is not None and meta.lease_id == kv._ttl_lease[0] != 0

@@ -215,6 +215,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
                             on_close=(lambda: holder and holder[0].stop(),))
     presence = Presence(EtcdV3KV(conf), f"{base}/nodes/{handler.node_id}", math.ceil(settings.dead_after))
     try:
+        kv.grant_key_lease()  # now, not in the round: a join's first write would wait for it
         presence.start()
     except BaseException:
         kv.close()
