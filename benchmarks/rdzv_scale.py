@@ -40,7 +40,9 @@ launcher does (elaunch: ``elaunch.rendezvous.registry.create_handler``; torchrun
 with its own client(s), counted per agent. A process of elaunch agents then
 freezes its start-up heap out of garbage collection, as the ``elaunch``
 command's agent does before its first rendezvous (``elaunch.agent.heap``);
-torchrun's agent does not, nor do its simulating processes. After all handlers exist, the
+torchrun's agent does not, nor do its simulating processes. Every simulating process,
+of both launchers, then turns the cyclic collector off (``COLLECTOR_OFF``: its agents
+share one heap, which an agent on its own host does not). After all handlers exist, the
 orchestrator says "go" and every agent calls ``next_rendezvous()`` once; a round's
 time is go -> the last agent's return, and an agent's operations are those it made
 from the creation of its handler until its own ``next_rendezvous()`` returned
