@@ -6,10 +6,10 @@ through :class:`FailoverKV`; ``etcd.handler`` builds the dynamic rendezvous on i
 (:class:`EtcdStateBackend`, :class:`EtcdRoundStores`, :func:`build_handler`).
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,
-JSON), ``heartbeat/{node_id}`` (each node's heartbeat, its own key), ``nodes/{node_id}``
-(v3 presence keys on leases), ``round/{n}/master_endpoint`` (and on v3 ``round/{n}/done``, the round's completion
-notice: keys written once, which a standing watch on ``round/`` delivers) and
-``exit_barrier/{n}``.
+JSON), ``heartbeat/{node_id}`` (each node's heartbeat, its own key),
+``nodes/{node_id}`` (v3 presence keys on leases), ``round/{n}/master_endpoint``
+(and on v3 ``round/{n}/done``, the round's completion notice: keys written once,
+which a standing watch on ``round/`` delivers) and ``exit_barrier/{n}``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """``etcd-v3``: watches kept open for an agent's life, and the thread that opens watches off callers' threads.
 
 Split from ``etcd.v3``. An agent waits, every round, for keys that appear once:
-the round's completion notice (``{base}/done/{round}``). Setting up a watch for
-each such wait costs a create on the client's watch stream, and etcd-sdk-python
-creates one watch at a time per stream: behind a slow create the next waits
-its turn. A :class:`StandingWatch` on the notices' prefix is set up once, when
-the agent starts, and answers every such wait from the events it has seen.
+the round's completion notice (``{base}/round/{round}/done``) and its workers'
+address (``{base}/round/{round}/master_endpoint``). Setting up a watch for each
+such wait costs a create on the client's watch stream, and etcd-sdk-python
+creates one watch at a time per stream: behind a slow create the next waits its
+turn. A :class:`StandingWatch` on their prefix (``{base}/round/``) is set up once,
+when the agent starts, and answers every such wait from the events (and values)
+it has seen.
 Watches a caller must not wait for (the running member's state watch) are opened
 by an :class:`Opener`, one thread started with the agent. Both know the client
 only through the callables they are given; stdlib only.
