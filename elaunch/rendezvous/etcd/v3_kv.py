@@ -254,9 +254,11 @@ class EtcdV3KV(FailoverKV):
             standing = None
         if standing is None:
             return super().get_when_written(key, timeout)
+        deadline = time.monotonic() + timeout
         value = standing.wait_written(key, timeout, lambda: self.get(key)[0])
         if value is None and not standing.serves(key, self._client()):
-            return super().get_when_written(key, timeout)  # the watch broke meanwhile: wait the plain way
+            # the watch broke meanwhile: wait the plain way, for what is left of ``timeout``
+            return super().get_when_written(key, max(0.0, deadline - time.monotonic()))
         return value
 
     def start_opener(self) -> None:
