@@ -1,4 +1,4 @@
-"""etcd-v3's watches: round notices on one standing watch, the state watch set up off the caller's thread."""
+"""etcd-v3's watches: round notices and state writes on one standing watch; other watches set up off the caller's thread."""
 
 from __future__ import annotations
 
@@ -186,6 +186,47 @@ def test_v3_state_watch_opens_again_after_its_stream_broke(etcd_v3, v3):
         kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
         # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
         wait_for(lambda: len(calls) >= 2, 10, what="the watch to break and open again")
+        seen = len(calls)
+        backend.set_state(b"after", None)
+        wait_for(lambda: len(calls) > seen, 10, what="the write's event on the re-opened watch")
+    finally:
+        stop()
+
+
+def test_v3_running_member_hears_of_state_writes_on_its_standing_watch(etcd_v3, v3):
+    """A write of the state reaches the monitor as a few-byte event on the standing watch: no watch of its own."""
+    kv, backend, base, creates = v3
+    kv.keep_watching(f"{base}/round/")
+    assert creates == [f"{base}/round/"]  # the standing watch, once for the agent's life
+    creates.clear()
+    other_kv, other = _other_writer(etcd_v3, base)
+    calls: list[float] = []
+    try:
+        stop = backend.watch_state(lambda: calls.append(time.monotonic()))
+        assert other.set_state(b"one", None)[2] is True
+        wait_for(lambda: calls, 10, what="the write's event")
+        assert creates == [] and kv._opener.idle()  # no watch created, none waiting to be
+        assert kv._standing[0]._seen[backend.written_key] == b""  # the event was the marker's, not the state's
+        stop()
+        seen = len(calls)
+        _, token = other.get_state()
+        other.set_state(b"two", token)
+        assert backend.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
+        assert len(calls) == seen  # stopped: no more calls
+    finally:
+        other_kv.close()
+
+
+def test_v3_standing_watch_opens_again_for_its_listener_after_its_stream_broke(etcd_v3, v3):
+    kv, backend, base, _creates = v3
+    kv.keep_watching(f"{base}/round/")
+    calls: list[float] = []
+    stop = backend.watch_state(lambda: calls.append(time.monotonic()))
+    try:
+        kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
+        # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
+        wait_for(lambda: len(calls) >= 2 and kv._opener.idle(), 10, what="the watch to break and open again")
+        assert kv._standing[0].serves(backend.written_key, kv._client())
         seen = len(calls)
         backend.set_state(b"after", None)
         wait_for(lambda: len(calls) > seen, 10, what="the write's event on the re-opened watch")

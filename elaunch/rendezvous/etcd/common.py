@@ -9,7 +9,8 @@ Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,
 JSON), ``heartbeat/{node_id}`` (each node's heartbeat, its own key),
 ``nodes/{node_id}`` (v3 presence keys on leases), ``round/{n}/master_endpoint``
 (and on v3 ``round/{n}/done``, the round's completion notice: keys written once,
-which a standing watch on ``round/`` delivers) and ``exit_barrier/{n}``.
+which a standing watch on ``round/`` delivers; and ``round/state_written``, put with
+every write of the state) and ``exit_barrier/{n}``.
 """
 
 from __future__ import annotations

@@ -47,13 +47,17 @@ class EtcdStateBackend(RendezvousBackend):
         return self.kv.get(self.key)
 
     def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
-        new_token = self.kv.cas(self.key, state, token)
+        new_token = self._write_state(state, token)
         if new_token is not None:
             return state, new_token, True
         data, current = self.get_state()
         if data is None:
             return None
         return data, current, False
+
+    def _write_state(self, state: bytes, token: Token | None) -> Token | None:
+        """Compare-and-set the state key; its new token, or None when ``token`` was stale."""
+        return self.kv.cas(self.key, state, token)
 
     def wait_for_change(self, token: Token | None, timeout: float) -> None:
         """Block until the state changes after ``token`` or ``timeout`` seconds pass (a watch)."""

@@ -7,10 +7,14 @@ such wait costs a create on the client's watch stream, and etcd-sdk-python
 creates one watch at a time per stream: behind a slow create the next waits its
 turn. A :class:`StandingWatch` on their prefix (``{base}/round/``) is set up once,
 when the agent starts, and answers every such wait from the events (and values)
-it has seen.
-Watches a caller must not wait for (the running member's state watch) are opened
-by an :class:`Opener`, one thread started with the agent. Both know the client
-only through the callables they are given; stdlib only.
+it has seen. It also tells the running member's monitor of every write of the
+state: each write puts ``{base}/round/state_written`` too (a few bytes), and a
+listener (:meth:`StandingWatch.listen`) is called on its events, so no round opens
+a watch of its own for that.
+Watches a caller must not wait for (a standing watch opened again after its stream
+broke; the state watch where there is no standing watch) are opened by an
+:class:`Opener`, one thread started with the agent. Both know the client only
+through the callables they are given; stdlib only.
 """
 
 from __future__ import annotations
@@ -39,15 +43,20 @@ class StandingWatch:
     take a watch of their own until it is started again.
 
     Args:
-        prefix: the key prefix watched, e.g. ``{etcd_prefix}/{run_id}/done/``.
+        prefix: the key prefix watched, e.g. ``{etcd_prefix}/{run_id}/round/``.
         is_put: tells a put event from a delete event (etcd-sdk-python's event classes).
+        on_break: called (from gRPC's thread) when the stream breaks while someone
+            listens (:meth:`listen`), so the owner can open the watch again.
     """
 
-    def __init__(self, prefix: str, is_put: Callable[[Any], bool]) -> None:
+    def __init__(self, prefix: str, is_put: Callable[[Any], bool],
+                 on_break: Callable[[], None] | None = None) -> None:
         self.prefix = prefix
         self._is_put = is_put
+        self._on_break = on_break
         self._cond = threading.Condition()
         self._seen: OrderedDict[str, bytes] = OrderedDict()  # key -> the value it was written with
+        self._listeners: dict[str, list[Callable[[], None]]] = {}  # key -> called on each of its puts
         self._client: Any = None  # the client whose stream carries the watch; None: closed
 
     def start(self, client: Any) -> bool:
@@ -67,18 +76,58 @@ class StandingWatch:
         """True when ``key`` is under the prefix and the watch is open on ``client``."""
         return key.startswith(self.prefix) and self._client is not None and self._client is client
 
+    def listen(self, key: str, on_put: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_put()`` (from gRPC's thread) on every put of ``key``, and when the stream breaks.
+
+        Returns:
+            A function that stops the calls (idempotent).
+        """
+        with self._cond:
+            self._listeners.setdefault(key, []).append(on_put)
+
+        def stop() -> None:
+            with self._cond:
+                fns = self._listeners.get(key, [])
+                if on_put in fns:
+                    fns.remove(on_put)
+                if not fns:
+                    self._listeners.pop(key, None)
+
+        return stop
+
+    def listening(self) -> bool:
+        """True while someone listens (:meth:`listen`)."""
+        with self._cond:
+            return bool(self._listeners)
+
+    def tell_listeners(self) -> None:
+        """Call every listener once (writes may have gone unseen: the watch was just opened again)."""
+        with self._cond:
+            fns = [fn for fns in self._listeners.values() for fn in fns]
+        for fn in fns:
+            fn()
+
     def _on_response(self, response: Any) -> None:
         with self._cond:
             events = getattr(response, "events", None)
             if events is None:  # an error, or None: the stream ended; nothing more will come
+                broke = self._client is not None
                 self._client = None
+                called = [fn for fns in self._listeners.values() for fn in fns]
             else:
+                broke, called = False, []
                 for event in events:
                     if self._is_put(event):
-                        self._seen[event.key.decode()] = bytes(event.value)
+                        key = event.key.decode()
+                        self._seen[key] = bytes(event.value)
+                        called += self._listeners.get(key, ())
                 while len(self._seen) > REMEMBERED:
                     self._seen.popitem(last=False)
             self._cond.notify_all()
+        for fn in called:  # outside the lock: a listener may read or wait
+            fn()
+        if broke and called and self._on_break is not None:
+            self._on_break()
 
     def wait_written(self, key: str, timeout: float, read_now: Callable[[], bytes | None]) -> bytes | None:
         """Return ``key``'s value once it was written; None after ``timeout`` seconds or when the watch breaks.

@@ -277,9 +277,54 @@ class EtcdV3KV(FailoverKV):
         be opened (etcd away), such waits take their own watch as before.
         """
         put = self._pyetcd.events.PutEvent
-        standing = StandingWatch(prefix, lambda event: isinstance(event, put))
+        standing = StandingWatch(prefix, lambda event: isinstance(event, put),
+                                 on_break=lambda: self._reopen_later(standing))
         self._standing.append(standing)
         standing.start(self._client())
+
+    def listen(self, key: str, on_put: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``on_put()`` on every put of ``key`` from the standing watch covering it (no watch of its own).
+
+        While that watch is broken (etcd restarted) it is opened again every second,
+        by this client's :class:`Opener`, and ``on_put()`` is called once when it is
+        (for the writes nobody saw); meanwhile callers see no events (they poll).
+
+        Returns:
+            A function that stops the calls; None when no standing watch covers ``key``.
+        """
+        standing = next((w for w in self._standing if key.startswith(w.prefix)), None)
+        if standing is None:
+            return None
+        stop = standing.listen(key, on_put)
+        try:
+            open_now = standing.serves(key, self._client())
+        except Exception:  # noqa: BLE001 - no client now: the opener tries
+            open_now = False
+        if not open_now:
+            self._reopen_later(standing, 0.0)
+        return stop
+
+    def _reopen_later(self, standing: StandingWatch, delay: float = 1.0) -> None:
+        """Open ``standing`` again on the client in use, ``delay`` s from now and then every second until it is.
+
+        Does nothing once it is open; telling its listeners when it was not.
+        """
+        def reopen() -> None:
+            try:
+                client = self._client()
+                with self._standing_lock:
+                    if standing.serves(standing.prefix, client):
+                        return
+                    opened = standing.start(client)
+            except Exception as exc:  # noqa: BLE001 - tried again below
+                log.debug("etcd-v3: opening the standing watch on %s again: %s", standing.prefix, exc)
+                opened = False
+            if opened:
+                standing.tell_listeners()
+            elif standing.listening():
+                self._reopen_later(standing)
+
+        self._opener.run_in(delay, reopen)
 
     def _standing_for(self, key: str, client: Any) -> StandingWatch | None:
         """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
@@ -352,11 +397,15 @@ class EtcdV3KV(FailoverKV):
         keep_open(0.0, catch_up=False)
         return cancel
 
-    def cas(self, key: str, value: bytes, token: Token | None) -> Token | None:
+    def cas(self, key: str, value: bytes, token: Token | None,
+            also: tuple[tuple[str, bytes], ...] = ()) -> Token | None:
+        """``EtcdKV.cas``; ``also``: keys put in the same transaction when the write succeeds."""
         def op(client: Any) -> Token | None:
             tx = client.transactions
+            lease = self._lease_id(client)
             compare = [tx.version(key) == 0] if token is None else [tx.mod(key) == int(token)]
-            ok, responses = client.transaction(compare, [tx.put(key, value, lease=self._lease_id(client))], [])
+            puts = [tx.put(key, value, lease=lease), *(tx.put(k, v, lease=lease) for k, v in also)]
+            ok, responses = client.transaction(compare, puts, [])
             return int(responses[0].response_put.header.revision) if ok else None
 
         return self.call(f"writing {key}", op)
