@@ -9,9 +9,9 @@ Two variants, each elaunch and torchrun side by side:
   ``num_keys``/``multi_get``/``multi_set``/``append``; the workers' store the
   rank-0 agent hosts is not counted.
 * **etcd** (keys ``etcd_seconds_{n}``, ``etcd_ops_{n}``, ``etcd_ops_max_{n}``):
-  the orchestrator starts one real etcd server (``etcd --enable-v2``, free
-  loopback ports, a temp data dir; stopped and removed at the end) shared by the
-  rounds. elaunch uses its ``etcd-v3`` backend (gRPC, etcd-sdk-python), torchrun
+  the orchestrator starts a real etcd server for each round (``etcd --enable-v2``,
+  free loopback ports, a temp data dir; stopped and removed after the round), as
+  the c10d variant hosts a TCPStore for each round. elaunch uses its ``etcd-v3`` backend (gRPC, etcd-sdk-python), torchrun
   torch's ``etcd-v2`` backend (HTTP, python-etcd). Sizes are those of c10d capped
   at :data:`ETCD_MAX_N`. What counts as one operation:
 
@@ -633,8 +633,8 @@ def etcd_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def bench_rdzv_scale_etcd(rec: Recorder, sizes: tuple[int, ...], timeout: float) -> list[str]:
     """Add the etcd variant's metrics (``etcd_*``) to ``rec``; returns notes for the report.
 
-    One etcd server serves every round (each round has its own run id); it is
-    stopped at the end, also on errors. When the etcd variant cannot run
+    Every round gets an etcd server of its own (:func:`one_etcd_round`), as every
+    c10d round gets a TCPStore of its own. When the etcd variant cannot run
     (:func:`etcd_note`), or no size is left after the cap, nothing is measured and
     the notes say why.
     """
@@ -648,20 +648,34 @@ def bench_rdzv_scale_etcd(rec: Recorder, sizes: tuple[int, ...], timeout: float)
     if not run:
         return notes
     what = f"etcd: elaunch {ETCD_BACKENDS['elaunch']} vs torchrun {ETCD_BACKENDS['torchrun']}"
+    _measure(rec, run, timeout, "etcd_", what, lambda impl, n: one_etcd_round(impl, n, timeout),
+             lambda n: (_seconds_target(n, 10.0), None))
+    return notes
+
+
+def one_etcd_round(impl: str, n: int, timeout: float) -> dict[str, Any]:
+    """:func:`one_round` of ``impl`` on etcd, against a fresh etcd server started for it and stopped after.
+
+    A server shared by the rounds carried one round's traffic into the next: an
+    elaunch round of 1,024 agents took 7.2-8.2 s on an etcd that had first served
+    the 8-, 64- and 256-agent rounds of both launchers, against 4.2-6.5 s on a fresh
+    one (3 interleaved pairs, 2026-11-27), mostly after torchrun's 256-agent round,
+    which runs its 30 s without completing.
+
+    Returns:
+        As :func:`one_round`; ``error`` names a server that did not start.
+    """
     server = EtcdServer(etcd_binary() or "etcd")
     try:
         server.start()
     except RuntimeError as exc:
         log_line(f"rdzv_scale: {exc}")
-        return [*notes, f"etcd: skipped (the etcd server did not start: {exc})"]
+        return {"seconds": None, "ops": [], "error": f"the etcd server did not start: {exc}"}
     try:
         log_line(f"rdzv_scale: etcd {server.binary} serves {server.endpoint}")
-        _measure(rec, run, timeout, "etcd_", what,
-                 lambda impl, n: one_round(impl, n, timeout, backend="etcd", endpoint=server.endpoint),
-                 lambda n: (_seconds_target(n, 10.0), None))
+        return one_round(impl, n, timeout, backend="etcd", endpoint=server.endpoint)
     finally:
         server.stop()
-    return notes
 
 
 if __name__ == "__main__":
