@@ -157,11 +157,16 @@ def test_v3_state_watch_is_opened_off_the_callers_thread_and_stops(etcd_v3, v3):
         wait_for(lambda: calls, 10, what="the write's event")
     finally:
         stop()
+    _assert_no_call_after_a_write(backend, backend, calls)
+
+
+def _assert_no_call_after_a_write(writer, waiter, calls: list[float]) -> None:
+    """Once the watch is stopped, another write of the state calls nothing."""
     seen = len(calls)
-    _, token = backend.get_state()
-    backend.set_state(b"two", token)
-    assert backend.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
-    assert len(calls) == seen  # stopped: no more calls
+    _, token = writer.get_state()
+    writer.set_state(b"two", token)
+    assert waiter.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
+    assert len(calls) == seen
 
 
 def test_v3_state_watch_stopped_before_it_opened_is_cancelled(etcd_v3, v3):
@@ -208,11 +213,7 @@ def test_v3_running_member_hears_of_state_writes_on_its_standing_watch(etcd_v3, 
         assert creates == [] and kv._opener.idle()  # no watch created, none waiting to be
         assert kv._standing[0]._seen[backend.written_key] == b""  # the event was the marker's, not the state's
         stop()
-        seen = len(calls)
-        _, token = other.get_state()
-        other.set_state(b"two", token)
-        assert backend.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
-        assert len(calls) == seen  # stopped: no more calls
+        _assert_no_call_after_a_write(other, backend, calls)
     finally:
         other_kv.close()
 
