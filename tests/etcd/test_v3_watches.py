@@ -83,7 +83,7 @@ def test_v3_notice_written_before_the_wait_is_found(etcd_v3, v3):
 def test_v3_standing_watch_opens_again_on_a_new_client(etcd_v3, v3):
     kv, backend, base, _creates = v3
     kv.keep_watching(f"{base}/round/")
-    standing = kv._standing[0]
+    standing = kv._standing.watches[0]
     client = kv._client()
     key = f"{base}/round/5/done"
     assert standing.serves(key, client)
@@ -138,7 +138,7 @@ def test_v3_workers_address_arrives_on_the_agents_standing_watch(etcd_v3, handle
         other_side.start()
         stores.exit_barrier(4, 1, 2, 30.0)
         other_side.join(30)
-        assert not [k for k in kv._standing[0]._seen if "exit" in k]
+        assert not [k for k in kv._standing.watches[0]._seen if "exit" in k]
     finally:
         other_kv.close()
 
@@ -211,7 +211,7 @@ def test_v3_running_member_hears_of_state_writes_on_its_standing_watch(etcd_v3, 
         assert other.set_state(b"one", None)[2] is True
         wait_for(lambda: calls, 10, what="the write's event")
         assert creates == [] and kv._opener.idle()  # no watch created, none waiting to be
-        assert kv._standing[0]._seen[backend.written_key] == b""  # the event was the marker's, not the state's
+        assert kv._standing.watches[0]._seen[backend.written_key] == b""  # the event was the marker's, not the state's
         stop()
         _assert_no_call_after_a_write(other, backend, calls)
     finally:
@@ -227,7 +227,7 @@ def test_v3_standing_watch_opens_again_for_its_listener_after_its_stream_broke(e
         kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
         # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
         wait_for(lambda: len(calls) >= 2 and kv._opener.idle(), 10, what="the watch to break and open again")
-        assert kv._standing[0].serves(backend.written_key, kv._client())
+        assert kv._standing.watches[0].serves(backend.written_key, kv._client())
         seen = len(calls)
         backend.set_state(b"after", None)
         wait_for(lambda: len(calls) > seen, 10, what="the write's event on the re-opened watch")

@@ -11,8 +11,9 @@ it has seen. It also tells the running member's monitor of every write of the
 state: each write puts ``{base}/round/state_written`` too (a few bytes), and a
 listener (:meth:`StandingWatch.listen`) is called on its events, so no round opens
 a watch of its own for that.
-Watches a caller must not wait for (a standing watch opened again after its stream
-broke; the state watch where there is no standing watch) are opened by an
+A client keeps its standing watches in a :class:`StandingWatches`. Watches a
+caller must not wait for (a standing watch opened again after its stream broke;
+the state watch where there is no standing watch) are opened by an
 :class:`Opener`, one thread started with the agent. Both know the client only
 through the callables they are given; stdlib only.
 """
@@ -150,6 +151,84 @@ class StandingWatch:
                     return None
                 self._cond.wait(left)
             return self._seen.get(key)
+
+
+class StandingWatches:
+    """The standing watches of one client (``EtcdV3KV``): opened on the client in use, again after a break.
+
+    Args:
+        client: returns the client in use (raises when etcd cannot be reached).
+        opener: runs the re-opens off gRPC's and the callers' threads.
+        is_put: tells a put event from a delete event (etcd-sdk-python's event classes).
+    """
+
+    def __init__(self, client: Callable[[], Any], opener: Opener, is_put: Callable[[Any], bool]) -> None:
+        self._client = client
+        self._opener = opener
+        self._is_put = is_put
+        self.watches: list[StandingWatch] = []
+        # opens a standing watch again; not the client lock, which a heartbeat must never wait behind
+        self._lock = threading.Lock()
+
+    def add(self, prefix: str) -> None:
+        """Open a :class:`StandingWatch` on ``prefix`` now (best effort: a failed open is opened on demand)."""
+        standing = StandingWatch(prefix, self._is_put, on_break=lambda: self._reopen_later(standing))
+        self.watches.append(standing)
+        standing.start(self._client())
+
+    def covering(self, key: str, client: Any) -> StandingWatch | None:
+        """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
+        for standing in self.watches:
+            if key.startswith(standing.prefix):
+                with self._lock:
+                    if standing.serves(key, client) or standing.start(client):
+                        return standing
+                return None
+        return None
+
+    def listen(self, key: str, on_put: Callable[[], None]) -> Callable[[], None] | None:
+        """Call ``on_put()`` on every put of ``key`` from the standing watch covering it (no watch of its own).
+
+        While that watch is broken (etcd restarted) it is opened again every second,
+        by the :class:`Opener`, and ``on_put()`` is called once when it is (for the
+        writes nobody saw); meanwhile callers see no events (they poll).
+
+        Returns:
+            A function that stops the calls; None when no standing watch covers ``key``.
+        """
+        standing = next((w for w in self.watches if key.startswith(w.prefix)), None)
+        if standing is None:
+            return None
+        stop = standing.listen(key, on_put)
+        try:
+            open_now = standing.serves(key, self._client())
+        except Exception:  # noqa: BLE001 - no client now: the opener tries
+            open_now = False
+        if not open_now:
+            self._reopen_later(standing, 0.0)
+        return stop
+
+    def _reopen_later(self, standing: StandingWatch, delay: float = 1.0) -> None:
+        """Open ``standing`` again on the client in use, ``delay`` s from now and then every second until it is.
+
+        Does nothing once it is open; tells its listeners when it was not.
+        """
+        def reopen() -> None:
+            try:
+                client = self._client()
+                with self._lock:
+                    if standing.serves(standing.prefix, client):
+                        return
+                    opened = standing.start(client)
+            except Exception as exc:  # noqa: BLE001 - tried again below
+                log.debug("etcd-v3: opening the standing watch on %s again: %s", standing.prefix, exc)
+                opened = False
+            if opened:
+                standing.tell_listeners()
+            elif standing.listening():
+                self._reopen_later(standing)
+
+        self._opener.run_in(delay, reopen)
 
 
 class Opener:

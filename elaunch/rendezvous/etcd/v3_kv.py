@@ -19,7 +19,7 @@ from typing import Any
 
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.etcd.common import EtcdConf, FailoverKV, import_client
-from elaunch.rendezvous.etcd.standing import Opener, StandingWatch
+from elaunch.rendezvous.etcd.standing import Opener, StandingWatches
 
 log = logging.getLogger("elaunch.rendezvous.etcd.v3")
 
@@ -54,11 +54,10 @@ class EtcdV3KV(FailoverKV):
         self._pyetcd = import_client("pyetcd", backend)
         self._grpc = import_client("grpc", backend)
         self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
-        self._standing: list[StandingWatch] = []
-        # opens a standing watch again; not the client lock, which a heartbeat must never wait behind
-        self._standing_lock = threading.Lock()
         self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
         self._opener = Opener()  # opens watch_forever's watches; its thread starts on first use
+        put = self._pyetcd.events.PutEvent
+        self._standing = StandingWatches(self._client, self._opener, lambda event: isinstance(event, put))
 
     def _make_client(self, host: str, port: int) -> Any:
         c, grpc, pyetcd = self.conf, self._grpc, self._pyetcd
@@ -224,7 +223,7 @@ class EtcdV3KV(FailoverKV):
         events: queue.Queue = queue.Queue()
         try:
             client = self._client()
-            standing = self._standing_for(key, client) if exists and not prefix and start_revision is None else None
+            standing = self._standing.covering(key, client) if exists and not prefix and start_revision is None else None
             if standing is not None:
                 return standing.wait_written(key, timeout, lambda: _value_of(client.get(key))) is not None
             kwargs = {} if start_revision is None else {"start_revision": int(start_revision)}
@@ -248,7 +247,7 @@ class EtcdV3KV(FailoverKV):
         """``EtcdKV.get_when_written``; under a standing watch, from the value its event carried (no read)."""
         try:
             client = self._client()
-            standing = self._standing_for(key, client)
+            standing = self._standing.covering(key, client)
         except Exception as exc:  # noqa: BLE001 - reading reports errors; this only saves a watch
             log.debug("etcd-v3: standing watch for %s: %s", key, exc)
             standing = None
@@ -270,71 +269,21 @@ class EtcdV3KV(FailoverKV):
         super().close()
 
     def keep_watching(self, prefix: str) -> None:
-        """Keep one watch on ``prefix`` open for this client's life (a :class:`StandingWatch`).
+        """Keep one watch on ``prefix`` open for this client's life (``StandingWatches.add``).
 
         :meth:`watch` with ``exists`` of a key under it then waits on that watch's
         events instead of setting up a watch of its own. Best effort: while it cannot
         be opened (etcd away), such waits take their own watch as before.
         """
-        put = self._pyetcd.events.PutEvent
-        standing = StandingWatch(prefix, lambda event: isinstance(event, put),
-                                 on_break=lambda: self._reopen_later(standing))
-        self._standing.append(standing)
-        standing.start(self._client())
+        self._standing.add(prefix)
 
     def listen(self, key: str, on_put: Callable[[], None]) -> Callable[[], None] | None:
-        """Call ``on_put()`` on every put of ``key`` from the standing watch covering it (no watch of its own).
-
-        While that watch is broken (etcd restarted) it is opened again every second,
-        by this client's :class:`Opener`, and ``on_put()`` is called once when it is
-        (for the writes nobody saw); meanwhile callers see no events (they poll).
+        """Call ``on_put()`` on every put of ``key``, from the standing watch covering it (``StandingWatches.listen``).
 
         Returns:
             A function that stops the calls; None when no standing watch covers ``key``.
         """
-        standing = next((w for w in self._standing if key.startswith(w.prefix)), None)
-        if standing is None:
-            return None
-        stop = standing.listen(key, on_put)
-        try:
-            open_now = standing.serves(key, self._client())
-        except Exception:  # noqa: BLE001 - no client now: the opener tries
-            open_now = False
-        if not open_now:
-            self._reopen_later(standing, 0.0)
-        return stop
-
-    def _reopen_later(self, standing: StandingWatch, delay: float = 1.0) -> None:
-        """Open ``standing`` again on the client in use, ``delay`` s from now and then every second until it is.
-
-        Does nothing once it is open; telling its listeners when it was not.
-        """
-        def reopen() -> None:
-            try:
-                client = self._client()
-                with self._standing_lock:
-                    if standing.serves(standing.prefix, client):
-                        return
-                    opened = standing.start(client)
-            except Exception as exc:  # noqa: BLE001 - tried again below
-                log.debug("etcd-v3: opening the standing watch on %s again: %s", standing.prefix, exc)
-                opened = False
-            if opened:
-                standing.tell_listeners()
-            elif standing.listening():
-                self._reopen_later(standing)
-
-        self._opener.run_in(delay, reopen)
-
-    def _standing_for(self, key: str, client: Any) -> StandingWatch | None:
-        """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
-        for standing in self._standing:
-            if key.startswith(standing.prefix):
-                with self._standing_lock:
-                    if standing.serves(key, client) or standing.start(client):
-                        return standing
-                return None
-        return None
+        return self._standing.listen(key, on_put)
 
     def watch_forever(self, key: str, on_change: Callable[[], None],
                       reopen_after: float = 1.0) -> Callable[[], None]:
