@@ -1,4 +1,4 @@
-"""etcd-v3's watches: round notices and state writes on one standing watch; other watches set up off the caller's thread."""
+"""etcd-v3's watches: round notices and state writes on one standing watch, opened again off the caller's thread."""
 
 from __future__ import annotations
 
@@ -143,21 +143,11 @@ def test_v3_workers_address_arrives_on_the_agents_standing_watch(etcd_v3, handle
         other_kv.close()
 
 
-def _opening(kv) -> bool:
-    return not kv._opener.idle()
-
-
-def test_v3_state_watch_is_opened_off_the_callers_thread_and_stops(etcd_v3, v3):
+def test_v3_state_watch_needs_a_standing_watch(etcd_v3, v3):
+    """Without a standing watch (no ``keep_watching``) there is nothing to listen on: the monitor polls."""
     kv, backend, _base, creates = v3
-    calls: list[float] = []
-    stop = backend.watch_state(lambda: calls.append(time.monotonic()))
-    try:
-        wait_for(lambda: creates and not _opening(kv), 10, what="the state watch to open")
-        backend.set_state(b"one", None)
-        wait_for(lambda: calls, 10, what="the write's event")
-    finally:
-        stop()
-    _assert_no_call_after_a_write(backend, backend, calls)
+    assert backend.watch_state(lambda: None) is None
+    assert creates == [] and kv._opener.idle()  # no watch of its own, none waiting to be opened
 
 
 def _assert_no_call_after_a_write(writer, waiter, calls: list[float]) -> None:
@@ -167,35 +157,6 @@ def _assert_no_call_after_a_write(writer, waiter, calls: list[float]) -> None:
     writer.set_state(b"two", token)
     assert waiter.wait_for_round(9, 0.5) is False  # a bounded wait for a stray event to arrive
     assert len(calls) == seen
-
-
-def test_v3_state_watch_stopped_before_it_opened_is_cancelled(etcd_v3, v3):
-    kv, backend, _base, _creates = v3
-    calls: list[float] = []
-    backend.watch_state(lambda: calls.append(time.monotonic()))()  # stopped at once
-    # not opened at all, or opened and cancelled at once
-    wait_for(lambda: not _opening(kv), 10, what="the state watch's open to be done")
-    time_left = time.monotonic() + 0.5
-    backend.set_state(b"one", None)
-    while time.monotonic() < time_left and not calls:
-        backend.wait_for_round(9, 0.1)  # bounded waits, for a stray event to arrive
-    assert calls == []
-
-
-def test_v3_state_watch_opens_again_after_its_stream_broke(etcd_v3, v3):
-    kv, backend, _base, creates = v3
-    calls: list[float] = []
-    stop = kv.watch_forever(backend.key, lambda: calls.append(time.monotonic()), reopen_after=0.1)
-    try:
-        wait_for(lambda: creates and not _opening(kv), 10, what="the watch to open")
-        kv._drop_client(0)  # the client and its streams closed, as pyetcd does after a failed request
-        # one call for the broken stream, one once it is open again (writes meanwhile went unseen)
-        wait_for(lambda: len(calls) >= 2, 10, what="the watch to break and open again")
-        seen = len(calls)
-        backend.set_state(b"after", None)
-        wait_for(lambda: len(calls) > seen, 10, what="the write's event on the re-opened watch")
-    finally:
-        stop()
 
 
 def test_v3_running_member_hears_of_state_writes_on_its_standing_watch(etcd_v3, v3):
@@ -255,7 +216,7 @@ def test_opener_runs_opens_when_due_in_order_and_stops():
 
 
 def test_v3_handler_starts_its_watch_opener_with_the_agent_and_ends_it(etcd_v3, handlers):
-    """No round starts a thread to open the state watch: the agent's opener runs from the start."""
+    """No round starts a watch thread: the agent's opener runs from the start."""
     h = handlers.make("etcd-v3", etcd_v3.endpoints, "opener-thread", 1, 1)
     openers = [t for t in threading.enumerate() if t.name == "elaunch-etcd-watch-opener"]
     assert len(openers) == 1 and openers[0].is_alive()
@@ -269,7 +230,7 @@ def test_v3_handler_starts_its_watch_opener_with_the_agent_and_ends_it(etcd_v3, 
     threading.Thread.start = counted_start
     try:
         info = h.next_rendezvous()
-        wait_for(h._stores.kv._opener.idle, 10, what="the state watch to open")
+        wait_for(h._stores.kv._opener.idle, 10, what="the opener to be idle")
     finally:
         threading.Thread.start = real_start
     assert info.world_size == 1

@@ -11,10 +11,9 @@ it has seen. It also tells the running member's monitor of every write of the
 state: each write puts ``{base}/round/state_written`` too (a few bytes), and a
 listener (:meth:`StandingWatch.listen`) is called on its events, so no round opens
 a watch of its own for that.
-A client keeps its standing watches in a :class:`StandingWatches`. Watches a
-caller must not wait for (a standing watch opened again after its stream broke;
-the state watch where there is no standing watch) are opened by an
-:class:`Opener`, one thread started with the agent. Both know the client only
+A client keeps its standing watches in a :class:`StandingWatches`. A standing
+watch whose stream broke is opened again by an :class:`Opener`, one thread started
+with the agent, off gRPC's and the callers' threads. Both know the client only
 through the callables they are given; stdlib only.
 """
 
@@ -176,15 +175,17 @@ class StandingWatches:
         self.watches.append(standing)
         standing.start(self._client())
 
+    def _find(self, key: str) -> StandingWatch | None:
+        """The standing watch whose prefix covers ``key``, open or not."""
+        return next((w for w in self.watches if key.startswith(w.prefix)), None)
+
     def covering(self, key: str, client: Any) -> StandingWatch | None:
         """The standing watch covering ``key``, open on ``client`` (opened again if it broke), or None."""
-        for standing in self.watches:
-            if key.startswith(standing.prefix):
-                with self._lock:
-                    if standing.serves(key, client) or standing.start(client):
-                        return standing
-                return None
-        return None
+        standing = self._find(key)
+        if standing is None:
+            return None
+        with self._lock:
+            return standing if standing.serves(key, client) or standing.start(client) else None
 
     def listen(self, key: str, on_put: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``on_put()`` on every put of ``key`` from the standing watch covering it (no watch of its own).
@@ -196,7 +197,7 @@ class StandingWatches:
         Returns:
             A function that stops the calls; None when no standing watch covers ``key``.
         """
-        standing = next((w for w in self.watches if key.startswith(w.prefix)), None)
+        standing = self._find(key)
         if standing is None:
             return None
         stop = standing.listen(key, on_put)

@@ -103,14 +103,12 @@ class EtcdV3StateBackend(EtcdStateBackend):
     def watch_state(self, on_change: Callable[[], None]) -> Callable[[], None] | None:
         """``RendezvousBackend.watch_state``: ``on_change()`` on each event of :attr:`written_key`.
 
-        Listens on the agent's standing watch (``EtcdV3KV.listen``): no request. Without
-        one (a client without ``keep_watching``), a watch of the state key, opened off
-        the caller's thread (``EtcdV3KV.watch_forever``). Until either is open, the
-        monitor re-reads the state every ``poll_interval`` seconds, as without a watch.
+        Listens on the agent's standing watch (``EtcdV3KV.listen``): no request. None
+        without one (a client without ``keep_watching``): the monitor then re-reads the
+        state every ``poll_interval`` seconds, as it does while the watch is broken.
         """
         assert isinstance(self.kv, EtcdV3KV)
-        stop = self.kv.listen(self.written_key, on_change)
-        return stop if stop is not None else self.kv.watch_forever(self.key, on_change)
+        return self.kv.listen(self.written_key, on_change)
 
     def get_state_and_heartbeats(self, nodes) -> tuple[bytes | None, Token, dict[str, float]]:
         if len(nodes) > FEW_NODES:

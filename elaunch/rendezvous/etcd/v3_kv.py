@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +54,7 @@ class EtcdV3KV(FailoverKV):
         self._grpc = import_client("grpc", backend)
         self._ttl_lease: tuple[int, float] | None = None  # (id, monotonic time granted)
         self._rpc_timeout = min(RPC_TIMEOUT, conf.read_timeout)
-        self._opener = Opener()  # opens watch_forever's watches; its thread starts on first use
+        self._opener = Opener()  # opens a broken standing watch again; its thread starts with the agent
         put = self._pyetcd.events.PutEvent
         self._standing = StandingWatches(self._client, self._opener, lambda event: isinstance(event, put))
 
@@ -261,7 +260,7 @@ class EtcdV3KV(FailoverKV):
         return value
 
     def start_opener(self) -> None:
-        """Start the thread that opens :meth:`watch_forever`'s watches now, not in the first round."""
+        """Start the thread that opens broken standing watches again now, not in the first round."""
         self._opener.start()
 
     def close(self) -> None:
@@ -284,67 +283,6 @@ class EtcdV3KV(FailoverKV):
             A function that stops the calls; None when no standing watch covers ``key``.
         """
         return self._standing.listen(key, on_put)
-
-    def watch_forever(self, key: str, on_change: Callable[[], None],
-                      reopen_after: float = 1.0) -> Callable[[], None]:
-        """Call ``on_change()`` on every event on ``key`` (from gRPC's thread) until the returned function is called.
-
-        The watch is opened off the caller's thread, by this client's :class:`Opener`
-        (etcd-sdk-python opens one watch at a time per stream: the caller never waits
-        behind another create); one stopped before its turn is never opened. When it
-        cannot be opened, or its stream breaks later (etcd restarted; etcd-sdk-python
-        also closes a client's streams after any failed request), it is opened again,
-        on the client then in use, every ``reopen_after`` seconds until that succeeds
-        or the watch is stopped; ``on_change()`` is then called once, for the writes
-        nobody saw meanwhile. Until it is open, callers see no events (they poll).
-        """
-        lock = threading.Lock()
-        current: list[Any] = [None, None]  # [client, watch id] of the open watch
-        stopped = threading.Event()
-
-        def event(response: Any) -> None:
-            on_change()  # an event or a broken stream alike: the caller re-reads either way
-            if getattr(response, "events", None) is None and not stopped.is_set():
-                keep_open(reopen_after, catch_up=True)
-
-        def open_watch() -> bool:
-            try:
-                client = self._client()
-                watch_id = client.add_watch_callback(key, event)
-            except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
-                log.debug("etcd-v3: watching %s failed: %s", key, exc)
-                return False
-            with lock:
-                current[:] = [client, watch_id]
-            if stopped.is_set():
-                cancel()  # stopped while it was being opened
-            return True
-
-        def opener(catch_up: bool) -> None:
-            if stopped.is_set():
-                return
-            if open_watch():
-                if catch_up:
-                    on_change()
-            else:
-                self._opener.run_in(reopen_after, lambda: opener(True))
-
-        def keep_open(delay: float, catch_up: bool) -> None:
-            self._opener.run_in(delay, lambda: opener(catch_up))
-
-        def cancel() -> None:
-            stopped.set()
-            with lock:
-                client, watch_id = current
-            if client is None:
-                return
-            try:
-                client.cancel_watch(watch_id)
-            except Exception as exc:  # noqa: BLE001 - the client may be gone already
-                log.debug("etcd-v3: cancelling the watch on %s failed: %s", key, exc)
-
-        keep_open(0.0, catch_up=False)
-        return cancel
 
     def cas(self, key: str, value: bytes, token: Token | None,
             also: tuple[tuple[str, bytes], ...] = ()) -> Token | None:
