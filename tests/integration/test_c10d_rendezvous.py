@@ -129,17 +129,35 @@ def test_late_joiner_is_seen_waiting_and_close_rejects_it(rdzv):
         c.next_rendezvous()
 
 
-def test_exit_barrier_waits_for_all_or_times_out(rdzv):
+def test_exit_barrier_waits_for_all_or_times_out(rdzv, caplog):
+    import time
+
     hs = [rdzv.make(rdzv.port, 2, 2), rdzv.make(rdzv.port, 2, 2)]
     rdzv.join(*hs)
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda h: h.exit_barrier(10), hs))
+        start = time.monotonic()
+        first = pool.submit(hs[0].exit_barrier, 30)
+        # the other node has not arrived: the first one is still in the barrier (the
+        # bounded wait is the behaviour under test: it must not return on its own)
+        with pytest.raises(TimeoutError):
+            first.result(timeout=0.5)
+        hs[1].exit_barrier(30)
+        first.result(timeout=10)
+    assert time.monotonic() - start < 15, "the barrier ran out its 30 s timeout instead of seeing both nodes"
+
     solo = rdzv.make(free_port(), 1, 1)
     rdzv.join(solo)
-    solo.exit_barrier(0.2)  # world of 1: returns at once
+    start = time.monotonic()
+    solo.exit_barrier(30)  # world of 1: returns at once, not after the 30 s timeout
+    assert time.monotonic() - start < 10
+
     hs2 = [rdzv.make(rdzv.port, 2, 2, run_id="other"), rdzv.make(rdzv.port, 2, 2, run_id="other")]
     rdzv.join(*hs2)
+    caplog.set_level("WARNING")
+    start = time.monotonic()
     hs2[0].exit_barrier(0.3)  # the other node never arrives: returns after the timeout, no error
+    assert time.monotonic() - start >= 0.3
+    assert "exit barrier: 1 of 2 nodes of round" in caplog.text
 
 
 def test_unreachable_store_is_a_connection_error_naming_the_endpoint():
