@@ -3,6 +3,11 @@
 The autouse ``no_leftover_processes`` fixture snapshots this pytest process's
 descendants before a test and, after it, waits (with a deadline) for every new
 one to be gone. Survivors are killed and the test fails, naming them.
+
+Under CI (``CI`` set, as ``.ci/run`` is run) a skipped test fails: CI installs every
+tool the tests need (etcd, Slurm, py-spy, mkdocs, root for network namespaces), so a
+skip there is a broken install hiding a check, not a pass. A test that does not apply
+to one of its parameters says so with a reason starting ``n/a:`` (:data:`NOT_APPLICABLE`).
 """
 
 from __future__ import annotations
@@ -119,6 +124,24 @@ def logging_lock_left_free():
         held += 1
     if held:
         pytest.fail(f"the test left logging's module lock held ({held}x): other threads that log would block forever")
+
+
+#: A skip reason starting with this is a case the test does not apply to (not a missing tool).
+NOT_APPLICABLE = "n/a:"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI, turn a skip for a missing environment into a failure naming the reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (os.environ.get("CI") and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if not reason.startswith(NOT_APPLICABLE):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI, where every tool the tests need is installed: {reason}"
 
 
 @pytest.fixture

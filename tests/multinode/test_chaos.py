@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import EXAMPLES, wait_for
+from tests.conftest import EXAMPLES, NOT_APPLICABLE, wait_for
 from tests.multinode import netns
 from tests.multinode.conftest import (
     Agent,
@@ -310,7 +310,7 @@ def test_a_killed_host_is_seen_as_lost(chaos):
 
 def test_no_raw_grpc_error_reaches_the_user(chaos):
     if chaos.backend != "etcd-v3":
-        pytest.skip("gRPC is etcd-v3's transport")
+        pytest.skip(f"{NOT_APPLICABLE} gRPC is etcd-v3's transport")
     for name, a in chaos.agents.items():
         assert "_InactiveRpcError" not in a.stderr and "_MultiThreadedRendezvous" not in a.stderr, a.describe()
 
