@@ -23,8 +23,8 @@ Exceptions (torch's classes, or subclasses of them):
 ``parse_args`` returns torchrun's ``argparse.Namespace`` shape: the same
 attribute names and value types as torch's parser (``nnodes="1:1"``,
 ``nproc_per_node="1"``, ``max_restarts=0``, ``rdzv_conf=""``, ...), plus
-elaunch's own flags (``warm_start``, ``warm_start_modules``, ``hang_timeout``,
-``forward_signals``). ``config_from_args`` accepts that Namespace (or any object
+elaunch's own flags (the ``elaunch_only`` rows of the option table,
+``elaunch.config.options.OPTIONS``). ``config_from_args`` accepts that Namespace (or any object
 with those attributes; a missing one takes the default) and returns elaunch's
 :class:`elaunch.config.LaunchConfig`, whose fields carry torch's ``LaunchConfig``
 names. The ``elaunch`` command does not use this module's exceptions: it prints
@@ -44,7 +44,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elaunch.config.errors import ConfigError
-from elaunch.config.launch_config import NUMA_MODES, START_METHODS
 
 __all__ = [
     "config_from_args",
@@ -58,26 +57,6 @@ __all__ = [
     "run",
     "run_script_path",
 ]
-
-#: torchrun's value types where they are not ``str`` (``--shutdown-timeout`` is a
-#: float here, seconds; torchrun's is an int).
-_TYPES: dict[str, Callable[[str], Any]] = {
-    "max_restarts": int,
-    "monitor_interval": float,
-    "node_rank": int,
-    "master_port": int,
-    "shutdown_timeout": float,
-    "hang_timeout": float,
-}
-_LISTS = frozenset({"duplicate_stdout_filters", "duplicate_stderr_filters", "warm_start_modules"})
-_CHOICES = {"start_method": START_METHODS, "numa_binding": NUMA_MODES}
-
-
-def _comma_list(value: str) -> list[str]:
-    from elaunch.config.values import parse_comma_list
-
-    return list(parse_comma_list(value))
-
 
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse, with torchrun's abbreviations resolved by ``elaunch.cli.abbrev``.
@@ -126,7 +105,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     defaults fall back to ``PET_<DEST>`` read from ``os.environ`` now, as torch's
     ``env``/``check_env`` actions (an empty value counts as unset; a flag's
     ``PET_`` value must be an integer, non-zero meaning set). The options are
-    generated from the ``elaunch`` command's, so both always agree.
+    derived from the option table (``elaunch.config.options.OPTIONS``), as the
+    ``elaunch`` command's are, so both always agree.
 
     Returns:
         An ``argparse.ArgumentParser``; ``parse_args`` on it returns the Namespace
@@ -136,36 +116,23 @@ def get_args_parser() -> argparse.ArgumentParser:
         ConfigError: a flag's ``PET_<FLAG>`` is not an integer (a ValueError;
             torch raises ValueError from ``int()`` there too).
     """
-    import click
-
-    from elaunch.cli import ELAUNCH_ONLY_OPTIONS
-    from elaunch.cli import main as command
+    from elaunch.config.options import OPTIONS, comma_list
     from elaunch.config.values import parse_pet_flag
 
     parser = _ArgumentParser(description="elaunch: a drop-in replacement for torchrun (Torch Distributed Elastic Training Launcher)")
-    for param in command.params:
-        if not isinstance(param, click.Option) or not param.expose_value or param.name is None:
+    for o in OPTIONS.values():
+        raw = os.environ.get(o.envvar)
+        if o.elaunch_only:
+            parser._elaunch_only.add(o.dest)
+        if o.is_flag:
+            flag_default = parse_pet_flag(raw, o.envvar) if raw else False
+            parser.add_argument(*o.flags, dest=o.dest, action="store_const", const=True, default=flag_default,
+                                help=o.help)
             continue
-        name = param.name
-        envvar = param.envvar if isinstance(param.envvar, str) else None
-        raw = os.environ.get(envvar) if envvar else None
-        if name in ELAUNCH_ONLY_OPTIONS:
-            parser._elaunch_only.add(name)
-        if param.is_flag:
-            flag_default = parse_pet_flag(raw, envvar) if raw else False
-            parser.add_argument(*param.opts, dest=name, action="store_const", const=True, default=flag_default,
-                                help=param.help)
-            continue
-        default = raw if raw else param.default
-        if name == "forward_signals" and not raw:
-            default = None  # unset: the default yields to --signals-to-handle
-        if name in _LISTS:
-            kind: Callable[[str], Any] = _comma_list
-            default = _comma_list(default) if isinstance(default, str) else default
-        else:
-            kind = _TYPES.get(name, str)
-        parser.add_argument(*param.opts, dest=name, type=kind, default=default, choices=_CHOICES.get(name),
-                            help=param.help)
+        default = raw if raw else o.default
+        if o.argtype is comma_list and isinstance(default, str):
+            default = comma_list(default)
+        parser.add_argument(*o.flags, dest=o.dest, type=o.argtype, default=default, choices=o.choices, help=o.help)
     parser.add_argument("training_script", type=str, help="The training script, module (-m) or program (--no-python).")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser

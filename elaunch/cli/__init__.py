@@ -1,7 +1,8 @@
 """The ``elaunch`` command: torchrun's flags, parsed with click into LaunchOptions, then a LaunchConfig.
 
 ``main`` is the click command (console script ``elaunch`` and ``python -m
-elaunch``). Every option has its torchrun dash spelling, the underscore alias
+elaunch``), its options derived from the option table
+(``elaunch.config.options.OPTIONS``). Every option has its torchrun dash spelling, the underscore alias
 (``--nproc_per_node``) and a ``PET_<DEST>`` environment fallback; the command
 line wins over the environment, which wins over the default, as torchrun's
 ``env``/``check_env`` argparse actions. Everything after the training script
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import click
@@ -24,30 +25,12 @@ from click.core import ParameterSource
 
 from elaunch import __version__
 from elaunch.cli import params as P
-from elaunch.config import (
-    DEFAULT_FORWARD_SIGNALS,
-    DEFAULT_SIGNALS,
-    EXIT_USAGE,
-    ConfigError,
-    LaunchConfig,
-    LaunchOptions,
-    build_config,
-)
+from elaunch.config import EXIT_USAGE, OPTIONS, ConfigError, LaunchConfig, LaunchOptions, build_config
+from elaunch.config.options import GROUPS, Option
 from elaunch.log import setup_logging
 from elaunch.rendezvous.api import RendezvousConfigError
-from elaunch.rendezvous.registry import user_backend_names
 
 __all__ = ["main", "parse_config", "run_argv"]
-
-_NODES, _RDZV, _WORKERS, _LOGS, _STATIC = (
-    "Nodes and workers",
-    "Rendezvous",
-    "Worker launch",
-    "Logging and output",
-    "Static rendezvous (torch.distributed.launch compatibility)",
-)
-_GROUPS = (_NODES, _RDZV, _WORKERS, _LOGS, _STATIC, "Other")
-
 
 class PetOption(click.Option):
     """An option with a ``PET_<DEST>`` fallback read from the command's explicit environ.
@@ -82,7 +65,7 @@ class PetOption(click.Option):
 
 
 #: Options elaunch adds to torchrun's: they take no abbreviation (see ``elaunch.cli.abbrev``).
-ELAUNCH_ONLY_OPTIONS = frozenset({"warm_start", "warm_start_modules", "hang_timeout", "forward_signals", "version"})
+ELAUNCH_ONLY_OPTIONS = frozenset({*(o.dest for o in OPTIONS.values() if o.elaunch_only), "version"})
 
 
 def option_tables(command: click.Command) -> tuple[list[str], set[str], set[str]]:
@@ -124,7 +107,7 @@ class ElaunchCommand(click.Command):
         return super().parse_args(ctx, args)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows: dict[str, list[tuple[str, str]]] = {g: [] for g in _GROUPS}
+        rows: dict[str, list[tuple[str, str]]] = {g: [] for g in GROUPS}
         for param in self.get_params(ctx):
             if isinstance(param, click.Argument):
                 continue
@@ -156,13 +139,21 @@ class ElaunchCommand(click.Command):
         sys.exit(status)
 
 
-def _opt(*decls: str, group: str, **attrs: Any):
-    return click.option(*decls, cls=PetOption, group=group, **attrs)
+def _click_option(o: Option) -> Callable[[Any], Any]:
+    """The click option of row ``o`` of the option table."""
+    if o.is_flag:
+        return click.option(*o.flags, o.dest, cls=PetOption, group=o.group, is_flag=True, default=False,
+                            type=P.PetFlag(), show_default=False, help=o.help)
+    typed = {"type": P.PARSED} if o.parse is not None else {}
+    return click.option(*o.flags, o.dest, cls=PetOption, group=o.group, default=o.default if o.shown is None
+                        else o.shown, metavar=o.metavar, help=o.help, **typed)
 
 
-def _flag(*decls: str, group: str, help: str):
-    return click.option(*decls, cls=PetOption, group=group, is_flag=True, default=False,
-                        type=P.PetFlag(), show_default=False, help=help)
+def _table_options(command: Any) -> Any:
+    """Decorate ``command`` with every row of the option table, in the table's order."""
+    for o in reversed(OPTIONS.values()):
+        command = _click_option(o)(command)
+    return command
 
 
 _CONTEXT = {
@@ -178,88 +169,7 @@ _CONTEXT = {
     epilog="Every --dash-option also accepts its --under_score spelling. Bad input exits with status 2.",
 )
 @click.version_option(__version__, "--version", prog_name="elaunch", message="%(prog)s %(version)s")
-@_opt("--nnodes", "nnodes", group=_NODES, type=P.PARSED, default="1:1", metavar="N|MIN:MAX",
-      help="Number of nodes, or the range MIN:MAX for an elastic job.")
-@_opt("--nproc-per-node", "--nproc_per_node", "nproc_per_node", group=_NODES, type=P.PARSED, default="1",
-      metavar="N|auto|cpu|gpu|xpu",
-      help="Workers per node: an integer, or cpu (usable CPUs), gpu (CUDA devices), xpu, "
-           "auto (accelerators if any, else CPUs).")
-@_opt("--rdzv-backend", "--rdzv_backend", "rdzv_backend", group=_RDZV, type=P.PARSED, default="static",
-      metavar="BACKEND", help=f"Rendezvous backend: {', '.join(user_backend_names())}, "
-                            "or a name registered in the 'torchrun.handlers' entry-point group.")
-@_opt("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", group=_RDZV, default="", metavar="HOST[:PORT]",
-      help="Rendezvous endpoint, host[:port] ([::1]:29400 for IPv6; etcd: a comma-separated list).")
-@_opt("--rdzv-id", "--rdzv_id", "rdzv_id", group=_RDZV, default="none", metavar="ID",
-      help="Job id shared by all nodes of the job (TORCHELASTIC_RUN_ID).")
-@_opt("--rdzv-conf", "--rdzv_conf", "rdzv_conf", group=_RDZV, type=P.PARSED, default="", metavar="K=V,...",
-      help="Backend options, e.g. join_timeout=600,last_call_timeout=30 (timeouts in seconds).")
-@_flag("--standalone", "standalone", group=_RDZV,
-       help="Single-node job with a local rendezvous on a free port; any rendezvous backend, endpoint and id flags are ignored.")
-@_opt("--max-restarts", "--max_restarts", "max_restarts", group=_WORKERS, type=P.PARSED, default="0",
-      metavar="N", help="Worker-group restarts allowed after failures before the job fails.")
-@_opt("--monitor-interval", "--monitor_interval", "monitor_interval", group=_WORKERS, type=P.PARSED,
-      default="0.1", metavar="SECONDS",
-      help="Seconds between the agent's checks of the rendezvous, progress (--hang-timeout) and stuck workers "
-           "(> 0); a worker's exit is seen at once.")
-@_opt("--start-method", "--start_method", "start_method", group=_WORKERS, type=P.PARSED, default="spawn",
-      metavar="spawn|fork|forkserver", help="Accepted for compatibility; workers are always exec'd processes.")
-@_opt("--role", "role", group=_WORKERS, default="default", metavar="NAME", help="Role of the workers (ROLE_NAME).")
-@_flag("-m", "--module", "module", group=_WORKERS, help="Run the script as a module, like 'python -m'.")
-@_flag("--no-python", "--no_python", "no_python", group=_WORKERS,
-       help="Run the script directly, not with python (any executable, found on PATH).")
-@_flag("--run-path", "--run_path", "run_path", group=_WORKERS,
-       help="Run the script with runpy.run_path in each worker; takes precedence over --no-python.")
-@_flag("--warm-start", "--warm_start", "warm_start", group=_WORKERS,
-       help="Keep a spare interpreter per worker with --warm-start-modules imported, so restarted "
-            "workers skip those imports (elaunch only; not with --no-python).")
-@_opt("--warm-start-modules", "--warm_start_modules", "warm_start_modules", group=_WORKERS, type=P.PARSED,
-      default="torch", metavar="MOD,...", help="Modules each warm spare imports in advance.")
-@_opt("--shutdown-timeout", "--shutdown_timeout", "shutdown_timeout", group=_WORKERS, type=P.PARSED,
-      default=None, metavar="SECONDS",
-      help="Seconds between SIGTERM and SIGKILL when stopping workers "
-           "[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30].")
-@_opt("--signals-to-handle", "--signals_to_handle", "signals_to_handle", group=_WORKERS, type=P.PARSED,
-      default=",".join(DEFAULT_SIGNALS), metavar="SIG,...",
-      help="Signals the agent catches and forwards to the workers before stopping them.")
-@_opt("--forward-signals", "--forward_signals", "forward_signals", group=_WORKERS, type=P.PARSED,
-      default=",".join(DEFAULT_FORWARD_SIGNALS), metavar="SIG,...|none",
-      help="Signals the agent forwards to every worker's process group while it keeps running: a "
-           "notice such as Slurm's preemption warning, not a stop. '' or none forwards none; the "
-           "default leaves out any signal named by --signals-to-handle (elaunch only).")
-@_opt("--hang-timeout", "--hang_timeout", "hang_timeout", group=_WORKERS, type=P.PARSED, default="0",
-      metavar="SECONDS",
-      help="A worker that called elaunch.progress() at least once and then not for SECONDS is hung: "
-           "its stacks are dumped and it counts as that rank's failure. 0 turns this off (elaunch only).")
-@_flag("--virtual-local-rank", "--virtual_local_rank", "virtual_local_rank", group=_WORKERS,
-       help="Give every worker LOCAL_RANK=0 and restrict CUDA_VISIBLE_DEVICES to its own GPU.")
-@_opt("--numa-binding", "--numa_binding", "numa_binding", group=_WORKERS, type=P.PARSED, default=None,
-      metavar="node|socket|exclusive|core-complex", help="Bind workers to CPUs near their GPU.")
-@_opt("--log-dir", "--log_dir", "log_dir", group=_LOGS, default=None, metavar="DIR",
-      help="Base directory for worker logs (a run-specific subdirectory is created).")
-@_opt("-r", "--redirects", "redirects", group=_LOGS, type=P.PARSED, default="0", metavar="0-3|R:0-3,...",
-      help="Redirect worker streams to log files: 0 none, 1 stdout, 2 stderr, 3 both; or per local "
-           "rank, e.g. 0:1,1:2.")
-@_opt("-t", "--tee", "tee", group=_LOGS, type=P.PARSED, default="0", metavar="0-3|R:0-3,...",
-      help="Like --redirects, but also keep the streams on the console.")
-@_opt("--local-ranks-filter", "--local_ranks_filter", "local_ranks_filter", group=_LOGS, type=P.PARSED,
-      default="", metavar="R,R,...", help="Show only these local ranks' output on the console [default: all].")
-@_opt("--duplicate-stdout-filters", "--duplicate_stdout_filters", "duplicate_stdout_filters", group=_LOGS,
-      type=P.PARSED, default="", metavar="A,B,...",
-      help="Copy stdout lines containing any of these strings to a separate file (',,' escapes a comma).")
-@_opt("--duplicate-stderr-filters", "--duplicate_stderr_filters", "duplicate_stderr_filters", group=_LOGS,
-      type=P.PARSED, default="", metavar="A,B,...", help="Same as --duplicate-stdout-filters, for stderr.")
-@_opt("--event-log-handler", "--event_log_handler", "event_log_handler", group=_LOGS, default="null",
-      metavar="NAME", help="torch.distributed.elastic event handler name.")
-@_opt("--logs-specs", "--logs_specs", "logs_specs", group=_LOGS, default=None, metavar="NAME",
-      help="Name of a 'torchrun.logs_specs' entry point customising log files.")
-@_opt("--node-rank", "--node_rank", "node_rank", group=_STATIC, type=P.PARSED, default="0", metavar="N",
-      help="Rank of this node (static rendezvous only), 0 .. nnodes-1.")
-@_opt("--master-addr", "--master_addr", "master_addr", group=_STATIC, default="127.0.0.1", metavar="HOST",
-      help="Address of the rank-0 node (static rendezvous without --rdzv-endpoint).")
-@_opt("--master-port", "--master_port", "master_port", group=_STATIC, type=P.PARSED, default=None,
-      metavar="PORT", help="Port on the rank-0 node (static rendezvous) [default: 29500].")
-@_opt("--local-addr", "--local_addr", "local_addr", group=_STATIC, default=None, metavar="HOST",
-      help="This node's address as the others reach it [default: its FQDN].")
+@_table_options
 @click.argument("training_script", required=False, metavar="SCRIPT")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 def main(**options: Any) -> LaunchConfig:
@@ -269,10 +179,10 @@ def main(**options: Any) -> LaunchConfig:
     everything after it are passed to each worker untouched.
     """
     ctx = click.get_current_context()
-    if ctx.get_parameter_source("forward_signals") is ParameterSource.DEFAULT:
-        options["forward_signals"] = None  # the default yields to --signals-to-handle
+    # a default is LaunchOptions' to fill in (build_config resolves --forward-signals' and --shutdown-timeout's)
+    given = {k: v for k, v in options.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
     environ = ctx.find_root().obj
-    return build_config(LaunchOptions(**options), environ if isinstance(environ, Mapping) else os.environ)
+    return build_config(LaunchOptions(**given), environ if isinstance(environ, Mapping) else os.environ)
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchConfig:

@@ -1,7 +1,7 @@
 """The click side of torchrun's flags: the one ParamType applying each option's parser.
 
-The parsers and the option -> parser table live in :mod:`elaunch.config.values`;
-:class:`Parsed` applies them with the right label: the env var name when the
+Each row of the option table (:data:`elaunch.config.options.OPTIONS`) names its
+parser (from :mod:`elaunch.config.values`); :class:`Parsed` applies it with the right label: the env var name when the
 value came from the environment, else the dash spelling of the flag. No torch
 import here.
 """
@@ -13,7 +13,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from elaunch.config.values import PARSERS, parse_pet_flag
+from elaunch.config.options import OPTIONS
+from elaunch.config.values import parse_pet_flag
 
 
 def label_for(param: click.Parameter | None, ctx: click.Context | None) -> str:
@@ -29,7 +30,7 @@ def label_for(param: click.Parameter | None, ctx: click.Context | None) -> str:
 
 
 class Parsed(click.ParamType):
-    """The one ParamType of the value-taking options: the option's parser from ``PARSERS``.
+    """The one ParamType of the value-taking options: the parser of the option's row in ``OPTIONS``.
 
     Errors name the env var when the value came from it, else the flag (:func:`label_for`).
     """
@@ -39,7 +40,7 @@ class Parsed(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if value is None or param is None:
             return value
-        return PARSERS[str(param.name)](value, label_for(param, ctx))
+        return OPTIONS[str(param.name)].parse(value, label_for(param, ctx))
 
 
 class PetFlag(click.types.BoolParamType):

@@ -16,24 +16,25 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import NamedTuple
 
 from elaunch.config.errors import ConfigError
-from elaunch.config.launch_config import (
+from elaunch.config.launch_config import STANDALONE_ENDPOINT, LaunchConfig
+from elaunch.config.nproc import resolve_nproc
+from elaunch.config.options import (
     DEFAULT_FORWARD_SIGNALS,
     DEFAULT_MASTER_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT,
-    DEFAULT_SIGNALS,
-    STANDALONE_ENDPOINT,
-    LaunchConfig,
+    OPTIONS,
+    LaunchOptions,
+    default_of,
 )
-from elaunch.config.nproc import resolve_nproc
-from elaunch.config.options import LaunchOptions
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
 
-__all__ = ["build_config", "resolve"]
+__all__ = ["build_config", "env_shutdown_timeout", "resolve", "signal_sets"]
 
 logger = logging.getLogger("elaunch.config")
 
@@ -59,7 +60,12 @@ def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint")
         raise ConfigError(str(exc)) from None
 
 
-def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
+def env_shutdown_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds of ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in ``environ``, or 30 when unset or empty.
+
+    Raises:
+        ConfigError: not a number, or negative.
+    """
     raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if raw is None or raw.strip() == "":
         return DEFAULT_SHUTDOWN_TIMEOUT
@@ -72,10 +78,13 @@ def _env_shutdown_timeout(environ: Mapping[str, str]) -> float:
     return value
 
 
-def _signal_sets(
+def signal_sets(
     handle: tuple[str, ...] | None, forward: tuple[str, ...] | None
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Resolve ``(signals_to_handle, forward_signals)``; a signal is a stop or a notice, not both.
+
+    The one place the default of ``--forward-signals`` is resolved (the command,
+    ``elaunch.run`` and ``elaunch.launcher`` all come here).
 
     Args:
         handle: ``--signals-to-handle`` names, None for the default.
@@ -86,7 +95,7 @@ def _signal_sets(
     Raises:
         ConfigError: an explicit ``--forward-signals`` names a signal also handled.
     """
-    handle = tuple(handle or DEFAULT_SIGNALS)
+    handle = default_of("signals_to_handle") if handle is None else tuple(handle)
     if forward is None:
         return handle, tuple(s for s in DEFAULT_FORWARD_SIGNALS if s not in handle)
     for name in forward:
@@ -192,47 +201,32 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         raise ConfigError(f"--event-log-handler={o.event_log_handler}: not a torch event handler "
                           f"(one of {', '.join(EVENT_LOG_HANDLERS)})")
     nproc = resolve_nproc(o.nproc_per_node)
-    handle, forward = _signal_sets(o.signals_to_handle, o.forward_signals)
+    handle, forward = signal_sets(o.signals_to_handle, o.forward_signals)
     cmd = build_cmd(o.training_script, o.training_script_args, module=o.module, no_python=o.no_python,
                     run_path=o.run_path, environ=environ)
     warm, warm_notes = warm_start_modules(o.warm_start, o.warm_start_modules, o.no_python and not o.run_path)
-    config = LaunchConfig(
+    resolved = dict(
         min_nodes=o.nnodes[0],
         max_nodes=o.nnodes[1],
         nproc_per_node=nproc,
         run_id=rdzv.run_id,
-        role=o.role,
         rdzv_backend=rdzv.backend,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
-        max_restarts=o.max_restarts,
-        monitor_interval=o.monitor_interval,
-        start_method=o.start_method,
-        log_dir=o.log_dir,
-        redirects=o.redirects,
-        tee=o.tee,
-        local_ranks_filter=o.local_ranks_filter,
-        node_rank=o.node_rank,
         master_addr=rdzv.master_addr,
         master_port=rdzv.master_port,
-        local_addr=o.local_addr,
-        shutdown_timeout=_env_shutdown_timeout(environ) if o.shutdown_timeout is None else o.shutdown_timeout,
+        shutdown_timeout=env_shutdown_timeout(environ) if o.shutdown_timeout is None else o.shutdown_timeout,
         signals_to_handle=handle,
         forward_signals=forward,
-        hang_timeout=o.hang_timeout,
-        event_log_handler=o.event_log_handler,
-        logs_specs=o.logs_specs,
-        virtual_local_rank=o.virtual_local_rank,
-        numa_binding=o.numa_binding,
-        duplicate_stdout_filters=o.duplicate_stdout_filters,
-        duplicate_stderr_filters=o.duplicate_stderr_filters,
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         # launch() logs the warning
         omp_num_threads=1 if nproc > 1 and "OMP_NUM_THREADS" not in environ else None,
         cmd=cmd,
-        standalone=o.standalone,
         warm_start_modules=warm,
     )
+    # every other option is a field of the same name, as it is
+    same = {f.name: getattr(o, f.name) for f in fields(LaunchConfig) if f.name in OPTIONS and f.name not in resolved}
+    config = LaunchConfig(**same, **resolved)
     return config, [*notes, *warm_notes]
 
 

@@ -1,34 +1,20 @@
 """LaunchConfig: everything one ``elaunch`` invocation runs with, validated and resolved (stdlib only).
 
 Mirrors torch's ``torch.distributed.launcher.api.LaunchConfig`` (its field names)
-plus the worker argv; ``elaunch.config.build`` makes one from the options.
+plus the worker argv; ``elaunch.config.build`` makes one from the options. The
+defaults are the option table's (``elaunch.config.options``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
 
 #: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
 STANDALONE_ENDPOINT = "127.0.0.1:0"
-#: ``--master-port`` default for static rendezvous, as torchrun.
-DEFAULT_MASTER_PORT = 29500
-#: Seconds between SIGTERM and SIGKILL when the env and flag say nothing.
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-#: ``--start-method`` values (kept for parity: elaunch workers are always exec'd).
-START_METHODS = ("spawn", "fork", "forkserver")
-#: ``--numa-binding`` modes.
-NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-#: ``--signals-to-handle`` default, as torchrun.
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-#: ``--forward-signals`` default: notices (Slurm's ``--signal=B:USR1@120``), not stops.
-DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
-
-
-def _std_none() -> Any:
-    from elaunch.procs.std import Std
-
-    return Std.NONE
 
 
 @dataclass(frozen=True)
@@ -83,30 +69,30 @@ class LaunchConfig:
             None when warm start is off (the default; also with ``--no-python``).
     """
 
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
-    run_id: str = "none"
-    role: str = "default"
-    rdzv_backend: str = "static"
+    min_nodes: int = default_of("nnodes")[0]
+    max_nodes: int = default_of("nnodes")[1]
+    nproc_per_node: int = default_of("nproc_per_node")
+    run_id: str = default_of("rdzv_id")
+    role: str = default_of("role")
+    rdzv_backend: str = default_of("rdzv_backend")
     rdzv_endpoint: str = ""
     rdzv_configs: dict[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    max_restarts: int = default_of("max_restarts")
+    monitor_interval: float = default_of("monitor_interval")
+    start_method: str = default_of("start_method")
     log_dir: str | None = None
-    redirects: Any = field(default_factory=_std_none)
-    tee: Any = field(default_factory=_std_none)
+    redirects: Any = field(default_factory=partial(default_of, "redirects"))
+    tee: Any = field(default_factory=partial(default_of, "tee"))
     local_ranks_filter: frozenset[int] | None = None
-    node_rank: int = 0
+    node_rank: int = default_of("node_rank")
     master_addr: str | None = None
     master_port: int | None = None
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
+    signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")
     forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
-    hang_timeout: float = 0.0
-    event_log_handler: str = "null"
+    hang_timeout: float = default_of("hang_timeout")
+    event_log_handler: str = default_of("event_log_handler")
     logs_specs: str | None = None
     virtual_local_rank: bool = False
     numa_binding: str | None = None

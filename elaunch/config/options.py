@@ -1,121 +1,244 @@
-"""LaunchOptions: the typed, frozen options of one launch, as the command line gives them (stdlib only).
+"""The option table: one row per option of ``elaunch`` (torchrun's flags plus elaunch's own), and LaunchOptions.
 
-The ``elaunch`` command (``elaunch.cli``) builds one from its parsed flags,
-``elaunch.run`` from torchrun's ``argparse.Namespace``, a test or a program
-directly. Every value is checked on construction by its flag's parser in
-:data:`elaunch.config.values.PARSERS` (text or an already typed value), so an
-options object is valid whoever built it; :func:`elaunch.config.build_config`
-then only checks what spans several options.
+Every fact about an option lives in its :class:`Option` row of :data:`OPTIONS`:
+its spellings, ``PET_*`` variable, parser, default and unit, help, ``--help``
+group, argparse type and torch ``LaunchConfig`` field. Derived from it: the click
+command (``elaunch.cli``), ``elaunch.run``'s argparse parser, :class:`LaunchOptions`
+(the typed, checked options of one launch), the defaults of
+``elaunch.config.LaunchConfig`` and of ``elaunch.launcher.LaunchConfig``'s shared
+fields, and docs/cli.md's reference (``python -m elaunch.cli.reference``).
+Stdlib only, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, fields, make_dataclass
+from functools import partial
+from typing import Any, Callable
 
-from elaunch.config.launch_config import DEFAULT_SIGNALS, _std_none
-from elaunch.config.values import PARSERS
+from elaunch.config import values as V
+from elaunch.rendezvous.registry import user_backend_names
 
-__all__ = ["LaunchOptions"]
+__all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_MASTER_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "DEFAULT_SIGNALS",
+           "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS", "LaunchOptions", "Option", "default_of"]
+
+#: Seconds between SIGTERM and SIGKILL when neither the flag nor ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+#: ``--master-port`` default for the static rendezvous, as torchrun.
+DEFAULT_MASTER_PORT = 29500
+#: ``--start-method`` values (kept for parity: elaunch's exec'd workers ignore it).
+START_METHODS = ("spawn", "fork", "forkserver")
+#: ``--numa-binding`` modes.
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+#: ``--signals-to-handle`` default, as torchrun.
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: ``--forward-signals`` default, minus any signal handled: notices (Slurm's ``--signal=B:USR1@120``), not stops.
+DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+NODES, RDZV, WORKERS, LOGS, STATIC = (
+    "Nodes and workers",
+    "Rendezvous",
+    "Worker launch",
+    "Logging and output",
+    "Static rendezvous (torch.distributed.launch compatibility)",
+)
+#: The sections of ``elaunch --help`` and docs/cli.md, in order.
+GROUPS = (NODES, RDZV, WORKERS, LOGS, STATIC, "Other")
 
 
-def flag_of(name: str) -> str:
-    """Return the long flag of option ``name`` (torchrun's ``dest``): ``nproc_per_node`` -> ``--nproc-per-node``."""
-    return "--" + name.replace("_", "-")
+def comma_list(text: str) -> list[str]:
+    """torchrun's argparse type of a comma-separated option (``,,`` escapes a comma)."""
+    return list(V.parse_comma_list(text))
 
 
 @dataclass(frozen=True)
-class LaunchOptions:
-    """torchrun's options by their argparse ``dest`` names, typed and checked.
-
-    A value of None takes the default; so does ``""`` for a free-text option
-    (``rdzv_id``, ``role``, ``master_addr``, ``log_dir``, ...), as an empty
-    ``PET_*`` variable counts as unset. Text forms are parsed (``nnodes="1:4"``,
-    ``rdzv_conf="a=1"``, ``max_restarts="3"``), typed values checked.
+class Option:
+    """One option of the command, everything known about it.
 
     Attributes:
-        training_script: the script, module (``-m``) or program (``--no-python``); None
-            is rejected by ``build_config``.
-        training_script_args: its arguments.
-        nnodes: ``(min, max)`` nodes, 1 <= min <= max (``--nnodes N|MIN:MAX``).
-        nproc_per_node: workers per node, an int >= 1 or ``auto``/``cpu``/``gpu``/``xpu``.
-        rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf: the rendezvous flags (backend
-            names from ``elaunch.rendezvous.registry``; ``rdzv_conf`` a dict).
-        standalone: ``--standalone``.
-        max_restarts: >= 0. monitor_interval: seconds, > 0. start_method: ``spawn``, ``fork``
-            or ``forkserver``. role: the workers' role.
-        module, no_python, run_path: how the worker runs the script.
-        warm_start, warm_start_modules: ``--warm-start`` and its modules (elaunch only).
-        shutdown_timeout: seconds >= 0, None for ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30.
-        signals_to_handle: signal names (``SIGTERM``, ...). forward_signals: signal names,
-            None for the default (``SIGUSR1``, ``SIGUSR2`` minus the handled ones).
-        hang_timeout: seconds >= 0, 0 off (elaunch only).
-        virtual_local_rank, numa_binding: worker placement.
-        log_dir, redirects, tee, local_ranks_filter, duplicate_stdout_filters,
-            duplicate_stderr_filters, event_log_handler, logs_specs: logging
-            (``redirects``/``tee`` an ``elaunch.procs.std.Std`` or ``{local_rank: Std}``).
-        node_rank, master_addr, master_port, local_addr: static rendezvous and this node's
-            address (``master_port`` None for 29500, or the standalone rendezvous on one node).
+        dest: torchrun's argparse ``dest``: the spellings are ``--dash-form``, the
+            ``--under_score`` form when it differs and ``short``; the environment
+            fallback is ``PET_<DEST>``.
+        group: its section of ``--help``.
+        help: its help text.
+        default: as typed on the command line (text; argparse's and click's default),
+            False for a flag, None for none (or one ``build_config`` resolves).
+        metavar: the value's placeholder in ``--help``; "" for a flag.
+        parse: ``(text or typed value, label) -> typed value``, raising ConfigError
+            naming ``label``; None keeps the text.
+        unit: the default's unit ("seconds" for a duration), "" for none.
+        short: the one-letter spelling (``-m``), or "".
+        shown: the default ``--help`` shows when ``default`` is None because
+            ``build_config`` resolves it from other options.
+        argtype: torchrun's argparse ``type`` (str, int, float or :func:`comma_list`).
+        choices: the values argparse accepts, or None for any.
+        torch: the field of torch's ``launcher.api.LaunchConfig`` it sets, or None.
+        elaunch_only: elaunch's own (no torchrun abbreviation expands to it).
     """
 
-    training_script: str | None = None
-    training_script_args: tuple[str, ...] = ()
-    nnodes: tuple[int, int] = (1, 1)
-    nproc_per_node: int | str = 1
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
-    rdzv_id: str = "none"
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    standalone: bool = False
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
-    role: str = "default"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
-    warm_start: bool = False
-    warm_start_modules: tuple[str, ...] = ("torch",)
-    shutdown_timeout: float | None = None
-    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
-    forward_signals: tuple[str, ...] | None = None
-    hang_timeout: float = 0.0
-    virtual_local_rank: bool = False
-    numa_binding: str | None = None
-    log_dir: str | None = None
-    redirects: Any = field(default_factory=_std_none)
-    tee: Any = field(default_factory=_std_none)
-    local_ranks_filter: frozenset[int] | None = None
-    duplicate_stdout_filters: tuple[str, ...] = ()
-    duplicate_stderr_filters: tuple[str, ...] = ()
-    event_log_handler: str = "null"
-    logs_specs: str | None = None
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    local_addr: str | None = None
+    dest: str
+    group: str
+    help: str
+    default: Any = None
+    metavar: str = ""
+    parse: Callable[[Any, str], Any] | None = None
+    unit: str = ""
+    short: str = ""
+    shown: str | None = None
+    argtype: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    torch: str | None = None
+    elaunch_only: bool = False
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every spelling: ``("-r", "--redirects")``, ``("--nproc-per-node", "--nproc_per_node")``."""
+        under = "--" + self.dest
+        return tuple(s for s in (self.short, self.long, under if under != self.long else "") if s)
+
+    @property
+    def long(self) -> str:
+        """The dash spelling, which errors name: ``--nproc-per-node``."""
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def envvar(self) -> str:
+        """The ``PET_*`` variable the option falls back to."""
+        return "PET_" + self.dest.upper()
+
+    @property
+    def is_flag(self) -> bool:
+        """True for an option that takes no value."""
+        return self.default is False
+
+    def value(self) -> Any:
+        """The typed default (a fresh object each call): ``"1:1"`` -> ``(1, 1)``."""
+        if self.parse is None or self.default is None:
+            return self.default
+        return self.parse(self.default, self.long)
+
+
+def _seconds(allow_zero: bool) -> Callable[[Any, str], Any]:
+    return partial(V.parse_seconds, allow_zero=allow_zero)
+
+
+_ROWS = (
+    Option("nnodes", NODES, "Number of nodes, or the range MIN:MAX for an elastic job.", "1:1", "N|MIN:MAX",
+           V.parse_nnodes, torch="min_nodes, max_nodes"),
+    Option("nproc_per_node", NODES, "Workers per node: an integer, or cpu (usable CPUs), gpu (CUDA devices), xpu, "
+           "auto (accelerators if any, else CPUs).", "1", "N|auto|cpu|gpu|xpu", V.parse_nproc, torch="nproc_per_node"),
+    Option("rdzv_backend", RDZV, f"Rendezvous backend: {', '.join(user_backend_names())}, or a name registered in "
+           "the 'torchrun.handlers' entry-point group.", "static", "BACKEND", V.parse_backend, torch="rdzv_backend"),
+    Option("rdzv_endpoint", RDZV, "Rendezvous endpoint, host[:port] ([::1]:29400 for IPv6; etcd: a comma-separated "
+           "list).", "", "HOST[:PORT]", torch="rdzv_endpoint"),
+    Option("rdzv_id", RDZV, "Job id shared by all nodes of the job (TORCHELASTIC_RUN_ID).", "none", "ID",
+           torch="run_id"),
+    Option("rdzv_conf", RDZV, "Backend options, e.g. join_timeout=600,last_call_timeout=30 (timeouts in seconds).",
+           "", "K=V,...", V.parse_kv_list, torch="rdzv_configs"),
+    Option("standalone", RDZV, "Single-node job with a local rendezvous on a free port; any rendezvous backend, "
+           "endpoint and id flags are ignored.", False),
+    Option("max_restarts", WORKERS, "Worker-group restarts allowed after failures before the job fails.", "0", "N",
+           partial(V.parse_int, minimum=0), argtype=int, torch="max_restarts"),
+    Option("monitor_interval", WORKERS, "Seconds between the agent's checks of the rendezvous, progress "
+           "(--hang-timeout) and stuck workers (> 0); a worker's exit is seen at once.", "0.1", "SECONDS",
+           _seconds(False), "seconds", argtype=float, torch="monitor_interval"),
+    Option("start_method", WORKERS, "Accepted for compatibility; workers are always exec'd processes.", "spawn",
+           "|".join(START_METHODS), partial(V.parse_choice, choices=START_METHODS, what="start method"),
+           choices=START_METHODS, torch="start_method"),
+    Option("role", WORKERS, "Role of the workers (ROLE_NAME).", "default", "NAME", torch="role"),
+    Option("module", WORKERS, "Run the script as a module, like 'python -m'.", False, short="-m"),
+    Option("no_python", WORKERS, "Run the script directly, not with python (any executable, found on PATH).", False),
+    Option("run_path", WORKERS, "Run the script with runpy.run_path in each worker; takes precedence over "
+           "--no-python.", False),
+    Option("warm_start", WORKERS, "Keep a spare interpreter per worker with --warm-start-modules imported, so "
+           "restarted workers skip those imports (elaunch only; not with --no-python).", False, elaunch_only=True),
+    Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance.", "torch", "MOD,...",
+           V.parse_comma_list, argtype=comma_list, elaunch_only=True),
+    Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
+           f"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
+           "seconds", argtype=float, torch="shutdown_timeout"),
+    Option("signals_to_handle", WORKERS, "Signals the agent catches and forwards to the workers before stopping "
+           "them.", ",".join(DEFAULT_SIGNALS), "SIG,...", V.parse_signals, torch="signals_to_handle"),
+    Option("forward_signals", WORKERS, "Signals the agent forwards to every worker's process group while it keeps "
+           "running: a notice such as Slurm's preemption warning, not a stop. '' or none forwards none; the default "
+           "leaves out any signal named by --signals-to-handle (elaunch only).", None, "SIG,...|none",
+           partial(V.parse_signals, allow_empty=True), shown=",".join(DEFAULT_FORWARD_SIGNALS), elaunch_only=True),
+    Option("hang_timeout", WORKERS, "A worker that called elaunch.progress() at least once and then not for SECONDS "
+           "is hung: its stacks are dumped and it counts as that rank's failure. 0 turns this off (elaunch only).",
+           "0", "SECONDS", _seconds(True), "seconds", argtype=float, elaunch_only=True),
+    Option("virtual_local_rank", WORKERS, "Give every worker LOCAL_RANK=0 and restrict CUDA_VISIBLE_DEVICES to its "
+           "own GPU.", False, torch="virtual_local_rank"),
+    Option("numa_binding", WORKERS, "Bind workers to CPUs near their GPU.", None, "|".join(NUMA_MODES),
+           partial(V.parse_choice, choices=NUMA_MODES, what="NUMA binding mode"), choices=NUMA_MODES,
+           torch="numa_options"),
+    Option("log_dir", LOGS, "Base directory for worker logs (a run-specific subdirectory is created).", None, "DIR",
+           torch="logs_specs"),
+    Option("redirects", LOGS, "Redirect worker streams to log files: 0 none, 1 stdout, 2 stderr, 3 both; or per "
+           "local rank, e.g. 0:1,1:2.", "0", "0-3|R:0-3,...", V.parse_std, short="-r", torch="logs_specs"),
+    Option("tee", LOGS, "Like --redirects, but also keep the streams on the console.", "0", "0-3|R:0-3,...",
+           V.parse_std, short="-t", torch="logs_specs"),
+    Option("local_ranks_filter", LOGS, "Show only these local ranks' output on the console [default: all].", "",
+           "R,R,...", V.parse_rank_set, torch="logs_specs"),
+    Option("duplicate_stdout_filters", LOGS, "Copy stdout lines containing any of these strings to a separate file "
+           "(',,' escapes a comma).", "", "A,B,...", V.parse_comma_list, argtype=comma_list,
+           torch="duplicate_stdout_filters"),
+    Option("duplicate_stderr_filters", LOGS, "Same as --duplicate-stdout-filters, for stderr.", "", "A,B,...",
+           V.parse_comma_list, argtype=comma_list, torch="duplicate_stderr_filters"),
+    Option("event_log_handler", LOGS, "torch.distributed.elastic event handler name.", "null", "NAME",
+           torch="event_log_handler"),
+    Option("logs_specs", LOGS, "Name of a 'torchrun.logs_specs' entry point customising log files.", None, "NAME",
+           torch="logs_specs"),
+    Option("node_rank", STATIC, "Rank of this node (static rendezvous only), 0 .. nnodes-1.", "0", "N",
+           partial(V.parse_int, minimum=0), argtype=int, torch="rdzv_configs"),
+    Option("master_addr", STATIC, "Address of the rank-0 node (static rendezvous without --rdzv-endpoint).",
+           "127.0.0.1", "HOST", torch="rdzv_endpoint"),
+    Option("master_port", STATIC, f"Port on the rank-0 node (static rendezvous) [default: {DEFAULT_MASTER_PORT}].",
+           None, "PORT", partial(V.parse_int, minimum=1, maximum=65535), argtype=int, torch="rdzv_endpoint"),
+    Option("local_addr", STATIC, "This node's address as the others reach it [default: its FQDN].", None, "HOST",
+           torch="local_addr"),
+)
+#: The rows by ``dest``, in ``--help`` order.
+OPTIONS: dict[str, Option] = {o.dest: o for o in _ROWS}
+
+
+def default_of(dest: str) -> Any:
+    """The typed default of option ``dest`` (``default_of("hang_timeout")`` is 0.0)."""
+    return OPTIONS[dest].value()
+
+
+class _Checked:
+    """torchrun's options by their argparse ``dest`` names (:data:`OPTIONS`), typed and checked.
+
+    ``training_script`` (None is rejected by ``build_config``) and its
+    ``training_script_args``, then one attribute per row of :data:`OPTIONS`. A
+    value of None takes the row's typed default (:meth:`Option.value`; None for
+    ``shutdown_timeout``, ``forward_signals`` and ``master_port``, which
+    ``build_config`` resolves); so does ``""`` for a free-text option (``rdzv_id``,
+    ``role``, ``master_addr``, ``log_dir``, ...), as an empty ``PET_*`` variable
+    counts as unset. Text forms are parsed by the row's parser (``nnodes="1:4"``
+    gives ``(1, 4)``, ``rdzv_conf="a=1"`` a dict), typed values checked, so an
+    options object is valid whoever built it (the CLI, ``elaunch.run``, a test);
+    ``build_config`` then checks only what spans several options.
+
+    Raises (on construction):
+        ConfigError: a value its row's parser rejects; the message names the flag.
+    """
 
     def __post_init__(self) -> None:
-        """Replace unset values by their defaults and parse or check the rest.
-
-        Raises:
-            ConfigError: a value its flag's parser rejects; the message names the flag.
-        """
-        for f in fields(self):
-            value = getattr(self, f.name)
-            parse = PARSERS.get(f.name)
-            if value is None or (value == "" and parse is None):
-                value = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-            elif parse is not None:
-                value = parse(value, flag_of(f.name))
-            elif isinstance(f.default, bool):
+        object.__setattr__(self, "training_script", self.training_script or None)
+        object.__setattr__(self, "training_script_args", tuple(self.training_script_args or ()))
+        for o in _ROWS:
+            value = getattr(self, o.dest)
+            if value is None or (value == "" and o.parse is None):
+                value = o.value()
+            elif o.parse is not None:
+                value = o.parse(value, o.long)
+            elif o.is_flag:
                 value = bool(value)
-            elif f.name == "training_script_args":
-                value = tuple(value)
-            object.__setattr__(self, f.name, value)
+            object.__setattr__(self, o.dest, value)
 
     @classmethod
-    def from_namespace(cls, args: Any) -> LaunchOptions:
+    def from_namespace(cls, args: Any) -> Any:
         """Return the options an ``argparse.Namespace`` (or any object) carries as attributes.
 
         Mirrors what ``torch.distributed.run.config_from_args`` reads from its ``args``:
@@ -123,6 +246,14 @@ class LaunchOptions:
         others (``use_env``, ...) are ignored.
 
         Raises:
-            ConfigError: a value its flag's parser rejects.
+            ConfigError: a value its row's parser rejects.
         """
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+LaunchOptions = make_dataclass(
+    "LaunchOptions",
+    [("training_script", "str | None", None), ("training_script_args", "tuple[str, ...]", ()),
+     *((o.dest, "Any", None) for o in _ROWS)],
+    bases=(_Checked,), frozen=True)
+LaunchOptions.__module__, LaunchOptions.__doc__ = __name__, _Checked.__doc__

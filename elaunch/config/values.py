@@ -5,20 +5,17 @@ flag, e.g. ``--nnodes``, or the env var it came from, e.g. ``PET_NNODES``) and
 returns the typed value or raises :class:`~elaunch.config.errors.ConfigError`
 whose message reads ``<label>=<value>: <reason>``; given a value already typed
 (as argparse, ``click`` or a caller produces it), it checks it the same way, so
-parsing twice is harmless. :data:`PARSERS` names the parser of each option; the
-click command (``elaunch.cli.params.Parsed``) and
-:class:`~elaunch.config.options.LaunchOptions` both apply it. Stdlib only, no torch.
+parsing twice is harmless. Each row of the option table
+(:data:`elaunch.config.options.OPTIONS`) names its parser; the click command
+(``elaunch.cli.params.Parsed``) and ``LaunchOptions`` both apply it. Stdlib only, no torch.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from elaunch.config.errors import ConfigError
-from elaunch.config.launch_config import NUMA_MODES, START_METHODS
 from elaunch.rendezvous import registry
 
 NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
@@ -257,29 +254,3 @@ def parse_pet_flag(text: str | bool, label: str) -> bool:
         return int(str(text).strip()) != 0
     except ValueError:
         raise _bad(label, text, "expected 1 or 0") from None
-
-
-#: The parser of each value-taking option, by torchrun's ``dest`` name; options not
-#: named here take their text as it is.
-PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "nnodes": parse_nnodes,
-    "nproc_per_node": parse_nproc,
-    "rdzv_backend": parse_backend,
-    "rdzv_conf": parse_kv_list,
-    "max_restarts": partial(parse_int, minimum=0),
-    "monitor_interval": partial(parse_seconds, allow_zero=False),
-    "start_method": partial(parse_choice, choices=START_METHODS, what="start method"),
-    "warm_start_modules": parse_comma_list,
-    "shutdown_timeout": partial(parse_seconds, allow_zero=True),
-    "signals_to_handle": parse_signals,
-    "forward_signals": partial(parse_signals, allow_empty=True),
-    "hang_timeout": partial(parse_seconds, allow_zero=True),
-    "numa_binding": partial(parse_choice, choices=NUMA_MODES, what="NUMA binding mode"),
-    "redirects": parse_std,
-    "tee": parse_std,
-    "local_ranks_filter": parse_rank_set,
-    "duplicate_stdout_filters": parse_comma_list,
-    "duplicate_stderr_filters": parse_comma_list,
-    "node_rank": partial(parse_int, minimum=0),
-    "master_port": partial(parse_int, minimum=1, maximum=65535),
-}
