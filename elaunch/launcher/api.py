@@ -39,10 +39,8 @@ redirects, tee and rank filter (its ``reify`` is not called).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import signal
 import sys
 import tempfile
 import uuid
@@ -50,7 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elaunch.config import OPTIONS
 from elaunch.config import LaunchConfig as _RunConfig
+from elaunch.config.options import DEFAULT_SHUTDOWN_TIMEOUT, default_of
+from elaunch.config.values import parse_int, parse_nnodes, parse_signals
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 
@@ -58,7 +59,6 @@ log = logging.getLogger("elaunch")
 
 #: ``rdzv_configs["timeout"]`` when neither it nor ``rdzv_timeout`` is given (torch: 900 s).
 DEFAULT_RDZV_TIMEOUT = 900
-START_METHODS = ("spawn", "fork", "forkserver")
 
 
 @dataclass
@@ -120,14 +120,14 @@ class LaunchConfig:
     rdzv_configs: dict[str, Any] = field(default_factory=dict)
     rdzv_timeout: int = -1
     max_restarts: int = 3
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    monitor_interval: float = default_of("monitor_interval")
+    start_method: str = OPTIONS["start_method"].default
     log_line_prefix_template: str | None = None
     metrics_cfg: dict[str, str] = field(default_factory=dict)
     local_addr: str | None = None
-    event_log_handler: str = "null"
+    event_log_handler: str = OPTIONS["event_log_handler"].default
     numa_options: Any = None
-    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    signals_to_handle: str = OPTIONS["signals_to_handle"].default
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
@@ -153,7 +153,7 @@ class LaunchConfig:
 
                 self.numa_options = get_default_numa_options()
         if self.shutdown_timeout is None:
-            self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+            self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", f"{DEFAULT_SHUTDOWN_TIMEOUT:g}"))
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 
@@ -207,14 +207,6 @@ def _std(value: Any) -> Any:
     return Std(int(value or 0))
 
 
-def _signal_names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
-    for name in names:
-        if not isinstance(getattr(signal, name, None), signal.Signals):
-            raise ValueError(f"signals_to_handle={text}: {name} is not a signal name")
-    return names
-
-
 def _program_cmd(entrypoint: str, args: list[Any]) -> tuple[str, ...]:
     cmd = [entrypoint]
     for arg in args:
@@ -225,21 +217,17 @@ def _program_cmd(entrypoint: str, args: list[Any]) -> tuple[str, ...]:
 
 
 def _check(config: LaunchConfig) -> None:
-    """Reject what torch's agent would fail on later, with the value in the message."""
-    if not 1 <= config.min_nodes <= config.max_nodes:
-        raise ValueError(f"min_nodes={config.min_nodes}, max_nodes={config.max_nodes}: need 1 <= min <= max")
-    if config.nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node={config.nproc_per_node}: must be >= 1")
-    if config.max_restarts < 0:
-        raise ValueError(f"max_restarts={config.max_restarts}: must be >= 0")
-    if not config.monitor_interval > 0:
-        raise ValueError(f"monitor_interval={config.monitor_interval}: must be > 0 seconds")
-    if config.start_method not in START_METHODS:
-        raise ValueError(f"start_method={config.start_method}: expected one of {', '.join(START_METHODS)}")
+    """Reject what torch's agent would fail on later, with the options' own checks (ValueErrors naming the value)."""
+    parse_nnodes((config.min_nodes, config.max_nodes), "min_nodes:max_nodes")
+    parse_int(config.nproc_per_node, "nproc_per_node", minimum=1)
+    for name in ("max_restarts", "monitor_interval", "start_method"):
+        OPTIONS[name].parse(getattr(config, name), name)
 
 
 def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     """elaunch's own launch configuration for ``config`` running ``cmd``."""
+    from elaunch.config.build import signal_sets
+
     _check(config)
     specs = config.logs_specs
     if config.metrics_cfg:
@@ -247,8 +235,7 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     rdzv_configs = {k: v if isinstance(v, str) else str(v) for k, v in config.rdzv_configs.items()
                     if not (k == "timeout" and getattr(config, "_default_timeout", False)
                             and v == DEFAULT_RDZV_TIMEOUT)}
-    handle = _signal_names(config.signals_to_handle)
-    forward_default = next(f.default for f in dataclasses.fields(_RunConfig) if f.name == "forward_signals")
+    handle, forward = signal_sets(parse_signals(config.signals_to_handle, "signals_to_handle", allow_empty=True), None)
     numa = config.numa_options
     ranks_filter = getattr(specs, "_local_ranks_filter", None)
     return _RunConfig(
@@ -270,7 +257,7 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
         local_addr=config.local_addr,
         shutdown_timeout=float(config.shutdown_timeout or 0),
         signals_to_handle=handle,
-        forward_signals=tuple(s for s in forward_default if s not in handle),
+        forward_signals=forward,
         event_log_handler=config.event_log_handler,
         virtual_local_rank=config.virtual_local_rank,
         numa_binding=None if numa is None else str(getattr(getattr(numa, "affinity_mode", None), "value", numa)),
