@@ -90,7 +90,7 @@ class ElasticAgent:
         logs: LogsSpec,
         env_opts: EnvOptions,
         *,
-        shutdown_timeout: float = 30.0,
+        shutdown_timeout: float,
         exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
         base_env: Mapping[str, str] | None = None,
         hostname: str | None = None,

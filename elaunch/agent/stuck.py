@@ -31,14 +31,10 @@ def timeout_from_env(environ: Mapping[str, str]) -> float:
 
 def proc_state(pid: int) -> str | None:
     """The one-letter scheduler state of ``pid`` (``"R"``, ``"S"``, ``"D"``...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # "pid (comm) S ...": comm may hold spaces and parentheses, so split after the last ")"
-    rest = stat[stat.rfind(b")") + 1:].split()
-    return rest[0].decode("ascii", "replace") if rest else None
+    from elaunch.procs._proctree import read
+
+    row = read(pid)
+    return None if row is None else row.state
 
 
 class UninterruptibleWatch:

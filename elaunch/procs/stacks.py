@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._progress import STACKS_HEADER
+from . import _proctree
 from .progress import STACKS_SIGNAL
 
 __all__ = [
@@ -142,12 +143,8 @@ def dump_stacks(
 
 def process_state(pid: int) -> str:
     """The one-letter /proc state of ``pid`` ("" if gone or unreadable): R, S, D, T (stopped), t, Z..."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rindex(b")") + 2 :].split()[0].decode()
-    except (OSError, ValueError, IndexError):
-        return ""
+    row = _proctree.read(pid)
+    return "" if row is None else row.state
 
 
 def _py_spy_all(exe: str, pids: Mapping[int, int], timeout: float) -> dict[int, tuple[str | None, str]]:
