@@ -7,8 +7,8 @@ file and reads the counter without any system call on either side (see
 :mod:`elaunch.procs.progress`).
 
 Stdlib only, nothing imported at module level beyond ``os``: ``import elaunch`` stays
-cheap and never imports torch. ``mmap``, ``faulthandler`` and ``warnings`` are imported
-on the first call only.
+cheap and never imports torch. ``mmap``, ``atexit``, ``faulthandler`` and ``warnings``
+are imported on the first call only.
 
 Guarantees, deliberately weak where strength would cost per call:
 
@@ -22,6 +22,14 @@ Guarantees, deliberately weak where strength would cost per call:
 * Torn reads: the agent may read the word while a worker writes it; an aligned 8-byte
   store is a single instruction on x86-64 and aarch64, and even a torn value only
   reads as "changed".
+
+Exit mark: the first call also registers an :mod:`atexit` handler that writes this
+process's pid into the second word (offset 8) when its interpreter starts to exit
+(the program returned, called ``sys.exit`` or died of an uncaught exception). From
+then on the rank is on its way out, and the teardown that follows (module cleanup,
+torch's and gloo's destructors: seconds on a loaded machine) is not a hang: the agent
+stops judging the rank's quiet (see ``decide.hung_ranks``). Only the process that
+made the first call marks: a forked child that exits does not.
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ PROGRESS_FILE_ENV = "ELAUNCH_PROGRESS_FILE"
 STACKS_FILE_ENV = "ELAUNCH_STACKS_FILE"
 #: Number of the signal that makes the worker dump its stacks into the stacks file.
 STACKS_SIGNAL_ENV = "ELAUNCH_STACKS_SIGNAL"
-#: Bytes of the progress file that this module maps (the counter is the first 8).
-COUNTER_BYTES = 8
+#: Bytes of the progress file that this module maps: the uint64 counter at offset 0,
+#: then the exit mark (a uint64 at offset 8: 0, or the worker's pid once it exits).
+MAPPED_BYTES = 16
 #: Prefix of the line written to the stacks file when the signal handler is registered:
 #: ``elaunch-stacks pid=<pid> signal=<signum>``. The agent sends the signal only to a pid
 #: named on such a line, since the default action of a real-time signal is to terminate.
@@ -62,7 +71,10 @@ def progress() -> None:
     stacks file open, write, rt_sigaction); every later call none, about the cost of
     a global lookup and an integer add (see ``python -m benchmarks.progress_cost``).
 
-    Never raises: a file that cannot be opened or mapped (missing, shorter than 8
+    The first call also registers the exit mark (module docstring): once this
+    process exits, the agent no longer judges the rank's quiet as a hang.
+
+    Never raises: a file that cannot be opened or mapped (missing, shorter than 16
     bytes, not writable) or a bad signal number issues one ``RuntimeWarning`` and
     disables that part.
     """
@@ -93,23 +105,35 @@ def _initialise() -> None:
         return
     counter[0] += 1  # this first call counts too
     _counter = counter
+    import atexit
+
+    atexit.register(_mark_exit, counter, os.getpid())
+
+
+def _mark_exit(words: memoryview, pid: int) -> None:
+    """atexit: write ``pid`` as the exit mark, when this is the process that registered it."""
+    if os.getpid() == pid:  # a forked child inherits the handler; its exit is not the rank's
+        try:
+            words[1] = pid
+        except ValueError:  # the mapping was released
+            pass
 
 
 def _map_counter(path: str) -> memoryview:
-    """Map the first 8 bytes of ``path`` read-write, shared; return a ``"Q"`` view.
+    """Map the first 16 bytes of ``path`` read-write, shared; return a ``"Q"`` view of 2 words.
 
     Raises:
         OSError: the file cannot be opened or mapped.
-        ValueError: the file is shorter than 8 bytes.
+        ValueError: the file is shorter than 16 bytes.
     """
     import mmap
 
     fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        if size < COUNTER_BYTES:
-            raise ValueError(f"file is {size} bytes, needs at least {COUNTER_BYTES}")
-        mapped = mmap.mmap(fd, COUNTER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if size < MAPPED_BYTES:
+            raise ValueError(f"file is {size} bytes, needs at least {MAPPED_BYTES}")
+        mapped = mmap.mmap(fd, MAPPED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping outlives the descriptor
     return memoryview(mapped).cast("Q")

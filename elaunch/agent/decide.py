@@ -10,7 +10,7 @@ and applies.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 
 class Verdict(enum.Enum):
@@ -99,7 +99,7 @@ def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: 
 
 
 def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[int, int | None],
-               hang_timeout: float) -> list[int]:
+               hang_timeout: float, exiting: Collection[int] = ()) -> list[int]:
     """Return the local ranks that hang (sorted): the hang verdict of ``--hang-timeout``.
 
     Args:
@@ -107,13 +107,23 @@ def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[i
             seconds since its counter last changed).
         exit_codes: local rank -> exit code, None while running (exited ranks do not hang).
         hang_timeout: seconds without progress that make a rank hung; 0 = off.
+        exiting: local ranks whose worker has started to exit (its interpreter ran
+            the exit mark that ``elaunch.progress()`` registers) and is still alive.
 
     Returns:
         The running ranks that reported progress once and then not for more than
         ``hang_timeout`` seconds. A rank that never reported is not judged (it may
-        not call ``elaunch.progress()`` at all).
+        not call ``elaunch.progress()`` at all). Nothing is judged while a rank of
+        the node is exiting (its teardown takes seconds on a loaded machine, and its
+        peers may wait on it) or after one failed (exited non-zero or by a signal:
+        that failure is the root cause, its peers' quiet is its doing); the exit
+        codes then decide.
     """
     if hang_timeout <= 0:
+        return []
+    if any(c is not None and c != 0 for c in exit_codes.values()):
+        return []
+    if any(exit_codes.get(lr, 0) is None for lr in exiting):
         return []
     return sorted(lr for lr, (reported, quiet) in progress.items()
                   if reported and quiet > hang_timeout and exit_codes.get(lr) is None)

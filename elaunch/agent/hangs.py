@@ -62,12 +62,19 @@ class HangWatch:
             self._watch.reset()
 
     def hung(self, exit_codes: Mapping[int, int | None]) -> list[int]:
-        """Return the local ranks that hang now (sorted); [] when detection is off."""
+        """Return the local ranks that hang now (sorted); [] when detection is off.
+
+        A rank's quiet is measured on this agent's monotonic clock from the first
+        reading that saw its counter change: a late check (a loaded machine) can
+        only see more progress, never less. A worker whose exit mark names a live
+        process is exiting: see ``decide.hung_ranks``.
+        """
         if self._files is None:
             return []
         table = self._watch.update(self._files.read(), self._clock())
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
-        return hung_ranks(progress, exit_codes, self.hang_timeout)
+        exiting = [lr for lr, pid in self._files.exit_marks().items() if _alive(pid)]
+        return hung_ranks(progress, exit_codes, self.hang_timeout, exiting)
 
     def counter(self, local_rank: int) -> int:
         """``local_rank``'s progress counter as last read (0 when unknown)."""
@@ -116,6 +123,17 @@ class HangWatch:
         """Remove the progress files. Idempotent."""
         if self._files is not None:
             self._files.close()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists (a zombie too): an exit mark counts only while its process is exiting."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it exists
+    return True
 
 
 #: Frames that show a worker blocked in a collective, waiting for its peers (py-spy and

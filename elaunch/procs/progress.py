@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .._progress import COUNTER_BYTES, PROGRESS_FILE_ENV, STACKS_FILE_ENV, STACKS_SIGNAL_ENV
+from .._progress import MAPPED_BYTES, PROGRESS_FILE_ENV, STACKS_FILE_ENV, STACKS_SIGNAL_ENV
 
 __all__ = [
     "FILE_BYTES",
@@ -39,8 +39,9 @@ __all__ = [
 #: neither torch, NCCL/gloo nor Python use; its default action terminates, so it is
 #: sent only to a process that registered a handler (see :mod:`elaunch.procs.stacks`).
 STACKS_SIGNAL: int = signal.SIGRTMIN + 3
-#: Size of each progress file in bytes: the uint64 counter at offset 0, the rest zero
-#: (room for later fields without changing the file's size).
+#: Size of each progress file in bytes: the uint64 counter at offset 0, the exit mark
+#: (the worker's pid once its interpreter exits) at offset 8, the rest zero (room for
+#: later fields without changing the file's size).
 FILE_BYTES = 64
 #: Where private directories go when /dev/shm is usable (a tmpfs: no disk writes).
 _SHM = "/dev/shm"
@@ -93,7 +94,7 @@ class ProgressFiles:
                     f.write(bytes(FILE_BYTES))
                 open(self.stacks_file(rank), "wb").close()
                 with open(self.progress_file(rank), "rb") as f:
-                    m = mmap.mmap(f.fileno(), COUNTER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+                    m = mmap.mmap(f.fileno(), MAPPED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
                 self._maps[rank] = m
                 self._views[rank] = memoryview(m).cast("Q")
         except BaseException:
@@ -155,8 +156,16 @@ class ProgressFiles:
         """
         return {rank: view[0] for rank, view in self._views.items()}
 
+    def exit_marks(self) -> dict[int, int]:
+        """Local rank -> pid of its worker that started to exit (ranks without a mark are left out).
+
+        A worker's ``elaunch.progress()`` writes its pid at offset 8 from an
+        :mod:`atexit` handler. No system call. Returns ``{}`` after :meth:`close`.
+        """
+        return {rank: view[1] for rank, view in self._views.items() if view[1]}
+
     def reset(self) -> None:
-        """Zero every counter and empty every stacks file, for a new set of workers.
+        """Zero every counter and exit mark, empty every stacks file, for a new set of workers.
 
         Call only when no worker of the previous set is alive (they would keep
         counting into the same files), and before starting the next set: the stacks
@@ -167,7 +176,7 @@ class ProgressFiles:
         """
         for rank in self._ranks:
             with open(self.progress_file(rank), "r+b") as f:
-                f.write(bytes(COUNTER_BYTES))
+                f.write(bytes(MAPPED_BYTES))
             open(self.stacks_file(rank), "wb").close()
 
     def close(self) -> None:

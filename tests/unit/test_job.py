@@ -368,7 +368,10 @@ def test_next_step_rejects_running_even_unfixable():
         ({0: (False, 1e6), 1: (True, 3.0)}, {0: None, 1: None}, 2.0, [1]),
         # exited ranks do not hang, whatever their exit code
         ({0: (True, 5.0), 1: (True, 5.0)}, {0: 0, 1: -9}, 2.0, []),
-        ({0: (True, 5.0), 1: (True, 5.0)}, {0: 1, 1: None}, 2.0, [1]),
+        ({0: (True, 5.0), 1: (True, 5.0)}, {0: 0, 1: None}, 2.0, [1]),
+        # a rank that failed is the cause: its peer, quiet behind it, is not hung
+        ({0: (True, 5.0), 1: (True, 5.0)}, {0: 1, 1: None}, 2.0, []),
+        ({0: (True, 5.0), 1: (True, 5.0)}, {0: -15, 1: None}, 2.0, []),
         # strictly longer than the timeout
         ({0: (True, 2.0)}, {0: None}, 2.0, []),
         ({0: (True, 2.01)}, {0: None}, 2.0, [0]),
@@ -380,6 +383,25 @@ def test_next_step_rejects_running_even_unfixable():
 )
 def test_hung_ranks(progress, codes, timeout, expected):
     assert hung_ranks(progress, codes, timeout) == expected
+
+
+@pytest.mark.parametrize(
+    "codes, exiting, expected",
+    [
+        ({0: None, 1: None}, [], [0, 1]),
+        # a rank in its interpreter's teardown (exit mark set, still alive) is not hung,
+        # nor is its peer, who may wait on it: the exit code decides
+        ({0: None, 1: None}, [1], []),
+        ({0: None, 1: None}, [0, 1], []),
+        # the exiting rank is gone (reaped): its mark no longer holds the others back
+        ({0: None, 1: 0}, [1], [0]),
+        # a mark of a rank not on this node (no exit code known) holds nothing back
+        ({0: None, 1: None}, [7], [0, 1]),
+    ],
+)
+def test_hung_ranks_waits_while_a_rank_exits(codes, exiting, expected):
+    progress = {0: (True, 5.0), 1: (True, 5.0)}
+    assert hung_ranks(progress, codes, 2.0, exiting) == expected
 
 
 # ---------------------------------------------------------------- decide: sits_out

@@ -85,7 +85,7 @@ def test_registers_stack_handler_and_names_its_pid(files):
 
 @pytest.mark.parametrize(
     "content, expected",
-    [(b"\0" * 4, "is 4 bytes, needs at least 8"), (None, "No such file")],
+    [(b"\0" * 12, "is 12 bytes, needs at least 16"), (None, "No such file")],
     ids=["too-short", "missing"],
 )
 def test_unusable_file_warns_once_and_never_raises(tmp_path, content, expected):
@@ -124,6 +124,43 @@ def test_forked_child_counts_into_the_same_file(files):
     )
     assert out.returncode == 0, out.stderr
     assert files.read()[0] == 11
+
+
+def test_exit_mark_is_the_pid_of_the_exiting_worker_only(files):
+    out = _python(
+        """
+        import os, sys, elaunch
+        elaunch.progress()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a forked child runs the inherited atexit handlers: it must not mark
+        os.waitpid(pid, 0)
+        print(os.getpid(), flush=True)
+        raise SystemExit(3)  # an exit with any status marks
+        """,
+        files.env(1),
+    )
+    assert out.returncode == 3, out.stderr
+    assert files.exit_marks() == {1: int(out.stdout)}
+    assert files.read() == {0: 0, 1: 1}
+
+
+def test_no_exit_mark_while_running_nor_without_a_progress_call(files):
+    out = _python(
+        """
+        import os, sys, elaunch
+        elaunch.progress()
+        with open(os.environ["ELAUNCH_PROGRESS_FILE"], "rb") as f:
+            print(int.from_bytes(f.read(16)[8:], sys.byteorder))  # no mark while the program runs
+        """,
+        files.env(0),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+    assert _python("import elaunch\n", files.env(1)).returncode == 0  # never called progress()
+    assert list(files.exit_marks()) == [0]  # rank 0 exited after its progress() call
+    files.reset()
+    assert files.exit_marks() == {}
 
 
 def test_progress_files_layout_env_reset_and_close(tmp_path):
