@@ -30,7 +30,6 @@ from elaunch.agent.stuck import UninterruptibleWatch, stuck_failures, timeout_fr
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import (
     FailureRecord,
-    RendezvousClosedError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousJobFailedError,
@@ -112,7 +111,7 @@ class ElasticAgent:
         self._exits_told: WorkerProcesses | None = None  # the procs whose exits are in the event log
         self._group: WorkerGroup | None = None
         self._attempt_logs: AttemptLogs | None = None
-        self._job = JobView(rdzv, spec.max_restarts)
+        self._job = JobView(rdzv, spec.max_restarts, spec.monitor_interval)
         self._hang_timeout = hang_timeout
         self._hangs: HangResponse | None = None  # made in run(): it creates the progress files
         self._file_timer = None
@@ -200,7 +199,6 @@ class ElasticAgent:
     def _invoke_run(self) -> RunResult:
         restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)
         attempt = 0
-        sat_out = False  # this node just sat out a cooldown (bad-node exclusion)
         announce: tuple[int, FailureRecord, int] | None = None  # a restart to log once the next round formed
         while True:
             self._events.rendezvous_joining()
@@ -210,13 +208,6 @@ class ElasticAgent:
                 # JOINING -> FAILED: another node declared the job failed while we joined
                 self._launcher.no_more_attempts()
                 return self._job.failed_elsewhere(exc.failure, restarts)
-            except RendezvousClosedError:
-                if not sat_out:
-                    raise
-                # JOINING -> SUCCEEDED: the others finished the job while this node sat out
-                log.warning("the job finished while this node sat out; nothing left to run")
-                return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
-            sat_out = False
             self._events.rendezvous_complete(info, getattr(self._rdzv, "round_members", None))
             if announce is not None:
                 # every node of the failed round recorded its report before this round formed:
@@ -284,7 +275,11 @@ class ElasticAgent:
             if not self._job.state.node:  # no job state: this agent alone knows the root cause
                 self._announce_restart(*announce)
                 announce = None
-            sat_out = self._job.sit_out_if_blamed()
+            ended = self._job.sit_out_if_blamed(restarts)
+            if ended is not None:
+                # STOPPED -> SUCCEEDED/FAILED: the job ended while this node sat out
+                self._launcher.no_more_attempts()
+                return ended
 
     def _succeeded(self, group: WorkerGroup, restarts: int) -> RunResult:
         """HEALTHY -> SUCCEEDED: every worker exited 0; end the run and wait at the exit barrier."""
@@ -297,6 +292,7 @@ class ElasticAgent:
         self._events.close()  # a temporary log directory goes now, events.jsonl with it
         self._launcher.remove_log_dir_if_temporary()
         self._rdzv.exit_barrier(self._exit_barrier_timeout)
+        self._job.succeed()  # after the exit barrier: the nodes of the round are done
         return result
 
     def _reform_event(self, restarts: int) -> None:

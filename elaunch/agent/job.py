@@ -15,7 +15,13 @@ import time
 
 from elaunch.agent.decide import Step, Verdict, next_step, sits_out
 from elaunch.agent.failures import from_record, to_record
-from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
+from elaunch.rendezvous.api import (
+    FailureRecord,
+    JobState,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+)
 from elaunch.spec import ProcessFailure, RunResult, WorkerState
 
 log = logging.getLogger("elaunch.agent")
@@ -27,15 +33,19 @@ class JobView:
     Args:
         rdzv: the rendezvous handler.
         max_restarts: ``--max-restarts``, the job's budget of failure restarts.
-        sleep: sleeps a number of seconds (the exclusion cooldown; injectable for tests).
+        interval: ``--monitor-interval``, seconds between looks at the job while this
+            node sits out.
+        sleep: sleeps a number of seconds (between those looks; injectable for tests).
 
     Attributes:
         state: the job's facts as last read (empty until a backend with job state answers).
     """
 
-    def __init__(self, rdzv: RendezvousHandler, max_restarts: int, sleep=time.sleep) -> None:
+    def __init__(self, rdzv: RendezvousHandler, max_restarts: int, interval: float = 0.1,
+                 sleep=time.sleep) -> None:
         self._rdzv = rdzv
         self._max_restarts = max_restarts
+        self._interval = interval
         self._sleep = sleep
         self._fresh_after = 0  # the job's restarts when this node last came back from sitting out
         self.state = JobState()
@@ -104,29 +114,86 @@ class JobView:
         return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=restarts,
                          root_rank=root.rank)
 
-    def sit_out_if_blamed(self) -> bool:
+    def succeed(self) -> None:
+        """Declare the job succeeded (best effort): nodes waiting or sitting out exit 0 when they see it."""
+        try:
+            self._rdzv.succeed_job()
+        except RendezvousError as exc:  # the job did succeed; only the watchers may not hear of it
+            log.warning("could not publish the job's success: %s", exc)
+
+    def sit_out_if_blamed(self, restarts: int) -> RunResult | None:
         """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so.
 
-        Leaves the round (the others re-form without this node) and sleeps; a
-        handled signal still interrupts the sleep.
+        Leaves the round (the others re-form without this node) and watches the job
+        every ``interval`` seconds meanwhile, as a spare does: when the others end
+        it, this node ends too, at once. A handled signal still interrupts the wait.
+
+        Args:
+            restarts: the job's restarts so far (for the result, should the job end).
 
         Returns:
-            True when this node sat out.
+            None: this node did not sit out, or sat the cooldown out and rejoins now.
+            Otherwise the job ended meanwhile: SUCCEEDED (torchrun's surplus nodes exit 0)
+            or FAILED with the job's root cause (as :meth:`failed_elsewhere`).
+
+        Raises:
+            RendezvousClosedError: the rendezvous closed without a verdict meanwhile
+                (another node ended the job on an error of its own).
         """
         job = self.state
         if not sits_out(job.blame, job.node, job.exclude_after, job.others, job.min_nodes,
                         job.restarts, self._fresh_after):
-            return False
+            return None
         log.warning(
             "this node's workers caused the last %d failures of the job; sitting out the next rounds for "
             "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
             job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
         )
-        self._rdzv.leave(rejoin=True)
-        self._sleep(job.exclude_cooldown)
+        try:
+            self._rdzv.sit_out()
+        except RendezvousError as exc:
+            log.warning("could not sit out in the rendezvous (%s); leaving it for the cooldown", exc)
+            self._rdzv.leave(rejoin=True)
+        end = self._watch_while_out(job.exclude_cooldown)
+        if end is not None:
+            return self._ended_while_out(end, restarts)
+        self._rdzv.leave(rejoin=True)  # no longer sitting out: rejoin
         self._fresh_after = job.restarts  # a new streak starts from here
         log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
-        return True
+        return None
+
+    def _watch_while_out(self, seconds: float) -> JobState | None:
+        """Look at the job every ``interval`` s for ``seconds`` s; return its state once it ended, else None."""
+        until = time.monotonic() + seconds
+        unreadable = False
+        while (left := until - time.monotonic()) > 0:
+            self._sleep(min(self._interval, left))
+            try:
+                job = self._rdzv.job_state()
+            except RendezvousError as exc:
+                if not unreadable:  # once: it may stay unreachable for the whole cooldown
+                    log.warning("could not read the job's state while sitting out: %s", exc)
+                unreadable = True
+                continue
+            unreadable = False
+            if job is not None:
+                self.state = job
+                if job.closed:
+                    return job
+        return None
+
+    def _ended_while_out(self, job: JobState, restarts: int) -> RunResult:
+        """The job ended while this node sat out: its result here (see :meth:`sit_out_if_blamed`)."""
+        if job.failed:
+            # OUT -> FAILED: the job failed on another node (acknowledged: that node waits for it)
+            return self.failed_elsewhere(job.failure, restarts)
+        self._rdzv.leave(rejoin=True)  # out of the state: the node that ended the job waits for that
+        if job.succeeded:
+            # OUT -> SUCCEEDED: the others finished the job
+            log.warning("the job succeeded while this node sat out; nothing left to run")
+            return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
+        raise RendezvousClosedError("the rendezvous was closed while this node sat out, without the job's "
+                                    "success or failure (another node ended it on an error)")
 
 
 def local_record(failure: ProcessFailure, round: int, hung: bool = False, blocked: bool = False) -> FailureRecord:

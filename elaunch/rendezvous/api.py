@@ -353,11 +353,39 @@ class RendezvousHandler(abc.ABC):
         """
         return failure
 
+    def succeed_job(self) -> None:
+        """Declare the job succeeded and close the rendezvous (after this node's exit barrier).
+
+        Nodes outside the last round -- waiting to join, standing by as spares, or
+        sitting out a cooldown (bad-node exclusion) -- see it and exit 0 at once,
+        as torchrun's surplus nodes do (``RendezvousGracefulExitError``); the
+        declaring node's :meth:`shutdown` waits until they saw it (it may host the
+        store they read). A job declared failed stays failed. No-op for backends
+        without job state (:meth:`shutdown` closes them).
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+
+    def sit_out(self) -> None:
+        """Leave the round to sit out a cooldown (bad-node exclusion), still watching the job.
+
+        The others re-form without this node, as after ``leave(rejoin=True)``; but
+        the node stays known to the rendezvous as a watcher, so the node that ends
+        the job waits for it to see the end (see :meth:`succeed_job`). A later
+        ``leave(rejoin=True)`` ends the sitting out. Default: ``leave(rejoin=True)``.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        self.leave(rejoin=True)
+
     def acknowledge_failure(self) -> None:
         """Tell the node that declared the job failed that this node saw it and stopped (best effort).
 
         That node waits for every live node's acknowledgement before it exits (it
-        may host the store the others read). No-op for backends without job state.
+        may host the store the others read): the members of its last round and the
+        nodes waiting, standing by or sitting out. No-op for backends without job state.
         """
 
     def publish_node_record(self, kind: str, doc: dict) -> None:

@@ -93,6 +93,10 @@ class JobState:
         failure: the root cause of the latest failed round, or None.
         failed: True once an agent declared the job failed (its budget was spent, or
             the failure cannot be fixed by a restart); the rendezvous is then closed.
+        succeeded: True once an agent declared the job succeeded (its last round's
+            workers all exited 0); the rendezvous is then closed.
+        closed: True once the rendezvous is closed: no round forms any more (with
+            neither verdict, an agent ended the job on an error of its own).
         dump_id: increases each time an agent asks every agent to dump its workers'
             stacks (a hang was found); 0 = never.
         dump_by: who asked for the latest dump (the hung worker), or None: no dump yet,
@@ -113,6 +117,8 @@ class JobState:
     restarts: int = 0
     failure: FailureRecord | None = None
     failed: bool = False
+    succeeded: bool = False
+    closed: bool = False
     dump_id: int = 0
     dump_by: FailureRecord | None = None
     blame: tuple[str, ...] = ()

@@ -223,10 +223,12 @@ def test_acknowledge_failure_is_idempotent():
     assert once.failure_acks == ["b"]
 
 
-def acks_state(heartbeats=("a", "b", "c"), participants=(), waiting=(), acks=()) -> RendezvousState:
-    return RendezvousState(job_failed=True, closed=True, last_heartbeats={n: 1.0 for n in heartbeats},
+def acks_state(heartbeats=("a", "b", "c"), participants=(), waiting=(), acks=(), spares=(), out=(),
+               succeeded=False) -> RendezvousState:
+    return RendezvousState(job_failed=not succeeded, job_succeeded=succeeded, closed=True,
+                           last_heartbeats={n: 1.0 for n in heartbeats},
                            participants={n: i for i, n in enumerate(participants)}, wait_list=set(waiting),
-                           failure_acks=list(acks))
+                           redundancy_list=set(spares), sitting_out=set(out), failure_acks=list(acks))
 
 
 @pytest.mark.parametrize(
@@ -243,10 +245,54 @@ def acks_state(heartbeats=("a", "b", "c"), participants=(), waiting=(), acks=())
         (acks_state(heartbeats=("a",)), {"a", "b"}, set(), []),
         (acks_state(heartbeats=("a",), participants=("a", "b")), {"a", "b"}, set(), ["b"]),
         (acks_state(acks=["a"]), {"a"}, set(), []),
+        # spares and nodes sitting out must see the verdict too
+        (acks_state(heartbeats=("a", "b", "s", "o"), spares=("s",), out=("o",)), {"a", "b"}, set(), ["b", "o", "s"]),
+        (acks_state(heartbeats=("a", "s", "o"), spares=("s",), out=("o",), acks=["o"]), {"a"}, {"s"}, []),
+        # after a success, only the nodes outside the round (it passed the exit barrier) ...
+        (acks_state(heartbeats=("a", "b", "w", "o"), waiting=("w",), out=("o",), succeeded=True), {"a", "b"},
+         set(), ["o", "w"]),
+        # ... and a watcher that saw it left the state
+        (acks_state(heartbeats=("a", "b"), succeeded=True), {"a", "b"}, set(), []),
     ],
 )
 def test_unacknowledged(st, members, dead, pending):
     assert job.unacknowledged(st, frozenset(members), "a", dead) == pending
+
+
+# ---------------------------------------------------------------- the job's success, sitting out
+
+
+@pytest.mark.parametrize(
+    "before, written",
+    [
+        (RendezvousState(), True),
+        (RendezvousState(closed=True), True),  # closed by a node on its way out: the verdict is still news
+        (state(failed=True), False),  # a failed job stays failed
+        (RendezvousState(job_succeeded=True, closed=True), False),
+    ],
+)
+def test_succeed_job(before, written):
+    after = job.succeed_job(before)
+    assert (after is not None) == written
+    if after is not None:
+        assert after.job_succeeded and after.closed and not after.job_failed
+
+
+def test_sit_out_leaves_the_round_and_keeps_a_heartbeat():
+    s = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
+    before = RendezvousState(round=3, complete=True, participants={"a": 0, "b": 1},
+                             node_infos={"a": ("ha", "r", 1), "b": ("hb", "r", 1)},
+                             last_heartbeats={"a": 1.0, "b": 1.0})
+    after = job.sit_out(before, "b", 5.0, s)
+    assert after.participants == {"a": 0} and after.sitting_out == {"b"}
+    assert after.last_heartbeats == {"a": 1.0, "b": 5.0} and "b" not in after.node_infos
+    assert job.sit_out(after, "b", 6.0, s) is None  # sits out already
+    alone = job.sit_out(job.sit_out(after, "a", 5.0, s), "a", 5.0, s)
+    assert alone is None  # a sits out too, once
+    # the last member out: the next round opens, as when it leaves
+    emptied = job.sit_out(after, "a", 5.0, s)
+    assert (emptied.round, emptied.complete, emptied.sitting_out) == (4, False, {"a", "b"})
+    assert RendezvousState.from_bytes(emptied.to_bytes()) == emptied
 
 
 # ---------------------------------------------------------------- dumps and the job state
@@ -276,8 +322,10 @@ def test_job_state_reads_every_field():
     st = RendezvousState(restarts=2, failure=A1.to_dict(), job_failed=True, closed=True, dump_id=3,
                          dump_by=hung.to_dict(), blame=["b", "a"])
     assert job.job_state(st, "a", 2, SETTINGS) == JobState(
-        restarts=2, failure=A1, failed=True, dump_id=3, dump_by=hung, blame=("b", "a"), node="a", others=2,
-        min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
+        restarts=2, failure=A1, failed=True, closed=True, dump_id=3, dump_by=hung, blame=("b", "a"), node="a",
+        others=2, min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
+    done = job.job_state(RendezvousState(job_succeeded=True, closed=True), "a", 0, SETTINGS)
+    assert (done.succeeded, done.closed, done.failed) == (True, True, False)
 
 
 def test_job_state_of_a_fresh_state():

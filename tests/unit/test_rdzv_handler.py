@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
 from elaunch.rendezvous.api import (
+    FailureRecord,
     NodeInfo,
     RendezvousClosedError,
     RendezvousGracefulExitError,
+    RendezvousJobFailedError,
     RendezvousTimeoutError,
 )
 from elaunch.rendezvous.dynamic import ops
@@ -224,3 +226,53 @@ def test_heartbeats_in_keys_keep_members_alive_though_the_stored_state_is_old():
         for h in hs:
             h._stop_heartbeats()
         pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------- the job's end, seen from outside its round
+
+
+@pytest.mark.parametrize("max_nodes, where", [(1, "redundancy_list"), (2, "wait_list")])
+def test_a_node_outside_the_round_exits_gracefully_when_the_job_succeeds(world_factory, max_nodes, where):
+    w = world_factory(1, max_nodes, last_call_timeout=0.05)
+    a, late = w.handler("a"), w.handler("late")
+    list(w.join(a))
+    pending = w.pool.submit(late.next_rendezvous)
+    wait_for(lambda: late.node_id in getattr(w.state(), where), 5, what=f"late on the {where}")
+    a.succeed_job()
+    with pytest.raises(RendezvousGracefulExitError, match="the job succeeded"):
+        pending.result(timeout=5)
+    state = w.state()
+    assert state.job_succeeded and state.closed
+    assert late.node_id not in state.wait_list | state.redundancy_list  # it left: a need not wait for it
+    assert a.shutdown() is True
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2])
+def test_a_node_outside_the_round_gets_the_root_cause_when_the_job_fails(world_factory, max_nodes):
+    w = world_factory(1, max_nodes, last_call_timeout=0.05)
+    a, late = w.handler("a"), w.handler("late")
+    list(w.join(a))
+    pending = w.pool.submit(late.next_rendezvous)
+    wait_for(lambda: late.node_id in w.state().wait_list | w.state().redundancy_list, 5, what="late waiting")
+    a.fail_job(FailureRecord(round=0, at=1.0, host="ha", rank=0, exitcode=5))
+    with pytest.raises(RendezvousJobFailedError) as failed:
+        pending.result(timeout=5)
+    assert (failed.value.failure.host, failed.value.failure.exitcode) == ("ha", 5)
+
+
+def test_the_node_that_ends_the_job_waits_for_a_node_sitting_out(world_factory):
+    w = world_factory(1, 2, last_call_timeout=0.05)
+    a, b = w.handler("a"), w.handler("b")
+    list(w.join(a, b))
+    b.sit_out()
+    state = w.state()
+    assert state.sitting_out == {b.node_id} and b.node_id not in state.participants
+    assert b.job_state().closed is False
+    a.succeed_job()
+    done = w.pool.submit(a.shutdown)
+    assert not wait([done], timeout=0.5).done  # b has not seen the end yet
+    job = b.job_state()
+    assert job.succeeded and job.closed
+    b.leave(rejoin=True)
+    assert done.result(timeout=5) is True
+    assert w.state().sitting_out == set()

@@ -23,13 +23,13 @@ from elaunch.rendezvous.api import (
     NodeInfo,
     RendezvousClosedError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousJobFailedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import job, ops
+from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.job_facts import JobFacts
@@ -114,7 +114,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._members: frozenset[str] = frozenset()
         self._watched: tuple[str, ...] = ()  # this node and the members whose heartbeats it judges
         self._cached: tuple[float, RendezvousState] | None = None
-        self._declared_failure = False  # this node declared the job failed (fail_job)
+        self._declared_end = False  # this node declared the job failed or succeeded (fail_job, succeed_job)
 
     @property
     def node_id(self) -> str:
@@ -151,23 +151,21 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         rendezvous closes, as in torch).
 
         Raises:
-            RendezvousJobFailedError: the job failed on another node (its root cause attached).
-            RendezvousClosedError: the rendezvous was closed.
+            RendezvousJobFailedError: the job failed on another node (its root cause attached),
+                also while this node waited or stood by as a spare.
+            RendezvousGracefulExitError: the job succeeded while this node waited or stood
+                by as a spare (it left the state: exit 0, as torchrun's surplus nodes do), or
+                the rendezvous closed while this node was redundant.
+            RendezvousClosedError: the rendezvous was closed (without a verdict).
             RendezvousTimeoutError: the round did not complete within ``join_timeout``.
-            RendezvousGracefulExitError: closed while this node was redundant.
             RendezvousConnectionError: the backend or a round store is unreachable.
             RendezvousStateError: the stored state is corrupt.
         """
         self._say_if_below_min()
         try:
             return self._next_rendezvous()
-        except RendezvousClosedError as exc:
-            state = self._executor.state
-            if state.job_failed and state.failure is not None:
-                root = job.job_state(state, self._node_id, 0, self._settings).failure
-                raise RendezvousJobFailedError(
-                    f"rendezvous {self._settings.run_id!r} is closed: the job failed on {root.host} "
-                    f"(rank {root.rank})", root) from exc
+        except (RendezvousClosedError, RendezvousGracefulExitError) as exc:
+            self._raise_job_end(exc)
             raise
 
     def _say_if_below_min(self) -> None:
@@ -348,8 +346,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         """
         self._stop_heartbeats()
         try:
-            self.set_closed()
-            if self._declared_failure:
+            if not self._executor.state.closed:  # closed already (it was read): nothing to write
+                self.set_closed()
+            if self._declared_end:
                 self._await_acknowledgements()
             return True
         except RendezvousError as exc:
@@ -359,9 +358,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             self._stores.close()
 
     def leave(self, rejoin: bool = False) -> None:
-        """Leave the job without closing it (a signal stopped this agent, or it sits out).
+        """Leave the job without closing it (a signal stopped this agent, it sits out, or the job ended).
 
-        Removes this node from the round (or the wait and redundancy lists) in one
+        Removes this node from the round (or the wait, redundancy and sitting-out lists) in one
         write, so the others see a lost member at once and re-form without it when
         they still meet ``min_nodes``; then, unless ``rejoin``, releases the hosted
         round stores. Errors are logged, not raised.
@@ -370,13 +369,16 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         me = self._node_id
 
         def remove_me(state):
-            if me not in state.participants and me not in state.wait_list and me not in state.redundancy_list:
+            if not (me in state.participants or me in state.wait_list or me in state.redundancy_list
+                    or me in state.sitting_out):
                 return None
             now = self._clock()
             ctx = ops.OpContext(me, self._node, self._settings, now + self._settings.close_timeout)
             s = ops.apply(ops.Action.REMOVE_FROM_PARTICIPANTS, state, ctx, now)
             s.wait_list.discard(me)
             s.redundancy_list.discard(me)
+            s.sitting_out.discard(me)
+            s.last_heartbeats.pop(me, None)
             ops.prune_node_infos(s)
             return s
 

@@ -11,6 +11,7 @@ Stdlib only.
 from __future__ import annotations
 
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousStateError
+from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -143,14 +144,53 @@ def acknowledge_failure(state: RendezvousState, node: str) -> RendezvousState | 
     return s
 
 
+def succeed_job(state: RendezvousState) -> RendezvousState | None:
+    """Return the state with the job declared succeeded (and the rendezvous closed), or None.
+
+    None when the job already failed or succeeded: a verdict is never replaced.
+    """
+    if state.job_failed or state.job_succeeded:
+        return None
+    s = state.copy()
+    # OPEN -> SUCCEEDED (closed): waiting, spare and sitting-out nodes exit 0 when they see it
+    s.job_succeeded = True
+    s.closed = True
+    return s
+
+
+def sit_out(state: RendezvousState, node: str, now: float, settings: RendezvousSettings) -> RendezvousState | None:
+    """Return the state with ``node`` out of its round and the lists, sitting out and watching; or None.
+
+    ``node`` keeps a heartbeat (``now``, then its own beats), so the node that ends
+    the job can tell a live watcher from a dead one. None when it sits out already.
+    """
+    if node in state.sitting_out and node not in state.participants:
+        return None
+    s = state.copy()
+    s.participants.pop(node, None)
+    s.wait_list.discard(node)
+    s.redundancy_list.discard(node)
+    s.node_infos.pop(node, None)
+    s.sitting_out.add(node)
+    s.last_heartbeats[node] = now
+    ops.after_participant_removed(s, settings)
+    return s
+
+
 def unacknowledged(state: RendezvousState, members: frozenset[str], me: str, dead: set[str]) -> list[str]:
-    """Return the live nodes (sorted) that have not yet acknowledged the job's failure.
+    """Return the live nodes (sorted) that have not yet seen the end of the job ``me`` declared.
+
+    After a failure: the members of ``me``'s last round, and the waiting, spare and
+    sitting-out nodes, that did not acknowledge it. After a success: the waiting,
+    spare and sitting-out nodes still in the state (the members passed the exit
+    barrier; a watcher that sees the success leaves the state).
 
     Args:
-        members: the nodes of ``me``'s last round; nodes on the wait list count too.
+        members: the nodes of ``me``'s last round.
         dead: nodes known dead (they will never acknowledge).
     """
-    nodes = (set(members) | state.wait_list) - {me} - dead - set(state.failure_acks)
+    watchers = state.wait_list | state.redundancy_list | state.sitting_out
+    nodes = (watchers if state.job_succeeded else set(members) | watchers) - {me} - dead - set(state.failure_acks)
     return sorted(n for n in nodes if n in state.last_heartbeats or n in state.participants)
 
 
@@ -191,6 +231,8 @@ def job_state(state: RendezvousState, node: str, others: int, settings: Rendezvo
         restarts=state.restarts,
         failure=_root(state),
         failed=state.job_failed,
+        succeeded=state.job_succeeded,
+        closed=state.closed,
         dump_id=state.dump_id,
         dump_by=dump_by,
         blame=tuple(state.blame),

@@ -5,7 +5,8 @@ kept apart so the handler's module holds the rounds and this one the job: the
 restart count, the failure verdict and its acknowledgements, and stack-dump
 requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
 ``_members``, ``_watched``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
-``_read()`` and ``_declared_failure`` (all set by the handler's ``__init__``).
+``_read()``, ``_start_heartbeats()``, ``_stop_heartbeats()`` and ``_declared_end`` (all set by the
+handler's ``__init__``).
 Stdlib only.
 """
 
@@ -17,7 +18,13 @@ import logging
 import time
 from typing import Callable
 
-from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
+from elaunch.rendezvous.api import (
+    FailureRecord,
+    JobState,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousJobFailedError,
+)
 from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -40,6 +47,18 @@ class JobFacts:
         """
         state = self._read()
         return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+
+    def _raise_job_end(self, exc: RendezvousError) -> None:
+        """Closed while this node joined: raise the job's verdict if there is one (else return)."""
+        state, run_id = self._executor.state, self._settings.run_id
+        if state.job_failed and state.failure is not None:
+            root = job.job_state(state, self._node_id, 0, self._settings).failure
+            raise RendezvousJobFailedError(
+                f"rendezvous {run_id!r} is closed: the job failed on {root.host} (rank {root.rank})", root) from exc
+        if state.job_succeeded:
+            self.leave(rejoin=True)  # the node that declared it waits until we are out of the state
+            raise RendezvousGracefulExitError(
+                f"rendezvous {run_id!r} is closed: the job succeeded while this node waited to join") from exc
 
     def _live_others(self, state: RendezvousState) -> int:
         """Members of this node's round, besides itself, that ``state`` does not show as lost."""
@@ -116,11 +135,44 @@ class JobFacts:
         """
         mine = dataclasses.replace(failure, node=self._node_id)
         state = self._update_job(lambda s: job.fail_job(s, mine))
-        self._declared_failure = True
+        self._declared_end = True
         log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
                     self._node_id, mine.rank, mine.host, self._settings.run_id)
         root = job.job_state(state, self._node_id, 0, self._settings).failure
         return root if root is not None else mine
+
+    def succeed_job(self) -> None:
+        """Declare the job succeeded and close the rendezvous (a verdict already there is kept).
+
+        Waiting, spare and sitting-out nodes see it and exit 0; :meth:`shutdown` then
+        waits (``close_timeout`` s at most) until each live one has left the state.
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        self._update_job(job.succeed_job)
+        self._declared_end = True
+        log.info("node %s: job succeeded; rendezvous %r closed", self._node_id, self._settings.run_id)
+
+    def sit_out(self) -> None:
+        """Leave the round and sit out (bad-node exclusion), still watching the job and heart-beating.
+
+        The others re-form without this node (as after :meth:`leave`); the node
+        that ends the job waits for this one to see the end. :meth:`leave` ends
+        the sitting out (before rejoining, or once the job ended).
+
+        Raises:
+            RendezvousTimeoutError: not written within ``close_timeout`` seconds.
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        self._stop_heartbeats()
+        me, backend = self._node_id, self._backend
+        if backend.supports_heartbeat_keys:
+            backend.put_heartbeat(me, self._clock())  # the key exists before we appear in the state
+        self._update_job(lambda s: job.sit_out(s, me, self._clock(), self._settings))
+        self._start_heartbeats()
+        log.info("node %s sits out of rendezvous %r, watching the job", me, self._settings.run_id)
 
     def acknowledge_failure(self) -> None:
         """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
@@ -131,10 +183,11 @@ class JobFacts:
             log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
 
     def _await_acknowledgements(self) -> None:
-        """After declaring the job failed: wait (``close_timeout`` s at most) until every live node saw it.
+        """After declaring the job's end: wait (``close_timeout`` s at most) until every live node saw it.
 
         This node may host the store the others read; leaving before they read the
-        verdict would leave them with a lost store instead of the root cause.
+        verdict would leave them with a lost store instead of the root cause (or of
+        the job's success, for the nodes outside its last round: ``job.unacknowledged``).
         """
         def pending(state: RendezvousState) -> list[str]:
             dead = set(ops.dead_nodes(state, self._settings, self._clock()))
@@ -142,7 +195,7 @@ class JobFacts:
 
         left = self._await_others(pending, self._settings.close_timeout, "acknowledgements")
         if left:
-            log.warning("node(s) %s did not acknowledge the job's failure within close_timeout=%g s",
+            log.warning("node(s) %s did not acknowledge the job's end within close_timeout=%g s",
                         ", ".join(left), self._settings.close_timeout)
 
     def publish_node_record(self, kind: str, doc: dict) -> None:

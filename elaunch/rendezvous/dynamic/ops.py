@@ -278,6 +278,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
             removed_participant |= s.participants.pop(node, None) is not None
             s.wait_list.discard(node)
             s.redundancy_list.discard(node)
+            s.sitting_out.discard(node)
         if removed_participant:
             after_participant_removed(s, settings)
     elif action is Action.MARK_COMPLETE:

@@ -78,7 +78,8 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
         return _read_plain(backend)
     data, token, heartbeats = backend.get_state_and_heartbeats(list(watched))
     state = _decode(data)
-    judged = state.wait_list | state.redundancy_list | (set(state.last_heartbeats) - set(members))
+    # a node sitting out is judged only by the node that ends the job (``job.unacknowledged``)
+    judged = state.wait_list | state.redundancy_list | (set(state.last_heartbeats) - set(members) - state.sitting_out)
     missing = sorted(n for n in judged if n not in heartbeats and state.last_heartbeats.get(n, fresh_after) < fresh_after)
     if missing:
         heartbeats = {**heartbeats, **backend.get_heartbeats(missing)}

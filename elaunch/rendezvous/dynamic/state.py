@@ -60,13 +60,20 @@ class RendezvousState:
             reporting node checks whether a lost node caused it, and for good when one did).
         reported: node ids that reported that round's failure (each a sign of life).
         job_failed: True once an agent declared the job failed (``closed`` is then True too).
+        job_succeeded: True once an agent declared the job succeeded: its last round's
+            workers all exited 0 (``closed`` is then True too).
+        sitting_out: node ids that sit out a cooldown (bad-node exclusion) and watch the
+            job meanwhile; each keeps its heartbeat in ``last_heartbeats``. The node that
+            ends the job waits for them to see the end (``job.unacknowledged``).
         dump_id: increases with each request to dump every worker's stacks (0: none).
         dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None
             (no request, or one of ``elaunch status --stacks``: no hang).
         blame: node ids of the root causes of the latest counted failures, oldest first
             (at most ``job.BLAME_KEPT``).
         failure_acks: node ids that saw the job's failure and stopped; the node that
-            declared it waits for them before it exits (it may host the store).
+            declared it waits for them before it exits (it may host the store). A node
+            outside the last round (waiting, spare, sitting out) that sees the job succeed
+            leaves the state instead.
         dump_acks: node ids that dumped their workers' stacks for request ``dump_id``;
             the node that asked waits for them before it kills its hung workers.
     """
@@ -87,6 +94,8 @@ class RendezvousState:
     counted: bool = True
     reported: list[str] = field(default_factory=list)
     job_failed: bool = False
+    job_succeeded: bool = False
+    sitting_out: set[str] = field(default_factory=set)
     dump_id: int = 0
     dump_by: dict | None = None
     blame: list[str] = field(default_factory=list)
@@ -112,6 +121,8 @@ class RendezvousState:
             counted=self.counted,
             reported=list(self.reported),
             job_failed=self.job_failed,
+            job_succeeded=self.job_succeeded,
+            sitting_out=set(self.sitting_out),
             dump_id=self.dump_id,
             dump_by=None if self.dump_by is None else dict(self.dump_by),
             blame=list(self.blame),
@@ -170,6 +181,8 @@ class RendezvousState:
             "counted": self.counted,
             "reported": self.reported,
             "job_failed": self.job_failed,
+            "job_succeeded": self.job_succeeded,
+            "sitting_out": sorted(self.sitting_out),
             "dump_id": self.dump_id,
             "dump_by": self.dump_by,
             "blame": self.blame,
@@ -214,6 +227,8 @@ class RendezvousState:
                 counted=_bool(doc.get("counted", True)),
                 reported=[str(n) for n in _list(doc.get("reported", []))],
                 job_failed=_bool(doc.get("job_failed", False)),
+                job_succeeded=_bool(doc.get("job_succeeded", False)),
+                sitting_out={str(n) for n in _list(doc.get("sitting_out", []))},
                 dump_id=_int(doc.get("dump_id", 0)),
                 dump_by=_opt_dict(doc.get("dump_by")),
                 blame=[str(n) for n in _list(doc.get("blame", []))],
