@@ -268,24 +268,54 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     )
 
 
-def _fork_target(fn: Callable, args: tuple, results: str) -> Callable[[int], int]:
-    """What a forked worker of local rank ``lr`` runs: ``fn(*args)``, its value to its result file."""
-    from elaunch.procs._fn_worker import result_path, run_function
+def _accept(config: LaunchConfig, entrypoint: Callable | str | None, health_check_server: Any) -> None:
+    """What :func:`launch_agent` checks and sets before it starts, as torch's (its TypeError, run_id, env)."""
+    if not (callable(entrypoint) or isinstance(entrypoint, str)):
+        raise TypeError(f"entrypoint={entrypoint!r}: expected a function or a program (str)")
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    if health_check_server is not None:
+        log.warning("health_check_server: accepted for torch compatibility; no effect under elaunch")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
 
-    def target(local_rank: int) -> int:
-        return run_function(lambda: (fn, args), result_path(results, local_rank))
 
-    return target
+def _worker_command(config: LaunchConfig, entrypoint: Callable | str, args: list[Any], name: str,
+                    results: str) -> tuple[tuple[str, ...], Callable[[int], int] | None]:
+    """The workers' argv and, for ``fork``, what each forked worker of local rank ``lr`` runs
+    instead: ``entrypoint(*args)``, its value to its result file in ``results``. ``spawn`` and
+    ``forkserver`` workers run ``elaunch.procs._fn_worker`` on the function and args pickled there.
+    """
+    from elaunch.procs import _fn_worker
+
+    if isinstance(entrypoint, str):
+        return _program_cmd(entrypoint, args), None
+    call = (entrypoint, tuple(args))
+    if config.start_method == "fork":  # the argv is not run: each worker is a fork calling the function
+        def target(lr: int) -> int:
+            return _fn_worker.run_function(lambda: call, _fn_worker.result_path(results, lr))
+
+        return (f"<fork: {name}>",), target
+    payload = os.path.join(results, "payload.pkl")
+    _fn_worker.write_payload(payload, *call)
+    return _fn_worker.worker_cmd(payload, results), None
 
 
-def _read_result(path: str, rank: int) -> Any:
-    from elaunch.procs._fn_worker import read_result
+def _outputs(entrypoint: Callable | str, result: Any, results: str) -> dict[int, Any]:
+    """``{global_rank: return value}`` of this node's workers: None each for a program, and
+    for a worker that exited 0 without returning (``os._exit(0)``; logged)."""
+    from elaunch.procs._fn_worker import read_result, result_path
 
-    try:
-        return read_result(path)
-    except FileNotFoundError:  # the worker exited 0 without returning (os._exit(0))
-        log.warning("worker of global rank %d exited 0 without a return value; returning None for it", rank)
-        return None
+    if isinstance(entrypoint, str):
+        return dict.fromkeys(sorted(result.global_ranks.values()))
+    outputs = {}
+    for lr, rank in sorted(result.global_ranks.items()):
+        try:
+            outputs[rank] = read_result(result_path(results, lr))
+        except FileNotFoundError:
+            log.warning("worker of global rank %d exited 0 without a return value; returning None for it", rank)
+            outputs[rank] = None
+    return outputs
 
 
 def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: list[Any],
@@ -325,32 +355,15 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
         elaunch.rendezvous.api.RendezvousError: the rendezvous failed.
     """
     from elaunch.agent import SignalException
+    from elaunch.errors.as_torch import child_failed_error, signal_exception
     from elaunch.launch import run_job
     from elaunch.log import setup_logging
-    from elaunch.procs import _fn_worker
-    from elaunch.errors.as_torch import child_failed_error, signal_exception
 
     setup_logging(os.environ)
-    if not (callable(entrypoint) or isinstance(entrypoint, str)):
-        raise TypeError(f"entrypoint={entrypoint!r}: expected a function or a program (str)")
-    if not config.run_id:
-        config.run_id = str(uuid.uuid4().int)
-        log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    _accept(config, entrypoint, health_check_server)
     name = _entrypoint_name(entrypoint, args)
-    if health_check_server is not None:
-        log.warning("health_check_server: accepted for torch compatibility; no effect under elaunch")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     with tempfile.TemporaryDirectory(prefix="elaunch_fn_") as results:
-        fork_target = None
-        if isinstance(entrypoint, str):
-            cmd = _program_cmd(entrypoint, args)
-        elif config.start_method == "fork":
-            cmd = (f"<fork: {name}>",)  # not run: each worker is a fork calling the function
-            fork_target = _fork_target(entrypoint, tuple(args), results)
-        else:
-            payload = os.path.join(results, "payload.pkl")
-            _fn_worker.write_payload(payload, entrypoint, tuple(args))
-            cmd = _fn_worker.worker_cmd(payload, results)
+        cmd, fork_target = _worker_command(config, entrypoint, args, name, results)
         run_config = _run_config(config, cmd)
         log.info("elastic_launch of %s: %s", name or entrypoint, run_config)
         try:
@@ -361,7 +374,4 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
             return {}
         if result.is_failed():
             raise child_failed_error(name, result)
-        if isinstance(entrypoint, str):
-            return dict.fromkeys(sorted(result.global_ranks.values()))
-        return {rank: _read_result(_fn_worker.result_path(results, lr), rank)
-                for lr, rank in sorted(result.global_ranks.items())}
+        return _outputs(entrypoint, result, results)
