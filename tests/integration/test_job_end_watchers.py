@@ -10,6 +10,7 @@ that vanished with A.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import kill_tree, launcher_env, port_open, start
+from tests.helpers import free_port, kill_tree, launcher_env, port_open, start
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +147,25 @@ def test_a_spare_exits_when_the_job_ends(endpoint, tmp_path, outcome):
                        "--max-restarts=0", a_alone=True)
     _waiting(a, b, tmp_path, "waiting as a spare")
     _finish(tmp_path, a, b, outcome)
+
+
+def test_a_signal_still_stops_a_node_sitting_out(tmp_path):
+    port = free_port()
+    conf = CONF + ",exclude_after=1,exclude_cooldown=60"
+    a, b = _start_pair(("c10d", f"127.0.0.1:{port}"), tmp_path, "1:2", conf, 0, {"BAD_NODE": "1"},
+                       "--max-restarts=1")
+    _waiting(a, b, tmp_path, "sitting out the next rounds for 60 s")
+    b.send_signal(signal.SIGTERM)
+    try:
+        b.wait(timeout=INTERVAL + SLACK + 5)  # a deadline, not the bound under test: the handler interrupts the wait
+    finally:
+        if b.poll() is None:
+            kill_tree(a.pid)
+            kill_tree(b.pid)
+    assert b.returncode == 128 + signal.SIGTERM, _err(tmp_path, "b")[-3000:]
+    # B left the rendezvous: A, ending the job, does not wait for it
+    (tmp_path / "release").touch()
+    a_exit, _ = _exit_times([a, b], 120)
+    end = float((tmp_path / "end").read_text())
+    assert a.returncode == 0, _err(tmp_path, "a")[-3000:]
+    assert a_exit - end <= INTERVAL + SLACK, (a_exit - end, _err(tmp_path, "a")[-3000:])
