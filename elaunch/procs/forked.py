@@ -189,43 +189,23 @@ def fork_worker(
         OSError: a log file cannot be opened, ``fork`` failed, or the child died
             before it was set up (it is reaped).
     """
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # this thread's mask, unchanged
-    out = _open_append(stdout_path)
-    err = read_end = ready = go_read = go = None
+    fds = {"out": _open_append(stdout_path)}  # closed in this process once the child runs, or failed
     pid = 0
     try:
         with deferred():  # a handled signal raises once the fork is over, here (see deferral)
-            err = _open_append(stderr_path)
-            read_end, ready = os.pipe()
-            go_read, go = os.pipe()
+            fds["err"] = _open_append(stderr_path)
+            fds["ready_read"], fds["ready"] = os.pipe()
+            fds["go_read"], fds["go"] = os.pipe()
             _flush()  # what this process printed must not be printed again by the child
-            parent = os.getpid()
-            # the child starts with every signal blocked: it runs the agent's handlers until it reset them
-            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-            try:
-                pid = os.fork()
-                if pid == 0:
-                    os.close(read_end)
-                    os.close(go)
-                    _child(run, env, out, err, close_fds, ready, go_read, parent, mask)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            fd, ready = ready, None
-            os.close(fd)
-            fd, go_read = go_read, None
-            os.close(fd)
-            started = os.read(read_end, 1)
-            if started:
-                if before_run is not None:
-                    before_run(pid)
-                os.write(go, b"1")
+            pid = _fork(run, env, fds, close_fds)
+            started = _handshake(pid, fds, before_run)
     except BaseException:  # e.g. a handled signal: no child behind
         if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         raise
     finally:
-        for fd in (out, err, read_end, ready, go_read, go):
+        for fd in fds.values():
             if fd is not None:
                 os.close(fd)
     proc = ForkedProcess(pid)
@@ -233,3 +213,39 @@ def fork_worker(
         code = proc.wait()
         raise OSError(f"forked worker {pid} exited ({code}) before it was set up")
     return proc
+
+
+def _fork(run: Callable[[], int], env: Mapping[str, str], fds: Mapping[str, int | None],
+          close_fds: Iterable[int]) -> int:
+    """Fork; return the child's pid. The child keeps its ends of the pipes and becomes the worker (:func:`_child`).
+
+    The child starts with every signal blocked: it would run the agent's handlers until it reset them.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # this thread's mask, unchanged
+    parent = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os.close(fds["ready_read"])
+            os.close(fds["go"])
+            _child(run, env, fds["out"], fds["err"], close_fds, fds["ready"], fds["go_read"], parent, mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return pid
+
+
+def _handshake(pid: int, fds: dict[str, int | None], before_run: Callable[[int], None] | None) -> bool:
+    """Wait until the child is set up, call ``before_run(pid)``, let the child run; False if it died first.
+
+    Closes this process's copies of the child's ends of the pipes first (removed from ``fds``):
+    the child's death then reads as end-of-file.
+    """
+    os.close(fds.pop("ready"))
+    os.close(fds.pop("go_read"))
+    if not os.read(fds["ready_read"], 1):
+        return False
+    if before_run is not None:
+        before_run(pid)
+    os.write(fds["go"], b"1")
+    return True
