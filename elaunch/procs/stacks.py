@@ -248,31 +248,42 @@ def _faulthandler_all(
     out: dict[int, StackDump] = {}
     waiting: dict[int, tuple[str, int]] = {}  # rank -> (file, size before the signal)
     for rank, pid in pids.items():
-        path = files.get(rank)
-        if path is None:
-            out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; no stacks file for the fallback")
-            continue
-        try:
-            with open(path, "rb") as f:
-                before = f.read()
-        except OSError as exc:
-            out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; stacks file unreadable: {exc}")
-            continue
-        if pid not in _registered_pids(before.decode("utf-8", "replace")):
-            out[rank] = StackDump(
-                "", UNAVAILABLE, f"{why[rank]}; pid {pid} never called elaunch.progress(), so has no stack signal handler"
-            )
-            continue
-        state = process_state(pid)
-        if state in ("T", "t"):
-            out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; pid {pid} is stopped and cannot run its signal handler")
-            continue
-        try:
-            os.kill(pid, signum)
-        except OSError as exc:
-            out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; cannot signal pid {pid}: {exc}")
-            continue
-        waiting[rank] = (path, len(before))
+        sent = _signal_for_stacks(pid, files.get(rank), signum)
+        if isinstance(sent, str):
+            out[rank] = StackDump("", UNAVAILABLE, f"{why[rank]}; {sent}")
+        else:
+            waiting[rank] = (files[rank], sent)
+    out.update(_await_dumps(waiting, why, timeout))
+    return out
+
+
+def _signal_for_stacks(pid: int, path: str | None, signum: int) -> int | str:
+    """Send ``signum`` to ``pid`` for a faulthandler dump into its stacks file ``path``.
+
+    Returns:
+        The file's size before the signal (bytes), or why the fallback cannot be used.
+    """
+    if path is None:
+        return "no stacks file for the fallback"
+    try:
+        with open(path, "rb") as f:
+            before = f.read()
+    except OSError as exc:
+        return f"stacks file unreadable: {exc}"
+    if pid not in _registered_pids(before.decode("utf-8", "replace")):
+        return f"pid {pid} never called elaunch.progress(), so has no stack signal handler"
+    if process_state(pid) in ("T", "t"):
+        return f"pid {pid} is stopped and cannot run its signal handler"
+    try:
+        os.kill(pid, signum)
+    except OSError as exc:
+        return f"cannot signal pid {pid}: {exc}"
+    return len(before)
+
+
+def _await_dumps(waiting: dict[int, tuple[str, int]], why: Mapping[int, str], timeout: float) -> dict[int, StackDump]:
+    """Each rank's dump: what its file ``(path, size before the signal)`` grew by once it stopped growing."""
+    out: dict[int, StackDump] = {}
     deadline = time.monotonic() + timeout
     last_size: dict[int, tuple[int, float]] = {}  # rank -> (size, when first seen at that size)
     while waiting:
