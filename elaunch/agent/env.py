@@ -82,18 +82,22 @@ def worker_env(
     )
     if opts.omp_num_threads is not None and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = str(opts.omp_num_threads)
-    if opts.virtual_local_rank:
-        env["LOCAL_RANK"] = "0"
-        visible = base.get("CUDA_VISIBLE_DEVICES")
-        if visible is None:
-            env["CUDA_VISIBLE_DEVICES"] = str(worker.local_rank)
-        else:
-            devices = visible.split(",")
-            if worker.local_rank >= len(devices):
-                raise ValueError(
-                    f"local rank {worker.local_rank} exceeds the devices in CUDA_VISIBLE_DEVICES={visible}"
-                )
-            env["CUDA_VISIBLE_DEVICES"] = devices[worker.local_rank].strip()
-    else:
-        env["LOCAL_RANK"] = str(worker.local_rank)
+    env.update(_local_rank_env(worker.local_rank, base.get("CUDA_VISIBLE_DEVICES"), opts.virtual_local_rank))
     return env
+
+
+def _local_rank_env(local_rank: int, visible: str | None, virtual: bool) -> dict[str, str]:
+    """``LOCAL_RANK``; with ``virtual`` (``--virtual-local-rank``) 0, and ``CUDA_VISIBLE_DEVICES``
+    narrowed to the worker's own device of the parent's ``visible`` (or its local rank when unset).
+
+    Raises:
+        ValueError: with ``virtual``, ``visible`` has no device for ``local_rank`` (as torchrun).
+    """
+    if not virtual:
+        return {"LOCAL_RANK": str(local_rank)}
+    if visible is None:
+        return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": str(local_rank)}
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise ValueError(f"local rank {local_rank} exceeds the devices in CUDA_VISIBLE_DEVICES={visible}")
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": devices[local_rank].strip()}
