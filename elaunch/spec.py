@@ -61,9 +61,6 @@ class WorkerSpec:
             facts), progress counters (``--hang-timeout``), D state. Workers' exits
             and signals wake the agent at once regardless; with none of those checks
             (standalone, static) it sleeps until then.
-        master_addr: fixed MASTER_ADDR for the workers, or None to take the one the
-            rendezvous publishes.
-        master_port: fixed MASTER_PORT, or None to take the rendezvous' one.
         local_addr: this node's address as other nodes reach it, or None for the FQDN.
     """
 
@@ -72,8 +69,6 @@ class WorkerSpec:
     cmd: tuple[str, ...]
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    master_addr: str | None = None
-    master_port: int | None = None
     local_addr: str | None = None
 
     def worker_cmd(self, local_rank: int) -> list[str]:

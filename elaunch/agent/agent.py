@@ -332,7 +332,7 @@ class ElasticAgent:
     def _start_workers(self, info: RendezvousInfo, restarts: int, attempt: int) -> WorkerGroup:
         spec = self._spec
         workers = assign_ranks(info.nodes, info.rank, info.world_size, spec.role, spec.local_world_size)
-        master_addr, master_port = spec.master_addr or info.master_addr, spec.master_port or info.master_port
+        master_addr, master_port = info.master_addr, info.master_port
         if info.host_store:  # as torchrun's agent: every worker is a client of a store this agent hosts
             master_port = self._launcher.serve_store(master_addr, master_port)
         group = WorkerGroup(
