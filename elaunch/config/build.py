@@ -114,8 +114,6 @@ class _Rendezvous(NamedTuple):  # not a dataclass: half a millisecond less at ev
     endpoint: str
     run_id: str
     configs: dict[str, str]
-    master_addr: str | None = None
-    master_port: int | None = None
 
 
 def _rendezvous(o: LaunchOptions) -> tuple[_Rendezvous, list[str]]:
@@ -169,10 +167,10 @@ def _static(o: LaunchOptions, endpoint: str, run_id: str) -> _Rendezvous:
         bare_v6 = ":" in o.master_addr and not o.master_addr.startswith("[")
         endpoint = f"[{o.master_addr}]:{port}" if bare_v6 else f"{o.master_addr}:{port}"
         label = "--master-addr"
-    host, port = _check_endpoint("static", endpoint, label)
+    _, port = _check_endpoint("static", endpoint, label)
     if port is None:  # torch's static backend requires the port too
         raise ConfigError(f"--rdzv-endpoint={endpoint}: the static rendezvous needs host:port")
-    return _Rendezvous("static", endpoint, run_id, {**o.rdzv_conf, "rank": str(o.node_rank)}, host, port)
+    return _Rendezvous("static", endpoint, run_id, {**o.rdzv_conf, "rank": str(o.node_rank)})
 
 
 def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchConfig, list[str]]:
@@ -213,8 +211,6 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         rdzv_backend=rdzv.backend,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
-        master_addr=rdzv.master_addr,
-        master_port=rdzv.master_port,
         shutdown_timeout=env_shutdown_timeout(environ) if o.shutdown_timeout is None else o.shutdown_timeout,
         signals_to_handle=handle,
         forward_signals=forward,

@@ -30,7 +30,7 @@ class LaunchConfig:
             internal ``standalone`` (``--standalone``, and single-node static defaults).
         rdzv_endpoint: ``host[:port]`` ("" for none); static: ``master_addr:master_port``;
             standalone: ``127.0.0.1:0`` (port picked at bind time).
-        rdzv_configs: ``--rdzv-conf`` entries; static adds ``rank`` = str(node_rank).
+        rdzv_configs: ``--rdzv-conf`` entries; static adds ``rank`` = str(``--node-rank``).
         max_restarts: failed-group restarts allowed, >= 0.
         monitor_interval: seconds between agent checks, > 0.
         start_method: ``spawn``, ``fork`` or ``forkserver`` (kept for parity; elaunch
@@ -38,10 +38,6 @@ class LaunchConfig:
         log_dir: base directory for worker logs, or None for a temporary one.
         redirects, tee: ``elaunch.procs.std.Std`` or ``{local_rank: Std}`` (``-r``/``-t``).
         local_ranks_filter: local ranks whose output reaches the console, None for all.
-        node_rank: this node's rank for static rendezvous (``--node-rank``).
-        master_addr, master_port: the static rendezvous' store (``MASTER_ADDR``/
-            ``MASTER_PORT`` of the workers); None for other backends, whose
-            rendezvous publishes them.
         local_addr: this node's address as others reach it, None for the FQDN.
         shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
         signals_to_handle: signal names the agent forwards to workers before stopping
@@ -84,9 +80,6 @@ class LaunchConfig:
     redirects: Any = field(default_factory=partial(default_of, "redirects"))
     tee: Any = field(default_factory=partial(default_of, "tee"))
     local_ranks_filter: frozenset[int] | None = None
-    node_rank: int = default_of("node_rank")
-    master_addr: str | None = None
-    master_port: int | None = None
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")

@@ -91,7 +91,7 @@ def test_static_flags_both_spellings(script):
     for sep in ("-", "_"):
         c = parse_config(["--nnodes", "2", f"--node{sep}rank", "1", f"--master{sep}addr", "n0",
                           f"--master{sep}port", "1234", script], {})
-        assert (c.rdzv_backend, c.node_rank, c.master_addr, c.master_port) == ("static", 1, "n0", 1234)
+        assert (c.rdzv_backend, c.rdzv_configs["rank"], c.rdzv_endpoint) == ("static", "1", "n0:1234")
 
 
 def test_module_no_python_run_path(script):

@@ -33,7 +33,6 @@ def test_defaults_become_standalone_for_single_node_static(script):
     assert len(c.run_id) == 36 and c.run_id != cfg(script).run_id  # a fresh uuid4
     assert c.standalone is False
     assert (c.min_nodes, c.max_nodes, c.nproc_per_node, c.max_restarts) == (1, 1, 1, 0)
-    assert c.master_addr is None and c.master_port is None
     assert c.cmd == (sys.executable, "-u", script)
     assert c.shutdown_timeout == 30.0 and c.signals_to_handle == C.DEFAULT_SIGNALS
     assert c.forward_signals == ("SIGUSR1", "SIGUSR2") and c.hang_timeout == 0.0
@@ -58,21 +57,24 @@ def test_standalone_ignores_rdzv_flags(script, caplog):
     ],
 )
 def test_static_endpoint_and_master(script, options, endpoint, addr, port):
+    from elaunch.launch import rendezvous_parameters
+    from elaunch.rendezvous.registry import create_handler
+
     c = cfg(script, node_rank=0, **options)
-    assert c.rdzv_backend == "static"
-    assert (c.rdzv_endpoint, c.master_addr, c.master_port) == (endpoint, addr, port)
-    assert c.rdzv_configs["rank"] == "0"
+    assert (c.rdzv_backend, c.rdzv_endpoint, c.rdzv_configs["rank"]) == ("static", endpoint, "0")
+    handler = create_handler(rendezvous_parameters(c))  # the workers' store: MASTER_ADDR/PORT
+    assert (handler.master_addr, handler.master_port) == (addr, port)
 
 
 def test_static_rank_goes_to_rdzv_configs(script):
     c = cfg(script, nnodes=(3, 3), node_rank=2, rdzv_conf={"timeout": "5"})
-    assert c.rdzv_configs == {"timeout": "5", "rank": "2"} and c.node_rank == 2
+    assert c.rdzv_configs == {"timeout": "5", "rank": "2"}
 
 
 def test_dynamic_backend_keeps_endpoint_and_no_master(script):
     c = cfg(script, nnodes=(1, 4), rdzv_backend="c10d", rdzv_endpoint="host:29400", rdzv_id="job")
     assert (c.rdzv_backend, c.rdzv_endpoint, c.run_id) == ("c10d", "host:29400", "job")
-    assert c.master_addr is None and "rank" not in c.rdzv_configs
+    assert "rank" not in c.rdzv_configs
 
 
 def test_etcd_endpoint_list_allowed(script):
