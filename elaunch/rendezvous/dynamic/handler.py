@@ -36,6 +36,7 @@ from elaunch.rendezvous.dynamic.job_facts import JobFacts
 from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.reading import read_watched
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._sleep = sleep
         self._executor = OpExecutor(backend, self._node_id, node, settings, clock, sleep)
         self._lock = threading.RLock()
-        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._read, self._beat_through_state)
+        self._stalls = StoreStalls(clock, slow_after(settings))  # when the store last stalled for this node
+        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._read, self._beat_through_state,
+                                     self._stalls)
         self._state_written = False  # the backend's watch saw a write since the cached read
         self._stop_watch: Callable[[], None] | None = None
         self._current: RendezvousInfo | None = None
@@ -174,7 +177,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if info is None:
             return
         state = self._cached[1] if self._cached is not None else self._executor.state
-        lost = ops.lost_members(state, info.round, self._members, self._node_id, s, self._watched[1:])
+        lost = ops.lost_members(state, info.round, self._members, self._node_id, s, self._watched[1:],
+                                self._stalls.ended)
         alive = len(self._members) - lost
         if alive < s.min_nodes:
             log.warning("only %d of the job's nodes are left (--nnodes=%d:%d); waiting up to join_timeout=%g s "
@@ -249,8 +253,9 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if self._cached is not None and not self._state_written and now - self._cached[0] < self._settings.poll_interval:
             return self._cached[1]
         self._state_written = False  # before the read: a write during it makes the next check read again
-        state, _token = read_watched(self._backend, self._watched, self._members,
-                                     self._clock() - self._settings.fresh_for)
+        with self._stalls.timing():  # a failed or slow read: the store stalled for this node
+            state, _token = read_watched(self._backend, self._watched, self._members,
+                                         self._clock() - self._settings.fresh_for)
         self._cached = (now, state)
         if self._keep_alive.running and ops.should_answer_probe(state, self._node_id):
             self._keep_alive.beat_now()  # answer at once, not at the keep-alive thread's next tick
@@ -285,7 +290,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         if info is None:
             return 0
         return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings,
-                                self._watched[1:])
+                                self._watched[1:], self._stalls.ended)
 
     def num_nodes_new(self) -> int:
         """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).

@@ -4,7 +4,7 @@ A mixin of :class:`~elaunch.rendezvous.dynamic.handler.DynamicRendezvousHandler`
 kept apart so the handler's module holds the rounds and this one the job: the
 restart count, the failure verdict and its acknowledgements, and stack-dump
 requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
-``_members``, ``_watched``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
+``_members``, ``_watched``, ``_stalls``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
 ``_read()``, ``_start_heartbeats()``, ``_stop_heartbeats()`` and ``_declared_end`` (all set by the
 handler's ``__init__``).
 Stdlib only.
@@ -65,7 +65,7 @@ class JobFacts:
         if self._current is None:
             return 0
         lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings,
-                                self._watched[1:])
+                                self._watched[1:], self._stalls.ended)
         return max(0, len(self._members) - 1 - lost)
 
     def _update_job(self, transform) -> RendezvousState:

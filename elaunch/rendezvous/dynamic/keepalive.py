@@ -18,6 +18,7 @@ from elaunch.rendezvous.api import RendezvousError
 from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
@@ -37,17 +38,20 @@ class KeepAlive:
         beat_through_state: writes one heartbeat into the shared state (backends
             without heartbeat keys); given the thread's stop event, it returns
             without writing once that is set.
+        stalls: where a beat that failed or was slow is noted as this node's store
+            stall (the handler's; None: one of its own).
     """
 
     def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
                  clock: Callable[[], float], read: Callable[[], RendezvousState],
-                 beat_through_state: Callable[[threading.Event], None]) -> None:
+                 beat_through_state: Callable[[threading.Event], None], stalls: StoreStalls | None = None) -> None:
         self._node_id = node_id
         self._settings = settings
         self._backend = backend
         self._clock = clock
         self._read = read
         self._beat_through_state = beat_through_state
+        self._stalls = stalls if stalls is not None else StoreStalls(clock, slow_after(settings))
         self._beat_now = threading.Event()  # wakes the thread: a read saw a probe it must answer
         self._stop: threading.Event | None = None
         self.thread: threading.Thread | None = None
@@ -91,7 +95,8 @@ class KeepAlive:
         """
         while True:
             try:
-                self._backend.beat(self._node_id, self._clock())
+                with self._stalls.timing():
+                    self._backend.beat(self._node_id, self._clock())
             except RendezvousError as exc:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
@@ -129,7 +134,8 @@ class KeepAlive:
                 if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
                     continue
                 next_beat = time.monotonic() + interval
-                self._beat_through_state(stop)
+                with self._stalls.timing():
+                    self._beat_through_state(stop)
             except RendezvousError as exc:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently

@@ -415,16 +415,20 @@ def ring_neighbours(members: frozenset[str] | set[str], me: str, count: int = WA
 
 
 def lost_members(state: RendezvousState, round: int, members: frozenset[str], me: str,
-                 settings: RendezvousSettings, watched: tuple[str, ...] | None = None) -> int:
+                 settings: RendezvousSettings, watched: tuple[str, ...] | None = None,
+                 stalled_until: float = 0.0) -> int:
     """Return how many nodes of ``me``'s running round are gone (pure).
 
     A member is gone when it left the participants (it is rejoining, or was pruned),
     when the round was superseded (a state of an older round is stale, not a loss),
-    or, if it is ``watched``, when its last heartbeat lags ``me``'s own by more than
-    ``settings.member_lost_after`` seconds (``lost_after``, 3 s by default).
-    Measuring the lag against our own heartbeat (not the clock) means an outage of
-    the backend, after which every heartbeat is old, does not make everyone look
-    dead. A closed rendezvous (the job is ending) loses nobody.
+    or, if it is ``watched``, when its silence lags ``me``'s own heartbeat by more
+    than ``settings.member_lost_after`` seconds (``lost_after``, 3 s by default).
+    Its silence counts from the later of its last heartbeat and ``stalled_until``,
+    the end of ``me``'s own last store stall (``stalls.StoreStalls``): time the
+    store did not answer ``me`` (an etcd leader election, a frozen leader) counts
+    against no node. Measuring the lag against our own heartbeat (not the clock)
+    means an outage of the backend, after which every heartbeat is old, does not
+    make everyone look dead. A closed rendezvous (the job is ending) loses nobody.
 
     Args:
         state: the stored state.
@@ -432,6 +436,7 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
         watched: the members whose heartbeats ``state`` holds fresh (the monitor
             reads only ``ring_neighbours``' keys); None: every member's. The
             others' stored heartbeats may be as old as the round: never judged.
+        stalled_until: seconds since the epoch when ``me``'s last store stall ended (0: none).
     """
     if state.closed or not members:
         return 0
@@ -446,6 +451,16 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
         if node not in state.participants:
             lost += 1
         elif (node in judged and mine is not None
-              and mine - state.last_heartbeats.get(node, 0.0) > settings.member_lost_after):
+              and mine - _silent_since(state, node, stalled_until) > settings.member_lost_after):
             lost += 1
     return lost
+
+
+def _silent_since(state: RendezvousState, node: str, stalled_until: float) -> float:
+    """When ``node``'s silence began for the observer: its last beat, or the observer's stall's end if later.
+
+    A node with no heartbeat (none read, or 0: etcd-v3 found its presence lease gone)
+    gets no grace: it is not silent, it is gone.
+    """
+    last = state.last_heartbeats.get(node, 0.0)
+    return max(last, stalled_until) if last > 0 else 0.0
