@@ -269,6 +269,22 @@ class EtcdCluster:
             time.sleep(0.1)
         raise TimeoutError("no etcd leader")
 
+    def make_leader(self, m: EtcdMember, timeout: float = 15.0) -> None:
+        """Move the leadership to member ``m`` (etcd's MoveLeader, sent to the leader); return once it leads.
+
+        Raises:
+            TimeoutError: ``m`` does not lead within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while (leader := self.leader(timeout)) is not m:
+            member_id = self.request(m, "/v3/maintenance/status", {})["header"]["member_id"]
+            try:
+                self.request(leader, "/v3/maintenance/transfer-leadership", {"targetID": member_id}, timeout=5.0)
+            except (OSError, ValueError, urllib.error.URLError):
+                pass  # an election in between: ask the new leader
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{m.name} did not become the etcd leader")
+
     def enable_auth(self, user: str = "root", password: str = "elaunch-secret") -> tuple[str, str]:
         """Create ``user`` (with the root role) and turn authentication on; returns (user, password)."""
         m = next(x for x in self.members if x.proc is not None)

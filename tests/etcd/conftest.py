@@ -134,3 +134,11 @@ def handlers():
         except Exception:  # noqa: BLE001 - etcd may be gone in fault tests
             pass
     pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def etcd_cluster3_v2(etcd_bin, tmp_path):
+    """A 3-member cluster with the v2 API on as well, function-scoped: tests kill members."""
+    c = start_cluster(tmp_path / "etcd3v2", size=3, v2=True)
+    yield c
+    c.stop()

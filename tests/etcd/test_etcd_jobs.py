@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -54,6 +55,49 @@ def test_leader_killed_mid_job_causes_no_restart(etcd_cluster3, tmp_path):
         for a in agents:
             kill_tree(a.pid)
     assert sorted(load_envs(tmp_path)) == ["env_0_0", "env_1_0"]  # no restart
+
+
+#: The default liveness rule (``lost_after``, 3 s): no torch keep-alive keys, which would set it aside.
+DEFAULT_LIVENESS = "last_call_timeout=1,join_timeout=60,read_timeout=20"
+
+
+def _leader_fault(cluster, fault: str) -> None:
+    """Kill the leader (SIGKILL), or freeze it for 5 s (SIGSTOP, then SIGCONT); return once healthy again."""
+    leader = cluster.leader()
+    if fault == "kill":
+        leader.kill()
+    else:
+        leader.send(signal.SIGSTOP)
+        try:
+            time.sleep(5)  # the fault itself: the leader stays frozen for 5 s
+        finally:
+            leader.send(signal.SIGCONT)
+    cluster.wait_healthy(30, [m for m in cluster.members if m.proc is not None])
+
+
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2"])
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_leader_fault_under_default_liveness_loses_no_node(backend, fault, etcd_cluster3_v2, tmp_path):
+    """An etcd leader change is the store's stall, not a node's: no member is declared lost, no re-form.
+
+    The leader is the last endpoint, not the one the agents' clients start on: so placed,
+    both faults re-formed the group in every run before elaunch discounted the store's
+    stalls (a beat etcd lost in the election was waited for 5 s, then landed a stale time).
+    """
+    etcd_cluster3_v2.make_leader(etcd_cluster3_v2.members[-1])
+    agents = [_agent(backend, etcd_cluster3_v2.endpoints, [str(WORKER), str(tmp_path)], rdzv_id=f"lf-{fault}",
+                     conf=DEFAULT_LIVENESS) for _ in range(2)]
+    try:
+        wait_for(lambda: len(_pids(tmp_path, 0)) == 2, 60, what="both workers started")
+        _leader_fault(etcd_cluster3_v2, fault)
+        time.sleep(6)  # two lost_after (3 s) pass against the new leader: a loss would be acted on by now
+    finally:
+        (tmp_path / "go_0").touch()
+        results = finish_agents(agents)
+    errs = "\n---\n".join(err[-3000:] for _c, err, _t in results)
+    assert all(code == 0 for code, _e, _t in results), errs
+    assert "lost" not in errs and "re-forming" not in errs, errs
+    assert sorted(load_envs(tmp_path)) == ["env_0_0", "env_1_0"]  # no re-form
 
 
 @pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2"])

@@ -258,7 +258,8 @@ class FailoverKV(EtcdKV):
                 (default ``read_timeout``) seconds; names the endpoints and last error.
             RendezvousConfigError: credentials or server setup are wrong; names the endpoint.
         """
-        deadline = time.monotonic() + (self.conf.read_timeout if timeout is None else timeout)
+        limit = self.conf.read_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         delay = 0.05
         while True:
             index = self._current
@@ -280,7 +281,7 @@ class FailoverKV(EtcdKV):
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"{self.backend} rendezvous: etcd at {self.endpoint} unreachable: {what} failed "
-                        f"within read_timeout={self.conf.read_timeout:g} s: {self._describe(exc)}") from exc
+                        f"within {'read_timeout=' if timeout is None else ''}{limit:g} s: {self._describe(exc)}") from exc
                 log.debug("%s: %s failed (%s); retrying", where, what, self._describe(exc))
                 if self._current == 0 or len(self.conf.endpoints) == 1:
                     time.sleep(min(delay, max(0.0, deadline - time.monotonic())))

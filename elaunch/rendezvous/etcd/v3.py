@@ -30,6 +30,7 @@ from collections.abc import Callable
 from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
+from elaunch.rendezvous.dynamic.stalls import beat_timeout
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.rendezvous.etcd.common import import_client, parse_conf
 from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
@@ -63,11 +64,14 @@ class EtcdV3StateBackend(EtcdStateBackend):
         kv: the client.
         key: the state key.
         nodes_prefix: ``{base}/nodes/``.
+        beat_timeout: seconds one keep-alive heartbeat may take, fail-over included
+            (``stalls.beat_timeout``), before it is given up for the next.
     """
 
-    def __init__(self, kv: EtcdV3KV, key: str, nodes_prefix: str) -> None:
+    def __init__(self, kv: EtcdV3KV, key: str, nodes_prefix: str, beat_timeout: float = RPC_TIMEOUT) -> None:
         super().__init__(kv, key, "etcd-v3")
         self.nodes_prefix = nodes_prefix
+        self.beat_timeout = beat_timeout
         self._base = nodes_prefix[: -len("nodes/")]
 
     @property
@@ -81,6 +85,11 @@ class EtcdV3StateBackend(EtcdStateBackend):
     def put_heartbeat(self, node_id: str, at: float) -> None:
         assert isinstance(self.kv, EtcdV3KV)
         self.kv.put_many([(f"{self._base}heartbeat/{node_id}", repr(at).encode())])
+
+    def beat(self, node_id: str, at: float) -> None:
+        """The keep-alive's heartbeat: :meth:`put_heartbeat`, given up after ``beat_timeout`` seconds."""
+        assert isinstance(self.kv, EtcdV3KV)
+        self.kv.put_within(f"{self._base}heartbeat/{node_id}", repr(at).encode(), self.beat_timeout)
 
     def get_heartbeats(self, nodes) -> dict[str, float]:
         return self._read(None)[4]
@@ -225,7 +234,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = RendezvousSettings.from_params(params)
     base = f"{conf.prefix}/{params.run_id}"
     kv = EtcdV3KV(conf)
-    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/")
+    backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/", beat_timeout(settings))
     holder: list[Presence] = []
     handler = build_handler(params, conf, kv, "etcd-v3", backend=backend, settings=settings,
                             on_close=(lambda: holder and holder[0].stop(),))

@@ -210,6 +210,26 @@ class EtcdV3KV(FailoverKV):
 
         return self.call(f"writing {items[0][0]}", op)
 
+    def put_within(self, key: str, value: bytes, timeout: float) -> None:
+        """Put ``key`` (on the keys' lease) within ``timeout`` seconds in all, each attempt's RPC included.
+
+        For heartbeats: a put that etcd loses in a leader election is otherwise waited
+        for the whole RPC timeout (5 s), then lands a stale time; given up on sooner,
+        the keep-alive's next beat carries a fresh one (to the next endpoint).
+
+        Raises:
+            RendezvousConnectionError: not written within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        etcdrpc, utils = self._pyetcd.etcdrpc, self._pyetcd.utils
+
+        def op(client: Any) -> None:
+            request = etcdrpc.PutRequest(key=utils.to_bytes(key), value=value, lease=self._lease_id(client))
+            client.kvstub.Put(request, max(0.05, deadline - time.monotonic()),
+                              credentials=client.call_credentials, metadata=client.metadata)
+
+        self.call(f"writing {key}", op, timeout=timeout)
+
     def watch(self, key: str, timeout: float, prefix: bool = False, start_revision: int | None = None,
               exists: bool = False) -> bool:
         """Return True on the first event on ``key`` (or under it, ``prefix``), False after ``timeout`` s.
