@@ -217,10 +217,8 @@ def fork_worker(
 
 def _fork(run: Callable[[], int], env: Mapping[str, str], fds: Mapping[str, int | None],
           close_fds: Iterable[int]) -> int:
-    """Fork; return the child's pid. The child keeps its ends of the pipes and becomes the worker (:func:`_child`).
-
-    The child starts with every signal blocked: it would run the agent's handlers until it reset them.
-    """
+    """Fork; return the child's pid. The child keeps its ends of the pipes and becomes the worker
+    (:func:`_child`), starting with every signal blocked: it runs the agent's handlers until it reset them."""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # this thread's mask, unchanged
     parent = os.getpid()
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
@@ -236,11 +234,8 @@ def _fork(run: Callable[[], int], env: Mapping[str, str], fds: Mapping[str, int 
 
 
 def _handshake(pid: int, fds: dict[str, int | None], before_run: Callable[[int], None] | None) -> bool:
-    """Wait until the child is set up, call ``before_run(pid)``, let the child run; False if it died first.
-
-    Closes this process's copies of the child's ends of the pipes first (removed from ``fds``):
-    the child's death then reads as end-of-file.
-    """
+    """Wait until the child is set up, call ``before_run(pid)``, let the child run; False if it died first
+    (this process closes its copies of the child's ends first, so that the death reads as end-of-file)."""
     os.close(fds.pop("ready"))
     os.close(fds.pop("go_read"))
     if not os.read(fds["ready_read"], 1):

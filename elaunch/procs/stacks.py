@@ -258,11 +258,8 @@ def _faulthandler_all(
 
 
 def _signal_for_stacks(pid: int, path: str | None, signum: int) -> int | str:
-    """Send ``signum`` to ``pid`` for a faulthandler dump into its stacks file ``path``.
-
-    Returns:
-        The file's size before the signal (bytes), or why the fallback cannot be used.
-    """
+    """Send ``signum`` to ``pid`` for a faulthandler dump into its stacks file ``path``; return
+    the file's size before the signal (bytes), or why the fallback cannot be used."""
     if path is None:
         return "no stacks file for the fallback"
     try:
@@ -306,9 +303,8 @@ def _await_dumps(waiting: dict[int, tuple[str, int]], why: Mapping[int, str], ti
             break
         if now >= deadline:
             for rank in waiting:
-                out[rank] = StackDump(
-                    "", UNAVAILABLE, f"{why[rank]}; no faulthandler dump within {timeout:g} s after the signal"
-                )
+                out[rank] = StackDump("", UNAVAILABLE,
+                                      f"{why[rank]}; no faulthandler dump within {timeout:g} s after the signal")
             break
         time.sleep(min(_POLL_S, max(0.0, deadline - now)))
     return out
