@@ -10,7 +10,11 @@ and applies.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+
+#: Least seconds an exiting rank's teardown may take before its quiet is a hang again:
+#: 15 times the 2.0 s that torch's and gloo's teardown took on 2 loaded cores (issue 22).
+EXIT_GRACE_MIN = 30.0
 
 
 class Verdict(enum.Enum):
@@ -98,8 +102,18 @@ def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: 
     raise ValueError(f"no step follows verdict {verdict}")
 
 
+def exit_grace(hang_timeout: float) -> float:
+    """Seconds an exiting rank is exempt from the hang verdict: ``max(hang_timeout, EXIT_GRACE_MIN)``.
+
+    A teardown is no step of the program, so ``hang_timeout`` (the user's bound on
+    the gap between two steps) alone would be too tight where it is short; and a
+    teardown longer than both is not one the machine's load explains.
+    """
+    return max(hang_timeout, EXIT_GRACE_MIN)
+
+
 def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[int, int | None],
-               hang_timeout: float, exiting: Collection[int] = ()) -> list[int]:
+               hang_timeout: float, exiting: Mapping[int, float] | None = None) -> list[int]:
     """Return the local ranks that hang (sorted): the hang verdict of ``--hang-timeout``.
 
     Args:
@@ -107,24 +121,28 @@ def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[i
             seconds since its counter last changed).
         exit_codes: local rank -> exit code, None while running (exited ranks do not hang).
         hang_timeout: seconds without progress that make a rank hung; 0 = off.
-        exiting: local ranks whose worker has started to exit (its interpreter ran
-            the exit mark that ``elaunch.progress()`` registers) and is still alive.
+        exiting: local rank -> seconds since the agent first saw that rank's worker
+            start to exit (its interpreter ran the exit mark that
+            ``elaunch.progress()`` registers) while it is still alive.
 
     Returns:
         The running ranks that reported progress once and then not for more than
         ``hang_timeout`` seconds. A rank that never reported is not judged (it may
-        not call ``elaunch.progress()`` at all). Nothing is judged while a rank of
-        the node is exiting (its teardown takes seconds on a loaded machine, and its
-        peers may wait on it) or after one failed (exited non-zero or by a signal:
-        that failure is the root cause, its peers' quiet is its doing); the exit
-        codes then decide.
+        not call ``elaunch.progress()`` at all). Nothing is judged after a rank of
+        the node failed (exited non-zero or by a signal: that failure is the root
+        cause, its peers' quiet is its doing); the exit codes then decide. While a
+        rank of the node is exiting, only exiting ranks are judged: each is exempt
+        for :func:`exit_grace` seconds (its teardown takes seconds on a loaded
+        machine, and its peers may wait on it), then hung in its teardown.
     """
     if hang_timeout <= 0:
         return []
     if any(c is not None and c != 0 for c in exit_codes.values()):
         return []
-    if any(exit_codes.get(lr, 0) is None for lr in exiting):
-        return []
+    exiting = {lr: s for lr, s in (exiting or {}).items() if exit_codes.get(lr, 0) is None}
+    if exiting:
+        # its peers' quiet may be waiting on it: the exiting rank is the one to judge
+        return sorted(lr for lr, seconds in exiting.items() if seconds > exit_grace(hang_timeout))
     return sorted(lr for lr, (reported, quiet) in progress.items()
                   if reported and quiet > hang_timeout and exit_codes.get(lr) is None)
 

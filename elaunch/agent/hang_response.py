@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Callable
 
-from elaunch.agent.decide import order_hung
+from elaunch.agent.decide import exit_grace, order_hung
 from elaunch.agent.hangs import DUMP_TIMEOUT, HangWatch, waits_on_peer
 from elaunch.agent.published import publish, stacks_record
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
@@ -107,7 +107,8 @@ class HangResponse:
         first = by_lr[likely]
         asked = FailureRecord(round=self.round, at=now, host=self._hostname, rank=first.global_rank,
                               local_rank=likely, pid=first.pid or -1, exitcode=-signal.SIGKILL,
-                              message=f"HUNG: no progress for {quiet[likely]:.1f} s", hung=True)
+                              message=f"HUNG: no progress for {quiet[likely]:.1f} s{self._while_exiting(likely)}",
+                              hung=True)
         dump_id = 0
         likely_cause = stopped[likely] or counters[likely] < max(counters.values())
         if self.answered is not None and not likely_cause:
@@ -139,18 +140,27 @@ class HangResponse:
         # likely a victim: it waits in a collective like its peers, is not stopped and not behind them
         self.blocked = (waiting.get(order[0], False) and not stopped[order[0]]
                               and counters[order[0]] >= max(counters.values()))
-        log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s; stacks in %s",
-                  culprit.global_rank, order[0], quiet[order[0]],
+        log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s%s; stacks in %s",
+                  culprit.global_rank, order[0], quiet[order[0]], self._while_exiting(order[0]),
                   "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")
         for idx, lr in enumerate(order):
             w = by_lr[lr]
             d = dumps.get(lr)
             stacks = f"stacks ({d.method}{': ' + d.reason if d.reason else ''}):\n{d.text.rstrip()}" if d else ""
             role = "" if idx == 0 else f" (blocked behind rank {culprit.global_rank})"
-            detail = (f"HUNG{role}: no progress for {quiet[lr]:.1f} s (--hang-timeout={self.watch.hang_timeout:g}); "
+            detail = (f"HUNG{role}: no progress for {quiet[lr]:.1f} s (--hang-timeout={self.watch.hang_timeout:g})"
+                      f"{self._while_exiting(lr)}; "
                       f"killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
             # went quiet at now - quiet; the culprit first among equals
             self.hung[w.global_rank] = ProcessFailure(
                 local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
                 timestamp=now - quiet[lr] + idx * 1e-3, hostname=self._hostname, detail=detail)
         self.culprit = culprit.global_rank
+
+    def _while_exiting(self, local_rank: int) -> str:
+        """``", hung while exiting (...)"`` for a rank whose teardown outlived its grace; "" otherwise."""
+        seconds = self.watch.exiting_for(local_rank)
+        if seconds is None:
+            return ""
+        return (f", hung while exiting (its program ended; its teardown has not finished {seconds:.1f} s "
+                f"later, over the {exit_grace(self.watch.hang_timeout):g} s allowed)")

@@ -45,6 +45,8 @@ class HangWatch:
         self._clock = clock
         self._files = None
         self._watch = None
+        self._exit_seen: dict[int, float] = {}  # local rank -> when its exit mark was first seen
+        self._exiting: dict[int, float] = {}  # local rank -> seconds exiting, as of the last check
         if hang_timeout > 0:
             from elaunch.procs.progress import ProgressFiles, ProgressWatch
 
@@ -60,6 +62,7 @@ class HangWatch:
         if self._files is not None:
             self._files.reset()
             self._watch.reset()
+            self._exit_seen, self._exiting = {}, {}
 
     def hung(self, exit_codes: Mapping[int, int | None]) -> list[int]:
         """Return the local ranks that hang now (sorted); [] when detection is off.
@@ -67,14 +70,21 @@ class HangWatch:
         A rank's quiet is measured on this agent's monotonic clock from the first
         reading that saw its counter change: a late check (a loaded machine) can
         only see more progress, never less. A worker whose exit mark names a live
-        process is exiting: see ``decide.hung_ranks``.
+        process is exiting, from the first check that saw the mark on: see
+        ``decide.hung_ranks``.
         """
         if self._files is None:
             return []
-        table = self._watch.update(self._files.read(), self._clock())
+        now = self._clock()
+        table = self._watch.update(self._files.read(), now)
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
-        exiting = [lr for lr, pid in self._files.exit_marks().items() if _alive(pid)]
-        return hung_ranks(progress, exit_codes, self.hang_timeout, exiting)
+        marked = [lr for lr, pid in self._files.exit_marks().items() if _alive(pid)]
+        self._exiting = {lr: now - self._exit_seen.setdefault(lr, now) for lr in marked}
+        return hung_ranks(progress, exit_codes, self.hang_timeout, self._exiting)
+
+    def exiting_for(self, local_rank: int) -> float | None:
+        """Seconds ``local_rank``'s worker has been exiting as of the last check; None when it was not."""
+        return self._exiting.get(local_rank)
 
     def counter(self, local_rank: int) -> int:
         """``local_rank``'s progress counter as last read (0 when unknown)."""

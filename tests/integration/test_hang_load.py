@@ -95,3 +95,44 @@ def test_under_load_only_the_injected_hang_is_found(tmp_path, cpu_hog):
     assert failed == [("1", "-9", "1"), ("0", "1", "2")], err[-4000:]
     assert sorted(re.findall(r"rank (\d) done on attempt 2", r.stdout)) == ["0", "1"], r.stdout
     assert any(e["kind"] == "job_succeeded" for e in records), records[-3:]
+
+
+TEARDOWN_DEADLOCK = textwrap.dedent(
+    """
+    import atexit, os, threading, time
+
+    rank = int(os.environ["LOCAL_RANK"])
+    if rank == 1:
+        # registered before elaunch's exit mark, so it runs after it (atexit runs last-in, first-out):
+        # the program has ended, the worker deadlocks in its teardown
+        atexit.register(lambda: threading.Event().wait())
+    import elaunch
+
+    for _ in range(5):
+        elaunch.progress()
+        time.sleep(0.05)
+    print(f"rank {rank} program done", flush=True)
+    """
+)
+
+
+def test_a_deadlock_in_teardown_is_a_hang_after_the_exit_grace(tmp_path):
+    """Exiting exempts a rank from --hang-timeout for max(timeout, 30 s) only: then it is hung while exiting."""
+    from elaunch.agent.decide import exit_grace
+
+    script = tmp_path / "worker.py"
+    script.write_text(TEARDOWN_DEADLOCK)
+    # old code: the exiting rank was never judged, the job never ended (run() fails at its timeout)
+    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--hang-timeout=1", "--max-restarts=0",
+            "--monitor-interval=0.2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=exit_grace(1) + 90)
+    err = r.stderr
+    assert r.returncode == 1, err[-4000:]
+    assert sorted(re.findall(r"rank (\d) program done", r.stdout)) == ["0", "1"], r.stdout
+    found = re.findall(r"HUNG: rank (\d) \(local rank \d\) made no progress for [0-9.]+ s, hung while exiting "
+                       r"\(its program ended; its teardown has not finished ([0-9.]+) s later", err)
+    assert [rank for rank, _ in found] == ["1"], err[-4000:]
+    # within the bound: the grace, then one monitor interval (generous slack for a loaded machine)
+    assert exit_grace(1) <= float(found[0][1]) < exit_grace(1) + 20, found
+    [events] = (tmp_path / "logs").rglob("events.jsonl")
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["round"], e["ranks"]) for e in records if e["kind"] == "hang"] == [(0, [1])]

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from elaunch.agent.decide import Step, Verdict, hung_ranks, judge, next_step, sits_out
+from elaunch.agent.decide import EXIT_GRACE_MIN, Step, Verdict, exit_grace, hung_ranks, judge, next_step, sits_out
 from elaunch.agent.failures import from_record, to_record, with_root
 from elaunch.errors.summary import failure_text, format_failure_summary
 from elaunch.rendezvous.api import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
@@ -434,22 +434,39 @@ def test_hung_ranks(progress, codes, timeout, expected):
 
 
 @pytest.mark.parametrize(
-    "codes, exiting, expected",
+    "codes, exiting, timeout, expected",
     [
-        ({0: None, 1: None}, [], [0, 1]),
+        ({0: None, 1: None}, {}, 2.0, [0, 1]),
         # a rank in its interpreter's teardown (exit mark set, still alive) is not hung,
         # nor is its peer, who may wait on it: the exit code decides
-        ({0: None, 1: None}, [1], []),
-        ({0: None, 1: None}, [0, 1], []),
+        ({0: None, 1: None}, {1: 0.0}, 2.0, []),
+        ({0: None, 1: None}, {0: 1.0, 1: 5.0}, 2.0, []),
+        # ... for the grace: max(hang timeout, 30 s) from when the agent first saw the mark
+        ({0: None, 1: None}, {1: 30.0}, 2.0, []),
+        ({0: None, 1: None}, {1: 30.01}, 2.0, [1]),  # a hang in its teardown: it alone
+        ({0: None, 1: None}, {0: 30.5, 1: 29.0}, 2.0, [0]),
+        ({0: None, 1: None}, {0: 31.0, 1: 31.0}, 2.0, [0, 1]),
+        ({0: None, 1: None}, {1: 45.0}, 60.0, []),  # a longer hang timeout is the grace
+        ({0: None, 1: None}, {1: 60.01}, 60.0, [1]),
         # the exiting rank is gone (reaped): its mark no longer holds the others back
-        ({0: None, 1: 0}, [1], [0]),
+        ({0: None, 1: 0}, {1: 0.5}, 2.0, [0]),
+        ({0: None, 1: 0}, {1: 99.0}, 2.0, [0]),
         # a mark of a rank not on this node (no exit code known) holds nothing back
-        ({0: None, 1: None}, [7], [0, 1]),
+        ({0: None, 1: None}, {7: 99.0}, 2.0, [0, 1]),
+        # a failed rank is the root cause, whatever else exits slowly
+        ({0: None, 1: 1}, {0: 99.0}, 2.0, []),
+        # detection off: nothing, ever
+        ({0: None, 1: None}, {1: 1e6}, 0.0, []),
     ],
 )
-def test_hung_ranks_waits_while_a_rank_exits(codes, exiting, expected):
-    progress = {0: (True, 5.0), 1: (True, 5.0)}
-    assert hung_ranks(progress, codes, 2.0, exiting) == expected
+def test_hung_ranks_while_a_rank_exits(codes, exiting, timeout, expected):
+    progress = {0: (True, 500.0), 1: (True, 500.0)}
+    assert hung_ranks(progress, codes, timeout, exiting) == expected
+
+
+def test_exit_grace():
+    assert exit_grace(2.0) == EXIT_GRACE_MIN == 30.0
+    assert exit_grace(120.0) == 120.0
 
 
 # ---------------------------------------------------------------- decide: sits_out
