@@ -1,7 +1,7 @@
 """Per-call cost of ``elaunch.progress()``: ``python -m benchmarks.progress_cost``.
 
 Prints nanoseconds per call with ``ELAUNCH_PROGRESS_FILE`` set (a real progress
-file from :class:`elaunch.procs.progress.ProgressFiles`, so the stacks handler is
+file from :class:`elaunch.procs.progress_files.ProgressFiles`, so the stacks handler is
 registered too) and unset, next to an empty Python function call for scale. Each
 mode runs in a fresh child process (``progress()`` settles its mode on the first
 call), best of ``--repeats`` loops of ``--calls`` calls.
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         _child(args.child, args.calls, args.repeats)
         return 0
 
-    from elaunch.procs.progress import ProgressFiles
+    from elaunch.procs.progress_files import ProgressFiles
 
     me = [sys.executable, "-m", "benchmarks.progress_cost"]
     with ProgressFiles([0]) as files:

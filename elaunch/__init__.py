@@ -4,14 +4,14 @@
 so the agent can tell a hung rank from a slow one. It is loaded on first access
 (``elaunch.progress`` or ``from elaunch import progress``), so ``import elaunch``
 imports nothing else; loading it imports only the stdlib-only
-:mod:`elaunch._progress` (no torch).
+:mod:`elaunch._worker_progress` (no torch).
 """
 
 from __future__ import annotations
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~2 ms; checkers accept this
 if TYPE_CHECKING:
-    from ._progress import progress
+    from ._worker_progress import progress
 
 __version__ = "0.1.0"
 __all__ = ["progress"]
@@ -20,7 +20,7 @@ __all__ = ["progress"]
 def __getattr__(name: str):
     """Load :func:`progress` lazily (PEP 562); any other missing name is an AttributeError."""
     if name == "progress":
-        from ._progress import progress
+        from ._worker_progress import progress
 
         globals()["progress"] = progress
         return progress

@@ -1,7 +1,7 @@
 """Hang detection for one node's workers (``--hang-timeout``) and stack dumps on request.
 
 Workers call ``elaunch.progress()`` each step; it bumps a counter in a file this
-module creates per local rank (``procs.progress``). The agent reads the counters
+module creates per local rank (``procs.progress_files``). The agent reads the counters
 every monitor tick (no system call), the pure verdict ``decide.hung_ranks`` names
 the ranks that went quiet, and the Python stacks of every worker are dumped with
 py-spy (or the faulthandler fallback, ``procs.stacks``) into the log directory:
@@ -48,7 +48,7 @@ class HangWatch:
         self._exit_seen: dict[int, float] = {}  # local rank -> when its exit mark was first seen
         self._exiting: dict[int, float] = {}  # local rank -> seconds exiting, as of the last check
         if hang_timeout > 0:
-            from elaunch.procs.progress import ProgressFiles, ProgressWatch
+            from elaunch.procs.progress_files import ProgressFiles, ProgressWatch
 
             self._files = ProgressFiles(local_ranks)
             self._watch = ProgressWatch()

@@ -7,7 +7,7 @@ with ``--nonblocking`` (``py-spy`` 0.4 fails with "Failed to suspend process" on
 SIGSTOPped process without it).
 
 Fallback, when py-spy is missing, fails, overruns, or may not ptrace: send the worker
-:data:`~elaunch.procs.progress.STACKS_SIGNAL`, on which the faulthandler that
+:data:`~elaunch.procs.progress_files.STACKS_SIGNAL`, on which the faulthandler that
 :func:`elaunch.progress` registered appends all threads' stacks to the worker's stacks
 file. Works only for a worker that called ``elaunch.progress()`` at least once (the
 signal's default action would kill any other process, so it is sent only to a pid
@@ -29,9 +29,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .._progress import STACKS_HEADER
+from .._worker_progress import STACKS_HEADER
 from . import _proctree
-from .progress import STACKS_SIGNAL
+from .progress_files import STACKS_SIGNAL
 
 __all__ = [
     "FAULTHANDLER",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elaunch.procs.progress import ProgressFiles
+from elaunch.procs.progress_files import ProgressFiles
 from elaunch.procs.stacks import (
     FAULTHANDLER,
     PY_SPY,

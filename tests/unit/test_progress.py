@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from elaunch.procs.progress import (
+from elaunch.procs.progress_files import (
     FILE_BYTES,
     PROGRESS_FILE_ENV,
     STACKS_FILE_ENV,
@@ -51,11 +51,11 @@ def test_without_env_is_a_noop_and_import_is_light():
         """
         import sys
         import elaunch
-        assert "elaunch._progress" not in sys.modules, "import elaunch loaded _progress eagerly"
+        assert "elaunch._worker_progress" not in sys.modules, "import elaunch loaded _progress eagerly"
         from elaunch import progress
         for _ in range(1000):
             progress()
-        import elaunch._progress as p
+        import elaunch._worker_progress as p
         assert p._counter is None and p._initialised
         assert "torch" not in sys.modules and "mmap" not in sys.modules and "faulthandler" not in sys.modules
         print("ok")

@@ -4,7 +4,7 @@ A training worker calls :func:`progress` once per step. The agent gives each wor
 a small zero-filled file (``$ELAUNCH_PROGRESS_FILE``); this module maps it into memory
 and bumps a native-endian ``uint64`` at offset 0 on every call. The agent maps the same
 file and reads the counter without any system call on either side (see
-:mod:`elaunch.procs.progress`).
+:mod:`elaunch.procs.progress_files`).
 
 Stdlib only, nothing imported at module level beyond ``os``: ``import elaunch`` stays
 cheap and never imports torch. ``mmap``, ``atexit``, ``faulthandler`` and ``warnings``

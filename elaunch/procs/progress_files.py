@@ -1,7 +1,7 @@
 """Agent side of progress reporting: per-rank progress files and their watch.
 
 :class:`ProgressFiles` creates, for each local rank, a small zero-filled file that the
-worker maps and bumps through :func:`elaunch.progress` (see :mod:`elaunch._progress`),
+worker maps and bumps through :func:`elaunch.progress` (see :mod:`elaunch._worker_progress`),
 plus a stacks file the worker's faulthandler appends to on :data:`STACKS_SIGNAL`. The
 agent maps the same files read-only, so reading every counter costs no system call.
 
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .._progress import MAPPED_BYTES, PROGRESS_FILE_ENV, STACKS_FILE_ENV, STACKS_SIGNAL_ENV
+from .._worker_progress import MAPPED_BYTES, PROGRESS_FILE_ENV, STACKS_FILE_ENV, STACKS_SIGNAL_ENV
 
 __all__ = [
     "FILE_BYTES",
