@@ -6,7 +6,10 @@ peers to keep the store up. elaunch's agent stays free of torch: it binds and
 listens on the store's socket itself (stdlib, at once, so a worker that connects
 early waits in the socket's backlog instead of retrying) and hands the socket to
 one small child that imports torch while the first workers do, and then hosts a
-fresh ``TCPStore`` on each round's socket (``_store_host_child.py``). Stdlib only.
+fresh ``TCPStore`` on each round's socket (``_store_host_child.py``). The child,
+and the store with it, lives until the agent's run ends (``WorkerLauncher.close``,
+after every worker of the last round exited or was stopped), as torchrun's store
+lives in its agent: a worker's exit never takes the store from the others. Stdlib only.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 torch_dist = pytest.importorskip("torch.distributed")
 
 from elaunch.procs.store_host import StoreHost  # noqa: E402
+from tests.helpers import SCRIPTS, free_port, run  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -56,3 +57,14 @@ def test_a_port_in_use_is_an_os_error():
             other.close()
     finally:
         host.close()
+
+
+@pytest.mark.slow
+def test_the_workers_store_outlives_the_first_worker_to_exit(tmp_path):
+    # PyTorch's test_init_method_env_with_torchelastic: static, one node, env://. As
+    # under torchrun, the store lives until every worker exited: a rank that uses it
+    # after rank 0's process is gone (reaped by the agent) still gets answers
+    r = run("elaunch", "--nnodes=1", "--nproc-per-node=3", "--master-addr=localhost",
+            f"--master-port={free_port()}", str(SCRIPTS / "store_after_exit.py"), str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {rank: (tmp_path / f"store_{rank}.txt").read_text() for rank in (1, 2)} == {1: "ok", 2: "ok"}
