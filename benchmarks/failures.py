@@ -250,7 +250,10 @@ def bench_hang(cfg: BenchConfig) -> Recorder:
 
 NO_DESTROY = str(WORKERS / "no_destroy.py")
 #: Runs per launcher of the exit scenario for each ``--repeat`` (a rate needs many runs).
-EXIT_RUNS_PER_REPEAT = 6
+EXIT_RUNS_PER_REPEAT = 10
+#: At least this many runs per launcher, whatever ``--repeat``: the abort is a scheduling race
+#: whose rate follows the machine's load, so fewer runs cannot tell two rates apart.
+EXIT_MIN_RUNS = 30
 
 
 def bench_exit_abort(cfg: BenchConfig) -> Recorder:
@@ -272,5 +275,5 @@ def bench_exit_abort(cfg: BenchConfig) -> Recorder:
         aborted = "terminate called" in text or "SIGABRT" in text or "Signal 6" in text
         return {"clean": 1.0 if r["exit_code"] == 0 else 0.0, "abort": 1.0 if aborted else 0.0}
 
-    runs = dataclasses.replace(cfg, repeat=max(2, cfg.repeat * EXIT_RUNS_PER_REPEAT))
+    runs = dataclasses.replace(cfg, repeat=max(EXIT_MIN_RUNS, cfg.repeat * EXIT_RUNS_PER_REPEAT))
     return _drive(runs, rec, "exit_abort", once)
