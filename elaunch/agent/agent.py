@@ -24,9 +24,10 @@ from elaunch.agent.published import agent_record, publish
 from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
+from elaunch.agent.watchdog import Alarm, Watchdog
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
-from elaunch.agent.stuck import UninterruptibleWatch, stuck_failures, timeout_from_env
+from elaunch.agent.stuck import UninterruptibleWatch, timeout_from_env
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import (
     FailureRecord,
@@ -113,11 +114,11 @@ class ElasticAgent:
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobView(rdzv, spec.max_restarts, spec.monitor_interval)
         self._hang_timeout = hang_timeout
-        self._hangs: HangResponse | None = None  # made in run(): it creates the progress files
         self._file_timer = None
         stuck_after = timeout_from_env(self._base_env)
-        self._stuck_watch = UninterruptibleWatch(stuck_after) if stuck_after else None
-        self._monitor: GroupMonitor | None = None  # made in run(), with the hang response and the event log
+        # the D-state watch; run() adds the hang watchdog (it creates the progress files)
+        self._watchdogs: list[Watchdog] = [UninterruptibleWatch(stuck_after, hostname=self._hostname)] if stuck_after else []
+        self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
         self._echo = event_echo(event_log_handler)
         self._events = AgentEvents(None, "", self._hostname, spec.max_restarts)  # run() opens the real one
 
@@ -143,9 +144,9 @@ class ElasticAgent:
         self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
                                    node, self._hostname, self._spec.max_restarts, self._echo)
         watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
-        self._hangs = HangResponse(watch, self._rdzv, self._hostname)
-        self._monitor = GroupMonitor(self._rdzv, self._job, self._hangs, self._events, self._spec.monitor_interval,
-                                     self._stuck_watch)
+        self._watchdogs.append(HangResponse(watch, self._rdzv, self._hostname))
+        self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._spec.monitor_interval,
+                                     self._watchdogs)
         self._start_file_timer()
         try:
             result = self._invoke_run()
@@ -164,7 +165,8 @@ class ElasticAgent:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._launcher.close()
-            self._hangs.watch.close()
+            for watchdog in self._watchdogs:
+                watchdog.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
             self._events.close()
@@ -239,18 +241,16 @@ class ElasticAgent:
                 group.state = WorkerState.STOPPED
                 self._reform_event(restarts)
                 continue
-            if self._monitor.stuck:
-                # HEALTHY -> FAILED: a worker stuck in the kernel; a restart beside it would fight it
-                failures = stuck_failures(group.workers, self._monitor.stuck, self._procs.poll(),
-                                          self._stuck_watch.timeout, self._hostname)
-                return self._fail_at_once(info, failures, restarts)
-            hangs = self._hangs
-            failures = {**self._failures(group, *exited), **hangs.hung}
+            alarm = self._monitor.alarm or Alarm("", {})
+            if not alarm.restart:
+                # HEALTHY -> FAILED: e.g. a worker stuck in the kernel; a restart beside it would fight it
+                return self._fail_at_once(info, alarm.reported(self._procs.poll()), restarts)
+            failures = {**self._failures(group, *exited), **alarm.reported(self._procs.poll())}
             from elaunch.errors import root_cause
 
-            first = failures.get(hangs.culprit) or root_cause(failures)
-            record = local_record(first, info.round, hung=first.global_rank in hangs.hung,
-                                  blocked=first.global_rank == hangs.culprit and hangs.blocked)
+            first = failures.get(alarm.culprit) or root_cause(failures)
+            record = local_record(first, info.round, hung=first.global_rank in alarm.failures,
+                                  blocked=first.global_rank == alarm.culprit and alarm.blocked)
             step, restarts, root = self._job.count_failure(record, restarts)
             if step is Step.REJOIN:
                 # HEALTHY -> STOPPED: the workers failed because a member node is gone (not counted)
@@ -352,10 +352,12 @@ class ElasticAgent:
         for w in workers:
             lr = w.local_rank
             cmds[lr] = spec.worker_cmd(lr)
-            envs[lr] = {**worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts),
-                        **self._hangs.watch.env(lr)}
+            envs[lr] = worker_env(self._base_env, w, group, restarts, logs.error_file[lr], opts)
+            for watchdog in self._watchdogs:
+                envs[lr].update(watchdog.env(lr))
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
-        self._hangs.new_attempt(info.round)
+        for watchdog in self._watchdogs:
+            watchdog.new_attempt(info.round)
         may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs

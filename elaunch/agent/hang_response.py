@@ -1,22 +1,24 @@
-"""What the agent does about hangs: answer stack-dump requests (other nodes', ``elaunch status``'s), act on its own.
+"""The ``--hang-timeout`` watchdog: answer stack-dump requests (other nodes', ``elaunch status``'s), find hangs.
 
-:class:`HangResponse` holds one attempt's hang facts (the hung workers as
-failures, the culprit, the dump requests answered) so the agent's loop only
-asks it; the evidence comes from :class:`~elaunch.agent.hangs.HangWatch` and the
-decisions from ``decide.order_hung``.
+:class:`HangResponse` is a :class:`~elaunch.agent.watchdog.Watchdog`: each poll
+answers the job's stack-dump requests, then judges the progress counters; a hang
+comes back as an :class:`~elaunch.agent.watchdog.Alarm` (the hung workers as
+failures, the culprit first, SIGKILL for them). The evidence comes from
+:class:`~elaunch.agent.hangs.HangWatch` and the decisions from ``decide.order_hung``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Mapping
-from typing import Callable
 
 from elaunch.agent.decide import exit_grace, order_hung
 from elaunch.agent.hangs import DUMP_TIMEOUT, HangWatch, waits_on_peer
 from elaunch.agent.published import publish, stacks_record
+from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import ProcessFailure
 
@@ -32,9 +34,7 @@ class HangResponse:
         hostname: this node's name, for failures.
 
     Attributes:
-        hung: this attempt's hung workers as failures, by global rank.
-        culprit: the global rank the other hung ones wait behind, or None.
-        blocked: the culprit itself looked blocked behind a peer on another node.
+        polls: True when ``--hang-timeout`` is on (stack-dump requests come with the rendezvous' polling).
         dumps_seen: the job's stack-dump requests answered (None: not read yet this attempt).
         answered: this round's stacks taken for another node's request, or None.
         round: the rendezvous round of the attempt.
@@ -44,9 +44,7 @@ class HangResponse:
         self.watch = watch
         self._rdzv = rdzv
         self._hostname = hostname
-        self.hung: dict[int, ProcessFailure] = {}
-        self.culprit: int | None = None
-        self.blocked = False
+        self.polls = watch.hang_timeout > 0
         self.dumps_seen: int | None = None
         self.answered: tuple[dict, str | None] | None = None
         self.round = -1
@@ -54,8 +52,34 @@ class HangResponse:
     def new_attempt(self, round: int) -> None:
         """Forget the last attempt's hang facts; zero the progress counters."""
         self.watch.new_attempt()
-        self.hung, self.culprit, self.blocked = {}, None, False
         self.dumps_seen, self.answered, self.round = None, None, round
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """Variables for ``local_rank``'s worker (``ELAUNCH_PROGRESS_FILE``...); {} when off."""
+        return self.watch.env(local_rank)
+
+    def close(self) -> None:
+        """Remove the progress files. Idempotent."""
+        self.watch.close()
+
+    def poll(self, watched: Watched) -> Alarm | None:
+        """Answer the job's stack-dump requests, then return the alarm of a hang (None: none).
+
+        A quiet rank that wrote its error file is failing (it raised and is still
+        exiting): an alarm without failures, the exit codes tell. A hang while the job
+        failed elsewhere is no alarm: that failure decides.
+        """
+        ranks = {w.local_rank: w.global_rank for w in watched.group.workers}
+        self.answer(watched.job, watched.pids, watched.log_root, ranks)
+        hung = self.watch.hung(watched.codes)
+        if not hung:
+            return None
+        if any(watched.error_files.get(lr) and os.path.exists(watched.error_files[lr]) for lr in hung):
+            # HEALTHY -> FAILED: quiet because it is failing (it raised and is still exiting), not hung
+            return Alarm("hang", {})
+        if watched.job.failed:
+            return None
+        return self.on_hang(hung, watched.group.workers, watched.log_root)
 
     def answer(self, job: JobState, pids: Mapping[int, int], log_root: str | None,
                ranks: Mapping[int, int] | None = None) -> None:
@@ -88,9 +112,8 @@ class HangResponse:
         if by is not None and by.round == self.round:
             self.answered = (dumps, path)  # this round's stacks, should our own ranks be found hung too
 
-    def on_hang(self, hung: list[int], workers: list, log_root: str | None,
-                notify: Callable[[int, list[int]], None]) -> None:
-        """Hung workers: ask every node for stacks, dump ours, kill the hung ones (a failure of theirs).
+    def on_hang(self, hung: list[int], workers: list, log_root: str | None) -> Alarm:
+        """Hung workers: ask every node for stacks, dump ours; the alarm kills the hung ones (a failure of theirs).
 
         The root cause is the rank the others are blocked behind (``decide.order_hung``):
         a peer stuck in the same collective goes quiet at the same moment.
@@ -133,16 +156,16 @@ class HangResponse:
             missing = self._rdzv.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)
             if missing:
                 log.warning("no stacks from node(s) %s within %g s", ", ".join(missing), DUMP_TIMEOUT)
-        notify(signal.SIGKILL, hung)  # a hung worker may ignore SIGTERM (or be stopped)
         waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}
         order = order_hung(hung, counters, quiet, waiting, stopped)
         culprit = by_lr[order[0]]
         # likely a victim: it waits in a collective like its peers, is not stopped and not behind them
-        self.blocked = (waiting.get(order[0], False) and not stopped[order[0]]
-                              and counters[order[0]] >= max(counters.values()))
+        blocked = (waiting.get(order[0], False) and not stopped[order[0]]
+                   and counters[order[0]] >= max(counters.values()))
         log.error("HUNG: rank %d (local rank %d) made no progress for %.1f s%s%s; stacks in %s",
                   culprit.global_rank, order[0], quiet[order[0]], self._while_exiting(order[0]),
                   "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")
+        failures = {}
         for idx, lr in enumerate(order):
             w = by_lr[lr]
             d = dumps.get(lr)
@@ -152,10 +175,11 @@ class HangResponse:
                       f"{self._while_exiting(lr)}; "
                       f"killed with SIGKILL; all stacks: {path or 'not written'}\n{stacks}")
             # went quiet at now - quiet; the culprit first among equals
-            self.hung[w.global_rank] = ProcessFailure(
+            failures[w.global_rank] = ProcessFailure(
                 local_rank=lr, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-signal.SIGKILL,
                 timestamp=now - quiet[lr] + idx * 1e-3, hostname=self._hostname, detail=detail)
-        self.culprit = culprit.global_rank
+        # a hung worker may ignore SIGTERM (or be stopped)
+        return Alarm("hang", failures, kill=signal.SIGKILL, culprit=culprit.global_rank, blocked=blocked)
 
     def _while_exiting(self, local_rank: int) -> str:
         """``", hung while exiting (...)"`` for a rank whose teardown outlived its grace; "" otherwise."""

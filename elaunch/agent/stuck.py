@@ -7,13 +7,20 @@ for, so torch 2.13's agent then ends the job without restarts. elaunch does the
 same, and reports it as a failure of the job (torchrun marks the group
 UNHEALTHY, then exits 0). Only read when the variable is set to a positive
 number; one small ``/proc`` read per live worker per ``--monitor-interval``.
+:class:`UninterruptibleWatch` is a :class:`~elaunch.agent.watchdog.Watchdog`.
 Stdlib only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
+
+from elaunch.agent.watchdog import Alarm, Watched
+from elaunch.spec import ProcessFailure
+
+log = logging.getLogger("elaunch.agent")
 
 #: The variable torch's ``LocalElasticAgent`` reads (seconds; unset, unparsable or <= 0: off).
 ENV = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
@@ -38,20 +45,55 @@ def proc_state(pid: int) -> str | None:
 
 
 class UninterruptibleWatch:
-    """How long each worker has been in uninterruptible sleep without a break.
+    """How long each worker has been in uninterruptible sleep without a break: a watchdog.
+
+    Attributes:
+        polls: True: the states are read every ``--monitor-interval``.
 
     Args:
         timeout: seconds in state ``D`` after which a worker is stuck (> 0).
         read_state: pid -> state letter or None (``proc_state``; injectable for tests).
         clock: monotonic seconds.
+        hostname: this node's name, for failures.
     """
 
     def __init__(self, timeout: float, read_state: Callable[[int], str | None] = proc_state,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hostname: str = "") -> None:
         self.timeout = timeout
+        self.hostname = hostname
         self._read_state = read_state
         self._clock = clock
         self._since: dict[int, float] = {}  # pid -> when it was first seen in D, this stretch
+        self.polls = True
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """No variables: the watch reads ``/proc``."""
+        return {}
+
+    def new_attempt(self, round: int) -> None:
+        """Nothing to forget: a new worker's pid starts its own stretch."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def poll(self, watched: Watched) -> Alarm | None:
+        """An alarm (no restart; each failure takes its worker's exit code after the stop) for the stuck workers."""
+        running = {lr: pid for lr, pid in watched.pids.items() if watched.codes.get(lr) is None}
+        stuck = self.stuck(running)
+        if not stuck:
+            return None
+        for lr, dwell in sorted(stuck.items()):
+            log.error("worker pid=%d (local rank %d) stuck in uninterruptible sleep (D state) for %.1f s (>= %g s); "
+                      "the job ends without restarts", running[lr], lr, dwell, self.timeout)
+        failures = {}
+        for w in watched.group.workers:
+            if w.local_rank in stuck:
+                failures[w.global_rank] = ProcessFailure(
+                    local_rank=w.local_rank, global_rank=w.global_rank, pid=w.pid or -1, exitcode=-9,
+                    timestamp=time.time(), hostname=self.hostname,
+                    detail=(f"stuck in uninterruptible sleep (D state) for {stuck[w.local_rank]:.1f} s "
+                            f"(>= {ENV}={self.timeout:g} s): the job ends without restarts, as under torchrun"))
+        return Alarm("stuck", failures, restart=False, exit_codes_after_stop=True)
 
     def stuck(self, pids: Mapping[int, int]) -> dict[int, float]:
         """Return local rank -> seconds in D for the workers stuck now (empty: none).
@@ -73,28 +115,3 @@ class UninterruptibleWatch:
                 out[local_rank] = dwell
         return out
 
-
-def stuck_failures(workers, stuck: Mapping[int, float], final: Mapping[int, int | None], timeout: float,
-                   hostname: str) -> dict:
-    """Return the ``ProcessFailure`` of each stuck worker, keyed by global rank.
-
-    Args:
-        workers: the group's ``Worker`` objects.
-        stuck: local rank -> seconds it was in state D (``UninterruptibleWatch.stuck``).
-        final: local rank -> exit code once the group was stopped (None: it could not be reaped).
-        timeout: the variable's value, seconds.
-        hostname: this node's name.
-    """
-    from elaunch.spec import ProcessFailure
-
-    out = {}
-    for w in workers:
-        if w.local_rank not in stuck:
-            continue
-        code = final.get(w.local_rank)
-        out[w.global_rank] = ProcessFailure(
-            local_rank=w.local_rank, global_rank=w.global_rank, pid=w.pid or -1,
-            exitcode=code if code else -9, timestamp=time.time(), hostname=hostname,
-            detail=(f"stuck in uninterruptible sleep (D state) for {stuck[w.local_rank]:.1f} s "
-                    f"(>= {ENV}={timeout:g} s): the job ends without restarts, as under torchrun"))
-    return out

@@ -46,7 +46,7 @@ class CountingStandalone(StandaloneRendezvous):
 
 def _monitor(rdzv, hang_timeout: float = 0.0) -> GroupMonitor:
     hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
-    return GroupMonitor(rdzv, JobView(rdzv, 0), hangs, AgentEvents(None, "", "host", 0), interval=0.1)
+    return GroupMonitor(rdzv, JobView(rdzv, 0), AgentEvents(None, "", "host", 0), interval=0.1, watchdogs=[hangs])
 
 
 @pytest.fixture
@@ -96,8 +96,9 @@ def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
     hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
     from elaunch.agent.stuck import UninterruptibleWatch
 
-    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), hangs, AgentEvents(None, "", "host", 0), interval=0.1,
-                           stuck_watch=UninterruptibleWatch(60.0) if stuck else None)
+    watchdogs = [UninterruptibleWatch(60.0)] if stuck else []
+    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), AgentEvents(None, "", "host", 0), interval=0.1,
+                           watchdogs=[*watchdogs, hangs])
     try:
         assert monitor.polls() is polls
     finally:
