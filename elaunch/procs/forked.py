@@ -189,26 +189,29 @@ def fork_worker(
         OSError: a log file cannot be opened, ``fork`` failed, or the child died
             before it was set up (it is reaped).
     """
-    fds = {"out": _open_append(stdout_path)}  # closed in this process once the child runs, or failed
+    fds: dict[str, int | None] = {}  # closed in this process once the child runs, or failed
     pid = 0
     try:
         with deferred():  # a handled signal raises once the fork is over, here (see deferral)
+            fds["out"] = _open_append(stdout_path)
             fds["err"] = _open_append(stderr_path)
             fds["ready_read"], fds["ready"] = os.pipe()
             fds["go_read"], fds["go"] = os.pipe()
             _flush()  # what this process printed must not be printed again by the child
             pid = _fork(run, env, fds, close_fds)
             started = _handshake(pid, fds, before_run)
+            proc = ForkedProcess(pid)
     except BaseException:  # e.g. a handled signal: no child behind
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        with deferred():  # nor may another signal cut the reaping short
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         raise
     finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
-    proc = ForkedProcess(pid)
+        with deferred():  # nor the closing: a signal between two closes would leak the rest
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
     if not started:
         code = proc.wait()
         raise OSError(f"forked worker {pid} exited ({code}) before it was set up")

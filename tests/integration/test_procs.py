@@ -407,3 +407,53 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
             p.wait()
     assert (dropped, logging._lock._is_owned()) == ([], False)
     assert raised  # the signals did land during starts
+
+
+def test_signals_pelting_forked_starts_leak_no_descriptor():
+    """A handled signal's exception may end a forked start at any point: every descriptor the
+    start opened (the log files, the handshake pipes) is closed, and no child is left behind."""
+    import threading
+
+    from elaunch.procs.deferral import raise_or_defer
+    from elaunch.procs.forked import fork_worker
+
+    class Handled(Exception):
+        pass
+
+    starting = [False]
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if starting[0]:
+            starting[0] = False
+            raise_or_defer(Handled())
+
+    def pelt():
+        while not stop.wait(0.0002):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    previous = signal.signal(signal.SIGUSR1, handler)
+    pelter = threading.Thread(target=pelt, daemon=True)
+    pelter.start()
+    raised = 0
+    try:
+        for _ in range(300):
+            starting[0] = True
+            try:
+                proc = fork_worker(lambda: 0, dict(os.environ), os.devnull, os.devnull)
+                starting[0] = False
+                proc.wait()
+            except Handled:
+                raised += 1
+    finally:
+        stop.set()
+        pelter.join()
+        signal.signal(signal.SIGUSR1, previous)
+    assert raised  # the signals did land during starts
+    leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
+              if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert leaked == {}, leaked
