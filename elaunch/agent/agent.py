@@ -114,9 +114,8 @@ class ElasticAgent:
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobView(rdzv, spec.max_restarts, spec.monitor_interval)
         self._hang_timeout = hang_timeout
-        self._file_timer = None
         stuck_after = timeout_from_env(self._base_env)
-        # the D-state watch; run() adds the hang watchdog (it creates the progress files)
+        # the D-state watch; run() adds the file timer's and the hang watchdog (they create files)
         self._watchdogs: list[Watchdog] = [UninterruptibleWatch(stuck_after, hostname=self._hostname)] if stuck_after else []
         self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
         self._echo = event_echo(event_log_handler)
@@ -145,9 +144,9 @@ class ElasticAgent:
                                    node, self._hostname, self._spec.max_restarts, self._echo)
         watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
         self._watchdogs.append(HangResponse(watch, self._rdzv, self._hostname))
+        self._watchdogs[:0] = self._file_timer()
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._spec.monitor_interval,
                                      self._watchdogs)
-        self._start_file_timer()
         try:
             result = self._invoke_run()
             self._events.job_end(result)
@@ -167,8 +166,6 @@ class ElasticAgent:
             self._launcher.close()
             for watchdog in self._watchdogs:
                 watchdog.close()
-            if self._file_timer is not None:
-                self._file_timer.stop()
             self._events.close()
 
     def forward_signal(self, sig: int) -> None:
@@ -182,21 +179,18 @@ class ElasticAgent:
         self._events.notice(sig)
         log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
 
-    def _start_file_timer(self) -> None:
-        """torch's hang guard: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves ``FileTimerClient`` scopes."""
-        if not {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_TIMER_FILE"} & self._base_env.keys():
-            return  # the usual case: not even the module is loaded
-        from elaunch.procs.filetimer import FILE_ENV, file_timer_env
+    def _file_timer(self) -> list[Watchdog]:
+        """torch's hang guard: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``, a watchdog serving ``FileTimerClient`` scopes.
+
+        Its ``env`` gives the workers the FIFO's path; without it a set
+        ``TORCHELASTIC_TIMER_FILE`` reaches them with the rest of the environment, as under torch.
+        """
+        if "TORCHELASTIC_ENABLE_FILE_TIMER" not in self._base_env:
+            return []  # the usual case: not even the module is loaded
+        from elaunch.agent.file_timer import FileTimerWatchdog, file_timer_env
 
         enabled, path = file_timer_env(self._base_env)
-        if path:
-            self._base_env[FILE_ENV] = path  # as torch: the workers get the path
-        if enabled:
-            from elaunch.procs.filetimer import FileTimerServer
-
-            self._file_timer = FileTimerServer(path)
-            self._file_timer.start()
-            log.info("file timer server on %s (TORCHELASTIC_ENABLE_FILE_TIMER=1)", path)
+        return [FileTimerWatchdog(path)] if enabled else []
 
     def _invoke_run(self) -> RunResult:
         restarts = 0  # the job's failure restarts so far (the rendezvous' count where it keeps one)

@@ -1,4 +1,4 @@
-"""torch's file-based hang guard, served by elaunch without importing torch.
+"""torch's file-based timer (``TORCHELASTIC_ENABLE_FILE_TIMER=1``) as a watchdog, without importing torch.
 
 A worker that runs ``configure(FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))``
 and then ``with expires(after=60): ...`` writes one JSON line per acquire/release into
@@ -8,20 +8,31 @@ a FIFO (torch's ``torch/distributed/elastic/timer/file_based_local_timer.py``)::
      "expiration_time": 1700000000.5, "signal": 9}
 
 ``expiration_time`` is wall-clock (``time.time()``) seconds; a negative one releases
-the scope. :class:`FileTimerServer` reads that FIFO in a daemon thread and, when a
-timer expires before its release, sends the timer's signal (the client's default is
-SIGKILL) to that pid, as torch's ``FileTimerServer`` does. The agent runs it when
-``TORCHELASTIC_ENABLE_FILE_TIMER=1`` (see :func:`file_timer_env`), as torch's
-``LocalElasticAgent`` does.
+the scope. :class:`FileTimerWatchdog` owns that FIFO and is a
+:class:`~elaunch.agent.watchdog.Watchdog`: each poll drains the FIFO and returns an
+:class:`~elaunch.agent.watchdog.Alarm` naming each pid whose timer expired before its
+release, with the timer's signal (the client's default is SIGKILL); the monitor sends
+it to exactly that pid, as torch's ``FileTimerServer`` does (a worker, or any other
+process that registered a scope, such as a worker's child). The alarm does not fail
+the group by itself: a worker that dies of the signal is a worker failure like any
+other, judged by its exit. The agent runs it when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``
+(see :func:`file_timer_env`), as torch's ``LocalElasticAgent`` does.
+
+Timing: torch's server checks every 0.1 s in its own thread. This watchdog asks the
+monitor to look at least every ``interval_s`` (0.1 s) while it is on, whatever
+``--monitor-interval``: an expired worker is signalled within about 0.1 s, and the
+monitor's other checks (the rendezvous included) run at that pace too.
 
 Deliberate differences from torch's server:
 
 * After signalling an expired worker torch's server sends the same signal to its own
-  process (the agent). This one does not: it calls ``on_expired`` and the agent
-  handles the dead worker as any other failure (restart or report).
-* The FIFO's read end is opened before :meth:`FileTimerServer.start` returns, so a
-  worker's first non-blocking open cannot find no reader; and :meth:`stop` never
-  hangs on a FIFO no client ever opened.
+  process (the agent). This one does not: the agent handles the dead worker as any
+  other failure (restart or report).
+* A pid that may not be signalled (EPERM) is logged once and its timers dropped;
+  torch's server retries it at every check.
+* The FIFO's read end is opened when the watchdog is made, so a worker's first
+  non-blocking open cannot find no reader; closing never waits on a FIFO no
+  client ever opened.
 * An existing regular file at the path is an error, not silently deleted (a stale
   FIFO is replaced).
 
@@ -33,30 +44,30 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import stat
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from elaunch.agent.watchdog import Alarm, Watched
+
 __all__ = [
     "ENABLE_ENV",
     "FILE_ENV",
     "Expired",
-    "FileTimerServer",
+    "FileTimerWatchdog",
     "TimerRequest",
     "apply_requests",
     "due",
     "file_timer_env",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("elaunch.agent")
 
-#: ``1`` turns the file timer server on (torch's ``TORCHELASTIC_ENABLE_FILE_TIMER``).
+#: ``1`` turns the file timer watchdog on (torch's ``TORCHELASTIC_ENABLE_FILE_TIMER``).
 ENABLE_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
 #: The FIFO path, given to the workers (torch's ``TORCHELASTIC_TIMER_FILE``).
 FILE_ENV = "TORCHELASTIC_TIMER_FILE"
@@ -67,9 +78,9 @@ Key = tuple[int, str]
 
 
 def file_timer_env(environ: Mapping[str, str]) -> tuple[bool, str]:
-    """Whether to run the file timer server, and its FIFO path, as torch's agent decides.
+    """Whether to run the file timer watchdog, and its FIFO path, as torch's agent decides.
 
-    Mirrors ``LocalElasticAgent._setup_local_watchdog``: the server runs when
+    Mirrors ``LocalElasticAgent._setup_local_watchdog``: the watchdog runs when
     ``TORCHELASTIC_ENABLE_FILE_TIMER`` is exactly ``"1"``; its path is
     ``TORCHELASTIC_TIMER_FILE``, or, when that is unset, a fresh
     ``<tempdir>/watchdog_timer_<uuid4>``. Workers must get ``TORCHELASTIC_TIMER_FILE=path``
@@ -116,13 +127,18 @@ class TimerRequest:
         """Parse one JSON line as torch's ``FileTimerClient`` writes it.
 
         Raises:
-            ValueError: not JSON, or a field is missing or of the wrong type.
+            ValueError: not JSON, a field is missing or of the wrong type, or the pid is
+                not a process id (> 0 and < 2**31: 0 or a negative one would name a
+                process group).
         """
         try:
             obj = json.loads(line)
-            return cls(int(obj["pid"]), str(obj["scope_id"]), float(obj["expiration_time"]), int(obj["signal"]))
+            request = cls(int(obj["pid"]), str(obj["scope_id"]), float(obj["expiration_time"]), int(obj["signal"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad timer request {line!r}: {exc}") from exc
+        if not 0 < request.pid < 2**31:
+            raise ValueError(f"bad timer request {line!r}: pid {request.pid} is not a process id")
+        return request
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,135 @@ def due(timers: Mapping[Key, TimerRequest], now: float) -> dict[int, Expired]:
     return out
 
 
+class FileTimerWatchdog:
+    """Serve torch's ``FileTimerClient`` FIFO: name the pids whose timers expired, with their signal.
+
+    Creates the FIFO and opens its read end at once (workers may write as soon as
+    they start); :meth:`close` removes it.
+
+    Args:
+        path: the FIFO to create (the ``path`` of :func:`file_timer_env`).
+        interval_s: the most seconds between two polls: a worker is signalled at most
+            about this long after its timer expires. torch's agent uses 0.1.
+        clock: wall-clock seconds (the protocol's expiration times are ``time.time()``).
+
+    Attributes:
+        polls: True: the FIFO is read while the group runs, not only on a child's exit.
+        interval: ``interval_s``.
+
+    Raises:
+        ValueError: ``interval_s`` is not positive.
+        FileExistsError: something other than a FIFO exists at ``path``.
+        OSError: the FIFO cannot be created or opened.
+
+    Cost: one non-blocking read of the FIFO per poll.
+    """
+
+    def __init__(self, path: str, interval_s: float = 0.1, *, clock: Callable[[], float] = time.time) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s ({interval_s}) must be > 0")
+        self.path = path
+        self.polls = True
+        self.interval = float(interval_s)
+        self._clock = clock
+        self._timers: dict[Key, TimerRequest] = {}
+        self._pending = b""  # a request line not yet complete
+        self._fds = self._open_fifo(path)  # read end, our own write end
+        log.info("file timer on %s (TORCHELASTIC_ENABLE_FILE_TIMER=1; checked every %g s)", path, self.interval)
+
+    @staticmethod
+    def _open_fifo(path: str) -> tuple[int, int]:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISFIFO(mode):
+                raise FileExistsError(f"{FILE_ENV}={path!r} exists and is not a FIFO")
+            os.unlink(path)  # a stale FIFO from an earlier run, as torch replaces it
+        os.mkfifo(path, 0o600)
+        try:
+            rd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # Our own writer keeps the FIFO from reading as EOF between clients.
+            return rd, os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.unlink(path)
+            raise
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """``TORCHELASTIC_TIMER_FILE``: the FIFO's path, as torch's agent gives every worker."""
+        return {FILE_ENV: self.path}
+
+    def new_attempt(self, round: int) -> None:
+        """Nothing to forget: the timers of the last attempt's workers go as their pids die."""
+
+    def timers(self) -> dict[Key, TimerRequest]:
+        """The timers held: (pid, scope_id) -> request."""
+        return dict(self._timers)
+
+    def poll(self, watched: Watched | None) -> Alarm | None:
+        """Read the FIFO; return the alarm naming the pids to signal now (None: none), as torch's ``_run_watchdog``.
+
+        Per pid with expired timers, the earliest that carries a signal is acted on
+        (:func:`due`); when none does, the pid is not signalled (logged). Either way its
+        timers are dropped, and so are those of pids no longer alive. ``watched`` is
+        not read: a scope may be any process's.
+        """
+        if self._fds is None:
+            return None
+        now = self._clock()
+        timers = apply_requests(self._timers, self._read())
+        signals = {}
+        for pid, expired in due(timers, now).items():
+            request = expired.request
+            if request.signal <= 0:
+                log.warning("file timer: scope %r of pid %d expired %.2f s ago; its timer carries no signal, "
+                            "not killing it", request.scope_id, pid, expired.overdue_s)
+            else:
+                log.warning("file timer: scope %r of pid %d expired %.2f s ago; sending %s",
+                            request.scope_id, pid, expired.overdue_s, _signal_name(request.signal))
+                signals[pid] = request.signal
+            timers = {k: r for k, r in timers.items() if k[0] != pid}
+        self._timers = {k: r for k, r in timers.items() if _alive(k[0])}
+        return Alarm("file_timer", {}, signals=signals, fails=False) if signals else None
+
+    def close(self) -> None:
+        """Close and remove the FIFO; timers still held are dropped unsignalled. Idempotent."""
+        fds, self._fds = self._fds, None
+        if fds is None:
+            return
+        for fd in fds:
+            os.close(fd)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def _read(self) -> list[TimerRequest]:
+        """Every complete request line in the FIFO now (bad lines logged and skipped)."""
+        data = self._pending
+        while True:
+            try:
+                chunk = os.read(self._fds[0], 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        *lines, self._pending = data.split(b"\n")
+        if len(self._pending) > _MAX_LINE:
+            log.warning("file timer: dropping %d bytes without a newline", len(self._pending))
+            self._pending = b""
+        requests = []
+        for line in lines:
+            if line.strip():
+                try:
+                    requests.append(TimerRequest.parse(line))
+                except ValueError as exc:
+                    log.warning("file timer: %s", exc)
+        return requests
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -181,215 +326,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class FileTimerServer:
-    """Serve torch's ``FileTimerClient`` FIFO: kill workers whose timers expire.
-
-    Args:
-        path: the FIFO to create (the ``path`` of :func:`file_timer_env`).
-        interval_s: seconds between checks while any timer is held; a worker is
-            signalled at most about this long after its timer expires. torch's agent
-            uses 0.1. With no timer held the thread sleeps until a request arrives.
-        on_expired: called from the server thread, once per worker signalled (or
-            whose expired timers carry no signal), after signalling it. Exceptions
-            are logged, not raised.
-        clock: wall-clock seconds (the protocol's expiration times are ``time.time()``).
-        kill: ``os.kill``-like ``(pid, signal)``; injected by tests.
-
-    Raises:
-        ValueError: ``interval_s`` is not positive.
-
-    Cost: one daemon thread; while timers are held one wake-up per ``interval_s``,
-    otherwise none.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        interval_s: float = 0.1,
-        *,
-        on_expired: Callable[[Expired], None] | None = None,
-        clock: Callable[[], float] = time.time,
-        kill: Callable[[int, int], None] = os.kill,
-    ) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s ({interval_s}) must be > 0")
-        self.path = path
-        self.interval_s = float(interval_s)
-        self._on_expired = on_expired
-        self._clock = clock
-        self._kill = kill
-        self._timers: dict[Key, TimerRequest] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._fds: tuple[int, int, int, int] | None = None  # fifo read, fifo write, wake read, wake write
-        self._created = False
-
-    def start(self) -> None:
-        """Create the FIFO, open its read end, start the thread. Returns at once.
-
-        Raises:
-            FileExistsError: something other than a FIFO exists at ``path``.
-            OSError: the FIFO cannot be created or opened.
-            RuntimeError: already started.
-        """
-        if self._thread is not None:
-            raise RuntimeError("FileTimerServer already started")
-        try:
-            mode = os.lstat(self.path).st_mode
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISFIFO(mode):
-                raise FileExistsError(f"{FILE_ENV}={self.path!r} exists and is not a FIFO")
-            os.unlink(self.path)  # a stale FIFO from an earlier run, as torch replaces it
-        os.mkfifo(self.path, 0o600)
-        self._created = True
-        try:
-            rd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            # Our own writer keeps the FIFO from reading as EOF (POLLHUP) between clients.
-            wr = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            self._remove_fifo()
-            raise
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._fds = (rd, wr, wake_r, wake_w)
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._loop, name="elaunch-file-timer", daemon=True)
-        self._thread.start()
-        log.info("file timer server on %s (check every %g s)", self.path, self.interval_s)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (waiting up to ``timeout`` seconds), close and remove the FIFO.
-
-        Timers still held are dropped unsignalled. Idempotent; never raises.
-        """
-        thread, fds = self._thread, self._fds
-        self._stopping.set()
-        if fds is not None:
-            try:
-                os.write(fds[3], b"x")
-            except OSError:
-                pass
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-        self._thread = None
-        if fds is not None:
-            self._fds = None
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._remove_fifo()
-
-    def timers(self) -> dict[Key, TimerRequest]:
-        """A snapshot of the timers held: (pid, scope_id) -> request."""
-        with self._lock:
-            return dict(self._timers)
-
-    def __enter__(self) -> FileTimerServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _remove_fifo(self) -> None:
-        if self._created:
-            self._created = False
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-
-    def _loop(self) -> None:
-        assert self._fds is not None
-        rd, _wr, wake_r, _wake_w = self._fds
-        poller = select.poll()
-        poller.register(rd, select.POLLIN)
-        poller.register(wake_r, select.POLLIN)
-        pending = b""
-        while not self._stopping.is_set():
-            with self._lock:
-                idle = not self._timers
-            try:
-                poller.poll(None if idle else self.interval_s * 1000)
-            except InterruptedError:
-                continue
-            if self._stopping.is_set():
-                return
-            chunk, pending = self._drain(rd, pending)
-            try:
-                self._tick(chunk)
-            except Exception:  # keep guarding the other workers
-                log.exception("file timer server: error handling timers")
-
-    def _drain(self, fd: int, pending: bytes) -> tuple[list[TimerRequest], bytes]:
-        """Read every complete line available; return the requests and the partial rest."""
-        data = pending
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            data += chunk
-        *lines, rest = data.split(b"\n")
-        if len(rest) > _MAX_LINE:
-            log.warning("file timer server: dropping %d bytes without a newline", len(rest))
-            rest = b""
-        requests = []
-        for line in lines:
-            if line.strip():
-                try:
-                    requests.append(TimerRequest.parse(line))
-                except ValueError as exc:
-                    log.warning("file timer server: %s", exc)
-        return requests, rest
-
-    def _tick(self, requests: list[TimerRequest]) -> None:
-        """Apply requests, signal expired workers, forget timers of dead ones."""
-        now = self._clock()
-        with self._lock:
-            timers = apply_requests(self._timers, requests)
-        acted = set()
-        for pid, expired in due(timers, now).items():
-            if self._act(pid, expired):
-                acted.add(pid)
-        timers = {k: r for k, r in timers.items() if k[0] not in acted and _alive(k[0])}
-        with self._lock:
-            self._timers = timers
-
-    def _act(self, pid: int, expired: Expired) -> bool:
-        """Signal ``pid`` for ``expired``; False to retry at the next tick."""
-        request = expired.request
-        if request.signal <= 0:
-            log.warning(
-                "file timer: scope %r of pid %d expired %.2f s ago; its timer carries no signal, not killing it",
-                request.scope_id, pid, expired.overdue_s,
-            )
-        else:
-            try:
-                self._kill(pid, request.signal)
-            except ProcessLookupError:
-                pass  # already gone
-            except OSError as exc:
-                log.error("file timer: cannot send signal %d to pid %d: %s; retrying", request.signal, pid, exc)
-                return False
-            log.warning(
-                "file timer: scope %r of pid %d expired %.2f s ago; sent %s",
-                request.scope_id, pid, expired.overdue_s, _signal_name(request.signal),
-            )
-        if self._on_expired is not None:
-            try:
-                self._on_expired(expired)
-            except Exception:
-                log.exception("file timer: on_expired callback failed")
-        return True
 
 
 def _signal_name(signum: int) -> str:

@@ -45,6 +45,7 @@ class HangResponse:
         self._rdzv = rdzv
         self._hostname = hostname
         self.polls = watch.hang_timeout > 0
+        self.interval = None
         self.dumps_seen: int | None = None
         self.answered: tuple[dict, str | None] | None = None
         self.round = -1

@@ -4,7 +4,8 @@ Mirrors the monitoring half of torch's ``SimpleElasticAgent._invoke_run`` (its
 ``_monitor_workers`` every ``monitor_interval``, then ``num_nodes_waiting``), and
 adds what elaunch watches besides: the job's facts in the rendezvous (a failure
 or verdict published by another node), and its watchdogs
-(:class:`~elaunch.agent.watchdog.Watchdog`: hangs, workers stuck in the kernel).
+(:class:`~elaunch.agent.watchdog.Watchdog`: hangs, workers stuck in the kernel,
+torch's file timer).
 :class:`GroupMonitor` only observes and returns a
 :class:`~elaunch.agent.decide.Verdict` (with a watchdog's
 :class:`~elaunch.agent.watchdog.Alarm`, after killing the workers it names); the
@@ -28,7 +29,7 @@ from elaunch.agent.decide import Verdict, judge
 from elaunch.agent.events import AgentEvents
 from elaunch.agent.failures import describe_exits
 from elaunch.agent.job import JobView
-from elaunch.agent.watchdog import Alarm, Watchdog, Watched
+from elaunch.agent.watchdog import Alarm, Watchdog, Watched, send_signals
 from elaunch.procs import AttemptLogs, WorkerProcesses
 from elaunch.rendezvous.api import JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import WorkerGroup
@@ -95,16 +96,16 @@ class GroupMonitor:
             SignalException: from the agent's signal handler, during the wait.
         """
         self.alarm = None
-        timeout = self._interval if self.polls() else None
+        timeout = self._wait_s()
         while True:
             codes = procs.poll()
             job = self._job.read()
             watched = Watched(group, procs.pids, codes, logs.error_file, job, log_root)
             for watchdog in self._watchdogs:
                 alarm = watchdog.poll(watched)
-                if alarm is not None:
+                if alarm is not None and self._raise(alarm, procs):
                     # HEALTHY -> FAILED: a watchdog found running workers failed
-                    return self._raise(alarm, procs)
+                    return Verdict.FAILED
             verdict = judge(codes, 0, job_failed=job.failed)
             if verdict is Verdict.FAILED:
                 new = self._new_nodes()
@@ -132,7 +133,7 @@ class GroupMonitor:
                             job.failure.host, job.failure.rank)
             if verdict is not Verdict.RUNNING:
                 return verdict
-            procs.wait(timeout if self._errors_loaded else self._interval)
+            procs.wait(timeout if self._errors_loaded or timeout is not None else self._interval)
             if not self._errors_loaded:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
@@ -155,15 +156,28 @@ class GroupMonitor:
         except RendezvousError:
             return True  # it has job state, only unreadable now
 
-    def _raise(self, alarm: Alarm, procs: WorkerProcesses) -> Verdict:
-        """Act on a watchdog's alarm (the one place): kill the workers it names, log the event; FAILED."""
+    def _wait_s(self) -> float | None:
+        """Seconds between looks: ``interval``, or a watchdog's shorter one; None when nothing :meth:`polls`."""
+        if not self.polls():
+            return None
+        return min([self._interval, *(w.interval for w in self._watchdogs if w.interval)])
+
+    def _raise(self, alarm: Alarm, procs: WorkerProcesses) -> bool:
+        """Act on a watchdog's alarm (the one place): send its signals, kill the workers it names, log the event.
+
+        Returns:
+            True when the alarm fails the group (:attr:`alarm` is then set).
+        """
+        send_signals(alarm.signals)
+        if not alarm.fails:
+            return False
         local_ranks = sorted(f.local_rank for f in alarm.failures.values())
         if alarm.kill is not None and local_ranks:
             procs.notify(alarm.kill, local_ranks)
         if alarm.failures:
             self._events.hang(alarm.failures, alarm.culprit, stuck=alarm.kind == "stuck")
         self.alarm = alarm
-        return Verdict.FAILED
+        return True
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""

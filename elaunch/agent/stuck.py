@@ -49,6 +49,7 @@ class UninterruptibleWatch:
 
     Attributes:
         polls: True: the states are read every ``--monitor-interval``.
+        interval: None: no shorter interval.
 
     Args:
         timeout: seconds in state ``D`` after which a worker is stuck (> 0).
@@ -65,6 +66,7 @@ class UninterruptibleWatch:
         self._clock = clock
         self._since: dict[int, float] = {}  # pid -> when it was first seen in D, this stretch
         self.polls = True
+        self.interval = None
 
     def env(self, local_rank: int) -> dict[str, str]:
         """No variables: the watch reads ``/proc``."""

@@ -2,21 +2,27 @@
 
 A watchdog judges running workers by something their exit codes do not show:
 ``--hang-timeout``'s progress counters (:mod:`elaunch.agent.hang_response`), torch's
-``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` (:mod:`elaunch.agent.stuck`). The
-monitor polls each every ``--monitor-interval`` and stops at the first
-:class:`Alarm`; what follows (the kill, the event, the failures reported, whether a
-restart may fix it) is done in one place, from the alarm alone. Stdlib only.
+``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` (:mod:`elaunch.agent.stuck`), torch's
+file timer (:mod:`elaunch.agent.file_timer`). The monitor polls each every
+``--monitor-interval`` (or the watchdog's shorter ``interval``) and stops at the
+first :class:`Alarm` that fails the group; what follows (the signals, the kill, the
+event, the failures reported, whether a restart may fix it) is done in one place,
+from the alarm alone. Stdlib only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from elaunch.rendezvous.api import JobState
 from elaunch.spec import ProcessFailure, WorkerGroup
+
+log = logging.getLogger("elaunch.agent")
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,11 @@ class Watched:
 
 @dataclass(frozen=True)
 class Alarm:
-    """Running workers a watchdog found failed: the group fails.
+    """What a watchdog found: running workers failed (the group fails), or processes to signal.
 
     Attributes:
-        kind: ``"hang"`` or ``"stuck"`` (the event log's ``hang`` event, ``stuck=``).
+        kind: ``"hang"``, ``"stuck"`` (the event log's ``hang`` event, ``stuck=``) or
+            ``"file_timer"``.
         failures: global rank -> the failure to report; empty when the exit codes and
             error files tell (a quiet rank that wrote its error file is failing, not hung).
         kill: the signal the named workers get at once, before the group is stopped
@@ -56,6 +63,10 @@ class Alarm:
             agent for a worker stuck in D state).
         exit_codes_after_stop: each failure takes its worker's exit code once the
             group is stopped, when that is not 0 (the watchdog's own is the fallback).
+        signals: pid -> signal, sent at once to exactly that process (not its group),
+            as torch's file timer does.
+        fails: False: after the signals the watch goes on, and a worker that dies of
+            one is judged by its exit like any other (torch's file timer).
     """
 
     kind: str
@@ -65,6 +76,8 @@ class Alarm:
     blocked: bool = False
     restart: bool = True
     exit_codes_after_stop: bool = False
+    signals: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    fails: bool = True
 
     def reported(self, final: Mapping[int, int | None]) -> dict[int, ProcessFailure]:
         """The failures to report, given local rank -> exit code after the group's stop."""
@@ -74,8 +87,29 @@ class Alarm:
                 for g, f in self.failures.items()}
 
 
+def send_signals(signals: Mapping[int, int]) -> None:
+    """Send each pid its signal (``os.kill``); a pid already gone is skipped, one that cannot be signalled logged."""
+    for pid, sig in signals.items():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # already gone
+        except (OSError, OverflowError) as exc:
+            log.error("cannot send signal %d to pid %d: %s", sig, pid, exc)
+
+
 class Watchdog(Protocol):
-    """One watch over running workers, across the agent's attempts."""
+    """One watch over running workers, across the agent's attempts.
+
+    Attributes:
+        polls: True when the watch must look while the group runs, not only when a
+            child exits (the monitor then looks every ``--monitor-interval``).
+        interval: the most seconds between two looks when shorter than
+            ``--monitor-interval``, or None.
+    """
+
+    polls: bool
+    interval: float | None
 
     def env(self, local_rank: int) -> dict[str, str]:
         """Variables ``local_rank``'s worker needs for this watch ({} for none)."""

@@ -1,4 +1,4 @@
-"""FileTimerServer against torch's real FileTimerClient, plus the decision functions as tables."""
+"""FileTimerWatchdog's polls against torch's real FileTimerClient, plus the decision functions as tables."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 
 import pytest
 
-from elaunch.procs.filetimer import (
+from elaunch.agent.file_timer import (
     ENABLE_ENV,
     FILE_ENV,
     Expired,
-    FileTimerServer,
+    FileTimerWatchdog,
     TimerRequest,
     apply_requests,
     due,
     file_timer_env,
 )
+from elaunch.agent.watchdog import Alarm, send_signals
 from tests.conftest import wait_for
-from tests.helpers import kill_tree
+from tests.helpers import alive, kill_tree
 
 WORKER = textwrap.dedent(
     """
@@ -61,8 +61,8 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def warnings_log():
-    """WARNING lines of the file timer logger (attached directly: "elaunch" may not propagate)."""
-    logger = logging.getLogger("elaunch.procs.filetimer")
+    """WARNING lines of the agent's logger (attached directly: "elaunch" may not propagate)."""
+    logger = logging.getLogger("elaunch.agent")
     handler = _Records()
     logger.addHandler(handler)
     yield handler.lines
@@ -70,25 +70,37 @@ def warnings_log():
 
 
 @pytest.fixture
-def server(tmp_path):
-    expired: list[Expired] = []
-    srv = FileTimerServer(str(tmp_path / "timer.fifo"), interval_s=0.1, on_expired=expired.append)
-    srv.expired = expired
-    srv.start()
-    yield srv
-    srv.stop()
-    assert not os.path.exists(srv.path)
+def timer(tmp_path):
+    """A FileTimerWatchdog on a fresh FIFO, closed (the FIFO removed) after the test."""
+    watchdog = FileTimerWatchdog(str(tmp_path / "timer.fifo"), interval_s=0.1)
+    yield watchdog
+    watchdog.close()
+    assert not os.path.exists(watchdog.path)
+
+
+def _polled(watchdog: FileTimerWatchdog, until, timeout: float, what: str) -> list[Alarm]:
+    """Poll ``watchdog`` as the monitor does (``watched`` is not read) until ``until(alarms)``; the alarms seen."""
+    alarms: list[Alarm] = []
+
+    def look():
+        alarm = watchdog.poll(None)
+        if alarm is not None:
+            alarms.append(alarm)
+        return until(alarms)
+
+    wait_for(look, timeout, interval=watchdog.interval, what=what)
+    return alarms
 
 
 @pytest.fixture
-def worker(tmp_path, server):
+def worker(tmp_path, timer):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     procs: list[subprocess.Popen] = []
 
     def start(mode: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-        env[FILE_ENV] = server.path
+        env.update(timer.env(0))
         proc = subprocess.Popen([sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         procs.append(proc)
@@ -101,41 +113,42 @@ def worker(tmp_path, server):
 
 
 @pytest.mark.slow
-def test_expired_scope_kills_the_worker(server, worker, warnings_log):
+def test_an_expired_scope_alarms_with_its_signal_and_the_monitor_kills_the_worker(timer, worker, warnings_log):
     proc = worker("hang")
-    held = wait_for(lambda: server.timers(), 60, what="the worker to acquire its timer")
-    (request,) = held.values()
+    _polled(timer, lambda _: timer.timers(), 60, "the worker to acquire its timer")
+    (request,) = timer.timers().values()
     assert (request.pid, request.scope_id, request.signal) == (proc.pid, "hang-scope", signal.SIGKILL)
-    proc.wait(timeout=request.expiration_time - time.time() + 3)
-    assert proc.returncode == -signal.SIGKILL
-    killed_at = time.time()
-    assert killed_at - request.expiration_time < 3
-    wait_for(lambda: server.expired, 5, what="on_expired")
-    (expired,) = server.expired
-    assert expired.request == request and expired.scopes == ("hang-scope",)
-    assert 0 <= expired.overdue_s < 1
+    (alarm,) = _polled(timer, bool, request.expiration_time - time.time() + 5, "the expiry")
+    assert time.time() >= request.expiration_time
+    assert alarm.signals == {proc.pid: signal.SIGKILL} and alarm.kind == "file_timer"
+    assert not alarm.fails and alarm.failures == {}  # the worker's exit tells the monitor the rest
+    assert timer.timers() == {}
+    assert proc.poll() is None  # the watchdog only names it: the monitor sends the signal
+    send_signals(alarm.signals)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
     (line,) = [x for x in warnings_log if "hang-scope" in x]
     assert f"pid {proc.pid}" in line and "expired" in line and "s ago" in line and "SIGKILL" in line
-    assert server.timers() == {}
+    assert timer.poll(None) is None  # acted on once
 
 
 @pytest.mark.slow
-def test_released_scope_is_not_killed(server, worker, warnings_log):
+def test_released_scope_is_not_killed(timer, worker, warnings_log):
     proc = worker("in-time")
-    out, err = proc.communicate(timeout=60)
+    alarms = _polled(timer, lambda _: proc.poll() is not None, 60, "the worker to end")
+    out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
     assert out.strip() == "done"
-    assert server.timers() == {} and server.expired == [] and warnings_log == []
+    assert alarms == [] and timer.poll(None) is None and timer.timers() == {} and warnings_log == []
 
 
 @pytest.mark.slow
-def test_timers_of_a_dead_worker_are_dropped(server, worker):
+def test_timers_of_a_dead_worker_are_dropped(timer, worker):
     proc = worker("die-holding")
     proc.communicate(timeout=60)
     assert proc.returncode == 3
-    # Its release never came; the server notices the pid is gone at its next check.
-    wait_for(lambda: server.timers() == {}, 5, what="the dead worker's timer to be dropped")
-    assert server.expired == []
+    # Its release never came; the watchdog notices the pid is gone at its next poll.
+    alarms = _polled(timer, lambda _: timer.timers() == {}, 5, "the dead worker's timer to be dropped")
+    assert alarms == []
 
 
 def _send(path: str, line: str) -> None:
@@ -145,47 +158,69 @@ def _send(path: str, line: str) -> None:
         f.write(line + "\n")
 
 
-def test_protocol_without_torch(tmp_path, warnings_log):
-    """Acquire/release, a bad line, a zero signal, and an injected kill (no real process is hurt)."""
-    kills: list[tuple[int, int]] = []
+def _line(pid: int, scope: str, expiration_time: float, sig: int) -> str:
+    return (f'{{"version": 1, "pid": {pid}, "scope_id": "{scope}", "expiration_time": {expiration_time}, '
+            f'"signal": {sig}}}')
+
+
+def test_protocol_without_torch(timer, warnings_log):
+    """Acquire/release, bad lines, a zero signal, an expired timer: one poll each, nothing signalled."""
     me = os.getpid()  # alive, so the timer is not dropped as a dead pid's
-    with FileTimerServer(str(tmp_path / "fifo"), interval_s=0.05, kill=lambda p, s: kills.append((p, s))) as srv:
-        now = time.time()
-        _send(srv.path, f'{{"version": 1, "pid": {me}, "scope_id": "a", "expiration_time": {now + 600}, "signal": 9}}')
-        _send(srv.path, "not json")
-        wait_for(lambda: set(srv.timers()) == {(me, "a")}, 5, what="acquire")
-        _send(srv.path, f'{{"version": 1, "pid": {me}, "scope_id": "a", "expiration_time": -1, "signal": 0}}')
-        wait_for(lambda: srv.timers() == {}, 5, what="release")
-        _send(srv.path, f'{{"version": 1, "pid": {me}, "scope_id": "z", "expiration_time": {now - 1}, "signal": 0}}')
-        wait_for(lambda: any("'z'" in x for x in warnings_log), 5, what="the no-signal warning")
-        _send(srv.path, f'{{"version": 1, "pid": {me}, "scope_id": "b", "expiration_time": {now - 2}, "signal": 15}}')
-        wait_for(lambda: kills, 5, what="the injected kill")
-        assert kills == [(me, 15)]
-        assert srv.timers() == {}
+    now = time.time()
+    _send(timer.path, _line(me, "a", now + 600, 9))
+    _send(timer.path, "not json")
+    _send(timer.path, _line(0, "group", now - 1, 9))  # pid 0 would be the agent's own process group
+    assert timer.poll(None) is None and set(timer.timers()) == {(me, "a")}
+    _send(timer.path, _line(me, "a", -1, 0))
+    assert timer.poll(None) is None and timer.timers() == {}
+    _send(timer.path, _line(me, "z", now - 1, 0))
+    assert timer.poll(None) is None and timer.timers() == {}
+    assert any("'z'" in x and "its timer carries no signal" in x for x in warnings_log)
+    _send(timer.path, _line(me, "b", now - 2, 15))
+    alarm = timer.poll(None)
+    assert alarm is not None and alarm.signals == {me: 15} and timer.timers() == {}
     assert any("bad timer request b'not json'" in x for x in warnings_log)
-    assert any("its timer carries no signal" in x for x in warnings_log)
+    assert any("pid 0 is not a process id" in x for x in warnings_log)
 
 
-def test_start_stop_without_clients_and_path_checks(tmp_path):
+def test_a_scope_of_a_process_that_is_no_worker_signals_exactly_that_process(timer, tmp_path):
+    """As torch: ``os.kill`` of the registered pid (here a worker's child), not of its process group."""
+    pids = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(pids)!r}, "w").write(str(child.pid))
+        time.sleep(60)
+    """)])
+    try:
+        child = int(wait_for(lambda: pids.exists() and pids.read_text(), 30, what="the child's pid"))
+        _send(timer.path, _line(child, "child-scope", time.time() - 1, signal.SIGTERM))
+        alarm = timer.poll(None)
+        assert alarm is not None and alarm.signals == {child: signal.SIGTERM}
+        send_signals(alarm.signals)
+        wait_for(lambda: not alive(child), 10, what="the child killed")
+        assert parent.poll() is None  # same process group, not signalled
+    finally:
+        kill_tree(parent.pid)
+        parent.wait(timeout=10)
+
+
+def test_open_close_without_clients_and_path_checks(tmp_path):
     path = tmp_path / "fifo"
     os.mkfifo(path)  # stale FIFO from an earlier run: replaced
-    srv = FileTimerServer(str(path))
-    srv.start()
+    watchdog = FileTimerWatchdog(str(path))
     assert stat.S_ISFIFO(os.lstat(path).st_mode)
-    with pytest.raises(RuntimeError, match="already started"):
-        srv.start()
-    t0 = time.monotonic()
-    srv.stop()
-    assert time.monotonic() - t0 < 2, "stop must not wait for a client"
+    assert watchdog.polls and watchdog.interval == 0.1 and watchdog.env(3) == {FILE_ENV: str(path)}
+    watchdog.close()
     assert not path.exists()
-    srv.stop()  # idempotent
-    assert not any(t.name == "elaunch-file-timer" for t in threading.enumerate())
+    watchdog.close()  # idempotent
+    assert watchdog.poll(None) is None
     path.write_text("user data")
     with pytest.raises(FileExistsError, match="is not a FIFO"):
-        FileTimerServer(str(path)).start()
+        FileTimerWatchdog(str(path))
     assert path.read_text() == "user data"
     with pytest.raises(ValueError, match=r"interval_s \(0\) must be > 0"):
-        FileTimerServer(str(path), interval_s=0)
+        FileTimerWatchdog(str(path), interval_s=0)
 
 
 ENV_CASES = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -51,15 +52,16 @@ def _monitor(rdzv, hang_timeout: float = 0.0) -> GroupMonitor:
 
 @pytest.fixture
 def run_one(tmp_path):
-    """``run_one(monitor, seconds)``: one worker sleeping ``seconds``, watched to its end -> Verdict."""
+    """``run_one(monitor, seconds)``: one worker sleeping ``seconds`` (or running ``argv``), watched to its end -> Verdict."""
     reaper = start_reaper()
     started = []
 
-    def _run(monitor: GroupMonitor, seconds: float) -> Verdict:
+    def _run(monitor: GroupMonitor, seconds: float, argv: list[str] | None = None,
+             env: dict[str, str] | None = None) -> Verdict:
         spec = LogsSpec(log_dir=str(tmp_path / f"logs{len(started)}"))
         logs = RunLogDir(spec, "t").attempt(0, 1)
-        procs = WorkerProcesses.start({0: [sys.executable, WORKER, "--sleep", str(seconds)]}, {0: dict(os.environ)},
-                                      logs, spec, {}, reaper=reaper)
+        argv = argv or [sys.executable, WORKER, "--sleep", str(seconds)]
+        procs = WorkerProcesses.start({0: argv}, {0: {**os.environ, **(env or {})}}, logs, spec, {}, reaper=reaper)
         started.append(procs)
         group = WorkerGroup(spec=WorkerSpec(role="default", local_world_size=1, cmd=("x",)),
                             workers=[Worker(local_rank=0, global_rank=0)], round=0)
@@ -103,3 +105,34 @@ def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
         assert monitor.polls() is polls
     finally:
         hangs.watch.close()
+
+
+#: A worker holding a torch file-timer scope of 0.5 s (the client's JSON line, written by hand) around a long sleep.
+TIMED = """
+import json, os, time
+line = json.dumps({"version": 1, "pid": os.getpid(), "scope_id": "x", "expiration_time": time.time() + 0.5,
+                   "signal": 9})
+fd = os.open(os.environ["TORCHELASTIC_TIMER_FILE"], os.O_WRONLY | os.O_NONBLOCK)
+os.write(fd, (line + "\\n").encode())
+os.close(fd)
+time.sleep(60)
+"""
+
+
+def test_the_file_timer_is_read_at_its_own_interval_and_its_kill_fails_the_group_by_the_exit(run_one, tmp_path):
+    """torch's file timer checks every 0.1 s, whatever ``--monitor-interval`` (here 30 s)."""
+    from elaunch.agent.file_timer import FileTimerWatchdog
+
+    rdzv = CountingStandalone()
+    timer = FileTimerWatchdog(str(tmp_path / "timer.fifo"))
+    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), AgentEvents(None, "", "host", 0), interval=30.0,
+                           watchdogs=[timer])
+    try:
+        began = time.monotonic()
+        verdict = run_one(monitor, 0, [sys.executable, "-c", TIMED], timer.env(0))
+        took = time.monotonic() - began
+    finally:
+        timer.close()
+    # the worker died of the timer's SIGKILL and its exit failed the group: no alarm of a failed group
+    assert verdict is Verdict.FAILED and monitor.alarm is None
+    assert took < 15, took  # its 0.5 s scope plus its start, not the monitor's 30 s
