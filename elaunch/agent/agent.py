@@ -139,7 +139,7 @@ class ElasticAgent:
         """
         self._launcher.open()
         root = self.log_root
-        node = getattr(self._rdzv, "node_id", None) or f"{self._hostname}_{os.getpid()}"
+        node = self._rdzv.job_channel().node_id or f"{self._hostname}_{os.getpid()}"
         self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
                                    node, self._hostname, self._spec.max_restarts, self._echo)
         watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
@@ -204,7 +204,7 @@ class ElasticAgent:
                 # JOINING -> FAILED: another node declared the job failed while we joined
                 self._launcher.no_more_attempts()
                 return self._job.failed_elsewhere(exc.failure, restarts)
-            self._events.rendezvous_complete(info, getattr(self._rdzv, "round_members", None))
+            self._events.rendezvous_complete(info, self._rdzv.job_channel().round_members)
             if announce is not None:
                 # every node of the failed round recorded its report before this round formed:
                 # the root cause read now is the job's final one, the same on every node
@@ -352,7 +352,7 @@ class ElasticAgent:
             prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
         for watchdog in self._watchdogs:
             watchdog.new_attempt(info.round)
-        may_follow = restarts < spec.max_restarts or self._rdzv.can_reform()
+        may_follow = restarts < spec.max_restarts or self._rdzv.can_reform
         self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
         self._attempt_logs = logs
         for w in workers:
@@ -361,8 +361,9 @@ class ElasticAgent:
         # INIT -> HEALTHY: workers started
         group.state = WorkerState.HEALTHY
         self._group = group
-        publish(self._rdzv, "agent", agent_record(info.round, [w.global_rank for w in workers], spec.max_restarts,
-                                                  restarts, spec.role, self._hostname, self.log_root))
+        record = agent_record(info.round, [w.global_rank for w in workers], spec.max_restarts, restarts, spec.role,
+                              self._hostname, self.log_root)
+        publish(self._rdzv.job_channel(), "agent", record)
         log.info(
             "round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)",
             info.round,

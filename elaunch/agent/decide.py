@@ -45,7 +45,7 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
         membership_changes: nodes waiting to join the next round plus members of the
             running round that are gone (>= 0).
         new_nodes: nodes outside the running round that joined since it formed
-            (``RendezvousHandler.num_nodes_new``, >= 0).
+            (``JobChannel.num_nodes_new``, >= 0).
         job_failed: another agent declared the job failed (``JobState.failed``).
         hung: local ranks found hung (:func:`hung_ranks`).
         round_failed: another node reported a failure of the running round

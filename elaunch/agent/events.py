@@ -202,8 +202,8 @@ class AgentEvents(EventLog):
         """``rendezvous_complete`` of ``info`` (a RendezvousInfo), then ``membership_change`` if it changed.
 
         Args:
-            members: the round's node ids where the handler knows them (``round_members``),
-                else None (the nodes' addresses are compared instead).
+            members: the round's node ids where the job channel knows them (``round_members``),
+                else empty or None (the nodes' addresses are compared instead).
         """
         self.round = info.round
         members = members if members else Counter(n.addr for n in info.nodes)

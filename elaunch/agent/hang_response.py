@@ -30,7 +30,7 @@ class HangResponse:
 
     Args:
         watch: the progress counters and stack dumps of this node's workers.
-        rdzv: the rendezvous handler (stack-dump requests and their answers).
+        rdzv: the rendezvous handler (its job channel carries stack-dump requests and their answers).
         hostname: this node's name, for failures.
 
     Attributes:
@@ -42,7 +42,7 @@ class HangResponse:
 
     def __init__(self, watch: HangWatch, rdzv: RendezvousHandler, hostname: str) -> None:
         self.watch = watch
-        self._rdzv = rdzv
+        self._channel = rdzv.job_channel()
         self._hostname = hostname
         self.polls = watch.hang_timeout > 0
         self.interval = None
@@ -102,14 +102,14 @@ class HangResponse:
             why = "stacks requested by 'elaunch status --stacks' (no hang)"
             dumps, path = self.watch.dump(pids, log_root, f"round{self.round}_status", why)
             log.info("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
-            publish(self._rdzv, "stacks", stacks_record(job.dump_id, self.round, self._hostname, dumps, pids,
+            publish(self._channel, "stacks", stacks_record(job.dump_id, self.round, self._hostname, dumps, pids,
                                                         ranks or {}, path))
-            self._rdzv.acknowledge_dump(job.dump_id)
+            self._channel.acknowledge_dump(job.dump_id)
             return
         why = f"stacks requested through the rendezvous: rank {by.rank} on {by.host} hangs"
         dumps, path = self.watch.dump(pids, log_root, f"round{self.round}_requested", why)
         log.warning("%s; this node's worker stacks are in %s", why, path or "(no log directory)")
-        self._rdzv.acknowledge_dump(job.dump_id)
+        self._channel.acknowledge_dump(job.dump_id)
         if by is not None and by.round == self.round:
             self.answered = (dumps, path)  # this round's stacks, should our own ranks be found hung too
 
@@ -145,7 +145,7 @@ class HangResponse:
             log.error("HUNG: local rank(s) %s made no progress for %.1f s (--hang-timeout=%g); dumping the stacks "
                       "of every worker of the job", ", ".join(map(str, hung)), max(quiet.values()), self.watch.hang_timeout)
             try:
-                dump_id = self._rdzv.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
+                dump_id = self._channel.request_stack_dump(asked)  # first: the other nodes dump while ours is taken
                 self.dumps_seen = max(self.dumps_seen or 0, dump_id)  # ours: nothing to answer
             except RendezvousError as exc:
                 log.warning("could not ask the other nodes for their stacks: %s", exc)
@@ -154,7 +154,7 @@ class HangResponse:
                                            f"{self.watch.hang_timeout:g})")
         if dump_id:
             # the others' workers stay blocked where the hang left them until we kill ours
-            missing = self._rdzv.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)
+            missing = self._channel.await_dump_acknowledgements(dump_id, DUMP_TIMEOUT)
             if missing:
                 log.warning("no stacks from node(s) %s within %g s", ", ".join(missing), DUMP_TIMEOUT)
         waiting = {lr: waits_on_peer(d.text) for lr, d in dumps.items()}

@@ -4,8 +4,9 @@ What one agent learns that ends or restarts the job goes through the rendezvous,
 where every agent's monitor already looks: the job's restart count (one per failed
 round, whichever node saw it), the verdict that the job failed with its root
 cause, and the bad-node exclusion. :class:`JobView` applies the pure decisions of
-``decide.py`` to the rendezvous handler; backends without job state (static,
-standalone) make it count alone, as torchrun's agent does.
+``decide.py`` through the handler's job channel (``RendezvousHandler.job_channel()``);
+handlers without job state (static, standalone) make it count alone, as torchrun's
+agent does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class JobView:
     """Reads and writes the job's shared facts for one agent.
 
     Args:
-        rdzv: the rendezvous handler.
+        rdzv: the rendezvous handler (the job's facts go through its ``job_channel()``;
+            leaving and rejoining through the handler).
         max_restarts: ``--max-restarts``, the job's budget of failure restarts.
         interval: ``--monitor-interval``, seconds between looks at the job while this
             node sits out.
@@ -44,6 +46,7 @@ class JobView:
     def __init__(self, rdzv: RendezvousHandler, max_restarts: int, interval: float = 0.1,
                  sleep=time.sleep) -> None:
         self._rdzv = rdzv
+        self._channel = rdzv.job_channel()
         self._max_restarts = max_restarts
         self._interval = interval
         self._sleep = sleep
@@ -53,7 +56,7 @@ class JobView:
     def read(self) -> JobState:
         """The job's facts from the monitor's read; the last ones known when it cannot be read."""
         try:
-            job = self._rdzv.job_state()
+            job = self._channel.state()
         except RendezvousError as exc:
             log.warning("could not read the job's state: %s", exc)
             return self.state
@@ -83,11 +86,11 @@ class JobView:
         Raises:
             RendezvousError: the rendezvous could not be written.
         """
-        job = self._rdzv.record_failure(record)
+        job = self._channel.record_failure(record)
         if job is not None:
             self.state = job
             if job.failed:  # declared failed by another node meanwhile
-                self._rdzv.acknowledge_failure()
+                self._channel.acknowledge_failure()
                 return Step.FINISH_FAILED, job.restarts, job.failure or record
             if job.lost:  # a node loss, not a failure of the job: re-form, uncounted
                 return Step.REJOIN, job.restarts, record
@@ -96,17 +99,17 @@ class JobView:
             used = restarts  # no job state: this agent counts alone (static, standalone)
         step = next_step(Verdict.FAILED, used, self._max_restarts)
         if step is Step.FINISH_FAILED:
-            return step, used, self._rdzv.fail_job(record)
+            return step, used, self._channel.fail_job(record)
         root = job.failure if job is not None and job.failure is not None else record
         return step, used + 1, root
 
     def fail(self, record: FailureRecord) -> FailureRecord:
         """Declare the job failed at once (a failure no restart fixes); return the job's root cause."""
-        return self._rdzv.fail_job(record)
+        return self._channel.fail_job(record)
 
     def failed_elsewhere(self, root: FailureRecord | None, restarts: int) -> RunResult:
         """The job failed on another node: acknowledge it and report its root cause."""
-        self._rdzv.acknowledge_failure()
+        self._channel.acknowledge_failure()
         if root is None:  # failed without a record: say so rather than invent one
             root = FailureRecord(round=-1, at=time.time(), host="<unknown>", message="the job was declared failed")
         log.info("the job failed on %s (rank %d, exitcode %d); this node's workers are stopped",
@@ -117,7 +120,7 @@ class JobView:
     def succeed(self) -> None:
         """Declare the job succeeded (best effort): nodes waiting or sitting out exit 0 when they see it."""
         try:
-            self._rdzv.succeed_job()
+            self._channel.succeed_job()
         except RendezvousError as exc:  # the job did succeed; only the watchers may not hear of it
             log.warning("could not publish the job's success: %s", exc)
 
@@ -150,7 +153,7 @@ class JobView:
             job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
         )
         try:
-            self._rdzv.sit_out()
+            self._channel.sit_out()
         except RendezvousError as exc:
             log.warning("could not sit out in the rendezvous (%s); leaving it for the cooldown", exc)
             self._rdzv.leave(rejoin=True)
@@ -169,7 +172,7 @@ class JobView:
         while (left := until - time.monotonic()) > 0:
             self._sleep(min(self._interval, left))
             try:
-                job = self._rdzv.job_state()
+                job = self._channel.state()
             except RendezvousError as exc:
                 if not unreadable:  # once: it may stay unreachable for the whole cooldown
                     log.warning("could not read the job's state while sitting out: %s", exc)

@@ -121,7 +121,7 @@ class GroupMonitor:
                             "node's workers to re-form the group", job.failure.round, job.failure.host,
                             job.failure.rank)
             elif verdict is Verdict.RUNNING:
-                waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.num_nodes_lost()
+                waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.job_channel().num_nodes_lost()
                 verdict = judge(codes, waiting + lost)
                 if verdict is Verdict.MEMBERSHIP_CHANGE:
                     log.warning(
@@ -143,18 +143,14 @@ class GroupMonitor:
         """True when something must be looked at every ``interval`` seconds, not only on a child's exit.
 
         That is: a rendezvous whose membership or job facts can change while the
-        group runs (``can_reform()``, or one that keeps job state: other nodes'
+        group runs (``can_reform``, or one that keeps job state: other nodes'
         failures and verdicts, stack-dump requests from ``elaunch status``),
         or a watchdog that polls. Standalone and static
         rendezvous have neither membership changes nor job state: torch's agent
         polls their ``num_nodes_waiting`` (always 0) every ``monitor_interval``.
         """
-        if any(w.polls for w in self._watchdogs) or self._rdzv.can_reform():
-            return True
-        try:
-            return self._rdzv.job_state() is not None
-        except RendezvousError:
-            return True  # it has job state, only unreadable now
+        return (any(w.polls for w in self._watchdogs) or self._rdzv.can_reform
+                or self._rdzv.job_channel().keeps_job_state)
 
     def _wait_s(self) -> float | None:
         """Seconds between looks: ``interval``, or a watchdog's shorter one; None when nothing :meth:`polls`."""
@@ -180,9 +176,9 @@ class GroupMonitor:
         return True
 
     def _new_nodes(self) -> int:
-        """``num_nodes_new()`` of the rendezvous; 0 when it cannot be read (the failure then counts)."""
+        """``num_nodes_new()`` of the job channel; 0 when it cannot be read (the failure then counts)."""
         try:
-            return self._rdzv.num_nodes_new()
+            return self._rdzv.job_channel().num_nodes_new()
         except RendezvousError as exc:
             log.warning("could not check for new nodes after a worker failure: %s", exc)
             return 0

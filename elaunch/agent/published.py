@@ -1,7 +1,7 @@
 """What an agent publishes for ``elaunch status`` beside the rendezvous state (never in it).
 
 Two small JSON documents per node, each in the node's own key of the rendezvous
-backend (``RendezvousHandler.publish_node_record``), overwritten in place:
+backend (``JobChannel.publish_node_record``), overwritten in place:
 
 * ``agent``: written when the node's workers start in a round: its pid, the
   round, its global ranks, its ``--max-restarts`` budget, when it joined the
@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from elaunch.rendezvous.api import RendezvousHandler
+from elaunch.rendezvous.job_channel import JobChannel
 
 log = logging.getLogger("elaunch.agent")
 
@@ -65,23 +65,23 @@ def stacks_record(dump_id: int, round: int, host: str, dumps: Mapping, pids: Map
             "path": path, "workers": workers}
 
 
-def publish(rdzv: RendezvousHandler, kind: str, doc: dict) -> threading.Thread | None:
+def publish(channel: JobChannel, kind: str, doc: dict) -> threading.Thread | None:
     """Publish ``doc`` as this node's ``kind`` record on a daemon thread; never raises.
 
     A status aid, not the job's business: the agent's loop never waits for it (an
     unreachable etcd would hold a write for up to ``read_timeout`` seconds).
 
     Returns:
-        The thread writing it, or None for a handler that publishes nothing (static, standalone:
-        no thread is started).
+        The thread writing it, or None for a channel without job state (static, standalone,
+        plugin handlers: no thread is started).
     """
-    if type(rdzv).publish_node_record is RendezvousHandler.publish_node_record:
-        return None  # the interface's no-op
+    if not channel.keeps_job_state:
+        return None
 
     def write() -> None:
         try:
-            rdzv.publish_node_record(kind, doc)
-        except Exception as exc:  # noqa: BLE001 - e.g. a plugin handler without the method's default
+            channel.publish_node_record(kind, doc)
+        except Exception as exc:  # noqa: BLE001 - a status aid must never end the agent's thread noisily
             log.debug("could not publish the %s record: %s", kind, exc)
 
     thread = threading.Thread(target=write, name=f"elaunch-publish-{kind}", daemon=True)

@@ -19,9 +19,11 @@ from typing import Any, NamedTuple
 
 # the job-wide records are part of the contract; they live in their own module
 from elaunch.rendezvous import job_records
+from elaunch.rendezvous.job_channel import JobChannel, LocalJobChannel
 from elaunch.rendezvous.job_records import FailureRecord, JobState
 
 MAX_FAILURE_MESSAGE = job_records.MAX_FAILURE_MESSAGE  # re-exported with the records
+_LOCAL = LocalJobChannel()  # stateless: one for every handler without job state
 
 
 class RendezvousError(Exception):
@@ -217,8 +219,19 @@ class RendezvousParameters:
 class RendezvousHandler(abc.ABC):
     """Brings the agents of one job together, round after round.
 
-    Mirrors ``torch.distributed.elastic.rendezvous.RendezvousHandler``.
+    Mirrors ``torch.distributed.elastic.rendezvous.RendezvousHandler``; the job's
+    facts beside the rounds go through :meth:`job_channel`.
+
+    Attributes:
+        can_reform: True when a later round may form without a failure restart:
+            the dynamic backends (c10d, etcd), where nodes may join or leave and a
+            membership change re-forms the group. False (the default) for static and
+            standalone rendezvous, whose only later rounds are failure restarts. The
+            agent asks this instead of comparing backend names (e.g. to decide
+            whether to prepare warm spares for another attempt).
     """
+
+    can_reform: bool = False
 
     @abc.abstractmethod
     def get_backend(self) -> str:
@@ -251,43 +264,6 @@ class RendezvousHandler(abc.ABC):
         positive, restarts its group without counting a restart (membership change).
         """
 
-    def num_nodes_lost(self) -> int:
-        """Return how many nodes of this node's running round are gone (0 by default).
-
-        Gone: the node's heartbeat or lease expired (agent killed, link cut) or it
-        left to rejoin. A running agent polls this with ``num_nodes_waiting`` and,
-        when positive, re-forms the group without counting a restart. torchrun has
-        no such check: it waits for the workers to fail, which a cut link can turn
-        into a 30-minute collective timeout.
-        """
-        return 0
-
-    def num_nodes_new(self) -> int:
-        """Return how many nodes outside this node's running round joined since it formed (0 by default).
-
-        Asked only after a local worker failed, from a fresh read. When a node
-        joins, the agent that sees it first stops its workers to re-form; the
-        workers here can then die on the closed sockets before this agent's own
-        poll sees the newcomer. A positive count makes that a membership change
-        (not a counted restart): torchrun counts it as a failure and, without
-        restarts left, ends the job on a scale-up.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        return 0
-
-    def can_reform(self) -> bool:
-        """Return True when a later round may form without a failure restart.
-
-        True for the dynamic backends (c10d, etcd): nodes may join or leave, and a
-        membership change re-forms the group. False (the default) for static and
-        standalone rendezvous, whose only later rounds are failure restarts. The
-        agent asks this instead of comparing backend names (e.g. to decide whether
-        to prepare warm spares for another attempt).
-        """
-        return False
-
     @abc.abstractmethod
     def get_run_id(self) -> str:
         """Return the run id (``TORCHELASTIC_RUN_ID``)."""
@@ -308,119 +284,16 @@ class RendezvousHandler(abc.ABC):
         if not rejoin:
             self.shutdown()
 
-    # -- the job, not just the round (elaunch additions; torch's handlers have none) ----
+    def job_channel(self) -> JobChannel:
+        """Return this node's channel to the job's facts (an elaunch addition; torch's handlers have none).
 
-    def job_state(self) -> JobState | None:
-        """Return the job's shared facts, or None when the backend keeps none (static, standalone).
-
-        Cheap: the dynamic backends answer from the same read as
-        ``num_nodes_waiting`` (at most ``poll_interval`` seconds old), so the agent's
-        monitor asks every ``--monitor-interval`` at no extra cost.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
+        Failures and the job's verdict, their acknowledgements, stack-dump
+        requests, the running round's lost and new members, the node records of
+        ``elaunch status``: see :mod:`elaunch.rendezvous.job_channel`. The same
+        object on every call. Default: a :class:`LocalJobChannel` (no job state:
+        this agent counts alone, as torchrun's does).
         """
-        return None
-
-    def record_failure(self, failure: FailureRecord) -> JobState | None:
-        """Count ``failure.round``'s failure once for the whole job; return the job state after it.
-
-        The first record of a round counts one restart; later records of the same
-        round (peers whose collectives broke) only replace the round's root cause
-        when they happened earlier. Before counting, the handler checks that every
-        other member of the round is still there (it may wait up to the backend's
-        probe time, seconds): when one left or its agent died, the failure is that
-        node's loss, nothing is counted and the returned state lists it in
-        ``JobState.lost``. Returns None when the backend keeps no job state.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        return None
-
-    def fail_job(self, failure: FailureRecord) -> FailureRecord:
-        """Declare the job failed with ``failure`` as its root cause, and close the rendezvous.
-
-        Every other agent sees it at its next check and stops. When another node
-        already declared it (or recorded an earlier failure of the same round), that
-        root cause is kept and returned.
-
-        Returns:
-            The job's root cause (``failure`` for backends without job state).
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        return failure
-
-    def succeed_job(self) -> None:
-        """Declare the job succeeded and close the rendezvous (after this node's exit barrier).
-
-        Nodes outside the last round -- waiting to join, standing by as spares, or
-        sitting out a cooldown (bad-node exclusion) -- see it and exit 0 at once,
-        as torchrun's surplus nodes do (``RendezvousGracefulExitError``); the
-        declaring node's :meth:`shutdown` waits until they saw it (it may host the
-        store they read). A job declared failed stays failed. No-op for backends
-        without job state (:meth:`shutdown` closes them).
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-
-    def sit_out(self) -> None:
-        """Leave the round to sit out a cooldown (bad-node exclusion), still watching the job.
-
-        The others re-form without this node, as after ``leave(rejoin=True)``; but
-        the node stays known to the rendezvous as a watcher, so the node that ends
-        the job waits for it to see the end (see :meth:`succeed_job`). A later
-        ``leave(rejoin=True)`` ends the sitting out. Default: ``leave(rejoin=True)``.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        self.leave(rejoin=True)
-
-    def acknowledge_failure(self) -> None:
-        """Tell the node that declared the job failed that this node saw it and stopped (best effort).
-
-        That node waits for every live node's acknowledgement before it exits (it
-        may host the store the others read): the members of its last round and the
-        nodes waiting, standing by or sitting out. No-op for backends without job state.
-        """
-
-    def publish_node_record(self, kind: str, doc: dict) -> None:
-        """Publish a small JSON document of this node for ``elaunch status`` (best effort, never raises).
-
-        ``kind`` is ``"agent"`` (pid, ranks, budget, written when workers start) or
-        ``"stacks"`` (the answer to a status request for stacks). The document lives
-        beside the rendezvous state, never in it: no round changes. No-op for
-        backends without node keys (static, standalone).
-        """
-
-    def request_stack_dump(self, by: FailureRecord) -> int:
-        """Ask every agent of the job to dump its workers' Python stacks (``by``: the hung worker).
-
-        Returns:
-            The request's id (``JobState.dump_id``); 0 for backends without job state (no-op).
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        return 0
-
-    def acknowledge_dump(self, dump_id: int) -> None:
-        """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
-
-    def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
-        """Wait up to ``timeout`` seconds until every live member of this node's round answered ``dump_id``.
-
-        The asking node kills its hung workers only then: the others' workers are
-        still blocked where the hang left them while they are dumped.
-
-        Returns:
-            The node ids that did not answer in time ([] for backends without job state).
-        """
-        return []
+        return _LOCAL
 
     def exit_barrier(self, timeout: float) -> None:
         """Wait, up to ``timeout`` seconds, until every node of the round finished.

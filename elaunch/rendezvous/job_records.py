@@ -108,7 +108,7 @@ class JobState:
         exclude_after: failures in a row of which a node is the root cause after which it
             sits out (conf ``exclude_after``; 0 = never).
         exclude_cooldown: seconds a node sits out (conf ``exclude_cooldown``).
-        lost: set by ``RendezvousHandler.record_failure`` only: the other members of the
+        lost: set by ``JobChannel.record_failure`` only: the other members of the
             failed round that did not answer after the failure (they left, or their
             agent is dead). The failure was then their loss's doing: a membership
             change, not counted in ``restarts``.

@@ -110,14 +110,17 @@ class TorchHandlerAdapter(RendezvousHandler):
     shares its role info there, so nodes with a different ``--nproc-per-node`` get
     torch's global ranks. ``MASTER_ADDR``/``MASTER_PORT`` and
     ``TORCHELASTIC_USE_AGENT_STORE`` are what the torch handler gives
-    (``bootstrap_store_info``, ``use_agent_store``). The job-wide methods keep the
-    base class's defaults (no job state: each agent counts its own restarts, as
-    under torchrun).
+    (``bootstrap_store_info``, ``use_agent_store``). Its job channel is the base
+    class's ``LocalJobChannel`` (no job state: each agent counts its own restarts,
+    as under torchrun); ``can_reform`` is True: a torch handler may admit waiting
+    nodes (its ``num_nodes_waiting``).
 
     Args:
         handler: the torch handler.
         params: elaunch's parameters it was built from (backend name, role, local world size).
     """
+
+    can_reform = True
 
     def __init__(self, handler: Any, params: RendezvousParameters) -> None:
         self.handler = handler
@@ -167,10 +170,6 @@ class TorchHandlerAdapter(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         with _translated(self._backend, "reading the rendezvous state"):
             return int(self.handler.num_nodes_waiting())
-
-    def can_reform(self) -> bool:
-        """Return True: a torch handler may admit waiting nodes (its ``num_nodes_waiting``)."""
-        return True
 
     def get_run_id(self) -> str:
         return str(self.handler.get_run_id())

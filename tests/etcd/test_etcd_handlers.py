@@ -47,7 +47,7 @@ def test_late_joiner_waits_and_close_rejects_it_and_run_ids_never_merge(backend,
     late = handlers.submit(b.next_rendezvous)
     wait_for(lambda: a.num_nodes_waiting() > 0, 15, what="late joiner on the wait list")
     assert other.num_nodes_waiting() == 0
-    assert a.num_nodes_new() == 1 and other.num_nodes_new() == 0
+    assert a.job_channel().num_nodes_new() == 1 and other.job_channel().num_nodes_new() == 0
     a.set_closed()
     with pytest.raises(RendezvousClosedError):
         late.result(timeout=20)

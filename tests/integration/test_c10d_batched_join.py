@@ -129,9 +129,9 @@ def test_heartbeats_live_in_per_node_keys_and_a_silent_member_is_lost(crowd):
     before, beats = state_writes(), c._backend._store.calls.count("set")
     wait_for(lambda: c._backend._store.calls.count("set") >= beats + 4, 10, what="four heartbeats of c")
     assert state_writes() == before  # heartbeats went to the keys, not the shared state
-    assert [h.num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
+    assert [h.job_channel().num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
     c._stop_heartbeats()
-    wait_for(lambda: a.num_nodes_lost() == 1 and b.num_nodes_lost() == 1, 10, what="c seen as lost")
+    wait_for(lambda: [h.job_channel().num_nodes_lost() for h in (a, b)] == [1, 1], 10, what="c seen as lost")
     stored = RendezvousState.from_bytes(a._backend.get_state()[0])
     assert set(stored.participants) == {a.node_id, b.node_id, c.node_id}
 

@@ -1,7 +1,7 @@
 """GroupMonitor with real workers: it polls the rendezvous only where something can change.
 
 The rendezvous handlers are real (standalone) with a counter around
-``num_nodes_waiting``; the "dynamic" one also says ``can_reform()``, as the
+``num_nodes_waiting``; the "dynamic" one also says ``can_reform``, as the
 c10d/etcd handlers do. No timing is asserted: a worker that runs 1 s gives a
 polling monitor (0.1 s) many reads, an event-driven one a fixed few.
 """
@@ -35,14 +35,11 @@ class CountingStandalone(StandaloneRendezvous):
     def __init__(self, reform: bool = False) -> None:
         super().__init__("monitor-test", NodeInfo("127.0.0.1", "default", 1))
         self.reads = 0
-        self._reform = reform
+        self.can_reform = reform
 
     def num_nodes_waiting(self) -> int:
         self.reads += 1
         return 0
-
-    def can_reform(self) -> bool:
-        return self._reform
 
 
 def _monitor(rdzv, hang_timeout: float = 0.0) -> GroupMonitor:

@@ -94,7 +94,7 @@ def test_late_joiner_waits_and_next_round_includes_it(world_factory):
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5, what="waiting node")
     assert not late.done()
     assert w.state().wait_list == {c.node_id}
-    assert a.num_nodes_new() == 1 and b.num_nodes_new() == 1  # c is not of their round
+    assert a.job_channel().num_nodes_new() == 1 and b.job_channel().num_nodes_new() == 1  # c is not of their round
     # running nodes see the waiter, restart: round 1 forms with all three
     again = list(w.join(a, b))
     third = late.result(timeout=10)
@@ -180,13 +180,13 @@ def test_running_members_see_a_silent_member_as_lost(world_factory):
     w = world_factory(1, 3, keep_alive_interval=0.2, keep_alive_max_attempt=5, last_call_timeout=1)
     a, b, c = w.handler("a"), w.handler("b"), w.handler("c")
     assert {i.world_size for i in w.join(a, b, c)} == {3}
-    assert [h.num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
+    assert [h.job_channel().num_nodes_lost() for h in (a, b, c)] == [0, 0, 0]
     c._stop_heartbeats()  # c's link is cut: a and b must notice without any worker failing
-    wait_for(lambda: a.num_nodes_lost() == 1 and b.num_nodes_lost() == 1, 10, what="c seen as lost")
+    wait_for(lambda: [h.job_channel().num_nodes_lost() for h in (a, b)] == [1, 1], 10, what="c seen as lost")
     # the survivors re-form a world of 2 without c
     infos = list(w.join(a, b))
     assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
-    assert a.num_nodes_lost() == 0
+    assert a.job_channel().num_nodes_lost() == 0
 
 
 def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
@@ -194,8 +194,8 @@ def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
     a, b = w.handler("a"), w.handler("b")
     list(w.join(a, b))
     fut = w.pool.submit(a.next_rendezvous)  # a's workers failed: it rejoins
-    wait_for(lambda: b.num_nodes_lost() == 1, 5, what="b to see a leave")
-    assert b.num_nodes_new() == 0  # a rejoining member is not a newcomer: b's failures still count
+    wait_for(lambda: b.job_channel().num_nodes_lost() == 1, 5, what="b to see a leave")
+    assert b.job_channel().num_nodes_new() == 0  # a rejoining member is not a newcomer: b's failures still count
     b.next_rendezvous()
     assert fut.result(timeout=20).round == 1
 
@@ -214,7 +214,7 @@ def test_heartbeats_in_keys_keep_members_alive_though_the_stored_state_is_old():
         # the heartbeats go to the keys: the stored ones age past dead_after, untouched
         wait_for(lambda: time.time() - max(stored().last_heartbeats.values()) > 1.0, 5, what="stored beats to age")
         assert backend.writes == writes
-        assert a.num_nodes_lost() == 0 and b.num_nodes_lost() == 0
+        assert a.job_channel().num_nodes_lost() == 0 and b.job_channel().num_nodes_lost() == 0
         late = pool.submit(c.next_rendezvous)  # a joiner must judge a and b by their keys, not prune them
         wait_for(lambda: a.num_nodes_waiting() == 1, 5, what="c on the wait list")
         assert set(stored().participants) == {a.node_id, b.node_id}
@@ -238,7 +238,7 @@ def test_a_node_outside_the_round_exits_gracefully_when_the_job_succeeds(world_f
     list(w.join(a))
     pending = w.pool.submit(late.next_rendezvous)
     wait_for(lambda: late.node_id in getattr(w.state(), where), 5, what=f"late on the {where}")
-    a.succeed_job()
+    a.job_channel().succeed_job()
     with pytest.raises(RendezvousGracefulExitError, match="the job succeeded"):
         pending.result(timeout=5)
     state = w.state()
@@ -254,7 +254,7 @@ def test_a_node_outside_the_round_gets_the_root_cause_when_the_job_fails(world_f
     list(w.join(a))
     pending = w.pool.submit(late.next_rendezvous)
     wait_for(lambda: late.node_id in w.state().wait_list | w.state().redundancy_list, 5, what="late waiting")
-    a.fail_job(FailureRecord(round=0, at=1.0, host="ha", rank=0, exitcode=5))
+    a.job_channel().fail_job(FailureRecord(round=0, at=1.0, host="ha", rank=0, exitcode=5))
     with pytest.raises(RendezvousJobFailedError) as failed:
         pending.result(timeout=5)
     assert (failed.value.failure.host, failed.value.failure.exitcode) == ("ha", 5)
@@ -264,14 +264,14 @@ def test_the_node_that_ends_the_job_waits_for_a_node_sitting_out(world_factory):
     w = world_factory(1, 2, last_call_timeout=0.05)
     a, b = w.handler("a"), w.handler("b")
     list(w.join(a, b))
-    b.sit_out()
+    b.job_channel().sit_out()
     state = w.state()
     assert state.sitting_out == {b.node_id} and b.node_id not in state.participants
-    assert b.job_state().closed is False
-    a.succeed_job()
+    assert b.job_channel().state().closed is False
+    a.job_channel().succeed_job()
     done = w.pool.submit(a.shutdown)
     assert not wait([done], timeout=0.5).done  # b has not seen the end yet
-    job = b.job_state()
+    job = b.job_channel().state()
     assert job.succeeded and job.closed
     b.leave(rejoin=True)
     assert done.result(timeout=5) is True

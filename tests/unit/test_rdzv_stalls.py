@@ -94,7 +94,7 @@ def test_after_a_store_stall_a_neighbour_gets_a_whole_lost_after_again():
     seen: list[int] = []
 
     def lost() -> int:
-        seen.append(a.num_nodes_lost())
+        seen.append(a.job_channel().num_nodes_lost())
         return seen[-1]
 
     try:

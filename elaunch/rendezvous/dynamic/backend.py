@@ -71,6 +71,21 @@ class RendezvousBackend(abc.ABC):
             RendezvousConnectionError: the backend cannot be reached.
         """
 
+    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds, returning early once the stored state's token is not ``token``.
+
+        A polling node's wait between reads (``Action.SYNC``): etcd watches the
+        state key and returns at its next write.
+
+        Returns:
+            True when it waited; False (the default: no watch) when the caller must
+            sleep ``timeout`` seconds itself.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+        """
+        return False
+
     # -- optional: heartbeats in per-node keys (c10d has them) ------------------------
 
     @property

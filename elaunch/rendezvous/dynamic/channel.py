@@ -1,12 +1,11 @@
-"""The job-wide facts of a dynamic rendezvous, as methods of its handler (see ``job.py``).
+"""The job channel of a dynamic rendezvous: the job's facts in the shared state (see ``job.py``).
 
-A mixin of :class:`~elaunch.rendezvous.dynamic.handler.DynamicRendezvousHandler`,
-kept apart so the handler's module holds the rounds and this one the job: the
-restart count, the failure verdict and its acknowledgements, and stack-dump
-requests. It uses the handler's ``_executor``, ``_settings``, ``_node_id``,
-``_members``, ``_watched``, ``_stalls``, ``_current``, ``_lock``, ``_cached``, ``_clock``, ``_sleep``, ``_backend``,
-``_read()``, ``_start_heartbeats()``, ``_stop_heartbeats()`` and ``_declared_end`` (all set by the
-handler's ``__init__``).
+:class:`DynamicJobChannel` is the ``JobChannel`` the dynamic handler hands out
+(``DynamicRendezvousHandler.job_channel()``): the restart count, the failure
+verdict and its acknowledgements, stack-dump requests, the running round's lost
+and new members, and the per-node records beside the state. It writes through
+the handler's executor (under the handler's lock) and reads through the
+:class:`~elaunch.rendezvous.dynamic.round_view.RoundView` the handler shares with it.
 Stdlib only.
 """
 
@@ -15,18 +14,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
-from elaunch.rendezvous.api import (
-    FailureRecord,
-    JobState,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousJobFailedError,
-)
+from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
 from elaunch.rendezvous.dynamic import job, ops
+from elaunch.rendezvous.dynamic.backend import RendezvousBackend
+from elaunch.rendezvous.dynamic.executor import OpExecutor
+from elaunch.rendezvous.dynamic.round_view import RoundView
+from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
+from elaunch.rendezvous.job_channel import JobChannel
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 
@@ -34,44 +33,118 @@ log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 #: next one) before it counts as lost rather than on its way to the next round.
 LEFT_FOR_GOOD = 0.5
 
+Tolerate = Callable[[Callable[[], Any], Any], Any]
 
-class JobFacts:
-    """The ``RendezvousHandler`` job methods over the shared state (the dynamic backends)."""
 
-    def job_state(self) -> JobState:
+def _call(read: Callable[[], Any], fallback: Any) -> Any:
+    return read()
+
+
+class DynamicJobChannel(JobChannel):
+    """The job's facts over the shared state of a dynamic rendezvous (c10d, etcd).
+
+    Args:
+        view: the handler's view of this node's round and its cached read.
+        executor: writes the state (compare-and-set), under ``lock``.
+        lock: the handler's lock around the executor.
+        settings: timeouts (seconds) and the job's rules (``exclude_after``, ...).
+        backend: the node keys of :meth:`publish_node_record`; the heartbeat key of :meth:`sit_out`.
+        heartbeats: ``(start, stop)`` of the handler's keep-alive (a node sitting out keeps beating).
+        clock: seconds since the epoch; sleep: sleeps seconds (injectable for tests).
+        tolerate: ``tolerate(read, fallback)`` runs a monitor read (state, lost, new counts); a
+            backend that rides out short outages returns ``fallback`` instead of raising
+            (etcd: ``outage_timeout``). Default: the read itself.
+
+    Attributes:
+        declared_end: this node declared the job failed or succeeded (its handler's
+            ``shutdown`` then waits for the others to see it: :meth:`await_acknowledgements`).
+    """
+
+    keeps_job_state = True
+
+    def __init__(self, view: RoundView, executor: OpExecutor, lock: threading.RLock, settings: RendezvousSettings,
+                 backend: RendezvousBackend, heartbeats: tuple[Callable[[], None], Callable[[], None]],
+                 clock: Callable[[], float], sleep: Callable[[float], None], tolerate: Tolerate = _call) -> None:
+        self.node_id = view.node_id
+        self._view = view
+        self._executor = executor
+        self._lock = lock
+        self._settings = settings
+        self._backend = backend
+        self._start_heartbeats, self._stop_heartbeats = heartbeats
+        self._clock = clock
+        self._sleep = sleep
+        self._tolerate = tolerate
+        self._last: JobState | None = None
+        self.declared_end = False
+
+    @property
+    def round_members(self) -> frozenset[str]:
+        """Node ids of the last round this node joined (empty before the first); a read of local memory only."""
+        return self._view.members
+
+    def state(self) -> JobState | None:
         """Return the job's shared facts from the monitor's read (at most ``poll_interval`` s old).
+
+        Where ``tolerate`` rides out an outage, the facts last read (None before any).
 
         Raises:
             RendezvousConnectionError: the backend is unreachable.
             RendezvousStateError: the stored state is corrupt.
         """
-        state = self._read()
-        return job.job_state(state, self._node_id, self._live_others(state), self._settings)
+        state = self._tolerate(self._job_state, None)
+        if state is not None:
+            self._last = state
+        return self._last
 
-    def _raise_job_end(self, exc: RendezvousError) -> None:
-        """Closed while this node joined: raise the job's verdict if there is one (else return)."""
-        state, run_id = self._executor.state, self._settings.run_id
-        if state.job_failed and state.failure is not None:
-            root = job.job_state(state, self._node_id, 0, self._settings).failure
-            raise RendezvousJobFailedError(
-                f"rendezvous {run_id!r} is closed: the job failed on {root.host} (rank {root.rank})", root) from exc
-        if state.job_succeeded:
-            self.leave(rejoin=True)  # the node that declared it waits until we are out of the state
-            raise RendezvousGracefulExitError(
-                f"rendezvous {run_id!r} is closed: the job succeeded while this node waited to join") from exc
+    def _job_state(self) -> JobState:
+        state = self._view.read()
+        return job.job_state(state, self.node_id, self._live_others(state), self._settings)
+
+    def num_nodes_lost(self) -> int:
+        """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
+
+        A member is gone when it left or was pruned, the round was superseded, or,
+        for the members this node watches (the next ``ops.WATCHED_NEIGHBOURS`` in the
+        round's sorted member list), its heartbeat lags ours by more than
+        ``lost_after`` seconds (a dead agent, a cut link): the node that finds one
+        re-forms, and the others see it leave. The read may be up to ``poll_interval``
+        seconds old.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        view = self._view
+        return self._tolerate(lambda: 0 if view.info is None else view.lost(view.read()), 0)
+
+    def num_nodes_new(self) -> int:
+        """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).
+
+        Always a fresh read: the agent asks only after a worker failed.
+
+        Raises:
+            RendezvousConnectionError: the backend is unreachable.
+        """
+        return self._tolerate(self._new_nodes, 0)
+
+    def _new_nodes(self) -> int:
+        view = self._view
+        if view.info is None:
+            return 0
+        view.invalidate()
+        return ops.new_nodes(view.read(), view.info.round, view.members, self._settings, self._clock())
+
 
     def _live_others(self, state: RendezvousState) -> int:
         """Members of this node's round, besides itself, that ``state`` does not show as lost."""
-        if self._current is None:
+        if self._view.info is None:
             return 0
-        lost = ops.lost_members(state, self._current.round, self._members, self._node_id, self._settings,
-                                self._watched[1:], self._stalls.ended)
-        return max(0, len(self._members) - 1 - lost)
+        return max(0, len(self._view.members) - 1 - self._view.lost(state))
 
     def _update_job(self, transform) -> RendezvousState:
         with self._lock:
             state = self._executor.update(transform, self._settings.close_timeout, "close_timeout")
-        self._cached = None
+        self._view.invalidate()
         return state
 
     def record_failure(self, failure: FailureRecord) -> JobState:
@@ -90,16 +163,16 @@ class JobFacts:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
-        mine = dataclasses.replace(failure, node=self._node_id)
-        others = self._members - {self._node_id}
+        mine = dataclasses.replace(failure, node=self.node_id)
+        others = self._view.members - {self.node_id}
         since = self._clock()
         state = self._update_job(lambda s: job.note_failure(s, mine, probe_at=since if others else None))
         alive, lost = self._answers(failure.round, others, since) if others and not state.job_failed else ((), ())
         if lost:
-            return dataclasses.replace(job.job_state(state, self._node_id, len(alive), self._settings), lost=lost)
+            return dataclasses.replace(job.job_state(state, self.node_id, len(alive), self._settings), lost=lost)
         state = self._update_job(lambda s: job.count_round(s, failure.round))
         # the others answered, but may have left the round by now to re-form: they still count as live
-        return job.job_state(state, self._node_id, len(alive), self._settings)
+        return job.job_state(state, self.node_id, len(alive), self._settings)
 
     def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted."""
@@ -133,12 +206,12 @@ class JobFacts:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
-        mine = dataclasses.replace(failure, node=self._node_id)
+        mine = dataclasses.replace(failure, node=self.node_id)
         state = self._update_job(lambda s: job.fail_job(s, mine))
-        self._declared_end = True
+        self.declared_end = True
         log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
-                    self._node_id, mine.rank, mine.host, self._settings.run_id)
-        root = job.job_state(state, self._node_id, 0, self._settings).failure
+                    self.node_id, mine.rank, mine.host, self._settings.run_id)
+        root = job.job_state(state, self.node_id, 0, self._settings).failure
         return root if root is not None else mine
 
     def succeed_job(self) -> None:
@@ -152,8 +225,8 @@ class JobFacts:
             RendezvousConnectionError: the backend is unreachable.
         """
         self._update_job(job.succeed_job)
-        self._declared_end = True
-        log.info("node %s: job succeeded; rendezvous %r closed", self._node_id, self._settings.run_id)
+        self.declared_end = True
+        log.info("node %s: job succeeded; rendezvous %r closed", self.node_id, self._settings.run_id)
 
     def sit_out(self) -> None:
         """Leave the round and sit out (bad-node exclusion), still watching the job and heart-beating.
@@ -167,7 +240,7 @@ class JobFacts:
             RendezvousConnectionError: the backend is unreachable.
         """
         self._stop_heartbeats()
-        me, backend = self._node_id, self._backend
+        me, backend = self.node_id, self._backend
         if backend.supports_heartbeat_keys:
             backend.put_heartbeat(me, self._clock())  # the key exists before we appear in the state
         self._update_job(lambda s: job.sit_out(s, me, self._clock(), self._settings))
@@ -176,13 +249,13 @@ class JobFacts:
 
     def acknowledge_failure(self) -> None:
         """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
-        me = self._node_id
+        me = self.node_id
         try:
             self._update_job(lambda s: job.acknowledge_failure(s, me))
         except RendezvousError as exc:
             log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
 
-    def _await_acknowledgements(self) -> None:
+    def await_acknowledgements(self) -> None:
         """After declaring the job's end: wait (``close_timeout`` s at most) until every live node saw it.
 
         This node may host the store the others read; leaving before they read the
@@ -191,7 +264,7 @@ class JobFacts:
         """
         def pending(state: RendezvousState) -> list[str]:
             dead = set(ops.dead_nodes(state, self._settings, self._clock()))
-            return job.unacknowledged(state, self._members, self._node_id, dead)
+            return job.unacknowledged(state, self._view.members, self.node_id, dead)
 
         left = self._await_others(pending, self._settings.close_timeout, "acknowledgements")
         if left:
@@ -204,9 +277,9 @@ class JobFacts:
         if not backend.supports_node_keys:
             return
         try:
-            backend.put_node_key(kind, self._node_id, json.dumps(doc, separators=(",", ":")).encode())
+            backend.put_node_key(kind, self.node_id, json.dumps(doc, separators=(",", ":")).encode())
         except (RendezvousError, TypeError, ValueError) as exc:
-            log.debug("node %s could not publish its %s record: %s", self._node_id, kind, exc)
+            log.debug("node %s could not publish its %s record: %s", self.node_id, kind, exc)
 
     def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.
@@ -215,12 +288,12 @@ class JobFacts:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
-        mine = dataclasses.replace(by, node=self._node_id)
+        mine = dataclasses.replace(by, node=self.node_id)
         return self._update_job(lambda s: job.request_dump(s, mine)).dump_id
 
     def acknowledge_dump(self, dump_id: int) -> None:
         """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
-        me = self._node_id
+        me = self.node_id
         try:
             self._update_job(lambda s: job.acknowledge_dump(s, me, dump_id))
         except RendezvousError as exc:
@@ -241,8 +314,8 @@ class JobFacts:
                 # answer its request and wait for the others' answers to it instead
                 asked = state.dump_id
                 self.acknowledge_dump(asked)
-            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._members - set(state.participants))
-            return job.dumps_pending(state, asked, self._members - {self._node_id} - gone)
+            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._view.members - set(state.participants))
+            return job.dumps_pending(state, asked, self._view.members - {self.node_id} - gone)
 
         return self._await_others(pending, timeout, "stack dumps")
 

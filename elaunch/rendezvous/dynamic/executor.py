@@ -306,11 +306,8 @@ class OpExecutor:
 
     def _poll(self, call: _Call, ctx: OpContext, now: float) -> bool:
         """SYNC: wait ``poll_interval`` seconds, or less where the backend sees a change (etcd: a watch)."""
-        wait_for_change = getattr(self._backend, "wait_for_change", None)
-        if wait_for_change is not None:  # optional hook, bounded by poll_interval
-            wait_for_change(self._token, self._settings.poll_interval)
-        else:
-            self._sleep(self._settings.poll_interval)
+        if not self._backend.wait_for_change(self._token, self._settings.poll_interval):
+            self._sleep(self._settings.poll_interval)  # no watch: poll
         return True
 
     def _closed(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:  # ERROR_* raise

@@ -26,15 +26,16 @@ from elaunch.rendezvous.api import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousJobFailedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import job, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
+from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, _call
 from elaunch.rendezvous.dynamic.executor import OpExecutor
-from elaunch.rendezvous.dynamic.job_facts import JobFacts
 from elaunch.rendezvous.dynamic.keepalive import KeepAlive
-from elaunch.rendezvous.dynamic.reading import read_watched
+from elaunch.rendezvous.dynamic.round_view import RoundView
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -78,7 +79,7 @@ class RoundStoreFactory(abc.ABC):
         """Release the stores this node hosts."""
 
 
-class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
+class DynamicRendezvousHandler(RendezvousHandler):
     """Joins rounds through a shared, compare-and-set state (torch ``DynamicRendezvousHandler``).
 
     Args:
@@ -88,7 +89,11 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         store_factory: makes each round's workers' store and namespaced agent store.
         clock: seconds since the epoch (injectable for tests).
         sleep: sleeps a number of seconds (injectable for tests).
+        tolerate: how the job channel runs the monitor's reads (``DynamicJobChannel``'s
+            ``tolerate``; etcd rides out short outages).
     """
+
+    can_reform = True  # nodes may join or leave, and each membership change forms a new round
 
     def __init__(
         self,
@@ -98,6 +103,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         store_factory: RoundStoreFactory,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        tolerate: Tolerate = _call,
     ) -> None:
         self._node = node
         self._node_id = f"{node.addr}_{os.getpid()}_{next(_local_ids)}"
@@ -108,39 +114,27 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         self._sleep = sleep
         self._executor = OpExecutor(backend, self._node_id, node, settings, clock, sleep)
         self._lock = threading.RLock()
-        self._stalls = StoreStalls(clock, slow_after(settings))  # when the store last stalled for this node
-        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._read, self._beat_through_state,
-                                     self._stalls)
-        self._state_written = False  # the backend's watch saw a write since the cached read
+        stalls = StoreStalls(clock, slow_after(settings))  # when the store last stalled for this node
+        self._view = RoundView(self._node_id, settings, backend, clock, stalls)
+        self._view.on_read = self._answer_probe
+        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._view.read,
+                                     self._beat_through_state, stalls)
         self._stop_watch: Callable[[], None] | None = None
-        self._current: RendezvousInfo | None = None
-        self._members: frozenset[str] = frozenset()
-        self._watched: tuple[str, ...] = ()  # this node and the members whose heartbeats it judges
-        self._cached: tuple[float, RendezvousState] | None = None
-        self._declared_end = False  # this node declared the job failed or succeeded (fail_job, succeed_job)
+        self._channel = DynamicJobChannel(self._view, self._executor, self._lock, settings, backend,
+                                          (self._start_heartbeats, self._stop_heartbeats), clock, sleep, tolerate)
 
     @property
     def node_id(self) -> str:
         """This handler's id in the shared state (``addr_pid_localid``, as torch's node descriptor)."""
         return self._node_id
 
-    @property
-    def round_members(self) -> frozenset[str]:
-        """Node ids of the last round this node joined (empty before the first); a read of local memory only."""
-        return self._members
-
-    @property
-    def settings(self) -> RendezvousSettings:
-        """The settings this handler runs with."""
-        return self._settings
+    def job_channel(self) -> DynamicJobChannel:
+        """Return this node's channel to the job's facts in the shared state (one per handler)."""
+        return self._channel
 
     def get_backend(self) -> str:
         """Return the storage backend's name (``"c10d"``, ...)."""
         return self._backend.name
-
-    def can_reform(self) -> bool:
-        """Return True: nodes may join or leave, and each membership change forms a new round."""
-        return True
 
     def get_run_id(self) -> str:
         """Return the run id."""
@@ -173,23 +167,34 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
 
     def _say_if_below_min(self) -> None:
         """One line when the last round's live nodes no longer make ``min_nodes`` (we wait for more)."""
-        info, s = self._current, self._settings
-        if info is None:
+        view, s = self._view, self._settings
+        if view.info is None:
             return
-        state = self._cached[1] if self._cached is not None else self._executor.state
-        lost = ops.lost_members(state, info.round, self._members, self._node_id, s, self._watched[1:],
-                                self._stalls.ended)
-        alive = len(self._members) - lost
+        state = view.cached() or self._executor.state
+        alive = len(view.members) - view.lost(state)
         if alive < s.min_nodes:
             log.warning("only %d of the job's nodes are left (--nnodes=%d:%d); waiting up to join_timeout=%g s "
                         "for more to join", alive, s.min_nodes, s.max_nodes, s.join_timeout)
+
+    def _raise_job_end(self, exc: RendezvousError) -> None:
+        """Closed while this node joined: raise the job's verdict if there is one (else return)."""
+        state, run_id = self._executor.state, self._settings.run_id
+        if state.job_failed and state.failure is not None:
+            root = job.job_state(state, self._node_id, 0, self._settings).failure
+            raise RendezvousJobFailedError(
+                f"rendezvous {run_id!r} is closed: the job failed on {root.host} (rank {root.rank})", root) from exc
+        if state.job_succeeded:
+            self.leave(rejoin=True)  # the node that declared it waits until we are out of the state
+            raise RendezvousGracefulExitError(
+                f"rendezvous {run_id!r} is closed: the job succeeded while this node waited to join") from exc
 
     def _next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
         self._stop_heartbeats()
         s = self._settings
-        previous_rank = -1 if self._current is None else self._current.rank
-        if self._current is None:
+        view = self._view
+        previous_rank = -1 if view.info is None else view.info.rank
+        if view.info is None:
             self._sleep(random.uniform(0.0, 0.05))  # tiny jitter: spread first joins
         deadline = self._clock() + s.join_timeout
         while True:
@@ -207,22 +212,21 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
                     f"rendezvous {s.run_id!r}: rounds kept losing members within join_timeout={s.join_timeout:g} s"
                 )
             log.info("node %s: round %d lost a member before it started; joining the next", self._node_id, state.round)
-        self._cached = None  # a read from before this round must not be judged against it
+        view.invalidate()  # a read from before this round must not be judged against it
         if self._node_id not in state.participants:
             raise RendezvousStateError(f"node {self._node_id} finished joining but is not a participant")
         rank, world_size = state.participants[self._node_id], len(state.participants)
-        missing = sorted(self._members - set(state.participants))
-        if missing and self._current is not None:
+        missing = sorted(view.members - set(state.participants))
+        if missing and view.info is not None:
             # name who is gone: a node killed outright shows here first (its peers' workers
             # failed on the closed sockets before its heartbeat could be missed)
             log.warning("round %d formed without %d node(s) of round %d: %s (left, stopped or lost)",
-                        state.round, len(missing), self._current.round, ", ".join(missing))
-        self._members = frozenset(state.participants)
-        self._watched = (self._node_id, *ops.ring_neighbours(self._members, self._node_id))
+                        state.round, len(missing), view.info.round, ", ".join(missing))
+        view.enter(frozenset(state.participants))
         nodes = state.ranked_nodes()
         self._start_heartbeats()
         stores = self._stores.setup_round(state.round, rank, world_size, nodes)
-        self._current = RendezvousInfo(
+        view.info = RendezvousInfo(
             round=state.round,
             rank=rank,
             world_size=world_size,
@@ -237,29 +241,12 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
             "node %s joined round %d of rendezvous %r as rank %d of %d in %.2f s",
             self._node_id, state.round, s.run_id, rank, world_size, time.monotonic() - started,
         )
-        return self._current
+        return view.info
 
-    def _read(self) -> RendezvousState:
-        """Read the state without touching the executor's cache; reuse a read younger than poll_interval.
-
-        The heartbeat keys read are this node's and its ring neighbours' (``reading.read_watched``):
-        O(1) keys per read, however many nodes the round has.
-
-        Where the backend watches the state (etcd-v3), a write seen since the cached
-        read makes it stale at once: another node's failure or verdict reaches the
-        monitor at its next check, not ``poll_interval`` seconds later.
-        """
-        now = time.monotonic()
-        if self._cached is not None and not self._state_written and now - self._cached[0] < self._settings.poll_interval:
-            return self._cached[1]
-        self._state_written = False  # before the read: a write during it makes the next check read again
-        with self._stalls.timing():  # a failed or slow read: the store stalled for this node
-            state, _token = read_watched(self._backend, self._watched, self._members,
-                                         self._clock() - self._settings.fresh_for)
-        self._cached = (now, state)
+    def _answer_probe(self, state: RendezvousState) -> None:
+        """A read saw a probe: answer at once, not at the keep-alive thread's next tick."""
         if self._keep_alive.running and ops.should_answer_probe(state, self._node_id):
-            self._keep_alive.beat_now()  # answer at once, not at the keep-alive thread's next tick
-        return state
+            self._keep_alive.beat_now()
 
     def num_nodes_waiting(self) -> int:
         """Return how many live nodes wait for the next round (torch: the wait list's length).
@@ -271,40 +258,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         Raises:
             RendezvousConnectionError: the backend is unreachable.
         """
-        return ops.num_live_waiting(self._read(), self._settings, self._clock())
-
-    def num_nodes_lost(self) -> int:
-        """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
-
-        A member is gone when it left or was pruned, the round was superseded, or,
-        for the members this node watches (the next ``ops.WATCHED_NEIGHBOURS`` in the
-        round's sorted member list), its heartbeat lags ours by more than
-        ``lost_after`` seconds (a dead agent, a cut link): the node that finds one
-        re-forms, and the others see it leave. The read may be up to ``poll_interval``
-        seconds old.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        info = self._current
-        if info is None:
-            return 0
-        return ops.lost_members(self._read(), info.round, self._members, self._node_id, self._settings,
-                                self._watched[1:], self._stalls.ended)
-
-    def num_nodes_new(self) -> int:
-        """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).
-
-        Always a fresh read: the agent asks only after a worker failed.
-
-        Raises:
-            RendezvousConnectionError: the backend is unreachable.
-        """
-        info = self._current
-        if info is None:
-            return 0
-        self._cached = None
-        return ops.new_nodes(self._read(), info.round, self._members, self._settings, self._clock())
+        return ops.num_live_waiting(self._view.read(), self._settings, self._clock())
 
     def is_closed(self) -> bool:
         """Return True once any node closed the rendezvous.
@@ -312,8 +266,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         Raises:
             RendezvousConnectionError: the backend is unreachable.
         """
-        self._cached = None
-        return self._read().closed
+        self._view.invalidate()
+        return self._view.read().closed
 
     def set_closed(self) -> None:
         """Close the rendezvous for every node; later joins raise RendezvousClosedError.
@@ -324,7 +278,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         """
         with self._lock:
             self._executor.run(ops.decide_close, self._settings.close_timeout, "close_timeout")
-        self._cached = None
+        self._view.invalidate()
 
     def exit_barrier(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds until every node of the current round checked in.
@@ -332,7 +286,7 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         Returns early (with a warning) on timeout or a store error; never raises a
         RendezvousError, mirroring torch's agent, which only logs a failed barrier.
         """
-        info = self._current
+        info = self._view.info
         if info is None:
             return
         try:
@@ -353,8 +307,8 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         try:
             if not self._executor.state.closed:  # closed already (it was read): nothing to write
                 self.set_closed()
-            if self._declared_end:
-                self._await_acknowledgements()
+            if self._channel.declared_end:
+                self._channel.await_acknowledgements()
             return True
         except RendezvousError as exc:
             log.warning("node %s could not close rendezvous %r: %s", self._node_id, self._settings.run_id, exc)
@@ -394,17 +348,14 @@ class DynamicRendezvousHandler(JobFacts, RendezvousHandler):
         except RendezvousError as exc:
             log.warning("node %s could not leave rendezvous %r: %s", me, self._settings.run_id, exc)
         finally:
-            self._cached = None
+            self._view.invalidate()
             if not rejoin:
                 self._stores.close()
 
     # -- keep-alive (the thread itself: keepalive.py) -------------------------------------
 
-    def _on_state_written(self) -> None:
-        self._state_written = True
-
     def _start_heartbeats(self) -> None:
-        self._stop_watch = self._backend.watch_state(self._on_state_written)
+        self._stop_watch = self._backend.watch_state(self._view.state_written)
         self._keep_alive.start()
 
     def _stop_heartbeats(self) -> None:

@@ -59,9 +59,10 @@ class EtcdStateBackend(RendezvousBackend):
         """Compare-and-set the state key; its new token, or None when ``token`` was stale."""
         return self.kv.cas(self.key, state, token)
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> None:
-        """Block until the state changes after ``token`` or ``timeout`` seconds pass (a watch)."""
+    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
+        """Block until the state changes after ``token`` or ``timeout`` seconds pass (a watch); True."""
         self.kv.wait(self.key, token, timeout)
+        return True
 
     # per-node documents for `elaunch status`: ``{base}/{kind}/{node}`` beside the state key,
     # written like it (TTL / lease of ``ttl`` seconds), never part of it
@@ -171,54 +172,37 @@ class EtcdRoundStores(RoundStoreFactory):
         self.kv.close()
 
 
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """The dynamic handler, tolerant of etcd outages while workers run.
+class OutageTolerance:
+    """Rides out short etcd outages while workers run (a ``DynamicJobChannel`` ``tolerate``).
 
-    ``num_nodes_waiting``, ``num_nodes_lost`` and ``num_nodes_new`` return 0 (and log) when etcd cannot
-    be reached, so running workers are not killed because etcd is briefly away. An
-    agent cannot tell an etcd outage from its own partition (a cut link), so the
-    tolerance is bounded: once etcd has been unreachable for ``outage_timeout``
-    seconds the error is raised and the agent stops its workers and fails, rather
-    than hang while the others re-form without it.
+    A monitor read that cannot reach etcd returns its fallback (and logs once), so
+    running workers are not killed because etcd is briefly away. An agent cannot
+    tell an etcd outage from its own partition (a cut link), so the tolerance is
+    bounded: once etcd has been unreachable for ``outage_timeout`` seconds the
+    error is raised and the agent stops its workers and fails, rather than hang
+    while the others re-form without it.
 
     Args:
         outage_timeout: seconds of tolerated unreachability (conf ``outage_timeout``).
-        (others as DynamicRendezvousHandler)
     """
 
-    _warned = False
-
-    def __init__(self, *args, outage_timeout: float = 2 * DEFAULT_READ_TIMEOUT, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, outage_timeout: float) -> None:
         self._outage_timeout = outage_timeout
         self._last_reached = time.monotonic()
+        self._warned = False
 
-    def num_nodes_waiting(self) -> int:
-        return self._tolerant(super().num_nodes_waiting)
-
-    def num_nodes_lost(self) -> int:
-        return self._tolerant(super().num_nodes_lost)
-
-    def num_nodes_new(self) -> int:
-        return self._tolerant(super().num_nodes_new)
-
-    def job_state(self):
-        """The job's shared facts; while etcd is away (within ``outage_timeout``) the last ones read."""
-        state = self._tolerant(super().job_state, fallback=None)
-        if state is not None:
-            self._last_job = state
-        return self._last_job
-
-    def next_rendezvous(self):
-        info = super().next_rendezvous()
+    def reached(self) -> None:
+        """etcd answered (a round formed): the outage clock starts again."""
         self._last_reached = time.monotonic()
-        return info
 
-    _last_job = None
+    def __call__(self, read: Callable[[], Any], fallback: Any = 0) -> Any:
+        """Return ``read()``; within ``outage_timeout`` s of the last answer, ``fallback`` when etcd is away.
 
-    def _tolerant(self, count: Callable[[], Any], fallback: Any = 0) -> Any:
+        Raises:
+            RendezvousConnectionError: etcd has been unreachable for ``outage_timeout`` seconds or more.
+        """
         try:
-            n = count()
+            n = read()
         except RendezvousConnectionError as exc:
             away = time.monotonic() - self._last_reached
             if away >= self._outage_timeout:
@@ -233,6 +217,31 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._warned = False
         self._last_reached = time.monotonic()
         return n
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """The dynamic handler, tolerant of etcd outages while workers run (:class:`OutageTolerance`).
+
+    ``num_nodes_waiting`` and its job channel's lost and new counts return 0 (and
+    log), its job state the last one read, while etcd cannot be reached for less
+    than ``outage_timeout`` seconds.
+
+    Args:
+        outage_timeout: seconds of tolerated unreachability (conf ``outage_timeout``).
+        (others as DynamicRendezvousHandler)
+    """
+
+    def __init__(self, *args, outage_timeout: float = 2 * DEFAULT_READ_TIMEOUT, **kwargs) -> None:
+        self._outage = OutageTolerance(outage_timeout)
+        super().__init__(*args, tolerate=self._outage, **kwargs)
+
+    def num_nodes_waiting(self) -> int:
+        return self._outage(super().num_nodes_waiting)
+
+    def next_rendezvous(self):
+        info = super().next_rendezvous()
+        self._outage.reached()
+        return info
 
 
 def build_handler(params: RendezvousParameters, conf: EtcdConf, kv: EtcdKV, name: str,
