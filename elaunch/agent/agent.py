@@ -19,9 +19,8 @@ from collections.abc import Callable, Mapping
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import collect_failures, describe_exits, signal_name, with_root
-from elaunch.agent.hang_response import HangResponse
+from elaunch.agent.hang_watchdog import HangWatchdog
 from elaunch.agent.published import agent_record, publish
-from elaunch.agent.hangs import HangWatch
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.watchdog import Alarm, Watchdog
@@ -142,8 +141,8 @@ class ElasticAgent:
         node = self._rdzv.job_channel().node_id or f"{self._hostname}_{os.getpid()}"
         self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
                                    node, self._hostname, self._spec.max_restarts, self._echo)
-        watch = HangWatch(self._hang_timeout, range(self._spec.local_world_size))
-        self._watchdogs.append(HangResponse(watch, self._rdzv, self._hostname))
+        self._watchdogs.append(HangWatchdog(self._hang_timeout, range(self._spec.local_world_size), self._rdzv,
+                                            self._hostname))
         self._watchdogs[:0] = self._file_timer()
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._spec.monitor_interval,
                                      self._watchdogs)

@@ -1,7 +1,7 @@
 """The watchdogs' interface: what the monitor polls while a group runs, and what they find.
 
 A watchdog judges running workers by something their exit codes do not show:
-``--hang-timeout``'s progress counters (:mod:`elaunch.agent.hang_response`), torch's
+``--hang-timeout``'s progress counters (:mod:`elaunch.agent.hang_watchdog`), torch's
 ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` (:mod:`elaunch.agent.stuck`), torch's
 file timer (:mod:`elaunch.agent.file_timer`). The monitor polls each every
 ``--monitor-interval`` (or the watchdog's shorter ``interval``) and stops at the

@@ -16,8 +16,7 @@ import pytest
 
 from elaunch.agent.decide import Verdict
 from elaunch.agent.events import AgentEvents
-from elaunch.agent.hang_response import HangResponse
-from elaunch.agent.hangs import HangWatch
+from elaunch.agent.hang_watchdog import HangWatchdog
 from elaunch.agent.job import JobView
 from elaunch.agent.monitor import GroupMonitor
 from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, spawn, start_reaper
@@ -43,7 +42,7 @@ class CountingStandalone(StandaloneRendezvous):
 
 
 def _monitor(rdzv, hang_timeout: float = 0.0) -> GroupMonitor:
-    hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
+    hangs = HangWatchdog(hang_timeout, range(1), rdzv, "host")
     return GroupMonitor(rdzv, JobView(rdzv, 0), AgentEvents(None, "", "host", 0), interval=0.1, watchdogs=[hangs])
 
 
@@ -92,7 +91,7 @@ def test_a_rendezvous_that_can_change_is_polled_every_interval(run_one):
 @pytest.mark.parametrize("hang_timeout, stuck, polls", [(0.0, False, False), (5.0, False, True), (0.0, True, True)])
 def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
     rdzv = CountingStandalone()
-    hangs = HangResponse(HangWatch(hang_timeout, range(1)), rdzv, "host")
+    hangs = HangWatchdog(hang_timeout, range(1), rdzv, "host")
     from elaunch.agent.stuck import UninterruptibleWatch
 
     watchdogs = [UninterruptibleWatch(60.0)] if stuck else []
@@ -101,7 +100,7 @@ def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
     try:
         assert monitor.polls() is polls
     finally:
-        hangs.watch.close()
+        hangs.close()
 
 
 #: A worker holding a torch file-timer scope of 0.5 s (the client's JSON line, written by hand) around a long sleep.

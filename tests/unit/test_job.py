@@ -693,7 +693,7 @@ def test_order_hung_puts_the_rank_the_others_wait_behind_first(hung, counters, q
 
 
 def test_waits_on_peer_reads_a_collective_in_the_stack():
-    from elaunch.agent.hangs import waits_on_peer
+    from elaunch.agent.hang_watchdog import waits_on_peer
 
     assert waits_on_peer("Thread 1 (idle)\n    all_reduce (torch/distributed/distributed_c10d.py:2501)\n")
     assert not waits_on_peer("Thread 1 (idle)\n    hang_forever (ddp_digits.py:120)\n")
