@@ -86,6 +86,9 @@ class WorkerLauncher:
         self._fork_target = fork_target
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
         self._store_host: StoreHost | None = None
+        #: the owners of the run's helper processes (``procs.helper_process``): each has
+        #: ``private_fds()`` and ``close()``, and lives until :meth:`close`
+        self._helpers: list[StoreHost] = []
 
     @property
     def log_root(self) -> str | None:
@@ -165,14 +168,15 @@ class WorkerLauncher:
         """
         if self._store_host is None:
             self._store_host = StoreHost(self._reaper)
+            self._helpers.append(self._store_host)
         return self._store_host.serve(host, port)
 
     def _forker(self, logs: AttemptLogs) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
         """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target."""
         target, reaper = self._fork_target, self._reaper
         private = reaper.private_fds() if reaper is not None else ()
-        if self._store_host is not None:
-            private = (*private, *self._store_host.private_fds())
+        for helper in self._helpers:
+            private = (*private, *helper.private_fds())
 
         def fork(local_rank: int, argv: list[str], env: dict[str, str]) -> ForkedProcess:
             # the watchdog knows the worker before it runs a line of the target: a child it
@@ -193,11 +197,11 @@ class WorkerLauncher:
             self._log_dir.remove_if_temporary()
 
     def close(self) -> None:
-        """Kill the spares and stop the watchdog. Idempotent; the log directory is kept."""
+        """Kill the spares, stop the helpers and the watchdog. Idempotent; the log directory is kept."""
         self.pool.close()
-        if self._store_host is not None:
-            self._store_host.close()
-            self._store_host = None
+        while self._helpers:
+            self._helpers.pop().close()
+        self._store_host = None
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterable, Mapping
 
 from . import _proctree
+from .helper_process import end
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,7 @@ class Reaper:
         """
         self.forget()
         self._close_fd()
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        end(self._proc, timeout, sig=None)  # asked to go by EOF: it ignores SIGTERM
         if self._proc.stdout is not None:
             self._proc.stdout.close()
 

@@ -9,7 +9,11 @@ one small child that imports torch while the first workers do, and then hosts a
 fresh ``TCPStore`` on each round's socket (``_store_host_child.py``). The child,
 and the store with it, lives until the agent's run ends (``WorkerLauncher.close``,
 after every worker of the last round exited or was stopped), as torchrun's store
-lives in its agent: a worker's exit never takes the store from the others. Stdlib only.
+lives in its agent: a worker's exit never takes the store from the others. The
+child is one of the agent's helpers (``helper_process``), started, watched and
+stopped as each is; its policy is to report: a store host that died took the
+round's keys with it, so a new one would not help (the next round's ``serve``
+raises ``HelperDied``). Stdlib only.
 """
 
 from __future__ import annotations
@@ -18,10 +22,8 @@ import logging
 import os
 import select
 import socket
-import subprocess
-import sys
 
-from .spawn import popen_worker
+from .helper_process import HelperProcess
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,7 @@ class StoreHost:
     """
 
     def __init__(self, reaper=None, env: dict[str, str] | None = None) -> None:
-        self._reaper = reaper
-        self._env = env
-        self._proc: subprocess.Popen | None = None
-        self._chan: socket.socket | None = None
+        self._helper = HelperProcess("store host", _CHILD, env=env, reaper=reaper)  # report; SIGKILL at close
         self._port: int | None = None  # the port of the store being served
 
     def serve(self, host: str, port: int) -> int:
@@ -55,12 +54,12 @@ class StoreHost:
         the same port, this waits until the child freed it).
 
         Raises:
+            HelperDied: the child exited since the previous round (an OSError).
             OSError: the port cannot be bound, or the child cannot be started.
         """
-        if self._proc is None:
-            self._start()
-        elif self._port is not None and self._port == port:
+        if not self._helper.check() and self._port is not None and self._port == port:  # check: died -> raise
             self._close_store()
+        self._helper.start()  # the first round's; it lives until close()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -68,39 +67,24 @@ class StoreHost:
             sock.bind(("::" if family == socket.AF_INET6 else "", port))  # every interface, as TCPStore
             sock.listen(socket.SOMAXCONN)
             bound = sock.getsockname()[1]
-            assert self._chan is not None
-            socket.send_fds(self._chan, [f"serve {host} {bound}".encode("ascii")], [sock.fileno()])
+            assert self._helper.chan is not None
+            socket.send_fds(self._helper.chan, [f"serve {host} {bound}".encode("ascii")], [sock.fileno()])
         finally:
             sock.close()  # the child holds its own copy
         self._port = bound
         return bound
 
-    def _start(self) -> None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            env = dict(os.environ if self._env is None else self._env)
-            env.setdefault("OMP_NUM_THREADS", "1")
-            self._proc = popen_worker([sys.executable, _CHILD, str(theirs.fileno())], env, None, None,
-                                      pass_fds=(theirs.fileno(),))
-        except OSError:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        self._chan = mine
-        if self._reaper is not None:
-            self._reaper.watch([self._proc.pid])
-
     def _close_store(self) -> None:
         """Ask the child to destroy the current store and wait until it did (its port is then free)."""
-        assert self._chan is not None
-        self._chan.send(b"close")
-        ready, _, _ = select.select([self._chan], [], [], CLOSE_TIMEOUT)
+        chan = self._helper.chan
+        assert chan is not None
+        chan.send(b"close")
+        ready, _, _ = select.select([chan], [], [], CLOSE_TIMEOUT)
         if not ready:
             log.warning("the store host did not close the store on port %s within %g s", self._port, CLOSE_TIMEOUT)
             return
         while True:
-            reply = self._chan.recv(4096).decode("ascii", "replace")
+            reply = chan.recv(4096).decode("ascii", "replace")
             if not reply or reply == "closed":
                 break
             if reply.startswith("error"):
@@ -110,22 +94,14 @@ class StoreHost:
 
     def private_fds(self) -> tuple[int, ...]:
         """File descriptors a worker forked from the agent must close (the channel to the child)."""
-        return (self._chan.fileno(),) if self._chan is not None else ()
+        return self._helper.private_fds()
 
     @property
     def pid(self) -> int | None:
         """The child's process id, once started."""
-        return self._proc.pid if self._proc is not None else None
+        return self._helper.pid
 
     def close(self) -> None:
         """Stop the child (the store goes with it) and reap it. Idempotent."""
-        if self._chan is not None:
-            self._chan.close()
-            self._chan = None
-        if self._proc is not None:
-            self._proc.kill()  # nothing to flush: the job is over
-            self._proc.wait()
-            if self._reaper is not None:
-                self._reaper.forget([self._proc.pid])
-            self._proc = None
+        self._helper.stop()
         self._port = None

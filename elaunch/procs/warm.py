@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import _proctree
+from .helper_process import end
 from .spawn import popen_worker
 
 if TYPE_CHECKING:
@@ -254,11 +254,6 @@ class WarmPool:
 
     def _kill(self, spare: _Spare) -> None:
         spare.close_pipe()
-        _proctree.killpg([spare.proc.pid], 9)
-        try:
-            spare.proc.kill()
-        except OSError:
-            pass
-        spare.proc.wait()
+        end(spare.proc)  # SIGKILL to its group, reaped
         if self._reaper is not None:
             self._reaper.forget([spare.proc.pid])

@@ -2,8 +2,8 @@
 
 Workers that connect before the child has imported torch wait in the socket's
 backlog (no connect retry), each ``serve`` replaces the previous round's store
-with a fresh one (also on the same port, as static rendezvous needs), and nothing
-is left once the host is closed.
+with a fresh one (also on the same port, as static rendezvous needs), a host that
+died is named at the next round, and nothing is left once the host is closed.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 torch_dist = pytest.importorskip("torch.distributed")
 
 from elaunch.procs.store_host import StoreHost  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
 from tests.helpers import SCRIPTS, free_port, run  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -68,3 +69,16 @@ def test_the_workers_store_outlives_the_first_worker_to_exit(tmp_path):
             f"--master-port={free_port()}", str(SCRIPTS / "store_after_exit.py"), str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {rank: (tmp_path / f"store_{rank}.txt").read_text() for rank in (1, 2)} == {1: "ok", 2: "ok"}
+
+
+def test_a_store_host_that_died_is_reported_at_the_next_round():
+    host = StoreHost()
+    try:
+        port = host.serve("127.0.0.1", 0)
+        pid = host.pid
+        psutil.Process(pid).kill()
+        wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 30, what="the store host's death")
+        with pytest.raises(OSError, match=rf"^store host \(pid {pid}\) was killed by SIGKILL$"):
+            host.serve("127.0.0.1", port)
+    finally:
+        host.close()
