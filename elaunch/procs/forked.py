@@ -202,20 +202,30 @@ def fork_worker(
             started = _handshake(pid, fds, before_run)
             proc = ForkedProcess(pid)
     except BaseException:  # e.g. a handled signal: no child behind
-        with deferred():  # nor may another signal cut the reaping short
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+        _kill_and_reap(pid)
         raise
     finally:
-        with deferred():  # nor the closing: a signal between two closes would leak the rest
-            for fd in fds.values():
-                if fd is not None:
-                    os.close(fd)
+        _close_all(fds)
     if not started:
         code = proc.wait()
         raise OSError(f"forked worker {pid} exited ({code}) before it was set up")
     return proc
+
+
+def _kill_and_reap(pid: int) -> None:
+    """SIGKILL and reap ``pid`` (0: no child yet); no handled signal cuts this short."""
+    with deferred():
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _close_all(fds: Mapping[str, int | None]) -> None:
+    """Close every descriptor of ``fds``; no handled signal between two closes leaks the rest."""
+    with deferred():
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
 
 
 def _fork(run: Callable[[], int], env: Mapping[str, str], fds: Mapping[str, int | None],
