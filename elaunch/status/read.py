@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elaunch.rendezvous.api import RendezvousError, RendezvousParameters
-from elaunch.rendezvous.dynamic import job
+from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 # the one import of the state reader (it may move with the executor: change this line only)
 from elaunch.rendezvous.dynamic.reading import read_state
@@ -234,7 +234,7 @@ def request_stacks(reader: Reader, nodes: list[str], timeout: float,
     """Ask every agent for its workers' stacks and wait up to ``timeout`` seconds for ``nodes``' answers.
 
     The request is one compare-and-set of the state: ``dump_id`` + 1 with no
-    ``dump_by`` (``job.request_dump(state, None)``), which agents answer as a
+    ``dump_by`` (``job_ops.request_dump(state, None)``), which agents answer as a
     person's request, not a hang. Answers are the agents' ``stacks`` keys.
 
     Raises:
@@ -247,7 +247,7 @@ def request_stacks(reader: Reader, nodes: list[str], timeout: float,
             data, token = backend.get_state()
             if data is None:
                 raise StatusError(f"no rendezvous {reader.run_id!r} at the {reader.where}")
-            state = job.request_dump(RendezvousState.from_bytes(data), None)
+            state = job_ops.request_dump(RendezvousState.from_bytes(data), None)
             result = backend.set_state(state.to_bytes(), token)
             if result is not None and result[2]:
                 break

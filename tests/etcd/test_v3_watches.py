@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elaunch.rendezvous.etcd.common import parse_conf
-from elaunch.rendezvous.etcd.handler import EtcdRoundStores
+from elaunch.rendezvous.etcd.base import EtcdRoundStores
 from tests.conftest import wait_for
 from tests.etcd.conftest import make_params
 

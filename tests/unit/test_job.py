@@ -1,4 +1,4 @@
-"""Job-wide supervision as tables: job.py over the rendezvous state, the agent's new decisions,
+"""Job-wide supervision as tables: job_ops.py over the rendezvous state, the agent's new decisions,
 failure records to and from the rendezvous, the state's new JSON fields and the summary's root cause.
 
 No processes, no backend: every function here is pure.
@@ -15,7 +15,7 @@ from elaunch.agent.decide import EXIT_GRACE_MIN, Step, Verdict, exit_grace, hung
 from elaunch.agent.failures import from_record, to_record, with_root
 from elaunch.errors.summary import failure_text, format_failure_summary
 from elaunch.rendezvous.api import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
-from elaunch.rendezvous.dynamic import job
+from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.spec import ProcessFailure
@@ -40,12 +40,12 @@ def key(record_doc: dict | None):
     return None if record_doc is None else (record_doc["round"], record_doc["at"], record_doc["node"])
 
 
-# ---------------------------------------------------------------- job.count_failure
+# ---------------------------------------------------------------- job_ops.count_failure
 
 A0 = rec(0, 10.0, "a")
 A1 = rec(1, 10.0, "a")
 
-FULL_BLAME = [f"n{i}" for i in range(job.BLAME_KEPT)]
+FULL_BLAME = [f"n{i}" for i in range(job_ops.BLAME_KEPT)]
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ FULL_BLAME = [f"n{i}" for i in range(job.BLAME_KEPT)]
 )
 def test_count_failure(before, report, expected):
     snapshot = before.to_bytes()
-    after = job.count_failure(before, report)
+    after = job_ops.count_failure(before, report)
     assert before.to_bytes() == snapshot  # decides on a copy
     if expected is None:
         assert after is None
@@ -86,7 +86,7 @@ def test_count_failure(before, report, expected):
 def test_count_failure_stores_the_whole_record():
     report = FailureRecord(round=4, at=12.25, node="b", host="h2", rank=7, local_rank=3, pid=99, exitcode=-9,
                            message="x" * (MAX_FAILURE_MESSAGE + 10) + "END", hung=True)
-    after = job.count_failure(state(), report)
+    after = job_ops.count_failure(state(), report)
     stored = FailureRecord.from_dict(after.failure)
     assert len(stored.message) == MAX_FAILURE_MESSAGE and stored.message.endswith("END")
     assert "[... cut ...]" in stored.message  # head and tail kept, the middle cut
@@ -95,41 +95,41 @@ def test_count_failure_stores_the_whole_record():
 
 
 def test_count_failure_twice_counts_once():
-    once = job.count_failure(state(), rec(0, 10.0, "a"))
-    assert job.count_failure(once, rec(0, 10.0, "a")) is None
+    once = job_ops.count_failure(state(), rec(0, 10.0, "a"))
+    assert job_ops.count_failure(once, rec(0, 10.0, "a")) is None
     assert once.restarts == 1
 
 
 def test_count_failure_refuses_a_corrupt_root_cause():
     bad = RendezvousState(restarts=1, failure={"round": "zero", "at": 1.0})
     with pytest.raises(RendezvousStateError, match="corrupt failure record"):
-        job.count_failure(bad, rec(0, 1.0, "a"))
+        job_ops.count_failure(bad, rec(0, 1.0, "a"))
 
 
-# ---------------------------------------------------------------- job.note_failure / count_round
+# ---------------------------------------------------------------- job_ops.note_failure / count_round
 
 def test_a_noted_failure_is_not_counted_until_the_round_is():
-    noted = job.note_failure(state(2, A0, blame=["a"]), rec(1, 20.0, "b"), probe_at=20.5)
+    noted = job_ops.note_failure(state(2, A0, blame=["a"]), rec(1, 20.0, "b"), probe_at=20.5)
     assert (noted.restarts, key(noted.failure), noted.counted, noted.reported) == (2, (1, 20.0, "b"), False, ["b"])
     assert noted.probe_at == 20.5 and noted.blame == ["a"]  # no blame before it counts
     # a peer's report of the same round: its node is noted, an earlier one becomes the root cause
-    peer = job.note_failure(noted, rec(1, 19.0, "c"))
+    peer = job_ops.note_failure(noted, rec(1, 19.0, "c"))
     assert (key(peer.failure), peer.counted, peer.reported, peer.blame) == ((1, 19.0, "c"), False, ["b", "c"], ["a"])
-    assert job.note_failure(peer, rec(1, 25.0, "c")) is None  # nothing new
-    counted = job.count_round(peer, 1)
+    assert job_ops.note_failure(peer, rec(1, 25.0, "c")) is None  # nothing new
+    counted = job_ops.count_round(peer, 1)
     assert (counted.restarts, counted.counted, counted.blame) == (3, True, ["a", "c"])
-    assert job.count_round(counted, 1) is None  # once per round, whoever counts it
-    assert job.count_round(peer, 0) is None  # not the latest failed round
+    assert job_ops.count_round(counted, 1) is None  # once per round, whoever counts it
+    assert job_ops.count_round(peer, 0) is None  # not the latest failed round
 
 
 def test_a_probe_never_moves_back():
     s = RendezvousState(probe_at=30.0)
-    assert job.note_failure(s, rec(0, 1.0, "a"), probe_at=25.0).probe_at == 30.0
+    assert job_ops.note_failure(s, rec(0, 1.0, "a"), probe_at=25.0).probe_at == 30.0
 
 
 def test_an_uncounted_round_stays_uncounted_when_the_next_fails():
-    lost = job.note_failure(state(1, A0, blame=["a"]), rec(1, 20.0, "b"))  # round 1: a node loss, never counted
-    nxt = job.count_failure(lost, rec(2, 30.0, "c"))
+    lost = job_ops.note_failure(state(1, A0, blame=["a"]), rec(1, 20.0, "b"))  # round 1: a node loss, never counted
+    nxt = job_ops.count_failure(lost, rec(2, 30.0, "c"))
     assert (nxt.restarts, key(nxt.failure), nxt.blame, nxt.reported) == (2, (2, 30.0, "c"), ["a", "c"], ["c"])
 
 
@@ -138,7 +138,7 @@ def test_states_without_the_count_fields_read_as_counted():
     del doc["counted"], doc["reported"]
     old = RendezvousState.from_bytes(json.dumps(doc))
     assert old.counted is True and old.reported == []
-    assert job.count_round(old, 0) is None
+    assert job_ops.count_round(old, 0) is None
 
 
 def members(round: int = 3, **kw) -> RendezvousState:
@@ -167,10 +167,10 @@ def members(round: int = 3, **kw) -> RendezvousState:
     ],
 )
 def test_answers_after_a_failure(s, dead, alive, lost):
-    assert job.answers(s, 3, frozenset({"b", "c", "d"}), 10.0, dead) == (alive, lost)
+    assert job_ops.answers(s, 3, frozenset({"b", "c", "d"}), 10.0, dead) == (alive, lost)
 
 
-# ---------------------------------------------------------------- job.fail_job
+# ---------------------------------------------------------------- job_ops.fail_job
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_answers_after_a_failure(s, dead, alive, lost):
     ],
 )
 def test_fail_job_keeps_the_earliest_root_cause_of_the_latest_round_and_closes(before, report, root):
-    after = job.fail_job(before, report)
+    after = job_ops.fail_job(before, report)
     assert key(after.failure) == root
     assert (after.job_failed, after.closed) == (True, True)
     # declaring is not counting
@@ -195,8 +195,8 @@ def test_fail_job_keeps_the_earliest_root_cause_of_the_latest_round_and_closes(b
 
 
 def test_fail_job_once():
-    failed = job.fail_job(state(1, A0), rec(0, 1.0, "b"))
-    assert job.fail_job(failed, rec(0, 0.5, "c")) is None
+    failed = job_ops.fail_job(state(1, A0), rec(0, 1.0, "b"))
+    assert job_ops.fail_job(failed, rec(0, 0.5, "c")) is None
     assert key(failed.failure) == (0, 1.0, "b")
 
 
@@ -213,13 +213,13 @@ def test_fail_job_once():
     ],
 )
 def test_acknowledge_failure(before, node, acks):
-    after = job.acknowledge_failure(before, node)
+    after = job_ops.acknowledge_failure(before, node)
     assert (after.failure_acks if after is not None else None) == acks
 
 
 def test_acknowledge_failure_is_idempotent():
-    once = job.acknowledge_failure(state(failed=True), "b")
-    assert job.acknowledge_failure(once, "b") is None
+    once = job_ops.acknowledge_failure(state(failed=True), "b")
+    assert job_ops.acknowledge_failure(once, "b") is None
     assert once.failure_acks == ["b"]
 
 
@@ -256,7 +256,7 @@ def acks_state(heartbeats=("a", "b", "c"), participants=(), waiting=(), acks=(),
     ],
 )
 def test_unacknowledged(st, members, dead, pending):
-    assert job.unacknowledged(st, frozenset(members), "a", dead) == pending
+    assert job_ops.unacknowledged(st, frozenset(members), "a", dead) == pending
 
 
 # ---------------------------------------------------------------- the job's success, sitting out
@@ -272,7 +272,7 @@ def test_unacknowledged(st, members, dead, pending):
     ],
 )
 def test_succeed_job(before, written):
-    after = job.succeed_job(before)
+    after = job_ops.succeed_job(before)
     assert (after is not None) == written
     if after is not None:
         assert after.job_succeeded and after.closed and not after.job_failed
@@ -283,14 +283,14 @@ def test_sit_out_leaves_the_round_and_keeps_a_heartbeat():
     before = RendezvousState(round=3, complete=True, participants={"a": 0, "b": 1},
                              node_infos={"a": ("ha", "r", 1), "b": ("hb", "r", 1)},
                              last_heartbeats={"a": 1.0, "b": 1.0})
-    after = job.sit_out(before, "b", 5.0, s)
+    after = job_ops.sit_out(before, "b", 5.0, s)
     assert after.participants == {"a": 0} and after.sitting_out == {"b"}
     assert after.last_heartbeats == {"a": 1.0, "b": 5.0} and "b" not in after.node_infos
-    assert job.sit_out(after, "b", 6.0, s) is None  # sits out already
-    alone = job.sit_out(job.sit_out(after, "a", 5.0, s), "a", 5.0, s)
+    assert job_ops.sit_out(after, "b", 6.0, s) is None  # sits out already
+    alone = job_ops.sit_out(job_ops.sit_out(after, "a", 5.0, s), "a", 5.0, s)
     assert alone is None  # a sits out too, once
     # the last member out: the next round opens, as when it leaves
-    emptied = job.sit_out(after, "a", 5.0, s)
+    emptied = job_ops.sit_out(after, "a", 5.0, s)
     assert (emptied.round, emptied.complete, emptied.sitting_out) == (4, False, {"a", "b"})
     assert RendezvousState.from_bytes(emptied.to_bytes()) == emptied
 
@@ -303,15 +303,15 @@ def test_request_dump_increments(dump_id):
     before = RendezvousState(dump_id=dump_id, dump_by=rec(0, 1.0, "z").to_dict())
     hung = FailureRecord(round=2, at=3.5, node="b", host="hb", rank=3, local_rank=1, pid=7, exitcode=-9,
                          message="HUNG", hung=True)
-    after = job.request_dump(before, hung)
+    after = job_ops.request_dump(before, hung)
     assert after.dump_id == dump_id + 1
     assert FailureRecord.from_dict(after.dump_by) == hung
     assert before.dump_id == dump_id and before.dump_by["node"] == "z"
 
 
 def test_request_dump_twice_is_two_requests():
-    once = job.request_dump(RendezvousState(), rec(0, 1.0, "a"))
-    assert job.request_dump(once, rec(0, 1.0, "a")).dump_id == 2
+    once = job_ops.request_dump(RendezvousState(), rec(0, 1.0, "a"))
+    assert job_ops.request_dump(once, rec(0, 1.0, "a")).dump_id == 2
 
 
 SETTINGS = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4, exclude_after=3, exclude_cooldown=60.0)
@@ -321,15 +321,15 @@ def test_job_state_reads_every_field():
     hung = rec(2, 5.0, "c", rank=5)
     st = RendezvousState(restarts=2, failure=A1.to_dict(), job_failed=True, closed=True, dump_id=3,
                          dump_by=hung.to_dict(), blame=["b", "a"])
-    assert job.job_state(st, "a", 2, SETTINGS) == JobState(
+    assert job_ops.job_state(st, "a", 2, SETTINGS) == JobState(
         restarts=2, failure=A1, failed=True, closed=True, dump_id=3, dump_by=hung, blame=("b", "a"), node="a",
         others=2, min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
-    done = job.job_state(RendezvousState(job_succeeded=True, closed=True), "a", 0, SETTINGS)
+    done = job_ops.job_state(RendezvousState(job_succeeded=True, closed=True), "a", 0, SETTINGS)
     assert (done.succeeded, done.closed, done.failed) == (True, True, False)
 
 
 def test_job_state_of_a_fresh_state():
-    assert job.job_state(RendezvousState(), "x", 0, SETTINGS) == JobState(
+    assert job_ops.job_state(RendezvousState(), "x", 0, SETTINGS) == JobState(
         restarts=0, failure=None, failed=False, dump_id=0, dump_by=None, blame=(), node="x", others=0,
         min_nodes=2, exclude_after=3, exclude_cooldown=60.0)
 
@@ -338,7 +338,7 @@ def test_job_state_of_a_fresh_state():
 def test_job_state_refuses_a_corrupt_record(field):
     st = RendezvousState(**{field: {"at": 1.0}})  # no round
     with pytest.raises(RendezvousStateError, match="corrupt failure record"):
-        job.job_state(st, "a", 0, SETTINGS)
+        job_ops.job_state(st, "a", 0, SETTINGS)
 
 
 # ---------------------------------------------------------------- decide: judge and next_step
@@ -714,22 +714,22 @@ def test_waits_on_peer_reads_a_collective_in_the_stack():
     (dict(at=1.0, rank=3, blocked=True), dict(at=0.5, rank=0, blocked=True), 0),
 ])
 def test_a_report_not_blocked_behind_a_peer_is_the_rounds_root_cause(known, report, root_after):
-    first = job.count_failure(state(), FailureRecord(round=2, node="a", hung=True, **known))
-    second = job.count_failure(first, FailureRecord(round=2, node="b", hung=True, **report))
+    first = job_ops.count_failure(state(), FailureRecord(round=2, node="a", hung=True, **known))
+    second = job_ops.count_failure(first, FailureRecord(round=2, node="b", hung=True, **report))
     final = second if second is not None else first
     assert final.restarts == 1
     assert FailureRecord.from_dict(final.failure).rank == root_after
-    failed = job.fail_job(first, FailureRecord(round=2, node="b", hung=True, **report))
+    failed = job_ops.fail_job(first, FailureRecord(round=2, node="b", hung=True, **report))
     assert FailureRecord.from_dict(failed.failure).rank == root_after
 
 
 def test_dump_acknowledgements_belong_to_their_request():
-    asked = job.request_dump(state(), FailureRecord(round=0, at=1.0, rank=3))
+    asked = job_ops.request_dump(state(), FailureRecord(round=0, at=1.0, rank=3))
     assert asked.dump_id == 1 and asked.dump_acks == []
-    acked = job.acknowledge_dump(asked, "b", 1)
-    assert acked.dump_acks == ["b"] and job.acknowledge_dump(acked, "b", 1) is None
-    assert job.acknowledge_dump(acked, "c", 0) is None  # an answer to an older request
-    assert job.dumps_pending(acked, 1, {"b", "c"}) == ["c"]
-    again = job.request_dump(acked, FailureRecord(round=0, at=2.0, rank=4))
+    acked = job_ops.acknowledge_dump(asked, "b", 1)
+    assert acked.dump_acks == ["b"] and job_ops.acknowledge_dump(acked, "b", 1) is None
+    assert job_ops.acknowledge_dump(acked, "c", 0) is None  # an answer to an older request
+    assert job_ops.dumps_pending(acked, 1, {"b", "c"}) == ["c"]
+    again = job_ops.request_dump(acked, FailureRecord(round=0, at=2.0, rank=4))
     assert again.dump_id == 2 and again.dump_acks == []  # a new request starts afresh
-    assert job.dumps_pending(again, 1, {"b", "c"}) == []  # the old one is superseded
+    assert job_ops.dumps_pending(again, 1, {"b", "c"}) == []  # the old one is superseded

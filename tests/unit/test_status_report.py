@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elaunch.rendezvous.api import FailureRecord, NodeInfo
-from elaunch.rendezvous.dynamic import job
+from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.status import report
 
@@ -70,7 +70,7 @@ def test_forming_round_has_no_group_ranks_and_shows_its_last_call():
 def test_failed_job_table_names_the_root_cause():
     failure = FailureRecord(round=2, at=1.0, node="a_1_0", host="h1", rank=3, pid=77, exitcode=-9,
                             message="Traceback\nboom", hung=True)
-    s = job.fail_job(_state(round=2, complete=True, participants={"a_1_0": 0}), failure)
+    s = job_ops.fail_job(_state(round=2, complete=True, participants={"a_1_0": 0}), failure)
     doc = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=10.0, dead_after=15.0)
     text = report.table(doc)
     assert doc["state"] == "failed" and doc["failure"]["rank"] == 3
@@ -92,11 +92,11 @@ def test_group_stacks_folds_identical_stacks_across_nodes():
 
 def test_a_status_request_for_stacks_names_no_hung_worker():
     hung = FailureRecord(round=0, at=1.0, rank=1, hung=True)
-    asked = job.request_dump(_state(), hung)
-    status = job.request_dump(asked, None)
+    asked = job_ops.request_dump(_state(), hung)
+    status = job_ops.request_dump(asked, None)
     assert (asked.dump_id, asked.dump_by["rank"]) == (1, 1)
     assert (status.dump_id, status.dump_by, status.dump_acks) == (2, None, [])
-    assert job.job_state(status, "n", 0, _settings()).dump_by is None
+    assert job_ops.job_state(status, "n", 0, _settings()).dump_by is None
 
 
 def _settings():

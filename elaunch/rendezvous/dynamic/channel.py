@@ -1,4 +1,4 @@
-"""The job channel of a dynamic rendezvous: the job's facts in the shared state (see ``job.py``).
+"""The job channel of a dynamic rendezvous: the job's facts in the shared state (see ``job_ops.py``).
 
 :class:`DynamicJobChannel` is the ``JobChannel`` the dynamic handler hands out
 (``DynamicRendezvousHandler.job_channel()``): the restart count, the failure
@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
-from elaunch.rendezvous.dynamic import job, ops
+from elaunch.rendezvous.dynamic import job_ops, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.round_view import RoundView
@@ -99,7 +99,7 @@ class DynamicJobChannel(JobChannel):
 
     def _job_state(self) -> JobState:
         state = self._view.read()
-        return job.job_state(state, self.node_id, self._live_others(state), self._settings)
+        return job_ops.job_state(state, self.node_id, self._live_others(state), self._settings)
 
     def num_nodes_lost(self) -> int:
         """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
@@ -150,10 +150,10 @@ class DynamicJobChannel(JobChannel):
     def record_failure(self, failure: FailureRecord) -> JobState:
         """Report ``failure`` and count its round once for the job, unless a lost node caused it.
 
-        Reports the failure (``job.note_failure``), asks every agent to heart-beat
+        Reports the failure (``job_ops.note_failure``), asks every agent to heart-beat
         at once, and waits until each other member of the round has answered
-        (``job.answers``; about ``probe_timeout / 4`` s for a live agent, however busy its
-        main thread). When all have, the round is counted (``job.count_round``).
+        (``job_ops.answers``; about ``probe_timeout / 4`` s for a live agent, however busy its
+        main thread). When all have, the round is counted (``job_ops.count_round``).
         When one left or does not answer within ``probe_timeout`` seconds, its loss
         is what broke the workers' collectives (``kill -9`` of its agent closes their
         sockets before any heartbeat lapses): nothing is counted and the returned
@@ -166,13 +166,13 @@ class DynamicJobChannel(JobChannel):
         mine = dataclasses.replace(failure, node=self.node_id)
         others = self._view.members - {self.node_id}
         since = self._clock()
-        state = self._update_job(lambda s: job.note_failure(s, mine, probe_at=since if others else None))
+        state = self._update_job(lambda s: job_ops.note_failure(s, mine, probe_at=since if others else None))
         alive, lost = self._answers(failure.round, others, since) if others and not state.job_failed else ((), ())
         if lost:
-            return dataclasses.replace(job.job_state(state, self.node_id, len(alive), self._settings), lost=lost)
-        state = self._update_job(lambda s: job.count_round(s, failure.round))
+            return dataclasses.replace(job_ops.job_state(state, self.node_id, len(alive), self._settings), lost=lost)
+        state = self._update_job(lambda s: job_ops.count_round(s, failure.round))
         # the others answered, but may have left the round by now to re-form: they still count as live
-        return job.job_state(state, self.node_id, len(alive), self._settings)
+        return job_ops.job_state(state, self.node_id, len(alive), self._settings)
 
     def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted."""
@@ -186,7 +186,7 @@ class DynamicJobChannel(JobChannel):
             # ``others`` ran ``round`` (complete): a silent one is dead after lost_after, also when
             # the state already moved on to an incomplete next round
             dead = set(ops.dead_nodes(state, self._settings, self._clock(), members=others))
-            alive, gone = job.answers(state, round, others, since, dead)
+            alive, gone = job_ops.answers(state, round, others, since, dead)
             seen.update(alive)
             now = time.monotonic()
             for n in gone - seen:
@@ -207,11 +207,11 @@ class DynamicJobChannel(JobChannel):
             RendezvousConnectionError: the backend is unreachable.
         """
         mine = dataclasses.replace(failure, node=self.node_id)
-        state = self._update_job(lambda s: job.fail_job(s, mine))
+        state = self._update_job(lambda s: job_ops.fail_job(s, mine))
         self.declared_end = True
         log.warning("node %s: job failed (root cause: rank %d on %s); rendezvous %r closed",
                     self.node_id, mine.rank, mine.host, self._settings.run_id)
-        root = job.job_state(state, self.node_id, 0, self._settings).failure
+        root = job_ops.job_state(state, self.node_id, 0, self._settings).failure
         return root if root is not None else mine
 
     def succeed_job(self) -> None:
@@ -224,7 +224,7 @@ class DynamicJobChannel(JobChannel):
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
             RendezvousConnectionError: the backend is unreachable.
         """
-        self._update_job(job.succeed_job)
+        self._update_job(job_ops.succeed_job)
         self.declared_end = True
         log.info("node %s: job succeeded; rendezvous %r closed", self.node_id, self._settings.run_id)
 
@@ -243,7 +243,7 @@ class DynamicJobChannel(JobChannel):
         me, backend = self.node_id, self._backend
         if backend.supports_heartbeat_keys:
             backend.put_heartbeat(me, self._clock())  # the key exists before we appear in the state
-        self._update_job(lambda s: job.sit_out(s, me, self._clock(), self._settings))
+        self._update_job(lambda s: job_ops.sit_out(s, me, self._clock(), self._settings))
         self._start_heartbeats()
         log.info("node %s sits out of rendezvous %r, watching the job", me, self._settings.run_id)
 
@@ -251,7 +251,7 @@ class DynamicJobChannel(JobChannel):
         """Tell the node that declared the job failed that this one stopped (best effort, logged)."""
         me = self.node_id
         try:
-            self._update_job(lambda s: job.acknowledge_failure(s, me))
+            self._update_job(lambda s: job_ops.acknowledge_failure(s, me))
         except RendezvousError as exc:
             log.debug("node %s could not acknowledge the job's failure: %s", me, exc)
 
@@ -260,11 +260,11 @@ class DynamicJobChannel(JobChannel):
 
         This node may host the store the others read; leaving before they read the
         verdict would leave them with a lost store instead of the root cause (or of
-        the job's success, for the nodes outside its last round: ``job.unacknowledged``).
+        the job's success, for the nodes outside its last round: ``job_ops.unacknowledged``).
         """
         def pending(state: RendezvousState) -> list[str]:
             dead = set(ops.dead_nodes(state, self._settings, self._clock()))
-            return job.unacknowledged(state, self._view.members, self.node_id, dead)
+            return job_ops.unacknowledged(state, self._view.members, self.node_id, dead)
 
         left = self._await_others(pending, self._settings.close_timeout, "acknowledgements")
         if left:
@@ -289,13 +289,13 @@ class DynamicJobChannel(JobChannel):
             RendezvousConnectionError: the backend is unreachable.
         """
         mine = dataclasses.replace(by, node=self.node_id)
-        return self._update_job(lambda s: job.request_dump(s, mine)).dump_id
+        return self._update_job(lambda s: job_ops.request_dump(s, mine)).dump_id
 
     def acknowledge_dump(self, dump_id: int) -> None:
         """Tell the asking node that this node's stacks for request ``dump_id`` are written (best effort)."""
         me = self.node_id
         try:
-            self._update_job(lambda s: job.acknowledge_dump(s, me, dump_id))
+            self._update_job(lambda s: job_ops.acknowledge_dump(s, me, dump_id))
         except RendezvousError as exc:
             log.debug("node %s could not acknowledge stack dump %d: %s", me, dump_id, exc)
 
@@ -315,7 +315,7 @@ class DynamicJobChannel(JobChannel):
                 asked = state.dump_id
                 self.acknowledge_dump(asked)
             gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._view.members - set(state.participants))
-            return job.dumps_pending(state, asked, self._view.members - {self.node_id} - gone)
+            return job_ops.dumps_pending(state, asked, self._view.members - {self.node_id} - gone)
 
         return self._await_others(pending, timeout, "stack dumps")
 

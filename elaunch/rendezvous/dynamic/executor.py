@@ -28,7 +28,7 @@ from elaunch.rendezvous.dynamic import batching, merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
-from elaunch.rendezvous.dynamic.progress import WaitReporter
+from elaunch.rendezvous.dynamic.wait_report import WaitReporter
 from elaunch.rendezvous.dynamic.reading import read_state, read_state_only
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -219,7 +219,7 @@ class OpExecutor:
                timeout_name: str) -> RendezvousState:
         """Read -> ``transform`` -> compare-and-set until written, or ``transform`` returns None.
 
-        For the job-wide facts (``job.py``): one write, retried on a lost race
+        For the job-wide facts (``job_ops.py``): one write, retried on a lost race
         against whatever is stored then.
 
         Returns:

@@ -30,7 +30,7 @@ from elaunch.rendezvous.api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import job, ops
+from elaunch.rendezvous.dynamic import job_ops, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, _call
 from elaunch.rendezvous.dynamic.executor import OpExecutor
@@ -180,7 +180,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Closed while this node joined: raise the job's verdict if there is one (else return)."""
         state, run_id = self._executor.state, self._settings.run_id
         if state.job_failed and state.failure is not None:
-            root = job.job_state(state, self._node_id, 0, self._settings).failure
+            root = job_ops.job_state(state, self._node_id, 0, self._settings).failure
             raise RendezvousJobFailedError(
                 f"rendezvous {run_id!r} is closed: the job failed on {root.host} (rank {root.rank})", root) from exc
         if state.job_succeeded:

@@ -42,7 +42,7 @@ class Action(enum.Enum):
     PROBE = "PROBE"  # ask the complete round's participants to heart-beat now
     MARK_COMPLETE = "MARK_COMPLETE"
     MARK_CLOSED = "MARK_CLOSED"
-    UPDATE_JOB = "UPDATE_JOB"  # a job-wide fact (job.py): restart count, failure, stack-dump request
+    UPDATE_JOB = "UPDATE_JOB"  # a job-wide fact (job_ops.py): restart count, failure, stack-dump request
     SYNC = "SYNC"  # nothing to write: wait a poll interval and read again
     FINISH = "FINISH"
     ERROR_CLOSED = "ERROR_CLOSED"

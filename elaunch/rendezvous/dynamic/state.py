@@ -54,7 +54,7 @@ class RendezvousState:
             reached plus ``last_call_timeout``), seconds since the epoch, or None.
         probe_at: when a waiting node last asked the complete round's participants to
             prove they are alive (seconds since the epoch), or None; see ``ops.dead_nodes``.
-        restarts: failure restarts the job used (one per failed round); see ``job.py``.
+        restarts: failure restarts the job used (one per failed round); see ``job_ops.py``.
         failure: ``FailureRecord.to_dict()`` of the latest failed round's root cause, or None.
         counted: whether that round's failure was counted in ``restarts`` (False while the
             reporting node checks whether a lost node caused it, and for good when one did).
@@ -64,12 +64,12 @@ class RendezvousState:
             workers all exited 0 (``closed`` is then True too).
         sitting_out: node ids that sit out a cooldown (bad-node exclusion) and watch the
             job meanwhile; each keeps its heartbeat in ``last_heartbeats``. The node that
-            ends the job waits for them to see the end (``job.unacknowledged``).
+            ends the job waits for them to see the end (``job_ops.unacknowledged``).
         dump_id: increases with each request to dump every worker's stacks (0: none).
         dump_by: ``FailureRecord.to_dict()`` of the hung worker behind the latest request, or None
             (no request, or one of ``elaunch status --stacks``: no hang).
         blame: node ids of the root causes of the latest counted failures, oldest first
-            (at most ``job.BLAME_KEPT``).
+            (at most ``job_ops.BLAME_KEPT``).
         failure_acks: node ids that saw the job's failure and stopped; the node that
             declared it waits for them before it exits (it may host the store). A node
             outside the last round (waiting, spare, sitting out) that sees the job succeed

@@ -2,7 +2,7 @@
 
 Stdlib only (the clients are imported by ``etcd.v2`` / ``etcd.v3``). A backend
 module implements :class:`EtcdKV` (get / compare-and-set / wait on one key), usually
-through :class:`FailoverKV`; ``etcd.handler`` builds the dynamic rendezvous on it
+through :class:`FailoverKV`; ``etcd.base`` builds the dynamic rendezvous on it
 (:class:`EtcdStateBackend`, :class:`EtcdRoundStores`, :func:`build_handler`).
 
 Key layout under ``{etcd_prefix}/{run_id}/``: ``state`` (the rendezvous state,

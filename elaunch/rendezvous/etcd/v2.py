@@ -32,7 +32,7 @@ from elaunch.rendezvous.etcd.common import (
     import_client,
     parse_conf,
 )
-from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
+from elaunch.rendezvous.etcd.base import EtcdRendezvousHandler, EtcdStateBackend, build_handler
 
 #: A heartbeat read of at most this many nodes reads their keys one by one (the
 #: monitor's: its own and its ring neighbours'); more read the directory at once.

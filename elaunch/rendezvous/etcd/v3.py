@@ -33,7 +33,7 @@ from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import beat_timeout
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.rendezvous.etcd.common import import_client, parse_conf
-from elaunch.rendezvous.etcd.handler import EtcdRendezvousHandler, EtcdStateBackend, build_handler
+from elaunch.rendezvous.etcd.base import EtcdRendezvousHandler, EtcdStateBackend, build_handler
 from elaunch.rendezvous.etcd.presence import Presence
 from elaunch.rendezvous.etcd.v3_kv import RPC_TIMEOUT, EtcdV3KV
 

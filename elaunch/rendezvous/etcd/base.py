@@ -1,9 +1,10 @@
-"""The etcd backends' side of the dynamic rendezvous: state backend, round stores, handler.
+"""The base of the etcd-v2 and etcd-v3 rendezvous: state backend, round stores, outage tolerance, handler.
 
 Built on any :class:`~elaunch.rendezvous.etcd.common.EtcdKV` (``etcd.v2``,
 ``etcd.v3``): :class:`EtcdStateBackend` stores the rendezvous state in one key,
 :class:`EtcdRoundStores` publishes each round's workers' store, and
-:func:`build_handler` assembles the handler. Stdlib only.
+:func:`build_handler` assembles the handler (``v2.py`` and ``v3.py`` each bring
+their client). Stdlib only.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from elaunch.rendezvous.dynamic import progress
-from elaunch.rendezvous.dynamic.progress import WaitReporter, describe_wait
+from elaunch.rendezvous.dynamic import wait_report
+from elaunch.rendezvous.dynamic.wait_report import WaitReporter, describe_wait
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -65,7 +65,7 @@ def test_log_lines_are_paced_and_quiet_at_first(info_logged, caplog):
     r = WaitReporter(S, "me", stream=io.StringIO(), clock=clock)
     r.start()
     with caplog.at_level(logging.INFO, logger="elaunch.rendezvous"):
-        for t in (0.5, 1.9, progress.QUIET_FOR, 3.0, 6.9, progress.QUIET_FOR + progress.LOG_EVERY):
+        for t in (0.5, 1.9, wait_report.QUIET_FOR, 3.0, 6.9, wait_report.QUIET_FOR + wait_report.LOG_EVERY):
             clock.t = t
             r.update(waiting, NOW, NOW + 60)
         r.finish()
