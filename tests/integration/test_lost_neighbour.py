@@ -1,7 +1,7 @@
 """A lost member of a round of four is found by its ring neighbours alone, and the others follow (issue 10).
 
 Each running member's monitor reads only its own and its next two members'
-heartbeat keys (``ops.ring_neighbours``), so in a round of four a frozen agent
+heartbeat keys (``liveness.ring_neighbours``), so in a round of four a frozen agent
 is judged by two of the three others; the third (the one after it) never reads
 its key and learns from the state: the nodes that found it lost re-form, leaving
 the round. Four agents of ``--nnodes=3:4`` run ``mn_loop.py``; one (on c10d, not
@@ -37,7 +37,7 @@ def _listens_on(pid: int, port: int) -> bool:
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
 
 
-# the ring rule is backend-agnostic (ops.ring_neighbours, reading.read_watched); etcd-v2's few-keys
+# the ring rule is backend-agnostic (liveness.ring_neighbours, reading.read_watched); etcd-v2's few-keys
 # read is covered by the backend contract tests and its no-false-alarm and link-cut tests
 @pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
 def test_a_frozen_member_of_four_is_left_behind_by_all_three_others(endpoint, tmp_path):

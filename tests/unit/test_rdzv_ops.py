@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elaunch.rendezvous.api import NodeInfo
-from elaunch.rendezvous.dynamic import merge, ops
+from elaunch.rendezvous.dynamic import liveness, merge, ops
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
@@ -140,8 +140,8 @@ def test_previous_ranks_are_kept_when_free():
 def test_join_after_complete_lands_on_wait_list_and_counts_as_waiting():
     s = ops.apply(Action.ADD_TO_WAIT_LIST, mk({"n0": 0}, complete=True), ctx(), NOW)
     assert s.wait_list == {ME} and ME not in s.participants and ME in s.node_infos
-    assert ops.num_live_waiting(s, SETTINGS, NOW) == 1
-    assert ops.num_live_waiting(s, SETTINGS, NOW + 16) == 0  # dead waiters do not count
+    assert liveness.num_live_waiting(s, SETTINGS, NOW) == 1
+    assert liveness.num_live_waiting(s, SETTINGS, NOW + 16) == 0  # dead waiters do not count
 
 
 def test_more_than_max_goes_to_redundancy_list():
@@ -265,7 +265,7 @@ ROUND = frozenset({"a", "b", "c"})
     ],
 )
 def test_lost_members(desc, state, expected):
-    assert ops.lost_members(state, 2, ROUND, "a", S) == expected, desc
+    assert liveness.lost_members(state, 2, ROUND, "a", S) == expected, desc
 
 
 @pytest.mark.parametrize("members, me, expected", [
@@ -279,12 +279,12 @@ def test_lost_members(desc, state, expected):
     ({f"n{i:04d}" for i in range(1024)}, "n1023", ("n0000", "n0001")),
 ])
 def test_ring_neighbours(members, me, expected):
-    assert ops.ring_neighbours(frozenset(members), me) == expected
+    assert liveness.ring_neighbours(frozenset(members), me) == expected
 
 
 def test_every_member_is_watched_by_two_others():
     members = frozenset(f"10.0.0.{i}_1_0" for i in range(7))
-    watchers = {n: [m for m in members if n in ops.ring_neighbours(members, m)] for n in members}
+    watchers = {n: [m for m in members if n in liveness.ring_neighbours(members, m)] for n in members}
     assert all(len(w) == 2 and n not in w for n, w in watchers.items())
 
 
@@ -304,7 +304,7 @@ def test_every_member_is_watched_by_two_others():
 def test_lost_members_judges_only_the_watched_beats(desc, beats, participants, watched, expected):
     state = RendezvousState(round=2, complete=True, participants={n: i for i, n in enumerate(participants)},
                             last_heartbeats={n: float(t) for n, t in beats.items()})
-    assert ops.lost_members(state, 2, frozenset("abcde"), "a", S, watched) == expected, desc
+    assert liveness.lost_members(state, 2, frozenset("abcde"), "a", S, watched) == expected, desc
 
 
 @pytest.mark.parametrize(
@@ -333,7 +333,7 @@ def test_lost_members_judges_only_the_watched_beats(desc, beats, participants, w
     ],
 )
 def test_new_nodes(desc, state, expected):
-    assert ops.new_nodes(state, 2, ROUND, S, now=101.0) == expected, desc
+    assert liveness.new_nodes(state, 2, ROUND, S, now=101.0) == expected, desc
 
 
 # -- liveness probe: a waiting node asks a running round's participants to heart-beat -----
@@ -379,18 +379,18 @@ def test_keep_alive_answers_a_probe_at_once():
     s = mk({ME: 0, "n0": 1}, complete=True)
     s.probe_at = NOW - 0.1
     s.last_heartbeats[ME] = NOW - 1  # fresh by the interval rule, older than the probe
-    assert ops.should_answer_probe(s, ME)
+    assert liveness.should_answer_probe(s, ME)
     assert ops.decide_keep_alive(s, ctx(settings=PROBING), NOW) is Action.KEEP_ALIVE
     after = ops.apply(Action.KEEP_ALIVE, s, ctx(settings=PROBING), NOW)
-    assert not ops.should_answer_probe(after, ME)
+    assert not liveness.should_answer_probe(after, ME)
 
 
 def test_probe_write_and_reset_with_the_round():
     state = mk(RUNNING, complete=True, wait=[ME], hb={ME: NOW - 2, "n0": NOW - 1, "n2": NOW - 1})
     s = ops.apply(Action.PROBE, state, ctx(settings=PROBING), NOW)
     assert s.probe_at == NOW and s.last_heartbeats[ME] == NOW
-    assert ops.dead_nodes(s, PROBING, NOW + 3) == []  # within probe_timeout nobody is dead yet
-    assert ops.dead_nodes(s, PROBING, NOW + 3.1) == ["n0", "n2"]
+    assert liveness.dead_nodes(s, PROBING, NOW + 3) == []  # within probe_timeout nobody is dead yet
+    assert liveness.dead_nodes(s, PROBING, NOW + 3.1) == ["n0", "n2"]
     s = ops.apply(Action.REMOVE_DEAD_NODES, s, ctx(settings=PROBING), NOW + 3.1)
     assert s.participants == {} and s.round == 1 and not s.complete and s.probe_at is None
 
@@ -510,14 +510,14 @@ def test_a_running_member_is_dead_after_lost_after_a_joiner_after_torchs_rule():
     running = RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1},
                               last_heartbeats={"a": 100.0, "b": 96.5, "w": 90.0}, wait_list={"w"})
     # b, a member of the complete round, went 3.5 s without a beat; w waits and is judged by 15 s
-    assert ops.dead_nodes(running, s, 100.0) == ["b"]
-    assert ops.lost_members(running, 2, frozenset({"a", "b"}), "a", s) == 1
+    assert liveness.dead_nodes(running, s, 100.0) == ["b"]
+    assert liveness.lost_members(running, 2, frozenset({"a", "b"}), "a", s) == 1
     frozen_2s = RendezvousState(round=2, complete=True, participants={"a": 0, "b": 1},
                                 last_heartbeats={"a": 100.0, "b": 97.625})  # a 2 s freeze + one 0.375 s interval
-    assert ops.dead_nodes(frozen_2s, s, 100.0) == [] and ops.lost_members(frozen_2s, 2, frozenset({"a", "b"}), "a", s) == 0
+    assert liveness.dead_nodes(frozen_2s, s, 100.0) == [] and liveness.lost_members(frozen_2s, 2, frozenset({"a", "b"}), "a", s) == 0
     forming = RendezvousState(round=2, complete=False, participants={"a": -1, "b": -1},
                               last_heartbeats={"a": 100.0, "b": 90.0})
-    assert ops.dead_nodes(forming, s, 100.0) == []  # a joining participant: torch's 15 s
+    assert liveness.dead_nodes(forming, s, 100.0) == []  # a joining participant: torch's 15 s
 
 
 def test_a_member_of_a_round_that_ran_is_dead_after_lost_after_once_the_next_round_forms():
@@ -525,9 +525,9 @@ def test_a_member_of_a_round_that_ran_is_dead_after_lost_after_once_the_next_rou
     s = RendezvousSettings("job", 1, 4, lost_after=3.0)
     reforming = RendezvousState(round=3, complete=False, participants={"a": -1},
                                 last_heartbeats={"a": 100.0, "c": 99.9, "f": 96.5})
-    assert ops.dead_nodes(reforming, s, 100.0) == []  # f is judged as a joiner: torch's 15 s
-    assert ops.dead_nodes(reforming, s, 100.0, members={"c", "f"}) == ["f"]  # it ran round 2 with c
-    assert ops.dead_nodes(reforming, s, 100.0, members={"c", "f"}, exclude="f") == []
+    assert liveness.dead_nodes(reforming, s, 100.0) == []  # f is judged as a joiner: torch's 15 s
+    assert liveness.dead_nodes(reforming, s, 100.0, members={"c", "f"}) == ["f"]  # it ran round 2 with c
+    assert liveness.dead_nodes(reforming, s, 100.0, members={"c", "f"}, exclude="f") == []
 
 
 class _CountingKeys:
@@ -570,11 +570,11 @@ def test_the_monitor_reads_its_neighbours_keys_and_only_the_waiting_nodes_beside
     for n in sorted(members | wait_list):
         keys.put_heartbeat(n, 99.5)
     backend = _CountingKeys(keys)
-    watched = ("a", *ops.ring_neighbours(members, "a"))
+    watched = ("a", *liveness.ring_neighbours(members, "a"))
     state, _token = read_watched(backend, watched, members, fresh_after=100.0 - 3.0)
     assert backend.asked[0] == ("with the state", ["a", "b", "c"]), desc
     assert backend.asked[1:] == ([] if second_read is None else [("alone", second_read)]), desc
     assert {n: state.last_heartbeats[n] for n in "abc"} == dict.fromkeys("abc", 99.5)
     assert state.last_heartbeats["d"] == 40.0  # not read: as stored, and never judged
-    assert ops.lost_members(state, 2, members, "a", S, watched[1:]) == 0
-    assert ops.num_live_waiting(state, S, 100.0) == len(wait_list), desc
+    assert liveness.lost_members(state, 2, members, "a", S, watched[1:]) == 0
+    assert liveness.num_live_waiting(state, S, 100.0) == len(wait_list), desc

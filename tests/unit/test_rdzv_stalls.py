@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous.api import NodeInfo, RendezvousConnectionError
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, beat_timeout, slow_after
@@ -34,7 +34,7 @@ def _running(b_beat: float) -> RendezvousState:
     ("a stall is no grace for a node with no beat (its presence lease is gone)", 0.0, 99.0, 1),
 ])
 def test_lost_members_counts_silence_from_the_observers_last_stall(desc, b_beat, stalled_until, expected):
-    assert ops.lost_members(_running(b_beat), 2, PAIR, "a", S, ("b",), stalled_until) == expected, desc
+    assert liveness.lost_members(_running(b_beat), 2, PAIR, "a", S, ("b",), stalled_until) == expected, desc
 
 
 def test_a_failed_or_slow_request_is_a_stall_a_quick_one_is_not():

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
-from elaunch.rendezvous.dynamic import job_ops, ops
+from elaunch.rendezvous.dynamic import job_ops, liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.round_view import RoundView
@@ -102,10 +102,10 @@ class DynamicJobChannel(JobChannel):
         return job_ops.job_state(state, self.node_id, self._live_others(state), self._settings)
 
     def num_nodes_lost(self) -> int:
-        """Return how many nodes of this node's current round are gone (see ``ops.lost_members``).
+        """Return how many nodes of this node's current round are gone (see ``liveness.lost_members``).
 
         A member is gone when it left or was pruned, the round was superseded, or,
-        for the members this node watches (the next ``ops.WATCHED_NEIGHBOURS`` in the
+        for the members this node watches (the next ``liveness.WATCHED_NEIGHBOURS`` in the
         round's sorted member list), its heartbeat lags ours by more than
         ``lost_after`` seconds (a dead agent, a cut link): the node that finds one
         re-forms, and the others see it leave. The read may be up to ``poll_interval``
@@ -118,7 +118,7 @@ class DynamicJobChannel(JobChannel):
         return self._tolerate(lambda: 0 if view.info is None else view.lost(view.read()), 0)
 
     def num_nodes_new(self) -> int:
-        """Return how many nodes that are not in this node's round joined since (see ``ops.new_nodes``).
+        """Return how many nodes that are not in this node's round joined since (see ``liveness.new_nodes``).
 
         Always a fresh read: the agent asks only after a worker failed.
 
@@ -132,7 +132,7 @@ class DynamicJobChannel(JobChannel):
         if view.info is None:
             return 0
         view.invalidate()
-        return ops.new_nodes(view.read(), view.info.round, view.members, self._settings, self._clock())
+        return liveness.new_nodes(view.read(), view.info.round, view.members, self._settings, self._clock())
 
 
     def _live_others(self, state: RendezvousState) -> int:
@@ -185,7 +185,7 @@ class DynamicJobChannel(JobChannel):
                 return []
             # ``others`` ran ``round`` (complete): a silent one is dead after lost_after, also when
             # the state already moved on to an incomplete next round
-            dead = set(ops.dead_nodes(state, self._settings, self._clock(), members=others))
+            dead = set(liveness.dead_nodes(state, self._settings, self._clock(), members=others))
             alive, gone = job_ops.answers(state, round, others, since, dead)
             seen.update(alive)
             now = time.monotonic()
@@ -263,7 +263,7 @@ class DynamicJobChannel(JobChannel):
         the job's success, for the nodes outside its last round: ``job_ops.unacknowledged``).
         """
         def pending(state: RendezvousState) -> list[str]:
-            dead = set(ops.dead_nodes(state, self._settings, self._clock()))
+            dead = set(liveness.dead_nodes(state, self._settings, self._clock()))
             return job_ops.unacknowledged(state, self._view.members, self.node_id, dead)
 
         left = self._await_others(pending, self._settings.close_timeout, "acknowledgements")
@@ -314,7 +314,8 @@ class DynamicJobChannel(JobChannel):
                 # answer its request and wait for the others' answers to it instead
                 asked = state.dump_id
                 self.acknowledge_dump(asked)
-            gone = set(ops.dead_nodes(state, self._settings, self._clock())) | (self._view.members - set(state.participants))
+            dead = liveness.dead_nodes(state, self._settings, self._clock())
+            gone = set(dead) | (self._view.members - set(state.participants))
             return job_ops.dumps_pending(state, asked, self._view.members - {self.node_id} - gone)
 
         return self._await_others(pending, timeout, "stack dumps")

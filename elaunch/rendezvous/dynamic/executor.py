@@ -5,8 +5,9 @@ state, decides, and calls one method per action, until the operation finishes
 or fails; a write is a compare-and-set, and a lost race decides again on
 whatever is stored now. Where the backend keeps an intent log, joins and exits
 are batched (``batching.py``): chosen once, when the executor is made; the
-batched steps are methods here like the others. Reading lives in
-``reading.py``. Stdlib only; the clock and sleep are injectable for tests.
+batched steps are in ``batched_steps.py``, writing through :meth:`OpExecutor.commit`
+and :meth:`OpExecutor.write`. Reading lives in ``reading.py``. Stdlib only; the
+clock and sleep are injectable for tests.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.dynamic import batching, merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
+from elaunch.rendezvous.dynamic.batched_steps import BatchedSteps
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.wait_report import WaitReporter
@@ -39,7 +41,7 @@ Decide = Callable[[RendezvousState, OpContext, float], Union[Action, Step]]
 
 
 @dataclass
-class _Call:
+class Call:
     """One call of an operation: how it decides, until when, and its batched post (None: plain writes)."""
 
     decide: Decide
@@ -53,7 +55,7 @@ class _Call:
 
 
 #: A step: does what one action asks; returns True when the next decision needs a fresh read.
-_Step = Callable[[_Call, OpContext, float], bool]
+_Step = Callable[[Call, OpContext, float], bool]
 
 
 class OpExecutor:
@@ -98,24 +100,19 @@ class OpExecutor:
             Action.ERROR_CLOSED: self._closed,
             Action.ERROR_GRACEFUL_EXIT: self._graceful_exit,
             Action.ERROR_TIMEOUT: self._timed_out,
-            Step.POST_JOIN: self._post_join,
-            Step.AWAIT_COMBINER: self._await_combiner,
-            Step.AWAIT_ROUND: self._await_round,
-            Step.COMBINE_JOINS: self._combine_joins,
-            Step.COMBINE_PENDING: self._combine_pending,
-            Step.POST_EXIT: self._post_exit,
-            Step.COMBINE_EXITS: self._combine_exits,
-            Step.AWAIT_LEAVERS: self._await_leavers,
-            Step.LEAVE_ALONE: self._leave_alone,
-            Step.LEAVE_TIMEOUT: self._leave_timed_out,
-            Step.FORGET_EXIT: self._forget_exit,
         })
+        steps.update(BatchedSteps(self, node_id, settings).table())
         self._steps = steps
 
     @property
     def state(self) -> RendezvousState:
         """The state as last read or written by this node (may be stale)."""
         return self._state
+
+    @property
+    def token(self) -> Token | None:
+        """The backend's token of :attr:`state` (opaque; None before the first read)."""
+        return self._token
 
     def read(self) -> RendezvousState:
         """Read the state from the backend and cache it.
@@ -235,7 +232,7 @@ class OpExecutor:
             new_state = transform(state)
             if new_state is None:
                 return state
-            if self._write(Action.UPDATE_JOB, state, new_state):
+            if self.write(Action.UPDATE_JOB, state, new_state):
                 return self._state
             if self._clock() > deadline:
                 raise RendezvousTimeoutError(
@@ -245,15 +242,15 @@ class OpExecutor:
     # -- the loop -----------------------------------------------------------------------
 
     def _call(self, decide: Decide, timeout: float, timeout_name: str, previous_rank: int,
-              batch: BatchedJoin | None = None) -> _Call:
+              batch: BatchedJoin | None = None) -> Call:
         started = self._clock()
-        return _Call(decide, timeout, timeout_name, previous_rank, started, started + timeout, batch)
+        return Call(decide, timeout, timeout_name, previous_rank, started, started + timeout, batch)
 
     def _batch(self, previous_rank: int) -> BatchedJoin:
         return BatchedJoin(self._backend, self._node_id, self._node_info, previous_rank, self._settings,
                            self._clock)
 
-    def _run(self, call: _Call, fresh: bool) -> RendezvousState:
+    def _run(self, call: Call, fresh: bool) -> RendezvousState:
         """Read -> decide -> one step per action, until the decision is FINISH."""
         need_read, light_used = fresh, False
         if call.progress is not None:
@@ -293,133 +290,43 @@ class OpExecutor:
 
     # -- steps of any operation ---------------------------------------------------------
 
-    def _apply(self, action: Action, call: _Call, ctx: OpContext, now: float) -> bool:
+    def _apply(self, action: Action, call: Call, ctx: OpContext, now: float) -> bool:
         """A write action: the state ``ops.apply`` implies, compare-and-set."""
         state = self._state
-        return self._commit(call, action, state, ops.apply(action, state, ctx, now))
+        return self.commit(call, action, state, ops.apply(action, state, ctx, now))
 
-    def _beat_key(self, call: _Call, ctx: OpContext, now: float) -> bool:
+    def _beat_key(self, call: Call, ctx: OpContext, now: float) -> bool:
         """KEEP_ALIVE into this node's own heartbeat key: no contended write, nothing to read."""
         self._backend.put_heartbeat(self._node_id, now)
         self._state = merge.fold_heartbeats(self._state, {self._node_id: now})
         return False
 
-    def _poll(self, call: _Call, ctx: OpContext, now: float) -> bool:
+    def _poll(self, call: Call, ctx: OpContext, now: float) -> bool:
         """SYNC: wait ``poll_interval`` seconds, or less where the backend sees a change (etcd: a watch)."""
         if not self._backend.wait_for_change(self._token, self._settings.poll_interval):
             self._sleep(self._settings.poll_interval)  # no watch: poll
         return True
 
-    def _closed(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:  # ERROR_* raise
+    def _closed(self, call: Call, ctx: OpContext, now: float) -> NoReturn:  # ERROR_* raise
         raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
 
-    def _graceful_exit(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
+    def _graceful_exit(self, call: Call, ctx: OpContext, now: float) -> NoReturn:
         raise RendezvousGracefulExitError(
             f"rendezvous {self._settings.run_id!r} closed while this node was redundant "
             f"(world already at max_nodes={self._settings.max_nodes})")
 
-    def _timed_out(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
+    def _timed_out(self, call: Call, ctx: OpContext, now: float) -> NoReturn:
         s, state = self._settings, self._state
         raise RendezvousTimeoutError(
             f"rendezvous {s.run_id!r} round {state.round}: not done within "
             f"{call.timeout_name}={call.timeout:g} s ({len(state.participants)} node(s) joined, "
             f"--nnodes={s.min_nodes}:{s.max_nodes})")
 
-    # -- steps of a batched join (batching.py) ------------------------------------------
+    # -- writing (also for the batched steps) -----------------------------------------------
 
-    def _post_join(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
-        assert call.batch is not None
-        call.batch.post(self._state.round, now, call.deadline, self._token)
-        if not call.batch.combiner:
-            # the combiner adds us; nothing to read until the round's notice (or its grace ends)
-            return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
-        return True
-
-    def _await_combiner(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """Posted (a join or an exit): the combiner adds or removes us; wait for it, at most until the grace ends."""
-        assert call.batch is not None
-        return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
-
-    def _await_round(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """SYNC of a participant of a forming round: block for its notice (the combiner: the next post).
-
-        At most until the last call ends, this node's next heartbeat is due or
-        its join deadline passes, and never longer than ``keep_alive_interval``.
-        """
-        assert call.batch is not None
-        s, settings = self._state, self._settings
-        due = [call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval]
-        if s.deadline is not None:
-            due.append(s.deadline)
-        return call.batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
-
-    def _combine_joins(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """ADD_TO_PARTICIPANTS, batched: add ourselves and every pending intent in one write."""
-        assert call.batch is not None
-        state = self._state
-        return self._commit(call, Step.COMBINE_JOINS, state, merge.combine_joins(state, ctx, call.batch.intents, now))
-
-    def _combine_pending(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """SYNC of the combiner: add every node that posted since in one write, or wait for the next post."""
-        assert call.batch is not None
-        combined = merge.combine_pending(self._state, call.batch.intents, self._settings, now, self._node_id)
-        if combined is None:
-            return self._await_round(call, ctx, now)
-        return self._commit(call, Step.COMBINE_PENDING, self._state, combined)
-
-    # -- steps of a batched exit ----------------------------------------------------------
-
-    def _post_exit(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
-        assert call.batch is not None
-        state = self._state
-        call.batch.post(state.round + 1, now, call.deadline, self._token)  # the exit's deadline: the join's is later
-        log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
-                  " (the combiner)" if call.batch.combiner else "")
-        return False
-
-    def _combine_exits(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """The next round's combiner removes every participant that posted its exit, in one write."""
-        assert call.batch is not None
-        state = self._state
-        combined = merge.combine_exits(state, call.batch.intents, self._settings)
-        assert combined is not None  # decided on merge.leavers
-        return not self._write(Step.COMBINE_EXITS, state, combined)  # lost the race: read again, with the log
-
-    def _await_leavers(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """SYNC of the exit combiner: woken by the next node that leaves, to remove it.
-
-        Otherwise every ``poll_interval`` seconds like any waiting node (probes,
-        dead members), and by the time this node's next heartbeat is due.
-        """
-        assert call.batch is not None
-        s, settings = self._state, self._settings
-        due = min(call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval)
-        call.batch.wait_for_post(min(max(0.01, due - now + 0.005), settings.poll_interval))
-        return True
-
-    def _leave_alone(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """The combiner did not remove us within the grace: leave with our own write (REMOVE_FROM_PARTICIPANTS)."""
-        state, remove = self._state, Action.REMOVE_FROM_PARTICIPANTS
-        return not self._write(remove, state, ops.apply(remove, state, ctx, now))  # lost the race: read again
-
-    def _leave_timed_out(self, call: _Call, ctx: OpContext, now: float) -> NoReturn:
-        raise RendezvousTimeoutError(
-            f"rendezvous {self._settings.run_id!r} round {self._state.round}: could not leave it within "
-            f"{call.timeout_name}={call.timeout:g} s")
-
-    def _forget_exit(self, call: _Call, ctx: OpContext, now: float) -> bool:
-        """The combiner moved us to the wait list: our exit post is spent; join the next round anew."""
-        assert call.batch is not None
-        call.batch.forget()
-        return False
-
-    # -- writing --------------------------------------------------------------------------
-
-    def _commit(self, call: _Call, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool:
-        """Write ``new_state`` (decided on ``state``); True when the next decision needs a fresh read."""
-        written = self._write(what, state, new_state)
+    def commit(self, call: Call, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool:
+        """Write ``new_state`` (decided on ``state``) for ``call``; True when the next decision needs a fresh read."""
+        written = self.write(what, state, new_state)
         if written is None:
             return True
         if written:
@@ -433,7 +340,7 @@ class OpExecutor:
         return (call.batch is not None and call.batch.forming(state) and call.batch.active(self._state)
                 and not self._state.complete)
 
-    def _write(self, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool | None:
+    def write(self, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool | None:
         """Compare-and-set ``new_state`` (decided on ``state`` by ``what``); keep what is stored now.
 
         Returns True (written), False (someone else wrote first; we backed off) or

@@ -30,7 +30,7 @@ from elaunch.rendezvous.api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elaunch.rendezvous.dynamic import job_ops, ops
+from elaunch.rendezvous.dynamic import job_ops, liveness, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, _call
 from elaunch.rendezvous.dynamic.executor import OpExecutor
@@ -245,7 +245,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _answer_probe(self, state: RendezvousState) -> None:
         """A read saw a probe: answer at once, not at the keep-alive thread's next tick."""
-        if self._keep_alive.running and ops.should_answer_probe(state, self._node_id):
+        if self._keep_alive.running and liveness.should_answer_probe(state, self._node_id):
             self._keep_alive.beat_now()
 
     def num_nodes_waiting(self) -> int:
@@ -258,7 +258,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Raises:
             RendezvousConnectionError: the backend is unreachable.
         """
-        return ops.num_live_waiting(self._view.read(), self._settings, self._clock())
+        return liveness.num_live_waiting(self._view.read(), self._settings, self._clock())
 
     def is_closed(self) -> bool:
         """Return True once any node closed the rendezvous.

@@ -11,7 +11,7 @@ Stdlib only.
 from __future__ import annotations
 
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousStateError
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import liveness, ops
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -46,7 +46,7 @@ def note_failure(state: RendezvousState, failure: FailureRecord,
 
     Args:
         probe_at: when given (seconds since the epoch), also asks every agent to
-            heart-beat at once (``state.probe_at``, see ``ops.dead_nodes``): the
+            heart-beat at once (``state.probe_at``, see ``liveness.dead_nodes``): the
             reporter waits for that answer before it counts the failure.
     """
     if state.job_failed:
@@ -100,7 +100,7 @@ def answers(state: RendezvousState, round: int, nodes: frozenset[str] | set[str]
     Alive: the node reported ``round``'s failure itself, saw the job's failure,
     waits for the next round or joined it, or heart-beat at or after ``since``
     (seconds since the epoch). Lost: it left ``round`` (a leave, or pruned), or is
-    ``dead`` (``ops.dead_nodes``: it did not answer the probe). The rest have not
+    ``dead`` (``liveness.dead_nodes``: it did not answer the probe). The rest have not
     answered yet.
     """
     known = _root(state)

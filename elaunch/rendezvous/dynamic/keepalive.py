@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from elaunch.rendezvous.api import RendezvousError
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
@@ -131,7 +131,7 @@ class KeepAlive:
         next_beat = time.monotonic() + interval * random.uniform(0.1, 1.0)
         while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
             try:
-                if time.monotonic() < next_beat and not ops.should_answer_probe(self._read(), self._node_id):
+                if time.monotonic() < next_beat and not liveness.should_answer_probe(self._read(), self._node_id):
                     continue
                 next_beat = time.monotonic() + interval
                 with self._stalls.timing():

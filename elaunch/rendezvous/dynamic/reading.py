@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from elaunch.rendezvous.dynamic import merge
+from elaunch.rendezvous.dynamic import liveness, merge
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 
@@ -55,12 +55,12 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
                  fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
     """The running member's monitor read: the state with the heartbeat keys of ``watched`` only.
 
-    ``watched`` is the node itself and its ring neighbours (``ops.ring_neighbours``),
+    ``watched`` is the node itself and its ring neighbours (``liveness.ring_neighbours``),
     so the read is of O(1) keys however large the round (c10d: one ``multi_get`` of
     the state and 3 keys). The other members keep the heartbeat stored in the state,
-    as old as its last write: callers judge only ``watched``'s (``ops.lost_members``).
-    Nodes the monitor's other rules judge (``ops.num_live_waiting``,
-    ``ops.new_nodes``) -- the wait and redundancy lists and nodes outside
+    as old as its last write: callers judge only ``watched``'s (``liveness.lost_members``).
+    Nodes the monitor's other rules judge (``liveness.num_live_waiting``,
+    ``liveness.new_nodes``) -- the wait and redundancy lists and nodes outside
     ``members`` -- get their keys read in a second round trip when their stored
     heartbeat is older than ``fresh_after`` (none while a round runs undisturbed).
 

@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from elaunch.rendezvous.api import RendezvousInfo
-from elaunch.rendezvous.dynamic import ops
+from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.reading import read_watched
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -56,7 +56,7 @@ class RoundView:
     def enter(self, members: frozenset[str]) -> None:
         """This node joined a round of ``members``: watch its ring neighbours from now on."""
         self.members = members
-        self.watched = (self.node_id, *ops.ring_neighbours(members, self.node_id))
+        self.watched = (self.node_id, *liveness.ring_neighbours(members, self.node_id))
 
     def state_written(self) -> None:
         """The backend's watch saw a write: the cached read is stale (called from the watch's thread)."""
@@ -95,8 +95,8 @@ class RoundView:
         return state
 
     def lost(self, state: RendezvousState) -> int:
-        """How many members of this node's round ``state`` shows as gone (``ops.lost_members``); 0 before a round."""
+        """How many members of this node's round ``state`` shows gone (``liveness.lost_members``); 0 before a round."""
         if self.info is None:
             return 0
-        return ops.lost_members(state, self.info.round, self.members, self.node_id, self._settings,
+        return liveness.lost_members(state, self.info.round, self.members, self.node_id, self._settings,
                                 self.watched[1:], self.stalls.ended)

@@ -1,7 +1,7 @@
 """When the store last stalled for this node: the time its peers' silence is counted from.
 
 A running member judges its ring neighbours lost when their heartbeats lag
-(``ops.lost_members``). A lapse counts against a node only while the store
+(``liveness.lost_members``). A lapse counts against a node only while the store
 answered the observer: during an etcd leader election, a slow or frozen
 leader, or a stalled TCPStore host, no node's beat lands, and the node whose
 client happened to be on the unlucky endpoint lands its next one a little

@@ -53,7 +53,7 @@ class RendezvousState:
         last_call_deadline: the hard cap of ``deadline`` (the time ``min_nodes`` was
             reached plus ``last_call_timeout``), seconds since the epoch, or None.
         probe_at: when a waiting node last asked the complete round's participants to
-            prove they are alive (seconds since the epoch), or None; see ``ops.dead_nodes``.
+            prove they are alive (seconds since the epoch), or None; see ``liveness.dead_nodes``.
         restarts: failure restarts the job used (one per failed round); see ``job_ops.py``.
         failure: ``FailureRecord.to_dict()`` of the latest failed round's root cause, or None.
         counted: whether that round's failure was counted in ``restarts`` (False while the
