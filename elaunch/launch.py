@@ -84,8 +84,6 @@ def build_spec(config: LaunchConfig) -> WorkerSpec:
         role=config.role,
         local_world_size=config.nproc_per_node,
         cmd=tuple(config.cmd),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
     )
 
@@ -218,12 +216,9 @@ def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
             omp_num_threads=config.omp_num_threads,
             virtual_local_rank=config.virtual_local_rank,
         ),
-        shutdown_timeout=config.shutdown_timeout,
+        config,
         base_env=base_env,
-        warm_modules=config.warm_start_modules,
-        hang_timeout=config.hang_timeout,
         fork_target=fork_target,
-        event_log_handler=config.event_log_handler,
     )
 
 

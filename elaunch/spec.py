@@ -48,27 +48,21 @@ class WorkerSpec:
     """What to run on this node: the same for every round.
 
     Mirrors ``torch.distributed.elastic.agent.server.WorkerSpec``; the
-    rendezvous handler is given to the agent separately rather than carried here.
+    rendezvous handler is given to the agent separately rather than carried here,
+    and so are the agent's options (``--max-restarts``, ``--monitor-interval``: the
+    launch's ``LaunchConfig``), so that each is held in one place.
 
     Attributes:
         role: role name of the workers (``--role``), ``ROLE_NAME`` in their env.
         local_world_size: number of workers on this node (``--nproc-per-node``), >= 1.
         cmd: argv of one worker, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
             Occurrences of ``${local_rank}`` are replaced per worker.
-        max_restarts: failed-group restarts allowed before the agent gives up (>= 0).
-        monitor_interval: seconds between the agent's checks of what can change while
-            the workers run: a dynamic rendezvous (waiting or lost nodes, the job's
-            facts), progress counters (``--hang-timeout``), D state. Workers' exits
-            and signals wake the agent at once regardless; with none of those checks
-            (standalone, static) it sleeps until then.
         local_addr: this node's address as other nodes reach it, or None for the FQDN.
     """
 
     role: str
     local_world_size: int
     cmd: tuple[str, ...]
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
     local_addr: str | None = None
 
     def worker_cmd(self, local_rank: int) -> list[str]:

@@ -1,8 +1,8 @@
 """The agent's decisions, as pure functions of what it observed (no processes).
 
 ``judge`` turns the workers' exit codes, the rendezvous' waiting count and the
-job's shared state into a verdict; ``next_step`` turns a verdict and the job's
-restart budget into what the agent does next; ``hung_ranks`` is the hang verdict
+job's shared state into a verdict; ``next_step``, the one decision table, turns
+a verdict and the job's restart budget into what the agent does next; ``hung_ranks`` is the hang verdict
 and ``sits_out`` the bad-node exclusion. The loop in ``agent.py`` only observes
 and applies.
 """
@@ -28,12 +28,13 @@ class Verdict(enum.Enum):
 
 
 class Step(enum.Enum):
-    """What the agent does after a group stopped running."""
+    """What the agent does after a group stopped running (:func:`next_step`)."""
 
-    RESTART = "restart"  # failed, budget left: counts one restart
-    REJOIN = "rejoin"  # membership change: restart without counting
-    FINISH_OK = "finish_ok"
-    FINISH_FAILED = "finish_failed"
+    RESTART = "restart"  # a failure, budget left: counts one restart
+    REJOIN = "rejoin"  # membership changed, or a lost member failed the workers: re-form, not counted
+    FINISH_OK = "finish_ok"  # every worker exited 0
+    FINISH_FAILED = "finish_failed"  # no restart left, or the job failed on another node
+    FAIL_AT_ONCE = "fail_at_once"  # a failure no restart fixes: the job fails now, budget or not
 
 
 def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0,
@@ -74,8 +75,9 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
     return Verdict.RUNNING
 
 
-def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: bool = True) -> Step:
-    """Decide what follows a stopped group (``--max-restarts`` semantics of torchrun).
+def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: bool = True,
+              lost: bool = False) -> Step:
+    """The agent's decision table: what follows a stopped group (``--max-restarts`` semantics of torchrun).
 
     Args:
         verdict: SUCCEEDED, FAILED, MEMBERSHIP_CHANGE or JOB_FAILED (RUNNING is not a stop).
@@ -83,51 +85,60 @@ def next_step(verdict: Verdict, restarts_used: int, max_restarts: int, fixable: 
             job's count, shared by every node, where the rendezvous keeps one).
         max_restarts: the budget for the whole job (>= 0).
         fixable: False for a failure no restart can fix (the workers could not be
-            started at all, e.g. a bad script path): then the job fails at once.
+            started at all, e.g. a bad script path; a worker stuck in the kernel).
+        lost: a member of the failed round is gone (``JobState.lost``): the failure
+            is that loss's doing, not the job's.
+
+    Returns:
+        JOB_FAILED -> FINISH_FAILED; SUCCEEDED -> FINISH_OK; MEMBERSHIP_CHANGE ->
+        REJOIN (membership changes do not count as restarts, as under torchrun);
+        FAILED -> FAIL_AT_ONCE when not ``fixable``, REJOIN when ``lost``, else
+        RESTART while ``restarts_used < max_restarts``, FINISH_FAILED after.
 
     Raises:
         ValueError: ``verdict`` is RUNNING.
     """
     if verdict is Verdict.JOB_FAILED:
         return Step.FINISH_FAILED
-    if verdict is Verdict.FAILED and not fixable:
-        return Step.FINISH_FAILED
     if verdict is Verdict.SUCCEEDED:
         return Step.FINISH_OK
     if verdict is Verdict.MEMBERSHIP_CHANGE:
-        # membership changes do not count as restarts (torchrun)
         return Step.REJOIN
     if verdict is Verdict.FAILED:
+        if not fixable:
+            return Step.FAIL_AT_ONCE
+        if lost:
+            return Step.REJOIN
         return Step.RESTART if restarts_used < max_restarts else Step.FINISH_FAILED
     raise ValueError(f"no step follows verdict {verdict}")
 
 
-def exit_grace(hang_timeout: float) -> float:
-    """Seconds an exiting rank is exempt from the hang verdict: ``max(hang_timeout, EXIT_GRACE_MIN)``.
+def exit_grace(timeout: float) -> float:
+    """Seconds an exiting rank is exempt from the hang verdict: ``max(timeout, EXIT_GRACE_MIN)``.
 
-    A teardown is no step of the program, so ``hang_timeout`` (the user's bound on
-    the gap between two steps) alone would be too tight where it is short; and a
-    teardown longer than both is not one the machine's load explains.
+    A teardown is no step of the program, so ``timeout`` (``--hang-timeout``, the
+    user's bound on the gap between two steps) alone would be too tight where it is
+    short; and a teardown longer than both is not one the machine's load explains.
     """
-    return max(hang_timeout, EXIT_GRACE_MIN)
+    return max(timeout, EXIT_GRACE_MIN)
 
 
 def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[int, int | None],
-               hang_timeout: float, exiting: Mapping[int, float] | None = None) -> list[int]:
+               timeout: float, exiting: Mapping[int, float] | None = None) -> list[int]:
     """Return the local ranks that hang (sorted): the hang verdict of ``--hang-timeout``.
 
     Args:
         progress: local rank -> (it called ``elaunch.progress()`` at least once,
             seconds since its counter last changed).
         exit_codes: local rank -> exit code, None while running (exited ranks do not hang).
-        hang_timeout: seconds without progress that make a rank hung; 0 = off.
+        timeout: ``--hang-timeout``, seconds without progress that make a rank hung; 0 = off.
         exiting: local rank -> seconds since the agent first saw that rank's worker
             start to exit (its interpreter ran the exit mark that
             ``elaunch.progress()`` registers) while it is still alive.
 
     Returns:
         The running ranks that reported progress once and then not for more than
-        ``hang_timeout`` seconds. A rank that never reported is not judged (it may
+        ``timeout`` seconds. A rank that never reported is not judged (it may
         not call ``elaunch.progress()`` at all). Nothing is judged after a rank of
         the node failed (exited non-zero or by a signal: that failure is the root
         cause, its peers' quiet is its doing); the exit codes then decide. While a
@@ -135,16 +146,16 @@ def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[i
         for :func:`exit_grace` seconds (its teardown takes seconds on a loaded
         machine, and its peers may wait on it), then hung in its teardown.
     """
-    if hang_timeout <= 0:
+    if timeout <= 0:
         return []
     if any(c is not None and c != 0 for c in exit_codes.values()):
         return []
     exiting = {lr: s for lr, s in (exiting or {}).items() if exit_codes.get(lr, 0) is None}
     if exiting:
         # its peers' quiet may be waiting on it: the exiting rank is the one to judge
-        return sorted(lr for lr, seconds in exiting.items() if seconds > exit_grace(hang_timeout))
+        return sorted(lr for lr, seconds in exiting.items() if seconds > exit_grace(timeout))
     return sorted(lr for lr, (reported, quiet) in progress.items()
-                  if reported and quiet > hang_timeout and exit_codes.get(lr) is None)
+                  if reported and quiet > timeout and exit_codes.get(lr) is None)
 
 
 def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, min_nodes: int,

@@ -4,7 +4,8 @@ What one agent learns that ends or restarts the job goes through the rendezvous,
 where every agent's monitor already looks: the job's restart count (one per failed
 round, whichever node saw it), the verdict that the job failed with its root
 cause, and the bad-node exclusion. :class:`JobView` applies the pure decisions of
-``decide.py`` through the handler's job channel (``RendezvousHandler.job_channel()``);
+``decide.py`` through the handler's job channel (``RendezvousHandler.job_channel()``)
+and is the one owner of the restart budget (``--max-restarts`` and the job's count);
 handlers without job state (static, standalone) make it count alone, as torchrun's
 agent does.
 """
@@ -29,7 +30,7 @@ log = logging.getLogger("elaunch.agent")
 
 
 class JobView:
-    """Reads and writes the job's shared facts for one agent.
+    """Reads and writes the job's shared facts for one agent; owns the job's restart budget.
 
     Args:
         rdzv: the rendezvous handler (the job's facts go through its ``job_channel()``;
@@ -41,13 +42,17 @@ class JobView:
 
     Attributes:
         state: the job's facts as last read (empty until a backend with job state answers).
+        max_restarts: the job's budget of failure restarts (>= 0).
+        restarts: the job's failure restarts so far: the rendezvous' count where it keeps
+            one (:meth:`joined`, :meth:`decide`), else this agent's own.
     """
 
     def __init__(self, rdzv: RendezvousHandler, max_restarts: int, interval: float = 0.1,
                  sleep=time.sleep) -> None:
         self._rdzv = rdzv
         self._channel = rdzv.job_channel()
-        self._max_restarts = max_restarts
+        self.max_restarts = max_restarts
+        self.restarts = 0
         self._interval = interval
         self._sleep = sleep
         self._fresh_after = 0  # the job's restarts when this node last came back from sitting out
@@ -71,50 +76,78 @@ class JobView:
             return None
         return job.failure
 
-    def count_failure(self, record: FailureRecord, restarts: int) -> tuple[Step, int, FailureRecord]:
-        """Count a failed round for the job; on a spent budget declare the job failed.
+    @property
+    def left(self) -> int:
+        """Failure restarts the job has left (``max_restarts - restarts``; <= 0: none)."""
+        return self.max_restarts - self.restarts
+
+    def joined(self, restart_count: int | None) -> None:
+        """A round formed: take the job's count from it (``RendezvousInfo.restart_count``; None: none kept)."""
+        if restart_count is not None:
+            self.restarts = restart_count
+
+    def decide(self, verdict: Verdict, record: FailureRecord | None = None,
+               fixable: bool = True) -> tuple[Step, FailureRecord | None]:
+        """What follows a stopped group: :func:`~elaunch.agent.decide.next_step` on the job's budget.
+
+        A fixable failure (``verdict`` FAILED with this node's ``record``) is counted for
+        the job first (:meth:`_count`); every other stop is decided on the count as it is.
 
         Args:
-            record: the round's root cause as this node saw it.
-            restarts: the restarts this agent knows of (used where the backend keeps no count).
+            verdict: why the group stopped (not RUNNING).
+            record: the round's root cause as this node saw it (a FAILED verdict).
+            fixable: False for a failure no restart fixes.
 
         Returns:
-            (RESTART, FINISH_FAILED, or REJOIN when a lost member of the round caused
-            the failure (``JobState.lost``: not counted); the job's restarts after
-            it; the job's root cause).
+            (the step; the job's root cause of a counted failure, else ``record``).
 
         Raises:
             RendezvousError: the rendezvous could not be written.
         """
+        if verdict is not Verdict.FAILED or not fixable:
+            return next_step(verdict, self.restarts, self.max_restarts, fixable), record
+        return self._count(record)
+
+    def _count(self, record: FailureRecord) -> tuple[Step, FailureRecord]:
+        """Count a failed round for the job; on a spent budget declare the job failed.
+
+        Returns:
+            (RESTART, FINISH_FAILED, or REJOIN when a lost member of the round caused
+            the failure (``JobState.lost``: not counted); the job's root cause).
+            :attr:`restarts` is the job's count after it.
+        """
         job = self._channel.record_failure(record)
-        if job is not None:
+        if job is None:  # no job state: this agent counts alone (static, standalone)
+            used, lost = self.restarts, False
+        else:
             self.state = job
             if job.failed:  # declared failed by another node meanwhile
                 self._channel.acknowledge_failure()
-                return Step.FINISH_FAILED, job.restarts, job.failure or record
-            if job.lost:  # a node loss, not a failure of the job: re-form, uncounted
-                return Step.REJOIN, job.restarts, record
-            used = job.restarts - 1  # before this round's failure
-        else:
-            used = restarts  # no job state: this agent counts alone (static, standalone)
-        step = next_step(Verdict.FAILED, used, self._max_restarts)
+                self.restarts = job.restarts
+                return Step.FINISH_FAILED, job.failure or record
+            used, lost = job.restarts - 1, bool(job.lost)  # before this round's failure
+        step = next_step(Verdict.FAILED, used, self.max_restarts, lost=lost)
+        if step is Step.REJOIN:  # a node loss, not a failure of the job: re-form, uncounted
+            self.restarts = job.restarts
+            return step, record
         if step is Step.FINISH_FAILED:
-            return step, used, self._channel.fail_job(record)
-        root = job.failure if job is not None and job.failure is not None else record
-        return step, used + 1, root
+            self.restarts = used
+            return step, self._channel.fail_job(record)
+        self.restarts = used + 1
+        return step, job.failure if job is not None and job.failure is not None else record
 
     def fail(self, record: FailureRecord) -> FailureRecord:
         """Declare the job failed at once (a failure no restart fixes); return the job's root cause."""
         return self._channel.fail_job(record)
 
-    def failed_elsewhere(self, root: FailureRecord | None, restarts: int) -> RunResult:
+    def failed_elsewhere(self, root: FailureRecord | None) -> RunResult:
         """The job failed on another node: acknowledge it and report its root cause."""
         self._channel.acknowledge_failure()
         if root is None:  # failed without a record: say so rather than invent one
             root = FailureRecord(round=-1, at=time.time(), host="<unknown>", message="the job was declared failed")
         log.info("the job failed on %s (rank %d, exitcode %d); this node's workers are stopped",
                  root.host, root.rank, root.exitcode)
-        return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=restarts,
+        return RunResult(WorkerState.FAILED, failures={root.rank: from_record(root)}, restarts=self.restarts,
                          root_rank=root.rank)
 
     def succeed(self) -> None:
@@ -124,15 +157,12 @@ class JobView:
         except RendezvousError as exc:  # the job did succeed; only the watchers may not hear of it
             log.warning("could not publish the job's success: %s", exc)
 
-    def sit_out_if_blamed(self, restarts: int) -> RunResult | None:
+    def sit_out_if_blamed(self) -> RunResult | None:
         """Bad-node exclusion: sit out ``exclude_cooldown`` seconds when ``decide.sits_out`` says so.
 
         Leaves the round (the others re-form without this node) and watches the job
         every ``interval`` seconds meanwhile, as a spare does: when the others end
         it, this node ends too, at once. A handled signal still interrupts the wait.
-
-        Args:
-            restarts: the job's restarts so far (for the result, should the job end).
 
         Returns:
             None: this node did not sit out, or sat the cooldown out and rejoins now.
@@ -159,7 +189,7 @@ class JobView:
             self._rdzv.leave(rejoin=True)
         end = self._watch_while_out(job.exclude_cooldown)
         if end is not None:
-            return self._ended_while_out(end, restarts)
+            return self._ended_while_out(end)
         self._rdzv.leave(rejoin=True)  # no longer sitting out: rejoin
         self._fresh_after = job.restarts  # a new streak starts from here
         log.warning("exclusion over after %g s; rejoining the job", job.exclude_cooldown)
@@ -185,16 +215,16 @@ class JobView:
                     return job
         return None
 
-    def _ended_while_out(self, job: JobState, restarts: int) -> RunResult:
+    def _ended_while_out(self, job: JobState) -> RunResult:
         """The job ended while this node sat out: its result here (see :meth:`sit_out_if_blamed`)."""
         if job.failed:
             # OUT -> FAILED: the job failed on another node (acknowledged: that node waits for it)
-            return self.failed_elsewhere(job.failure, restarts)
+            return self.failed_elsewhere(job.failure)
         self._rdzv.leave(rejoin=True)  # out of the state: the node that ended the job waits for that
         if job.succeeded:
             # OUT -> SUCCEEDED: the others finished the job
             log.warning("the job succeeded while this node sat out; nothing left to run")
-            return RunResult(WorkerState.SUCCEEDED, restarts=restarts)
+            return RunResult(WorkerState.SUCCEEDED, restarts=self.restarts)
         raise RendezvousClosedError("the rendezvous was closed while this node sat out, without the job's "
                                     "success or failure (another node ended it on an error)")
 

@@ -1,7 +1,7 @@
 """Watching one attempt's workers until the group is no longer RUNNING.
 
 Mirrors the monitoring half of torch's ``SimpleElasticAgent._invoke_run`` (its
-``_monitor_workers`` every ``monitor_interval``, then ``num_nodes_waiting``), and
+``_monitor_workers`` every ``--monitor-interval``, then ``num_nodes_waiting``), and
 adds what elaunch watches besides: the job's facts in the rendezvous (a failure
 or verdict published by another node), and its watchdogs
 (:class:`~elaunch.agent.watchdog.Watchdog`: hangs, workers stuck in the kernel,
@@ -106,31 +106,7 @@ class GroupMonitor:
                 if alarm is not None and self._raise(alarm, procs):
                     # HEALTHY -> FAILED: a watchdog found running workers failed
                     return Verdict.FAILED
-            verdict = judge(codes, 0, job_failed=job.failed)
-            if verdict is Verdict.FAILED:
-                new = self._new_nodes()
-                verdict = judge(codes, 0, new)
-                if verdict is Verdict.MEMBERSHIP_CHANGE:
-                    log.warning(
-                        "workers exited (%s) while %d new node(s) joined; re-forming the group"
-                        " (a scale-up, not counted as a restart)", describe_exits(codes), new,
-                    )
-            elif verdict is Verdict.RUNNING and failed_elsewhere(job, group.round):
-                verdict = judge(codes, 0, round_failed=True)
-                log.warning("round %d failed on %s (rank %d, reported through the rendezvous); stopping this "
-                            "node's workers to re-form the group", job.failure.round, job.failure.host,
-                            job.failure.rank)
-            elif verdict is Verdict.RUNNING:
-                waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.job_channel().num_nodes_lost()
-                verdict = judge(codes, waiting + lost)
-                if verdict is Verdict.MEMBERSHIP_CHANGE:
-                    log.warning(
-                        "membership changed (%d node(s) waiting to join, %d lost); re-forming the group"
-                        " (not counted as a restart)", waiting, lost,
-                    )
-            elif verdict is Verdict.JOB_FAILED and job.failure is not None:
-                log.warning("the job failed on %s (rank %d); stopping this node's workers",
-                            job.failure.host, job.failure.rank)
+            verdict = self._judge(codes, job, group.round)
             if verdict is not Verdict.RUNNING:
                 return verdict
             procs.wait(timeout if self._errors_loaded or timeout is not None else self._interval)
@@ -138,6 +114,39 @@ class GroupMonitor:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
                 importlib.import_module("elaunch.errors")
                 self._errors_loaded = True
+
+    def _judge(self, codes: dict[int, int | None], job: JobState, round: int) -> Verdict:
+        """One look's verdict (``decide.judge``): the exits, then new nodes, the job's facts, membership.
+
+        Logs why the group stops when it does (a scale-up, a round failed elsewhere,
+        a membership change, the job failed elsewhere).
+        """
+        verdict = judge(codes, 0, job_failed=job.failed)
+        if verdict is Verdict.FAILED:
+            new = self._new_nodes()
+            verdict = judge(codes, 0, new)
+            if verdict is Verdict.MEMBERSHIP_CHANGE:
+                log.warning(
+                    "workers exited (%s) while %d new node(s) joined; re-forming the group"
+                    " (a scale-up, not counted as a restart)", describe_exits(codes), new,
+                )
+        elif verdict is Verdict.RUNNING and failed_elsewhere(job, round):
+            verdict = judge(codes, 0, round_failed=True)
+            log.warning("round %d failed on %s (rank %d, reported through the rendezvous); stopping this "
+                        "node's workers to re-form the group", job.failure.round, job.failure.host,
+                        job.failure.rank)
+        elif verdict is Verdict.RUNNING:
+            waiting, lost = self._rdzv.num_nodes_waiting(), self._rdzv.job_channel().num_nodes_lost()
+            verdict = judge(codes, waiting + lost)
+            if verdict is Verdict.MEMBERSHIP_CHANGE:
+                log.warning(
+                    "membership changed (%d node(s) waiting to join, %d lost); re-forming the group"
+                    " (not counted as a restart)", waiting, lost,
+                )
+        elif verdict is Verdict.JOB_FAILED and job.failure is not None:
+            log.warning("the job failed on %s (rank %d); stopping this node's workers",
+                        job.failure.host, job.failure.rank)
+        return verdict
 
     def polls(self) -> bool:
         """True when something must be looked at every ``interval`` seconds, not only on a child's exit.
@@ -147,7 +156,7 @@ class GroupMonitor:
         failures and verdicts, stack-dump requests from ``elaunch status``),
         or a watchdog that polls. Standalone and static
         rendezvous have neither membership changes nor job state: torch's agent
-        polls their ``num_nodes_waiting`` (always 0) every ``monitor_interval``.
+        polls their ``num_nodes_waiting`` (always 0) every ``--monitor-interval``.
         """
         return (any(w.polls for w in self._watchdogs) or self._rdzv.can_reform
                 or self._rdzv.job_channel().keeps_job_state)

@@ -89,7 +89,7 @@ def test_inconsistent_rendezvous_is_rejected(nodes, rank, world):
 
 
 def _group():
-    spec = WorkerSpec(role="trainer", local_world_size=2, cmd=("python", "x.py"), max_restarts=3)
+    spec = WorkerSpec(role="trainer", local_world_size=2, cmd=("python", "x.py"))
     return WorkerGroup(spec=spec, group_rank=1, group_world_size=2, master_addr="10.0.0.1", master_port=1234)
 
 

@@ -387,7 +387,8 @@ def test_judge_a_round_failed_elsewhere(codes, failed, hung, expected):
         (Verdict.JOB_FAILED, 0, 5, True, Step.FINISH_FAILED),  # budget left: the job failed anyway
         (Verdict.JOB_FAILED, 0, 0, True, Step.FINISH_FAILED),
         (Verdict.JOB_FAILED, 0, 5, False, Step.FINISH_FAILED),
-        (Verdict.FAILED, 0, 5, False, Step.FINISH_FAILED),  # no restart fixes it
+        (Verdict.FAILED, 0, 5, False, Step.FAIL_AT_ONCE),  # no restart fixes it, budget or not
+        (Verdict.FAILED, 5, 5, False, Step.FAIL_AT_ONCE),
         (Verdict.FAILED, 0, 5, True, Step.RESTART),
         (Verdict.FAILED, 5, 5, True, Step.FINISH_FAILED),
         (Verdict.SUCCEEDED, 0, 0, False, Step.FINISH_OK),  # fixable only matters for a failure
@@ -396,6 +397,12 @@ def test_judge_a_round_failed_elsewhere(codes, failed, hung, expected):
 )
 def test_next_step_job_failed_and_unfixable(verdict, used, budget, fixable, expected):
     assert next_step(verdict, used, budget, fixable=fixable) is expected
+
+
+@pytest.mark.parametrize("used, budget", [(0, 5), (5, 5)])
+def test_next_step_rejoins_uncounted_when_a_lost_member_failed_the_round(used, budget):
+    assert next_step(Verdict.FAILED, used, budget, lost=True) is Step.REJOIN
+    assert next_step(Verdict.FAILED, used, budget, fixable=False, lost=True) is Step.FAIL_AT_ONCE
 
 
 def test_next_step_rejects_running_even_unfixable():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elaunch.agent.decide import Step
+from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.job import JobView
 from elaunch.agent.published import publish
 from elaunch.rendezvous.api import FailureRecord, JobState, NodeInfo
@@ -60,21 +60,34 @@ def test_the_dynamic_handler_hands_out_one_channel_named_after_its_node():
 @pytest.mark.parametrize("max_restarts, step, used", [(1, Step.RESTART, 1), (0, Step.FINISH_FAILED, 0)])
 def test_jobview_counts_a_failure_once_through_the_channel(max_restarts, step, used):
     channel = InMemoryJobChannel()
-    got = JobView(_Handler(channel), max_restarts).count_failure(_rec(0), restarts=0)
-    assert got[:2] == (step, used) and channel.job.restarts == 1
+    view = JobView(_Handler(channel), max_restarts)
+    got = view.decide(Verdict.FAILED, _rec(0))
+    assert (got[0], view.restarts, view.left) == (step, used, max_restarts - used) and channel.job.restarts == 1
     assert channel.job.failed is (step is Step.FINISH_FAILED)
+
+
+def test_jobview_counts_alone_without_job_state_and_decides_other_stops_on_its_budget():
+    view = JobView(StandaloneRendezvous("r", NodeInfo("127.0.0.1")), 1)
+    assert view.decide(Verdict.FAILED, _rec(0)) == (Step.RESTART, _rec(0)) and (view.restarts, view.left) == (1, 0)
+    view.joined(None)  # a round without the job's count keeps the agent's own
+    assert view.decide(Verdict.FAILED, _rec(1)) == (Step.FINISH_FAILED, _rec(1)) and view.restarts == 1
+    assert view.decide(Verdict.FAILED, None, fixable=False)[0] is Step.FAIL_AT_ONCE
+    assert [view.decide(v)[0] for v in (Verdict.SUCCEEDED, Verdict.MEMBERSHIP_CHANGE, Verdict.JOB_FAILED)] == [
+        Step.FINISH_OK, Step.REJOIN, Step.FINISH_FAILED]
+    assert view.restarts == 1
 
 
 def test_jobview_rejoins_uncounted_when_a_lost_member_caused_the_failure():
     channel = InMemoryJobChannel()
     channel.lost = ("b",)
-    assert JobView(_Handler(channel), 3).count_failure(_rec(0), restarts=0)[0] is Step.REJOIN
-    assert channel.job.restarts == 0
+    view = JobView(_Handler(channel), 3)
+    assert view.decide(Verdict.FAILED, _rec(0))[0] is Step.REJOIN
+    assert channel.job.restarts == view.restarts == 0
 
 
 def test_jobview_acknowledges_a_job_failed_elsewhere():
     channel = InMemoryJobChannel(job=JobState(failed=True, closed=True, failure=_rec(2, rank=5)))
-    step, _, root = JobView(_Handler(channel), 3).count_failure(_rec(2), restarts=0)
+    step, root = JobView(_Handler(channel), 3).decide(Verdict.FAILED, _rec(2))
     assert (step, root.rank) == (Step.FINISH_FAILED, 5) and channel.calls[-1] == "acknowledge_failure"
 
 
@@ -83,8 +96,9 @@ def test_jobview_publishes_success_and_reads_the_channel():
     view = JobView(_Handler(channel), 0)
     view.succeed()
     assert view.read().succeeded and view.state.node == "node0"
-    result = view.failed_elsewhere(_rec(0, rank=2), restarts=1)
-    assert result.state is WorkerState.FAILED and result.root_rank == 2
+    view.joined(1)
+    result = view.failed_elsewhere(_rec(0, rank=2))
+    assert result.state is WorkerState.FAILED and result.root_rank == 2 and result.restarts == 1
 
 
 def test_no_capability_is_probed_with_getattr_on_a_handler_or_backend():
