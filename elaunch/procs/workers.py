@@ -7,11 +7,10 @@ Improvements over torch: exits wake ``wait()`` at once (pidfds), the whole
 process tree is signalled (group, session and descendants, including children
 that called ``setsid``), every worker gets ``PR_SET_PDEATHSIG=SIGKILL``, and an
 optional :class:`~elaunch.procs.reaper.Reaper` covers ``kill -9`` of the agent.
-With a reaper the agent is also a child subreaper, so a ``setsid`` child of a
-worker that exited at once is re-parented to the agent and still stopped: it is
-found then by the worker's env entries it carries, and ``wait()`` does no
-periodic work at all. Without one (no reaper, or not Linux) ``wait()`` snapshots
-the trees every ``SNAPSHOT_INTERVAL`` seconds to remember such children.
+Which processes make up the trees, orphans the agent adopted included, is
+:class:`~elaunch.procs.worker_trees.WorkerTrees`; with a reaper ``wait()`` does no
+periodic work at all, without one it snapshots the trees every
+``worker_trees.SNAPSHOT_INTERVAL`` seconds.
 
 No torch import here: the agent imports this module.
 """
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 from . import _proctree
 from .spawn import _SIGKILL, become_subreaper, marker_entries, popen_worker
 from .tee import Tee, follows_for
+from .worker_trees import WorkerTrees
 
 if TYPE_CHECKING:
     from .forked import ForkedProcess
@@ -39,22 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Seconds between snapshots of the worker trees (to remember children that left), when
-#: the agent is no child subreaper.
-SNAPSHOT_INTERVAL = 1.0
 #: Seconds to wait for SIGKILLed processes to vanish before giving up on them
 #: (a process in uninterruptible sleep cannot die; torch gives up the same way).
 KILL_TIMEOUT = 10.0
 #: Polling period (seconds) of wait() where pidfds are unavailable.
 FALLBACK_POLL = 0.05
-
-
-def _environ(pid: int) -> set[bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return set(f.read().split(b"\0"))
-    except OSError:
-        return set()
 
 
 class WorkerProcesses:
@@ -67,16 +56,14 @@ class WorkerProcesses:
         pids: local rank -> worker pid (also its process group and session id).
     """
 
-    def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, reaper: "Reaper | None") -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, trees: WorkerTrees) -> None:
         self._procs = procs
         self.pids = {lr: p.pid for lr, p in procs.items()}
         self._tee = tee
-        self._reaper = reaper
         self._codes: dict[int, int | None] = dict.fromkeys(procs)
         self._times: dict[int, float] = {}
         self._reported: set[int] = set()
-        self._known: set[tuple[int, int]] = set()
-        self._next_snapshot = time.monotonic() + 0.2  # made inf once the agent is a child subreaper
+        self._trees = trees
         self._stopped = False
         self._closed = False
         self._pidfds: dict[int, int] = {}
@@ -88,8 +75,6 @@ class WorkerProcesses:
                     os.close(fd)
                 self._pidfds = {}
                 break
-        self._markers: list[frozenset[bytes]] = []  # per worker: the env entries its descendants inherit
-        self._adopted: set[int] = set()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -143,15 +128,14 @@ class WorkerProcesses:
                 follows_for(logs.tee_stdout, sys.stdout, prefixes)
                 + follows_for(logs.tee_stderr, sys.stderr, prefixes, logs.unprefixed)
             ).start()
-            self = cls(procs, tee, reaper)
-            self._markers = [marker_entries(envs[lr]) for lr in procs]
+            trees = WorkerTrees({lr: p.pid for lr, p in procs.items()},
+                                [marker_entries(envs[lr]) for lr in procs], reaper, subreaper)
+            self = cls(procs, tee, trees)
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)
                 p.wait()
             raise
-        if subreaper:
-            self._next_snapshot = float("inf")  # orphans come to the agent: no snapshot needed
         return self
 
     # ---------------------------------------------------------------- watching
@@ -202,11 +186,11 @@ class WorkerProcesses:
             if self._unreported() or all(c is not None for c in self._codes.values()):
                 return True
             now = time.monotonic()
-            if now >= self._next_snapshot:
-                self._snapshot()
+            if now >= self._trees.next_snapshot:
+                self._trees.snapshot(self._unreaped_groups())
             if now >= deadline:
                 return False
-            step = min(deadline, self._next_snapshot) - now
+            step = min(deadline, self._trees.next_snapshot) - now
             if self._block(None if step == float("inf") else max(step, 0.0)):
                 self._refresh()
                 return self._unreported() or all(c is not None for c in self._codes.values())
@@ -248,48 +232,8 @@ class WorkerProcesses:
         except OSError:
             pass
 
-    def _snapshot(self) -> None:
-        """Remember every process of the trees, so children that leave them are still found."""
-        self._known = {p.key for p in self._family().values()}  # includes live known ones
-        self._next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL
-
     def _family(self) -> dict[int, _proctree.Proc]:
-        table = _proctree.scan()
-        roots = [self.pids[lr] for lr, c in self._codes.items() if c is None]
-        roots += self._orphans(table)
-        return _proctree.tree(table, roots=roots, groups=self.pids.values(), known=self._known)
-
-    def _orphans(self, table: dict[int, _proctree.Proc]) -> list[int]:
-        """Descendants of our workers the agent adopted (see :func:`~elaunch.procs.spawn.become_subreaper`).
-
-        Children of the agent it did not start, carrying a worker's env entries
-        (run id, error file, ranks, master port). Each is also given to the reaper,
-        which kills it if the agent is killed.
-        """
-        me, ours = os.getpid(), set(self.pids.values())
-        if self._reaper is not None:
-            ours.add(self._reaper.pid)
-        found = []
-        for p in table.values():
-            if p.ppid != me or p.pid in ours:
-                continue
-            if p.pid in self._adopted or any(m and m <= _environ(p.pid) for m in self._markers):
-                found.append(p.pid)
-        new = set(found) - self._adopted
-        if new and self._reaper is not None:
-            self._reaper.watch(new)
-        self._adopted |= new
-        return found
-
-    def _reap_adopted(self) -> None:
-        """Collect the exit status of adopted orphans that died (they are the agent's children now)."""
-        for pid in list(self._adopted):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                self._adopted.discard(pid)
+        return self._trees.family(self._unreaped_groups())
 
     # ---------------------------------------------------------------- stopping
 
@@ -342,9 +286,7 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 log.error("worker %d could not be reaped", p.pid)
         self._refresh()
-        self._reap_adopted()
-        if self._reaper is not None:
-            self._reaper.forget([*self.pids.values(), *self._adopted])
+        self._trees.release()
         self._stopped = True
 
     def _send(self, fam: dict[int, _proctree.Proc], sig: int) -> None:
