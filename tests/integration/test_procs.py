@@ -357,26 +357,19 @@ def test_a_forked_worker_whose_before_run_raised_never_runs(tmp_path):
     assert not ran.exists()
 
 
-def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked(monkeypatch):
-    """A handled signal raised inside the interpreter's at-fork hooks (Popen runs them for its
-    preexec_fn) was printed and dropped there: the signal was lost, and logging's module lock,
-    which the hook was about to release, stayed held by the main thread for good (a CI run then
-    hung in another thread's log call). The exception must come out of the start instead."""
-    import logging
+class Handled(Exception):
+    """What the pelting handler raises (deferred inside a start, see ``procs.deferral``)."""
+
+
+def pelted_starts(start, times: int, period: float) -> int:
+    """Call ``start()`` ``times`` times while a thread pelts this process with a handled SIGUSR1
+    every ``period`` s; the handler raises :class:`Handled` once per start. Returns how many raised."""
     import threading
 
     from elaunch.procs.deferral import raise_or_defer
-    from elaunch.procs.spawn import popen_worker
 
-    class Handled(Exception):
-        pass
-
-    dropped, procs = [], []
     starting = [False]  # the handler raises only during a start, once
     stop = threading.Event()
-    hook = sys.unraisablehook
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u) if isinstance(u.exc_value, Handled)
-                        else hook(u))
 
     def handler(signum, frame):
         if starting[0]:
@@ -384,7 +377,7 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
             raise_or_defer(Handled())
 
     def pelt():  # process-directed: the kernel hands it to a thread that does not block it
-        while not stop.wait(0.0005):
+        while not stop.wait(period):
             os.kill(os.getpid(), signal.SIGUSR1)
 
     previous = signal.signal(signal.SIGUSR1, handler)
@@ -392,10 +385,10 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
     pelter.start()
     raised = 0
     try:
-        for _ in range(150):
+        for _ in range(times):
             starting[0] = True
             try:
-                procs.append(popen_worker(["true"], dict(os.environ), os.devnull, os.devnull))
+                start()
                 starting[0] = False
             except Handled:
                 raised += 1
@@ -403,6 +396,26 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
         stop.set()
         pelter.join()
         signal.signal(signal.SIGUSR1, previous)
+    return raised
+
+
+def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked(monkeypatch):
+    """A handled signal raised inside the interpreter's at-fork hooks (Popen runs them for its
+    preexec_fn) was printed and dropped there: the signal was lost, and logging's module lock,
+    which the hook was about to release, stayed held by the main thread for good (a CI run then
+    hung in another thread's log call). The exception must come out of the start instead."""
+    import logging
+
+    from elaunch.procs.spawn import popen_worker
+
+    dropped, procs = [], []
+    hook = sys.unraisablehook
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u) if isinstance(u.exc_value, Handled)
+                        else hook(u))
+    try:
+        raised = pelted_starts(lambda: procs.append(popen_worker(["true"], dict(os.environ), os.devnull,
+                                                                 os.devnull)), 150, 0.0005)
+    finally:
         for p in procs:
             p.wait()
     assert (dropped, logging._lock._is_owned()) == ([], False)
@@ -412,47 +425,18 @@ def test_signals_pelting_worker_starts_are_never_lost_and_leave_logging_unlocked
 def test_signals_pelting_forked_starts_leak_no_descriptor():
     """A handled signal's exception may end a forked start at any point: every descriptor the
     start opened (the log files, the handshake pipes) is closed, and no child is left behind."""
-    import threading
-
-    from elaunch.procs.deferral import raise_or_defer
     from elaunch.procs.forked import fork_worker
-
-    class Handled(Exception):
-        pass
-
-    starting = [False]
-    stop = threading.Event()
-
-    def handler(signum, frame):
-        if starting[0]:
-            starting[0] = False
-            raise_or_defer(Handled())
-
-    def pelt():
-        while not stop.wait(0.0002):
-            os.kill(os.getpid(), signal.SIGUSR1)
 
     def open_fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
 
-    before = open_fds()
-    previous = signal.signal(signal.SIGUSR1, handler)
-    pelter = threading.Thread(target=pelt, daemon=True)
-    pelter.start()
-    raised = 0
+    before, procs = open_fds(), []
     try:
-        for _ in range(300):
-            starting[0] = True
-            try:
-                proc = fork_worker(lambda: 0, dict(os.environ), os.devnull, os.devnull)
-                starting[0] = False
-                proc.wait()
-            except Handled:
-                raised += 1
+        raised = pelted_starts(lambda: procs.append(fork_worker(lambda: 0, dict(os.environ), os.devnull,
+                                                                os.devnull)), 300, 0.0002)
     finally:
-        stop.set()
-        pelter.join()
-        signal.signal(signal.SIGUSR1, previous)
+        for p in procs:
+            p.wait()
     assert raised  # the signals did land during starts
     leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
               if os.path.exists(f"/proc/self/fd/{fd}")}
