@@ -187,10 +187,6 @@ class C10dBackend(RendezvousBackend):
         data = values[0]
         return (None if data == _EMPTY else data), data, _heartbeats(nodes, values[1:])
 
-    @property
-    def supports_node_keys(self) -> bool:
-        return True
-
     def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
         with _translated(self._endpoint, f"writing {kind}/{node_id}"):
             self._store.set(f"{self._prefix}/{kind}/{node_id}", data)

@@ -166,7 +166,6 @@ def test_v3_a_few_nodes_read_judges_only_their_presence(etcd_v3):
 
 
 def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
-    assert backend.supports_node_keys
     backend.set_state(b"state", None)
     assert backend.get_node_keys("agent", ["n1", "n2"]) == {}  # none written: left out, no wait
     backend.put_node_key("agent", "n1", b'{"round": 0}')

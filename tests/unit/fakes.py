@@ -27,10 +27,17 @@ class InMemoryBackend(RendezvousBackend):
         self._data: bytes | None = None
         self._version = 0
         self.writes = 0
+        self.node_keys: dict[tuple[str, str], bytes] = {}
 
     @property
     def name(self) -> str:
         return "in-memory"
+
+    def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
+        self.node_keys[kind, node_id] = data
+
+    def get_node_keys(self, kind: str, nodes):
+        return {n: self.node_keys[kind, n] for n in nodes if (kind, n) in self.node_keys}
 
     def get_state(self):
         with self._lock:

@@ -276,3 +276,12 @@ def test_the_node_that_ends_the_job_waits_for_a_node_sitting_out(world_factory):
     b.leave(rejoin=True)
     assert done.result(timeout=5) is True
     assert w.state().sitting_out == set()
+
+
+def test_the_job_channel_publishes_node_records_beside_the_state(world_factory):
+    """Node keys are part of every backend: a record lands in the node's key, the state is not written."""
+    w = world_factory(1, 1)
+    a = w.handler("ha")
+    a.job_channel().publish_node_record("agent", {"pid": 7, "round": 0})
+    assert w.backend.get_node_keys("agent", [a.node_id, "other"]) == {a.node_id: b'{"pid":7,"round":0}'}
+    assert w.backend.writes == 0

@@ -148,37 +148,29 @@ class RendezvousBackend(abc.ABC):
         """
         raise NotImplementedError(f"{self.name}: no heartbeat keys")
 
-    # -- optional: small per-node documents for `elaunch status` (not the state) -------------
+    # -- small per-node documents for `elaunch status` (not the state; every backend) -------
 
-    @property
-    def supports_node_keys(self) -> bool:
-        """True when :meth:`put_node_key` / :meth:`get_node_keys` work (c10d, etcd-v2, etcd-v3).
+    @abc.abstractmethod
+    def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
+        """Write (or overwrite) ``node_id``'s document of ``kind`` (``"agent"``, ``"stacks"``).
 
         These keys sit beside the state (``{prefix}/{kind}/{node}``), never in it:
         writing one changes no round. Each node overwrites its own key, so their
         number is bounded by the nodes the job ever had (etcd: on the state's TTL).
-        """
-        return False
-
-    def put_node_key(self, kind: str, node_id: str, data: bytes) -> None:
-        """Write (or overwrite) ``node_id``'s document of ``kind`` (``"agent"``, ``"stacks"``).
 
         Raises:
-            NotImplementedError: no node keys (``supports_node_keys`` is False).
             RendezvousConnectionError: the backend cannot be reached.
         """
-        raise NotImplementedError(f"{self.name}: no node keys")
 
+    @abc.abstractmethod
     def get_node_keys(self, kind: str, nodes: Sequence[str]) -> dict[str, bytes]:
         """Return the documents of ``kind`` that ``nodes`` wrote; a node that wrote none is left out.
 
         Never waits for a key to appear.
 
         Raises:
-            NotImplementedError: no node keys.
             RendezvousConnectionError: the backend cannot be reached.
         """
-        raise NotImplementedError(f"{self.name}: no node keys")
 
     # -- optional: a watch on the state (etcd-v3 has one) --------------------------------
 

@@ -36,7 +36,8 @@ LEFT_FOR_GOOD = 0.5
 Tolerate = Callable[[Callable[[], Any], Any], Any]
 
 
-def _call(read: Callable[[], Any], fallback: Any) -> Any:
+def untolerated(read: Callable[[], Any], fallback: Any) -> Any:
+    """The default ``tolerate``: ``read()``, errors raised as they come (``fallback`` unused)."""
     return read()
 
 
@@ -64,7 +65,7 @@ class DynamicJobChannel(JobChannel):
 
     def __init__(self, view: RoundView, executor: OpExecutor, lock: threading.RLock, settings: RendezvousSettings,
                  backend: RendezvousBackend, heartbeats: tuple[Callable[[], None], Callable[[], None]],
-                 clock: Callable[[], float], sleep: Callable[[float], None], tolerate: Tolerate = _call) -> None:
+                 clock: Callable[[], float], sleep: Callable[[float], None], tolerate: Tolerate = untolerated) -> None:
         self.node_id = view.node_id
         self._view = view
         self._executor = executor
@@ -273,11 +274,8 @@ class DynamicJobChannel(JobChannel):
 
     def publish_node_record(self, kind: str, doc: dict) -> None:
         """Write ``doc`` (JSON) to this node's ``kind`` key beside the state; best effort (logged at DEBUG)."""
-        backend = self._backend
-        if not backend.supports_node_keys:
-            return
         try:
-            backend.put_node_key(kind, self.node_id, json.dumps(doc, separators=(",", ":")).encode())
+            self._backend.put_node_key(kind, self.node_id, json.dumps(doc, separators=(",", ":")).encode())
         except (RendezvousError, TypeError, ValueError) as exc:
             log.debug("node %s could not publish its %s record: %s", self.node_id, kind, exc)
 

@@ -32,7 +32,7 @@ from elaunch.rendezvous.api import (
 )
 from elaunch.rendezvous.dynamic import job_ops, liveness, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
-from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, _call
+from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, untolerated
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.round_view import RoundView
@@ -103,7 +103,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store_factory: RoundStoreFactory,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
-        tolerate: Tolerate = _call,
+        tolerate: Tolerate = untolerated,
     ) -> None:
         self._node = node
         self._node_id = f"{node.addr}_{os.getpid()}_{next(_local_ids)}"

@@ -68,10 +68,6 @@ class EtcdStateBackend(RendezvousBackend):
     # per-node documents for `elaunch status`: ``{base}/{kind}/{node}`` beside the state key,
     # written like it (TTL / lease of ``ttl`` seconds), never part of it
 
-    @property
-    def supports_node_keys(self) -> bool:
-        return True
-
     def _node_key(self, kind: str, node_id: str) -> str:
         return f"{self.key.rpartition('/')[0]}/{kind}/{node_id}"
 
