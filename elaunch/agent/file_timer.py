@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import stat
 import tempfile
 import time
@@ -52,7 +51,9 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from elaunch.agent.failures import signal_name
 from elaunch.agent.watchdog import Alarm, Watched
+from elaunch.procs import _proctree
 
 __all__ = [
     "ENABLE_ENV",
@@ -275,10 +276,10 @@ class FileTimerWatchdog:
                             "not killing it", request.scope_id, pid, expired.overdue_s)
             else:
                 log.warning("file timer: scope %r of pid %d expired %.2f s ago; sending %s",
-                            request.scope_id, pid, expired.overdue_s, _signal_name(request.signal))
+                            request.scope_id, pid, expired.overdue_s, signal_name(-request.signal))
                 signals[pid] = request.signal
             timers = {k: r for k, r in timers.items() if k[0] != pid}
-        self._timers = {k: r for k, r in timers.items() if _alive(k[0])}
+        self._timers = {k: r for k, r in timers.items() if _proctree.exists(k[0])}
         return Alarm("file_timer", {}, signals=signals, fails=False) if signals else None
 
     def close(self) -> None:
@@ -318,18 +319,3 @@ class FileTimerWatchdog:
         return requests
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

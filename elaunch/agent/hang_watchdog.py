@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from elaunch.agent.decide import exit_grace, hung_ranks, order_hung
 from elaunch.agent.published import publish, stacks_record
 from elaunch.agent.watchdog import Alarm, Watched
+from elaunch.procs import _proctree
 from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import ProcessFailure
 
@@ -126,7 +127,7 @@ class HangWatchdog:
         now = self._clock()
         table = self._watch.update(self._files.read(), now)
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
-        marked = [lr for lr, pid in self._files.exit_marks().items() if _alive(pid)]
+        marked = [lr for lr, pid in self._files.exit_marks().items() if _proctree.exists(pid)]  # a mark counts while its process is exiting
         self._exiting = {lr: now - self._exit_seen.setdefault(lr, now) for lr in marked}
         return hung_ranks(progress, exit_codes, self.hang_timeout, self._exiting)
 
@@ -291,17 +292,6 @@ class HangWatchdog:
                 log.warning("could not write the stacks to %s: %s", path, exc)
                 path = None
         return dumps, path
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists (a zombie too): an exit mark counts only while its process is exiting."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # EPERM: it exists
-    return True
 
 
 #: Frames that show a worker blocked in a collective, waiting for its peers (py-spy and

@@ -93,6 +93,17 @@ def tree(
     return members
 
 
+def exists(pid: int) -> bool:
+    """True while ``pid`` exists (a zombie too; one this process may not signal too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def live(procs: Iterable[Proc]) -> list[Proc]:
     """Return the members of ``procs`` that still exist with the same identity and are not zombies."""
     out = []
