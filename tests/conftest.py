@@ -130,11 +130,8 @@ def logging_lock_left_free():
 NOT_APPLICABLE = "n/a:"
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under CI, turn a skip for a missing environment into a failure naming the reason."""
-    outcome = yield
-    report = outcome.get_result()
+def _fail_a_skip_under_ci(report) -> None:
+    """Under CI, turn ``report``'s skip for a missing environment into a failure naming the reason."""
     if not (os.environ.get("CI") and report.skipped) or hasattr(report, "wasxfail"):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -142,6 +139,18 @@ def pytest_runtest_makereport(item, call):
     if not reason.startswith(NOT_APPLICABLE):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, where every tool the tests need is installed: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips itself (``pytest.skip``, a fixture's skip, ``skipif``)."""
+    _fail_a_skip_under_ci((yield).get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module that skips at import (a module-level ``pytest.importorskip``)."""
+    _fail_a_skip_under_ci((yield).get_result())
 
 
 @pytest.fixture
