@@ -96,7 +96,8 @@ def test_leader_fault_under_default_liveness_loses_no_node(backend, fault, etcd_
         results = finish_agents(agents)
     errs = "\n---\n".join(err[-3000:] for _c, err, _t in results)
     assert all(code == 0 for code, _e, _t in results), errs
-    assert "lost" not in errs and "re-forming" not in errs, errs
+    # the whole of each agent's log: a loss logged during the fault may have scrolled out of the tail
+    assert not any("lost" in err or "re-forming" in err for _c, err, _t in results), errs
     assert sorted(load_envs(tmp_path)) == ["env_0_0", "env_1_0"]  # no re-form
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -139,7 +140,7 @@ def test_exit_barrier_waits_for_all_or_times_out(rdzv, caplog):
         first = pool.submit(hs[0].exit_barrier, 30)
         # the other node has not arrived: the first one is still in the barrier (the
         # bounded wait is the behaviour under test: it must not return on its own)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(concurrent.futures.TimeoutError):  # the builtin only from Python 3.11
             first.result(timeout=0.5)
         hs[1].exit_barrier(30)
         first.result(timeout=10)

@@ -2,11 +2,11 @@
 
 argv[1]: output dir. Joins a gloo world from ``env://`` (the agent's store,
 ``TORCHELASTIC_USE_AGENT_STORE=True``) and all-reduces once, as PyTorch's
-init-method test script. Rank 0 then writes its pid and exits at once, without
-``destroy_process_group()``; every other rank waits until that process is gone
-and then sets and gets a key through the default store, writing
-``store_<RANK>.txt`` ("ok" or the error). They destroy their group before
-exiting, so that gloo's teardown race at interpreter exit cannot fail the test.
+init-method test script. Rank 0 then writes its pid and exits at once; every
+other rank waits until that process is gone (or fails after 60 s) and then sets
+and gets a key through the default store, writing ``store_<RANK>.txt`` ("ok" or
+the error). Every rank destroys its group before exiting, so that gloo's teardown
+race at interpreter exit (issue 22, item 2) cannot fail the test.
 """
 import os
 import sys
@@ -38,6 +38,8 @@ while time.monotonic() < deadline:  # rank 0 gone: its agent saw a worker exit
     except ProcessLookupError:
         break
     time.sleep(0.02)
+else:  # without this the store would be tried while rank 0 still lives, and pass for nothing
+    sys.exit("rank 0 was still alive after 60 s")
 try:
     store = dist.distributed_c10d._get_default_store()
     store.set(f"after_exit_{rank}", "1")
