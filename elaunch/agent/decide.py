@@ -38,8 +38,10 @@ class Step(enum.Enum):
 
 
 def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nodes: int = 0,
-          job_failed: bool = False, hung: Sequence[int] = (), round_failed: bool = False) -> Verdict:
+          job_failed: bool = False, round_failed: bool = False) -> Verdict:
     """Classify the group, as torch's ``_monitor_workers`` + ``_invoke_run`` do.
+
+    A hang is not judged here: it reaches the loop as a watchdog's alarm.
 
     Args:
         exit_codes: local rank -> exit code, None while running; negative = -signum.
@@ -48,13 +50,12 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
         new_nodes: nodes outside the running round that joined since it formed
             (``JobChannel.num_nodes_new``, >= 0).
         job_failed: another agent declared the job failed (``JobState.failed``).
-        hung: local ranks found hung (:func:`hung_ranks`).
         round_failed: another node reported a failure of the running round
             (``JobState.failure``): its collectives are broken, re-form now.
 
     Returns:
         JOB_FAILED when the job failed elsewhere: nothing here can change that.
-        FAILED if any worker failed or hangs, unless new nodes joined: then the
+        FAILED if any worker failed, unless new nodes joined: then the
         failure is the scale-up's doing (another node re-formed first and closed
         the workers' sockets) and the verdict is MEMBERSHIP_CHANGE. Else SUCCEEDED
         when all exited 0, else MEMBERSHIP_CHANGE when the round failed elsewhere (this
@@ -64,8 +65,6 @@ def judge(exit_codes: Mapping[int, int | None], membership_changes: int, new_nod
     if job_failed:
         return Verdict.JOB_FAILED
     codes = list(exit_codes.values())
-    if hung:
-        return Verdict.FAILED
     if any(c is not None and c != 0 for c in codes):
         return Verdict.MEMBERSHIP_CHANGE if new_nodes > 0 else Verdict.FAILED
     if codes and all(c == 0 for c in codes):

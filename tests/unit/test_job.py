@@ -345,40 +345,34 @@ def test_job_state_refuses_a_corrupt_record(field):
 
 
 @pytest.mark.parametrize(
-    "codes, changes, new, failed, hung, expected",
+    "codes, changes, new, failed, expected",
     [
         # the job failed elsewhere: whatever happens here
-        ({0: None, 1: None}, 0, 0, True, (), Verdict.JOB_FAILED),
-        ({0: 1, 1: None}, 0, 0, True, (), Verdict.JOB_FAILED),
-        ({0: 0, 1: 0}, 0, 0, True, (), Verdict.JOB_FAILED),
-        ({0: None, 1: None}, 2, 1, True, (1,), Verdict.JOB_FAILED),
-        # a hung rank fails the group, even with newcomers or membership changes
-        ({0: None, 1: None}, 0, 0, False, (1,), Verdict.FAILED),
-        ({0: None, 1: None}, 3, 0, False, (0,), Verdict.FAILED),
-        ({0: 1, 1: None}, 0, 2, False, (1,), Verdict.FAILED),
-        ({0: 0, 1: None}, 0, 0, False, (1,), Verdict.FAILED),
-        # neither: the old verdicts
-        ({0: None, 1: None}, 0, 0, False, (), Verdict.RUNNING),
-        ({0: 1, 1: None}, 0, 2, False, (), Verdict.MEMBERSHIP_CHANGE),
-        ({0: 0, 1: 0}, 0, 0, False, (), Verdict.SUCCEEDED),
+        ({0: None, 1: None}, 0, 0, True, Verdict.JOB_FAILED),
+        ({0: 1, 1: None}, 0, 0, True, Verdict.JOB_FAILED),
+        ({0: 0, 1: 0}, 0, 0, True, Verdict.JOB_FAILED),
+        ({0: None, 1: None}, 2, 1, True, Verdict.JOB_FAILED),
+        # not: the old verdicts (a hang reaches the loop as a watchdog's alarm, not a verdict here)
+        ({0: None, 1: None}, 0, 0, False, Verdict.RUNNING),
+        ({0: 1, 1: None}, 0, 2, False, Verdict.MEMBERSHIP_CHANGE),
+        ({0: 0, 1: 0}, 0, 0, False, Verdict.SUCCEEDED),
     ],
 )
-def test_judge_job_failed_and_hung(codes, changes, new, failed, hung, expected):
-    assert judge(codes, changes, new, job_failed=failed, hung=list(hung)) is expected
+def test_judge_job_failed(codes, changes, new, failed, expected):
+    assert judge(codes, changes, new, job_failed=failed) is expected
 
 
 @pytest.mark.parametrize(
-    "codes, failed, hung, expected",
+    "codes, failed, expected",
     [
-        ({0: None, 1: None}, False, (), Verdict.MEMBERSHIP_CHANGE),  # re-form now, the reporter counts
-        ({0: 1, 1: None}, False, (), Verdict.FAILED),  # its own workers failed too: it reports them
-        ({0: None, 1: None}, False, (0,), Verdict.FAILED),
-        ({0: 0, 1: 0}, False, (), Verdict.SUCCEEDED),  # done before the failure: nothing to re-form
-        ({0: None, 1: None}, True, (), Verdict.JOB_FAILED),
+        ({0: None, 1: None}, False, Verdict.MEMBERSHIP_CHANGE),  # re-form now, the reporter counts
+        ({0: 1, 1: None}, False, Verdict.FAILED),  # its own workers failed too: it reports them
+        ({0: 0, 1: 0}, False, Verdict.SUCCEEDED),  # done before the failure: nothing to re-form
+        ({0: None, 1: None}, True, Verdict.JOB_FAILED),
     ],
 )
-def test_judge_a_round_failed_elsewhere(codes, failed, hung, expected):
-    assert judge(codes, 0, job_failed=failed, hung=list(hung), round_failed=True) is expected
+def test_judge_a_round_failed_elsewhere(codes, failed, expected):
+    assert judge(codes, 0, job_failed=failed, round_failed=True) is expected
 
 
 @pytest.mark.parametrize(

@@ -337,7 +337,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             s.wait_list.discard(me)
             s.redundancy_list.discard(me)
             s.sitting_out.discard(me)
-            s.last_heartbeats.pop(me, None)
             ops.prune_node_infos(s)
             return s
 

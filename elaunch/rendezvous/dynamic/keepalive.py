@@ -18,7 +18,7 @@ from elaunch.rendezvous.api import RendezvousError
 from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
+from elaunch.rendezvous.dynamic.stalls import StoreStalls
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
@@ -39,19 +39,19 @@ class KeepAlive:
             without heartbeat keys); given the thread's stop event, it returns
             without writing once that is set.
         stalls: where a beat that failed or was slow is noted as this node's store
-            stall (the handler's; None: one of its own).
+            stall: the handler's, shared with the reads its loss rule judges by.
     """
 
     def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
                  clock: Callable[[], float], read: Callable[[], RendezvousState],
-                 beat_through_state: Callable[[threading.Event], None], stalls: StoreStalls | None = None) -> None:
+                 beat_through_state: Callable[[threading.Event], None], stalls: StoreStalls) -> None:
         self._node_id = node_id
         self._settings = settings
         self._backend = backend
         self._clock = clock
         self._read = read
         self._beat_through_state = beat_through_state
-        self._stalls = stalls if stalls is not None else StoreStalls(clock, slow_after(settings))
+        self._stalls = stalls
         self._beat_now = threading.Event()  # wakes the thread: a read saw a probe it must answer
         self._stop: threading.Event | None = None
         self.thread: threading.Thread | None = None
