@@ -127,7 +127,9 @@ class HangWatchdog:
         now = self._clock()
         table = self._watch.update(self._files.read(), now)
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
-        marked = [lr for lr, pid in self._files.exit_marks().items() if _proctree.exists(pid)]  # a mark counts while its process is exiting
+        # a mark counts while its process is exiting; a rank whose exit code is known needs no look
+        marked = [lr for lr, pid in self._files.exit_marks().items()
+                  if exit_codes.get(lr) is None and _proctree.exists(pid)]
         self._exiting = {lr: now - self._exit_seen.setdefault(lr, now) for lr in marked}
         return hung_ranks(progress, exit_codes, self.hang_timeout, self._exiting)
 

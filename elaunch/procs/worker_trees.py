@@ -84,8 +84,11 @@ class WorkerTrees:
         for p in table.values():
             if p.ppid != me or p.pid in ours:
                 continue
-            if p.pid in self._adopted or any(m and m <= _environ(p.pid) for m in self._markers):
-                found.append(p.pid)
+            if p.pid not in self._adopted:
+                env = _environ(p.pid)  # read once, held against every worker's markers
+                if not any(m and m <= env for m in self._markers):
+                    continue
+            found.append(p.pid)
         new = set(found) - self._adopted
         if new and self._reaper is not None:
             self._reaper.watch(new)
