@@ -1,0 +1,1 @@
+"""In-memory checkpoints (filled in by the worker API)."""

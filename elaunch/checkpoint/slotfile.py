@@ -1,0 +1,224 @@
+"""The snapshot slot file: one committed snapshot of one rank, readable without torch.
+
+A worker's snapshot lives in a file of the agent's node directory in ``/dev/shm``
+(``ELAUNCH_CHECKPOINT_SHM``): two slot files per local rank (``slots/<local_rank>.0``
+and ``.1``), and the copies peers sent (``replicas/``). Every one has this layout:
+
+=========  =====================================================================
+offset     what
+=========  =====================================================================
+0          the header, :data:`HEADER_SIZE` (64) bytes, little endian:
+           ``magic`` 8s, ``seq`` Q, ``step`` q, ``rank`` i, ``world_size`` i,
+           ``flags`` I, ``meta_len`` Q, ``data_len`` Q, ``crc`` I, ``time`` d
+4096       ``meta_len`` bytes: the state's structure (a pickle; the worker side
+           ``elaunch.checkpoint`` reads it), tensors replaced by references into the data
+data_at    ``data_len`` bytes of tensor data, ``data_at = align(4096 + meta_len, 4096)``
+=========  =====================================================================
+
+**The commit is a sequence lock.** A writer first makes ``seq`` odd (writing), then
+writes the meta and the data, then the header's fields and their checksum (``crc``:
+CRC-32 of the header's fields from ``step`` to ``data_len``, ``time`` and the meta),
+and last makes ``seq`` even again: the commit. A reader takes a snapshot only when
+``seq`` is even and the same before and after it read, and the checksum holds; so a
+worker killed in the middle of a copy leaves a slot that reads as empty, and its
+other slot, the previous snapshot, whole. The data itself is not summed (that would
+cost more than the copy): its integrity comes from the order of the writes, which a
+process's death cannot undo (the file is in memory, not on a disk that can tear).
+On x86 (total store order) the order of the writes is the order other processes see.
+
+Stdlib only: the agent (no torch) reads headers to know what its node holds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MAGIC = b"ELCKPT\x00\x01"
+_HEADER = struct.Struct("<8sQqiiIQQId")
+HEADER_SIZE = _HEADER.size  #: bytes of the header (64)
+META_AT = 4096  #: offset of the meta
+ALIGN = 4096  #: the data starts on a page
+_SEQ = struct.Struct("<Q")
+_SEQ_AT = 8
+_FIELDS = struct.Struct("<qiiIQQ")  # step .. data_len, at offset 16
+_FIELDS_AT = 16
+_CRC = struct.Struct("<Id")  # crc, time at offset 56
+_CRC_AT = 16 + _FIELDS.size
+
+#: ``flags`` bit: the state is the same on every rank (DDP): any rank's snapshot serves any rank.
+REPLICATED = 1
+
+
+def data_offset(meta_len: int) -> int:
+    """The offset of the data for a meta of ``meta_len`` bytes."""
+    return -(-(META_AT + meta_len) // ALIGN) * ALIGN
+
+
+def file_size(meta_len: int, data_len: int) -> int:
+    """Bytes a slot file needs for ``meta_len`` bytes of meta and ``data_len`` bytes of data."""
+    return data_offset(meta_len) + data_len
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A committed snapshot as its header tells it.
+
+    Attributes:
+        path: the file.
+        seq: the commit's sequence number (even; it changes at each write).
+        step: the training step the worker saved (``ckpt.save(step=...)``).
+        rank: the global rank that saved it; world_size: the world size then.
+        replicated: True when every rank's state is the same (any rank's serves any).
+        meta_len, data_len: bytes of meta and tensor data.
+        time: when it was committed (seconds since the epoch).
+    """
+
+    path: str
+    seq: int
+    step: int
+    rank: int
+    world_size: int
+    replicated: bool
+    meta_len: int
+    data_len: int
+    time: float
+
+    @property
+    def data_at(self) -> int:
+        """Offset of the tensor data."""
+        return data_offset(self.meta_len)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the snapshot (header, meta and data)."""
+        return file_size(self.meta_len, self.data_len)
+
+
+def _crc(fields: bytes, stamp: float, meta: bytes | memoryview) -> int:
+    return zlib.crc32(meta, zlib.crc32(struct.pack("<d", stamp), zlib.crc32(fields))) & 0xFFFFFFFF
+
+
+def seq_of(buf) -> int:
+    """The sequence number in a slot's mapping (odd: a write is under way)."""
+    return _SEQ.unpack_from(buf, _SEQ_AT)[0]
+
+
+def begin(buf) -> int:
+    """Mark the slot in ``buf`` (a writable mapping of the whole file) as being written; return the new seq.
+
+    From here until :func:`commit` the slot reads as empty.
+    """
+    seq = seq_of(buf) if bytes(buf[:8]) == MAGIC else 0
+    seq = seq + 1 if seq % 2 == 0 else seq + 2
+    buf[:8] = MAGIC
+    _SEQ.pack_into(buf, _SEQ_AT, seq)
+    return seq
+
+
+def commit(buf, seq: int, *, step: int, rank: int, world_size: int, replicated: bool, meta_len: int,
+           data_len: int, stamp: float | None = None) -> int:
+    """Write the header's fields and checksum, then the even ``seq + 1``: the commit. Return it.
+
+    The meta must be at :data:`META_AT` and the data at ``data_offset(meta_len)`` already.
+    """
+    fields = _FIELDS.pack(step, rank, world_size, REPLICATED if replicated else 0, meta_len, data_len)
+    stamp = time.time() if stamp is None else stamp
+    crc = _crc(fields, stamp, buf[META_AT:META_AT + meta_len])
+    buf[_FIELDS_AT:_FIELDS_AT + _FIELDS.size] = fields
+    _CRC.pack_into(buf, _CRC_AT, crc, stamp)
+    _SEQ.pack_into(buf, _SEQ_AT, seq + 1)
+    return seq + 1
+
+
+def parse(buf, path: str = "") -> SlotInfo | None:
+    """The committed snapshot in ``buf`` (a mapping or bytes of at least the header and meta), else None.
+
+    None when the magic is missing, a write is under way (odd seq), the checksum
+    fails, or ``buf`` is shorter than the snapshot. Callers that go on reading the
+    data confirm it with :func:`still` afterwards.
+    """
+    if len(buf) < HEADER_SIZE:
+        return None
+    magic, seq, step, rank, world, flags, meta_len, data_len, crc, stamp = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or seq % 2 or seq == 0 or len(buf) < file_size(meta_len, data_len):
+        return None
+    fields = bytes(buf[_FIELDS_AT:_FIELDS_AT + _FIELDS.size])
+    if _crc(fields, stamp, buf[META_AT:META_AT + meta_len]) != crc:
+        return None
+    if seq_of(buf) != seq:  # a writer began while we summed
+        return None
+    return SlotInfo(path, seq, step, rank, world, bool(flags & REPLICATED), meta_len, data_len, stamp)
+
+
+def still(buf, info: SlotInfo) -> bool:
+    """True when the slot in ``buf`` still holds ``info``'s commit (no write began since it was parsed)."""
+    return seq_of(buf) == info.seq
+
+
+def read_info(path: str) -> SlotInfo | None:
+    """The committed snapshot in the file at ``path``, or None (missing, empty, being written, torn).
+
+    Reads the header and the meta only (a mapping: no copy of the data).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE:
+            return None
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as buf:
+            return parse(buf, path)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def newest(infos: Iterable[SlotInfo | None]) -> SlotInfo | None:
+    """The snapshot with the highest step (then the latest commit), or None."""
+    best = None
+    for info in infos:
+        if info is not None and (best is None or (info.step, info.time) > (best.step, best.time)):
+            best = info
+    return best
+
+
+def slot_paths(node_dir: str, local_rank: int) -> tuple[str, str]:
+    """The two slot files of ``local_rank`` in an agent's node directory."""
+    return (os.path.join(node_dir, "slots", f"{local_rank}.0"), os.path.join(node_dir, "slots", f"{local_rank}.1"))
+
+
+def slot_to_write(node_dir: str, local_rank: int) -> str:
+    """The slot a new snapshot of ``local_rank`` goes to: never the one holding its newest commit."""
+    a, b = slot_paths(node_dir, local_rank)
+    ia, ib = read_info(a), read_info(b)
+    if ia is None:
+        return a
+    if ib is None:
+        return b
+    return b if newest([ia, ib]) is ia else a
+
+
+def inventory(node_dir: str) -> list[SlotInfo]:
+    """Every committed snapshot under ``node_dir`` (``slots/`` and ``replicas/``), in no order."""
+    found = []
+    for sub in ("slots", "replicas"):
+        try:
+            names = os.listdir(os.path.join(node_dir, sub))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("."):
+                continue  # a replica being received
+            info = read_info(os.path.join(node_dir, sub, name))
+            if info is not None:
+                found.append(info)
+    return found
