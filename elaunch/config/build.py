@@ -29,6 +29,7 @@ from elaunch.config.options import (
     OPTIONS,
     LaunchOptions,
     default_of,
+    replicas_for,
 )
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
@@ -173,6 +174,20 @@ def _static(o: LaunchOptions, endpoint: str, run_id: str) -> _Rendezvous:
     return _Rendezvous("static", endpoint, run_id, {**o.rdzv_conf, "rank": str(o.node_rank)})
 
 
+def _checkpoint_dir(path: str | None) -> str | None:
+    """``--checkpoint-dir`` as an absolute path (the persister runs elsewhere), or None.
+
+    Raises:
+        ConfigError: it names something that is not a directory.
+    """
+    if not path:
+        return None
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"--checkpoint-dir={path}: not a directory")
+    return full
+
+
 def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchConfig, list[str]]:
     """Resolve ``options`` into a LaunchConfig; return it with the warnings to log.
 
@@ -219,6 +234,8 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         omp_num_threads=1 if nproc > 1 and "OMP_NUM_THREADS" not in environ else None,
         cmd=cmd,
         warm_start_modules=warm,
+        checkpoint_replicas=replicas_for(o.checkpoint_replicas, o.nnodes[1]),
+        checkpoint_dir=_checkpoint_dir(o.checkpoint_dir),
     )
     # every other option is a field of the same name, as it is
     same = {f.name: getattr(o, f.name) for f in fields(LaunchConfig) if f.name in OPTIONS and f.name not in resolved}

@@ -63,6 +63,13 @@ class LaunchConfig:
         warm_start_modules: ``--warm-start``: modules the spare worker interpreters
             import in advance (``--warm-start-modules``, default ``("torch",)``), or
             None when warm start is off (the default; also with ``--no-python``).
+        checkpoint_replicas: peer nodes that keep a copy of each node's in-memory snapshots
+            (``--checkpoint-replicas``, >= 0; 0 is off); None: auto, 1 when ``max_nodes`` > 1
+            (``options.replicas_for``). In-memory snapshots themselves are always on.
+        checkpoint_dir: absolute directory the agent persists snapshots to (``--checkpoint-dir``),
+            or None: nothing is persisted.
+        checkpoint_persist_interval: seconds between background persists, >= 0; 0: only when a
+            worker dies, on a notice and on SIGTERM (``--checkpoint-persist-interval``).
     """
 
     min_nodes: int = default_of("nnodes")[0]
@@ -96,3 +103,6 @@ class LaunchConfig:
     cmd: tuple[str, ...] = ()
     standalone: bool = False
     warm_start_modules: tuple[str, ...] | None = None
+    checkpoint_replicas: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_persist_interval: float = default_of("checkpoint_persist_interval")
