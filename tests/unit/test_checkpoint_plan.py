@@ -1,0 +1,157 @@
+"""The restore plan (elaunch/checkpoint/plan.py): which one step the job restores and each rank's source.
+
+Pure logic, tables of cases: nodes' inventories in, the chosen step and sources out.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elaunch.checkpoint import plan
+from elaunch.checkpoint.plan import DISK, REPLICA, SLOT, Held, Plan, Source, choose
+from elaunch.checkpoint.slotfile import SlotInfo
+
+
+def rep(step, rank=0, where=SLOT, loc=None, ws=2, shared=False):
+    """A replicated snapshot."""
+    return Held(step, rank, ws, True, where, loc or f"{where}/{rank}@{step}", shared)
+
+
+def shard(step, rank, ws, where=SLOT, loc=None, shared=False):
+    """A sharded snapshot of ``rank`` saved at world size ``ws``."""
+    return Held(step, rank, ws, False, where, loc or f"{where}/{rank}@{step}", shared)
+
+
+TWO = {"a": [0, 1], "b": [2, 3]}
+
+# (name, ranks_by_node, held, world_size, expected step, {rank: (node, where)} or None, reason substring)
+CASES = [
+    ("nothing anywhere: fresh", TWO, {}, 4, None, None, ""),
+    ("replicated: each node restores its own newest common step from its slots",
+     TWO, {"a": [rep(5), rep(4)], "b": [rep(5, 2), rep(4, 2)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("b", SLOT), 3: ("b", SLOT)}, ""),
+    ("replicated: the newest step anywhere serves every rank (a peer's slot is fetched)",
+     TWO, {"a": [rep(7), rep(6)], "b": [rep(6, 2)]}, 4, 7,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", SLOT), 3: ("a", SLOT)}, ""),
+    ("replicated: a new node (nothing held) fetches from the peer's replica",
+     {"a": [0], "new": [1]}, {"a": [rep(3, 0, REPLICA)]}, 2, 3, {0: ("a", REPLICA), 1: ("a", REPLICA)}, ""),
+    ("replicated: own slot before own replica",
+     {"a": [0]}, {"a": [rep(3, 1, REPLICA), rep(3, 0, SLOT)]}, 1, 3, {0: ("a", SLOT)}, ""),
+    ("replicated: own replica before a peer's slot",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 1, REPLICA)], "b": [rep(3, 1, SLOT)]}, 2, 3,
+     {0: ("a", REPLICA), 1: ("b", SLOT)}, ""),
+    ("replicated: a peer's memory before own disk",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 0, DISK)], "b": [rep(3, 1, SLOT)]}, 2, 3,
+     {0: ("b", SLOT), 1: ("b", SLOT)}, ""),
+    ("replicated: another node's unshared disk serves nobody else: fresh",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 0, DISK)]}, 2, None, None, ""),
+    ("replicated: another node's unshared disk: the older step in memory everywhere wins",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 0, DISK), rep(2)], "b": [rep(2, 1)]}, 2, 2,
+     {0: ("a", SLOT), 1: ("b", SLOT)}, ""),
+    ("replicated: a shared disk serves every node",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 0, DISK, shared=True)]}, 2, 3, {0: ("a", DISK), 1: ("a", DISK)}, ""),
+    ("replicated: own disk before another's shared disk",
+     {"a": [0], "b": [1]}, {"a": [rep(3, 0, DISK, shared=True)], "b": [rep(3, 1, DISK)]}, 2, 3,
+     {0: ("a", DISK), 1: ("b", DISK)}, ""),
+    ("replicated serves any world size (4 saved, 3 now)",
+     {"a": [0, 1], "c": [2]}, {"a": [rep(9, 0, ws=4)]}, 3, 9, {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", SLOT)}, ""),
+    ("replicated: fetches spread over the peers holding the step",
+     {"new": [0, 1, 2, 3]}, {"p": [rep(4, 0)], "q": [rep(4, 1)]}, 4, 4,
+     {0: ("p", SLOT), 1: ("q", SLOT), 2: ("p", SLOT), 3: ("q", SLOT)}, ""),
+    ("sharded: each rank its own shard, same world size",
+     TWO, {"a": [shard(5, 0, 4), shard(5, 1, 4)], "b": [shard(5, 2, 4), shard(5, 3, 4)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("b", SLOT), 3: ("b", SLOT)}, ""),
+    ("sharded: a rank without step 6 makes the job take 5 (never mixed steps)",
+     TWO, {"a": [shard(6, 0, 4), shard(6, 1, 4), shard(5, 0, 4), shard(5, 1, 4)],
+           "b": [shard(6, 2, 4), shard(5, 2, 4), shard(5, 3, 4)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("b", SLOT), 3: ("b", SLOT)}, ""),
+    ("sharded: a replaced node's ranks come from the peer's replicas",
+     {"a": [0, 1], "new": [2, 3]},
+     {"a": [shard(5, 0, 4), shard(5, 1, 4), shard(5, 2, 4, REPLICA), shard(5, 3, 4, REPLICA)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", REPLICA), 3: ("a", REPLICA)}, ""),
+    ("sharded: a rank's shard missing everywhere: fresh, no reason",
+     TWO, {"a": [shard(5, 0, 4), shard(5, 1, 4)], "b": [shard(5, 2, 4)]}, 4, None, None, ""),
+    ("sharded: the world size changed: fresh, with the reason",
+     {"a": [0, 1], "c": [2]}, {"a": [shard(5, r, 4) for r in range(4)]}, 3, None, None,
+     "sharded snapshot of step 5 of world size 4 cannot serve world size 3: load the persisted checkpoint "
+     "with torch.distributed.checkpoint"),
+    ("sharded: an incomplete other world size is no reason",
+     {"a": [0, 1], "c": [2]}, {"a": [shard(5, r, 4) for r in range(3)]}, 3, None, None, ""),
+    ("sharded: a shard of another world size never serves the same rank number",
+     {"a": [0, 1]}, {"a": [shard(5, 0, 2), shard(5, 1, 3)]}, 2, None, None, ""),
+    ("sharded: an older step saved at this world size serves",
+     {"a": [0, 1]}, {"a": [shard(9, r, 4) for r in range(4)] + [shard(3, 0, 2), shard(3, 1, 2, DISK)]}, 2, 3,
+     {0: ("a", SLOT), 1: ("a", DISK)}, ""),
+    ("sharded: own disk shards are used when memory is gone",
+     {"a": [0], "b": [1]}, {"a": [shard(5, 0, 2, DISK)], "b": [shard(5, 1, 2, DISK)]}, 2, 5,
+     {0: ("a", DISK), 1: ("b", DISK)}, ""),
+]
+
+
+@pytest.mark.parametrize("name, ranks, held, ws, step, sources, reason", CASES, ids=[c[0] for c in CASES])
+def test_choose(name, ranks, held, ws, step, sources, reason):
+    me = sorted(ranks)[0]
+    got = choose(ranks, held, ws, me)
+    assert got.step == step
+    if sources is None:
+        assert got.sources == {} and got.mine == {}
+    else:
+        assert {r: (s.node, s.where) for r, s in got.sources.items()} == sources
+        assert got.mine == {r: s for r, s in got.sources.items() if r in ranks[me]}
+    assert reason in got.reason and bool(got.reason) == bool(reason)
+
+
+def test_every_node_computes_the_same_plan_and_fetches_only_from_peers():
+    held = {"a": [rep(4, 0)], "b": [], "c": [rep(4, 4, REPLICA)]}
+    ranks = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    plans = {me: choose(ranks, held, 6, me) for me in ranks}
+    assert len({tuple(sorted(p.sources.items())) for p in plans.values()}) == 1
+    assert plans["b"].fetches("b") == {2: Source("a", SLOT, "slot/0@4"), 3: Source("c", REPLICA, "replica/4@4")}
+    assert plans["a"].fetches("a") == {} and plans["a"].mine.keys() == {0, 1}
+
+
+def test_the_locator_is_the_held_entrys():
+    got = choose({"a": [0]}, {"a": [rep(1, 0, SLOT, "/dev/shm/x/slots/0.1")]}, 1, "a")
+    assert got == Plan(1, {0: Source("a", SLOT, "/dev/shm/x/slots/0.1")}, {0: Source("a", SLOT, "/dev/shm/x/slots/0.1")})
+
+
+@pytest.mark.parametrize("ranks, ws", [({"a": [0], "b": [0]}, 1), ({"a": [0, 2]}, 2), ({"a": [0]}, 2)])
+def test_ranks_that_do_not_cover_the_world_are_a_value_error(ranks, ws):
+    with pytest.raises(ValueError, match="rank"):
+        choose(ranks, {}, ws, "a")
+
+
+def _info(path, step, rank, ws=2, replicated=True):
+    return SlotInfo(path, 2, step, rank, ws, replicated, 10, 20, 1.0)
+
+
+def test_inventory_doc_round_trips_through_json():
+    infos = [_info("/dev/shm/d/slots/0.1", 7, 0), _info("/dev/shm/d/replicas/r3", 6, 3, 4, False)]
+    persisted = (5, {0: "/ck/step_000000000005/rank_0_of_4.pt", 1: "/ck/step_000000000005/rank_1_of_4.pt"}, False)
+    doc = json.loads(json.dumps(plan.inventory_doc(infos, persisted, "10.0.0.2:4000", shared=True)))
+    assert plan.addr_from_doc(doc) == "10.0.0.2:4000"
+    assert plan.held_from_doc(doc) == [
+        Held(7, 0, 2, True, SLOT, "/dev/shm/d/slots/0.1"),
+        Held(6, 3, 4, False, REPLICA, "/dev/shm/d/replicas/r3"),
+        Held(5, 0, 4, False, DISK, "/ck/step_000000000005/rank_0_of_4.pt", True),
+        Held(5, 1, 4, False, DISK, "/ck/step_000000000005/rank_1_of_4.pt", True),
+    ]
+    assert plan.held_from_doc(plan.inventory_doc([], None, "")) == []
+
+
+@pytest.mark.parametrize("doc", [None, [], {"v": 2, "held": []}, {"v": 1}, {"v": 1, "held": "x"},
+                                 {"v": 1, "held": [[1, 0, 2, True, "cloud", "p", False]]},
+                                 {"v": 1, "held": [[1.5, 0, 2, True, "slot", "p", False]]},
+                                 {"v": 1, "held": [[1, 0, 2, True, "slot", "p"]]}])
+def test_malformed_documents_hold_nothing(doc):
+    assert plan.held_from_doc(doc) == []
+    assert plan.addr_from_doc(doc) == ""
+
+
+def test_the_plan_imports_no_torch():
+    code = "import sys, elaunch.checkpoint.plan; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
