@@ -34,6 +34,18 @@ the same step, whichever rank received the signal):
   A rank that reaches no step boundary within ``--stop-grace`` seconds (default
   10; e.g. blocked in a collective with a dead or hung peer) dies of SIGTERM then.
 
+In-memory snapshots (``elaunch.checkpoint``). Under elaunch every rank also saves
+its state with ``ckpt.save`` after every step (``--snapshot-every``): a copy into the
+agent's shared memory, a few milliseconds, that survives the worker's death. A new
+group restores with ``ckpt.load()``, which returns the same step on every rank (the
+job agrees on it), so a crash costs the steps since the last snapshot, not since the
+last disk checkpoint. Under torchrun (no agent to keep the copy) snapshots are off
+unless ``--snapshot-every`` asks for them; then ``ckpt`` writes to
+``$ELAUNCH_CHECKPOINT_DIR``. The disk checkpoint is still written (rank 0, every
+epoch) unless ``--no-disk-checkpoint``; a snapshot, when there is one, is newer.
+``--state-mib MIB`` adds a frozen parameter so the state is about MIB MiB (the
+goodput benchmark's large model); the training and its result are otherwise the same.
+
 Hang detection: ``elaunch.progress()`` is called every step when elaunch is
 importable (a no-op otherwise, and under torchrun).
 
@@ -107,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="checkpoint path (default RUN_DIR/checkpoint.pt)")
     p.add_argument("--save-every", type=int, default=0, metavar="STEPS",
                    help="also checkpoint every STEPS optimizer steps (default 0: at epoch ends only)")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="STEPS",
+                   help="ckpt.save the state every STEPS steps (default: 1 under elaunch, 0 = off elsewhere)")
+    p.add_argument("--no-disk-checkpoint", action="store_true",
+                   help="write no disk checkpoint (restores come from snapshots only)")
+    p.add_argument("--state-mib", type=int, default=0, metavar="MIB",
+                   help="add a frozen parameter so the model's state is about MIB MiB (default 0: none)")
     p.add_argument("--final-params", default=None, metavar="FILE",
                    help="rank 0 writes the SHA-256 of the final parameters to FILE (JSON)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
@@ -131,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--step-sleep={args.step_sleep}: must be >= 0 seconds")
     if not args.stop_grace > 0:
         p.error(f"--stop-grace={args.stop_grace}: must be > 0 seconds")
+    if args.snapshot_every is None:
+        args.snapshot_every = 1 if os.environ.get("ELAUNCH_CHECKPOINT_SHM") else 0
+    if args.snapshot_every < 0:
+        p.error(f"--snapshot-every={args.snapshot_every}: must be >= 0")
+    if args.state_mib < 0:
+        p.error(f"--state-mib={args.state_mib}: must be >= 0")
     if (args.crash_rank is None) != (args.crash_epoch is None):
         p.error("--crash-rank and --crash-epoch go together")
     if args.checkpoint is None:
@@ -242,8 +266,34 @@ def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 
-def make_model(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+class Ballast(nn.Module):
+    """A frozen parameter of about ``mib`` MiB that the forward pass passes by (``--state-mib``).
+
+    It is in ``state_dict()`` (so every snapshot and checkpoint carries it) and in the
+    final digest, but not in the optimizer and not in DDP's gradient all-reduce.
+    """
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        n = mib * 2**20 // 4
+        self.weight = nn.Parameter(torch.arange(n, dtype=torch.float32).remainder_(9973), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def make_model(hidden: int, state_mib: int = 0) -> nn.Module:
+    layers = [nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)]
+    return nn.Sequential(*([Ballast(state_mib)] if state_mib else []), *layers)
+
+
+def snapshots():
+    """``elaunch.checkpoint``, or None when elaunch is not importable."""
+    try:
+        import elaunch.checkpoint as ckpt
+    except ImportError:
+        return None
+    return ckpt
 
 
 def load_checkpoint(path: str) -> dict | None:
@@ -308,8 +358,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    ckpt = snapshots() if args.snapshot_every else None
     # Read (and vet) the checkpoint before joining the group: a bad path fails fast.
-    state = load_checkpoint(args.checkpoint)
+    # A snapshot is newer than any disk checkpoint: the job agreed on its step.
+    snap = ckpt.load(map_location=device) if ckpt is not None else None
+    state = snap.state if snap is not None else load_checkpoint(args.checkpoint)
+    source = f"snapshot of step {snap.step}" if snap is not None else args.checkpoint
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -321,8 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     x_tr, y_tr, x_te, y_te = x_tr.to(device), y_tr.to(device), x_te.to(device), y_te.to(device)
     sampler = DistributedSampler(x_tr, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
 
-    model = make_model(args.hidden).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model = make_model(args.hidden, args.state_mib).to(device)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     # position: `done_epochs` epochs complete, then `done_steps` steps of the next one;
     # `partial` is the all-reduced (loss sum, samples) of those steps, for the epoch line
     done_epochs, done_steps, partial = 0, 0, torch.zeros(2)
@@ -337,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"world size changed ({state.get('world_size')} -> {world}): "
                       f"epoch {done_epochs + 1} restarts from its first step", flush=True)
             done_steps = 0
-        elif done_steps:
+        elif done_steps and "partial" in state:  # none in a snapshot: the epoch line covers the steps since
             partial = state["partial"]
     # Every rank read the file; make sure all start from rank 0's position.
     pos = torch.tensor([done_epochs, done_steps], device=device)
@@ -345,13 +399,13 @@ def main(argv: list[str] | None = None) -> None:
     done_epochs, done_steps = (int(v) for v in pos.tolist())
     if rank == 0 and state is not None:
         where = f"at epoch {done_epochs + 1} step {done_steps}" if done_steps else f"after epoch {done_epochs}"
-        print(f"resumed from {args.checkpoint} {where}", flush=True)
+        print(f"resumed from {source} {where}", flush=True)
     ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)  # broadcasts rank 0's weights
     loss_fn = nn.CrossEntropyLoss()
 
     def checkpoint(epochs: int, steps: int, total: torch.Tensor) -> None:
         """Rank 0 saves position (epochs complete, steps of the next); ``total`` already reduced."""
-        if rank == 0:
+        if rank == 0 and not args.no_disk_checkpoint:
             save_checkpoint(args.checkpoint, {
                 "format": CHECKPOINT_FORMAT, "epoch": epochs, "step": steps, "world_size": world,
                 "seed": args.seed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -400,6 +454,13 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             optimizer.step()
             total += torch.stack([loss.detach() * len(yb), torch.tensor(float(len(yb)), device=device)])
+            if ckpt is not None and (position + 1) % args.snapshot_every == 0:
+                # position + 1 steps done: every rank's state is the same (DDP), so any rank's
+                # snapshot can restore any rank, at any world size
+                at = (epoch, 0) if step + 1 == len(batches) else (epoch - 1, step + 1)
+                ckpt.save({"format": CHECKPOINT_FORMAT, "epoch": at[0], "step": at[1], "world_size": world,
+                           "seed": args.seed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                           "rng": torch.get_rng_state()}, step=position + 1)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         dist.all_reduce(total)
