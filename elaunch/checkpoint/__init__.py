@@ -1,1 +1,170 @@
-"""In-memory checkpoints (filled in by the worker API)."""
+"""In-memory checkpoints: ``save`` a training state into memory the elaunch agent keeps, ``load`` it back.
+
+::
+
+    import elaunch.checkpoint as ckpt
+
+    snap = ckpt.load()                      # Snapshot(step, state) or None
+    if snap is not None:
+        model.load_state_dict(snap.state["model"]); start = snap.step + 1
+    for step in range(start, steps):
+        ...
+        ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+
+Under elaunch (``ELAUNCH_CHECKPOINT_SHM`` set by the agent) a save copies the state into
+one of its local rank's two slot files in the agent's ``/dev/shm`` directory and commits
+it (:mod:`elaunch.checkpoint.slotfile`): a worker killed during a copy leaves its previous
+snapshot whole. The agent persists, replicates and restores it; ``load`` reads the file the
+agent chose for this round (``ELAUNCH_CHECKPOINT_RESTORE``) at the step the whole job
+agreed on (``ELAUNCH_CHECKPOINT_STEP``).
+
+Without it (torchrun, no launcher) the same calls write and read the persisted layout
+(:mod:`elaunch.checkpoint.persisted`) in ``ELAUNCH_CHECKPOINT_DIR`` (default
+``./elaunch_checkpoints``), synchronously: a script needs no branch.
+
+torch is imported inside the functions: the (torch-free) agent imports
+``elaunch.checkpoint.slotfile``, which imports this package.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+__all__ = ["Snapshot", "CheckpointError", "SnapshotTooLarge", "save", "load", "read_slot"]
+
+
+class Snapshot(NamedTuple):
+    """A restored snapshot.
+
+    Attributes:
+        step: the step given to :func:`save`.
+        state: the state, with its container types; tensors are fresh copies.
+    """
+
+    step: int
+    state: Any
+
+
+class CheckpointError(RuntimeError):
+    """A snapshot cannot be restored: missing, another step than the job agreed on, or changed while read."""
+
+
+class SnapshotTooLarge(OSError):
+    """The snapshot does not fit the free shared memory (``errno`` is ENOSPC); nothing was overwritten."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def _ranks() -> dict[str, int]:
+    return {"rank": _env_int("RANK", 0), "world_size": _env_int("WORLD_SIZE", 1)}
+
+
+def save(state: Any, step: int, *, replicated: bool = True) -> None:
+    """Save ``state`` as the snapshot of ``step``; return once it is committed.
+
+    Under elaunch the tensors are copied into shared memory (CUDA tensors through
+    page-locked memory), the step and a checksum last; the previous snapshot stays
+    whole until this one is committed. Elsewhere the state is written with ``torch.save``
+    to ``ELAUNCH_CHECKPOINT_DIR`` (temporary file, fsync, rename).
+
+    Args:
+        state: a nested dict (any dict type), list or tuple of tensors (dense, CPU or
+            CUDA; non-contiguous ones are fine), numbers, strings, None and other
+            picklable objects: what ``state_dict()`` returns.
+        step: the training step (an int >= 0); ``load`` returns it.
+        replicated: True when every rank holds the same state (DDP): any rank's snapshot
+            restores any rank, at any world size. False for sharded state (FSDP, TP).
+
+    Raises:
+        TypeError: a leaf cannot be saved; the message names its key path, e.g.
+            ``state['optimizer']['param_groups'][0]['fn']``. Nothing is written.
+        SnapshotTooLarge: the snapshot is larger than the free shared memory. Nothing is
+            written; both slots keep what they held.
+        OSError: the checkpoint directory cannot be written (without elaunch).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, not {step!r}")
+    shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if shm:
+        from elaunch.checkpoint import _shm
+
+        _shm.save(state, step, replicated=replicated, shm_dir=shm, local_rank=local_rank, **_ranks())
+    else:
+        from elaunch.checkpoint import _local
+
+        _local.save(state, step, replicated=replicated, local_rank=local_rank, **_ranks())
+
+
+def load(map_location=None) -> Snapshot | None:
+    """The snapshot this worker resumes from, or None when there is none.
+
+    Under elaunch: the file the agent chose (``ELAUNCH_CHECKPOINT_RESTORE``: a slot file
+    or a persisted ``*.pt``), which must hold the step the job agreed on
+    (``ELAUNCH_CHECKPOINT_STEP``). Elsewhere: the newest step complete in
+    ``ELAUNCH_CHECKPOINT_DIR`` that every rank has (agreed with one ``all_reduce`` when
+    ``torch.distributed`` is initialized).
+
+    Args:
+        map_location: like ``torch.load``'s: None (each tensor where it was saved), a
+            device string or ``torch.device``, or a dict from saved device strings to
+            device strings.
+
+    Returns:
+        Snapshot or None.
+
+    Raises:
+        CheckpointError: the file is missing or holds no commit, holds another step than
+            the job agreed on, or was overwritten while it was read; without elaunch, a
+            sharded checkpoint saved at another world size.
+    """
+    shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
+    if not shm:
+        from elaunch.checkpoint import _local
+
+        found = _local.load(map_location, **_ranks())
+        return None if found is None else Snapshot(*found)
+    path = os.environ.get("ELAUNCH_CHECKPOINT_RESTORE", "")
+    if not path:
+        return None
+    expect = os.environ.get("ELAUNCH_CHECKPOINT_STEP", "").strip()
+    expect_step = int(expect) if expect else None
+    if path.endswith(".pt"):
+        return _load_persisted(path, map_location, expect_step)
+    from elaunch.checkpoint import _shm
+
+    info, state = _shm.read(path, map_location, expect_step)
+    return Snapshot(info.step, state)
+
+
+def _load_persisted(path: str, map_location, expect_step: int | None) -> Snapshot:
+    from elaunch.checkpoint import persisted
+
+    try:
+        payload = persisted.load_rank_file(path, map_location)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the persisted checkpoint {path}: {exc}") from exc
+    if expect_step is not None and payload["step"] != expect_step:
+        raise CheckpointError(f"{path} holds step {payload['step']}, the job agreed on step {expect_step}")
+    return Snapshot(payload["step"], payload["state"])
+
+
+def read_slot(path: str, map_location="cpu") -> Snapshot:
+    """The newest commit of the slot file ``path`` (a slot, replica or restore file), tensors copied out.
+
+    Args:
+        path: a file in the slot format (:mod:`elaunch.checkpoint.slotfile`).
+        map_location: as for :func:`load`; by default every tensor lands on the CPU.
+
+    Raises:
+        CheckpointError: the file is missing, holds no committed snapshot, or was
+            written to while it was read (read it again: the writer committed or died).
+    """
+    from elaunch.checkpoint import _shm
+
+    info, state = _shm.read(path, map_location)
+    return Snapshot(info.step, state)

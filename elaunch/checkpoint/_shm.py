@@ -1,0 +1,271 @@
+"""Saving into and reading from slot files: the in-memory mode (under elaunch).
+
+A worker keeps each slot file it wrote open and mapped between saves (one mapping per
+file, remapped only when a snapshot outgrows it), so a save after the first is one copy
+of the tensors into memory that is already there. When a file is made or grown its
+pages are reserved (``posix_fallocate``: a full ``/dev/shm`` fails there, with ENOSPC,
+not with a SIGBUS in the middle of a copy) and mapped (``MADV_POPULATE_WRITE``), so the
+first save does not pay a page fault per 4 KiB either.
+
+CUDA tensors are copied straight into the mapping after it is registered with CUDA
+(``cudaHostRegister``: pinned, so the device-to-host copy is a DMA); when registration
+fails the copy goes through pageable memory (slower, same result).
+
+Imported only from inside ``elaunch.checkpoint``'s functions: it imports torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from elaunch.checkpoint import _tree, slotfile
+
+log = logging.getLogger(__name__)
+
+#: ``madvise`` advice to fault a range in, writable (Linux 5.14+; missing from older ``mmap`` modules)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MiB = 1 << 20
+
+
+class _Slot:
+    """One slot file, open and mapped for writing, kept across saves."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        st = os.fstat(self.fd)
+        self.ino, self.size = st.st_ino, st.st_size
+        self.mm: mmap.mmap | None = None
+        self.base: torch.Tensor | None = None  # a uint8 view of the whole mapping
+        self.pinned = False
+        if self.size >= slotfile.HEADER_SIZE:
+            self._map()
+
+    def current(self) -> bool:
+        """True when ``path`` still names this file (the agent did not remove or replace it)."""
+        try:
+            return os.stat(self.path).st_ino == self.ino
+        except OSError:
+            return False
+
+    def held(self) -> int:
+        """Bytes of memory the file holds now."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def grow(self, size: int) -> None:
+        """Make the file ``size`` bytes, its pages allocated and mapped; raise OSError (ENOSPC) when full."""
+        self._unmap()
+        os.posix_fallocate(self.fd, 0, size)
+        self.size = os.fstat(self.fd).st_size
+        self._map()
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # older kernel: the first copy faults the pages in instead
+            pass
+
+    def _map(self) -> None:
+        self.mm = mmap.mmap(self.fd, self.size)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def _unmap(self) -> None:
+        if self.mm is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.pinned = False
+        self.base = None
+        self.mm.close()
+        self.mm = None
+
+    def close(self) -> None:
+        self._unmap()
+        os.close(self.fd)
+
+
+_SLOTS: dict[str, _Slot] = {}
+_LOCK = threading.Lock()
+
+
+def _slot(path: str) -> _Slot:
+    slot = _SLOTS.get(path)
+    if slot is not None and not slot.current():
+        slot.close()
+        slot = None
+    if slot is None:
+        slot = _SLOTS[path] = _Slot(path)
+    return slot
+
+
+def check_space(shm_dir: str, path: str, need: int) -> None:
+    """Raise ``SnapshotTooLarge`` unless ``need`` bytes fit the free memory of ``shm_dir``'s file system.
+
+    The bytes the slot at ``path`` holds already count as free: the snapshot replaces them.
+    """
+    from elaunch.checkpoint import SnapshotTooLarge
+
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    try:
+        held = os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        held = 0
+    if free + held < need:
+        raise SnapshotTooLarge(
+            errno.ENOSPC,
+            f"the snapshot needs {need / _MiB:.1f} MiB of shared memory, {(free + held) / _MiB:.1f} MiB are "
+            f"free in {shm_dir} (counting the {held / _MiB:.1f} MiB its slot holds); nothing was overwritten. "
+            f"Make /dev/shm larger (docker: --shm-size) or save less",
+        )
+
+
+def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: int, rank: int,
+         world_size: int) -> str:
+    """Copy ``state`` into the slot of ``local_rank`` that does not hold its newest commit; return its path.
+
+    Raises:
+        TypeError: a leaf cannot be saved (its key path is named); nothing is written.
+        SnapshotTooLarge: it does not fit the free shared memory; nothing is written.
+    """
+    packed = _tree.pack(state)
+    need = slotfile.file_size(len(packed.meta), packed.data_len)
+    slots_dir = os.path.join(shm_dir, "slots")
+    os.makedirs(slots_dir, mode=0o700, exist_ok=True)
+    with _LOCK:
+        path = slotfile.slot_to_write(shm_dir, local_rank)
+        check_space(shm_dir, path, need)
+        slot = _slot(path)
+        if slot.size < need:
+            _grow(slot, shm_dir, need)
+        buf = slot.mm
+        seq = slotfile.begin(buf)
+        buf[slotfile.META_AT:slotfile.META_AT + len(packed.meta)] = packed.meta
+        copy_in(slot, slotfile.data_offset(len(packed.meta)), packed.tensors)
+        slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
+                        meta_len=len(packed.meta), data_len=packed.data_len)
+    return path
+
+
+def _grow(slot: _Slot, shm_dir: str, need: int) -> None:
+    from elaunch.checkpoint import SnapshotTooLarge
+
+    size = -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        slot.grow(size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise SnapshotTooLarge(errno.ENOSPC, f"the snapshot needs {need / _MiB:.1f} MiB of shared memory in "
+                               f"{shm_dir}, which filled up while it was reserved: {exc.strerror}") from exc
+
+
+@torch.no_grad()
+def copy_in(slot: _Slot, data_at: int, tensors: list[tuple[torch.Tensor, _tree.TensorRef]]) -> None:
+    """Copy each tensor to ``data_at + ref.offset`` in ``slot``'s mapping (strided sources copied as they are)."""
+    devices = {t.device for t, _ in tensors if t.device.type == "cuda"}
+    if devices and not slot.pinned:
+        slot.pinned = _pin(slot.base)
+    for t, ref in tensors:
+        if ref.nbytes:
+            dst = slot.base[data_at + ref.offset:data_at + ref.offset + ref.nbytes]
+            dst.view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=t.is_cuda)
+    for device in devices:
+        torch.cuda.synchronize(device)  # the commit must follow the copies' end
+
+
+def _pin(base: torch.Tensor) -> bool:
+    """Register the mapping under ``base`` with CUDA (page-locked); False when CUDA refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
+    ok = int(getattr(err, "value", err)) == 0
+    if not ok:
+        log.warning("elaunch.checkpoint: cudaHostRegister of a %d MiB slot failed (%s): CUDA tensors are copied "
+                    "through pageable memory", base.numel() // _MiB, err)
+    return ok
+
+
+def read(path: str, map_location=None, expect_step: int | None = None):
+    """The committed snapshot in the slot file ``path``, its tensors copied out: ``(SlotInfo, state)``.
+
+    Raises:
+        CheckpointError: ``path`` holds no committed snapshot, holds another step than
+            ``expect_step``, or was written to while it was read.
+    """
+    from elaunch.checkpoint import CheckpointError
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open the snapshot {path}: {exc.strerror}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    info = slotfile.parse(mm, path) if mm is not None else None
+    if info is None:
+        if mm is not None:
+            mm.close()
+        raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
+    if expect_step is not None and info.step != expect_step:
+        mm.close()
+        raise CheckpointError(f"{path} holds step {info.step}, the job agreed on step {expect_step}")
+    try:
+        state = _copy_out(mm, info, map_location)
+        if not slotfile.still(mm, info):
+            raise CheckpointError(f"{path} was written to while it was read (step {info.step})")
+    finally:
+        _close(mm)
+    return info, state
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a traceback still holds a view of it: the mapping goes with the last view
+        pass
+
+
+def _copy_out(mm: mmap.mmap, info: slotfile.SlotInfo, map_location) -> Any:
+    from elaunch.checkpoint import CheckpointError
+
+    meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": we only read it
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+    at = info.data_at
+
+    def make(ref: _tree.TensorRef) -> torch.Tensor:
+        src = base[at + ref.offset:at + ref.offset + ref.nbytes].view(ref.torch_dtype).view(ref.shape)
+        device = target_device(ref.device, map_location)
+        return src.clone() if device.type == "cpu" else src.to(device)
+
+    try:
+        return _tree.unpack(meta, make)
+    except Exception as exc:
+        if not slotfile.still(mm, info):
+            raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc
+        raise
+    finally:
+        del base, make
+
+
+def target_device(saved: str, map_location) -> torch.device:
+    """Where a tensor saved on ``saved`` goes, under ``map_location`` as ``torch.load`` reads it.
+
+    ``map_location``: None (where it was), a device string or ``torch.device``, or a
+    dict from saved device strings to device strings.
+    """
+    if map_location is None:
+        return torch.device(saved)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(saved, saved))
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise TypeError(f"map_location must be None, a device, a device string or a dict, not {map_location!r}")
