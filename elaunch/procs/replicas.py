@@ -1,0 +1,224 @@
+"""The replica service: copies of this node's snapshots on the next nodes of the round, and theirs here.
+
+With ``--checkpoint-replicas N`` each agent sends its workers' newest committed
+snapshots (``slots/`` of its node directory) to the next N nodes of the round (a
+ring), in the background, and keeps the copies its predecessors send it in
+``replicas/r<rank>`` (one per saved global rank, the newest step wins). A node that
+replaces a lost one fetches its ranks' snapshots from a peer at the round's start
+(:func:`fetch`), without touching disk. No torchrun counterpart: torch keeps no
+snapshots.
+
+The work is done by one helper child (``_replica_child.py``; the wire format is in
+its docstring), a :class:`~elaunch.procs.helper_process.HelperProcess`: the agent
+binds the TCP socket on its address and hands it to the child, which serves peers'
+copies and fetches on it, and sends this node's snapshots to the successors the
+agent names with :meth:`ReplicaService.set_ring`. Because the agent keeps the
+listening socket, a restarted child serves the same port: peers need not be told.
+
+Policy: **restart** (:data:`RESTARTS` times), then off. A dead replica service
+loses no training and no snapshot of this node (those are in ``slots/``); while it
+is down the node's newest snapshots are not copied out and its replicas are not
+served. :meth:`ReplicaService.check` restarts it and hands the new child the socket
+and the ring again; once the budget is spent it logs one warning and the service
+stays off for the rest of the run (peers' connections are then refused).
+
+Stdlib only: the agent imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import time
+
+from ..checkpoint import slotfile
+from . import _replica_child as wire
+from .helper_process import HelperDied, HelperProcess
+
+log = logging.getLogger(__name__)
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replica_child.py")
+RESTARTS = 3  #: restarts of a dead replica child before the service stays off
+STATS_TIMEOUT = 5.0  #: seconds :meth:`ReplicaService.stats` waits for the child's answer
+
+
+class ReplicaService:
+    """One agent's replica service (see the module docstring).
+
+    Args:
+        node_dir: the agent's node directory in ``/dev/shm`` (``slots/`` is read,
+            ``replicas/`` is written; made if missing, mode 0700).
+        host: the address to listen on (the agent's address, as peers reach it).
+        reaper: the watchdog (``Reaper``) that kills the child if the agent dies, or None.
+        env: the child's environment (default: the agent's).
+        restarts: restarts of the child before the service stays off.
+
+    Use from the agent's main thread (``PR_SET_PDEATHSIG`` follows the starting thread).
+    """
+
+    def __init__(self, node_dir: str, host: str, reaper=None, env: dict[str, str] | None = None,
+                 restarts: int = RESTARTS) -> None:
+        self.node_dir = node_dir
+        self.host = host
+        self._helper = HelperProcess("replica service", _CHILD, node_dir, env=env, reaper=reaper, restarts=restarts)
+        self._listener: socket.socket | None = None
+        self._ring: list[tuple[str, int]] = []
+        self.port: int | None = None  #: the port peers reach this node's service on, once started
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while it runs."""
+        return self._helper.pid
+
+    def start(self) -> int:
+        """Listen on ``host`` (any free port) and start the child; return the port. Once (else the port).
+
+        Raises:
+            OSError: the socket cannot be bound, or the child cannot be started.
+        """
+        if self._listener is not None:
+            return self.port
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, 0))
+            sock.listen(socket.SOMAXCONN)
+            self._helper.start()
+        except OSError:
+            sock.close()
+            raise
+        self._listener, self.port = sock, sock.getsockname()[1]
+        self._hand_over()
+        return self.port
+
+    def _hand_over(self) -> None:
+        """Give the (new) child the listening socket and the ring."""
+        chan = self._helper.chan
+        assert chan is not None and self._listener is not None
+        socket.send_fds(chan, [b"listen"], [self._listener.fileno()])
+        self._send_ring()
+
+    def _send_ring(self) -> None:
+        if self._helper.chan is not None:
+            self._helper.chan.send(b"ring " + json.dumps([[h, p] for h, p in self._ring]).encode("utf-8"))
+
+    def set_ring(self, peers: list[tuple[str, int]]) -> None:
+        """Send this node's snapshots to ``peers`` (``(host, port)`` of each successor's service) from now on.
+
+        An empty list stops sending. A successor already in the previous ring keeps its
+        connection and is not sent again what it has.
+        """
+        self._ring = [(str(h), int(p)) for h, p in peers]
+        self._send_ring()
+
+    def check(self) -> bool:
+        """Restart the child if it died (and hand it the socket and the ring); True if it was restarted.
+
+        Once its restart budget is spent: one warning, the service stays off (False from then on).
+        """
+        if self._listener is None:
+            return False
+        try:
+            restarted = self._helper.check()
+        except HelperDied as exc:
+            log.warning("%s; peers' copies of this node's snapshots are not updated any more", exc)
+            self._close_listener()
+            return False
+        if restarted:
+            self._hand_over()
+        return restarted
+
+    def held(self) -> int:
+        """Bytes of replicas this node holds (every file in ``replicas/``, receipts under way included)."""
+        total = 0
+        try:
+            with os.scandir(os.path.join(self.node_dir, "replicas")) as entries:
+                for entry in entries:
+                    try:
+                        total += entry.stat().st_size
+                    except OSError:
+                        pass  # renamed or removed meanwhile
+        except OSError:
+            pass
+        return total
+
+    def stats(self) -> dict[str, int]:
+        """The child's counters (``_replica_child.COUNTERS``: sent, skipped, torn, received, ...).
+
+        Raises:
+            OSError: the child is not running or does not answer within :data:`STATS_TIMEOUT` seconds.
+        """
+        chan = self._helper.chan
+        if chan is None:
+            raise OSError("the replica service is not running")
+        chan.send(b"stats")
+        if not select.select([chan], [], [], STATS_TIMEOUT)[0]:
+            raise TimeoutError("the replica service did not answer")
+        reply = chan.recv(65536)
+        if not reply:
+            raise ConnectionError("the replica service exited")
+        return json.loads(reply)
+
+    def private_fds(self) -> tuple[int, ...]:
+        """Descriptors a worker forked from the agent must close (the channel, the listening socket)."""
+        own = (self._listener.fileno(),) if self._listener is not None else ()
+        return (*self._helper.private_fds(), *own)
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def close(self) -> None:
+        """Stop the child and reap it; close the listening socket. Idempotent. ``replicas/`` stays."""
+        self._helper.stop()
+        self._close_listener()
+
+
+def fetch(host: str, port: int, rank: int, step: int, dest_path: str, timeout: float = 60.0) -> bool:
+    """Fetch global rank ``rank``'s snapshot of step ``step`` from a peer's replica service into ``dest_path``.
+
+    The peer answers from its ``replicas/r<rank>`` or from its own slots. The file is
+    received as ``.<name>.tmp-<pid>`` beside ``dest_path`` (0600) and renamed over it
+    once whole and parsed by ``slotfile.read_info`` with that rank and step.
+
+    Args:
+        host, port: the peer's replica service.
+        rank: the global rank that saved the snapshot; step: the step it must hold.
+        dest_path: where the snapshot goes (its directory must exist).
+        timeout: seconds the whole fetch may take.
+
+    Returns:
+        True when ``dest_path`` holds it; False (one log line) when the peer has no such
+        snapshot, cannot be reached, sends a torn or wrong one, or ``timeout`` passes.
+        Nothing is left at ``dest_path``'s temporary name.
+    """
+    deadline = time.monotonic() + timeout
+    where = f"rank {rank} step {step} from {host}:{port}"
+    tmp = os.path.join(os.path.dirname(dest_path) or ".", f".{os.path.basename(dest_path)}.tmp-{os.getpid()}")
+    try:
+        with wire.tune(socket.create_connection((host, port), timeout=timeout)) as sock, \
+                sock.makefile("rb") as rfile:
+            wire.send_json(sock, {"op": "get", "rank": rank, "step": step})
+            size = int(wire.read_json(rfile)["size"])
+            if size <= 0:
+                log.info("replica fetch: %s: the peer has none", where)
+                return False
+            mark = wire.receive_file(rfile, tmp, size, deadline, sock)
+        info = slotfile.read_info(tmp)
+        if mark != b"=" or info is None or (info.rank, info.step, info.size) != (rank, step, size):
+            log.warning("replica fetch: %s: the copy received is not whole (a write began under it)", where)
+            return False
+        os.replace(tmp, dest_path)
+        return True
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("replica fetch: %s failed: %s", where, exc)
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass

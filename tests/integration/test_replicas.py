@@ -1,0 +1,227 @@
+"""The replica service (``procs.replicas``) with real children, real TCP on loopback and real slot files.
+
+A committed slot on one node appears bit-identical as ``replicas/r<rank>`` on its
+successor; a newer commit replaces it, an older one never does, and a slot whose
+write began during the send never becomes a replica. ``fetch`` gets a replica (or
+a local slot) from a peer and refuses what the peer does not have. A SIGKILLed
+child is restarted by ``check()`` and serves again; ``close()`` leaves no process.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from elaunch.checkpoint import slotfile
+from elaunch.procs.replicas import ReplicaService, fetch
+from tests.conftest import wait_for
+
+DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)
+
+
+@pytest.fixture
+def shm():
+    """A scratch directory in /dev/shm, removed after the test."""
+    path = tempfile.mkdtemp(prefix="elaunch-test-replicas-", dir="/dev/shm")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(shm):
+    """``node(name) -> (node_dir, ReplicaService)`` started on 127.0.0.1; every one closed after the test."""
+    services = []
+
+    def make(name: str):
+        node_dir = os.path.join(shm, name)
+        os.makedirs(os.path.join(node_dir, "slots"), mode=0o700)
+        service = ReplicaService(node_dir, "127.0.0.1")
+        services.append(service)
+        service.start()
+        return node_dir, service
+
+    yield make
+    for service in services:
+        service.close()
+
+
+def write_slot(path: str, step: int, data: bytes, rank: int = 0, commit: bool = True) -> None:
+    """Write a snapshot of ``rank`` at ``step`` into the slot file ``path`` (sized to fit); ``commit=False``:
+    begin the write and leave it under way (odd seq)."""
+    meta = f"meta of rank {rank} step {step}".encode()
+    size = slotfile.file_size(len(meta), len(data))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as buf:
+            seq = slotfile.begin(buf)
+            buf[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
+            at = slotfile.data_offset(len(meta))
+            buf[at:at + len(data)] = data
+            if commit:
+                slotfile.commit(buf, seq, step=step, rank=rank, world_size=2, replicated=False,
+                                meta_len=len(meta), data_len=len(data))
+    finally:
+        os.close(fd)
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def replica_step(node_dir: str, rank: int = 0) -> int | None:
+    info = slotfile.read_info(os.path.join(node_dir, "replicas", f"r{rank}"))
+    return None if info is None else info.step
+
+
+def counted(service: ReplicaService, name: str, at_least: int = 1) -> bool:
+    return service.stats()[name] >= at_least
+
+
+def queued_at(port: int) -> int:
+    """Bytes waiting unread in the established TCP sockets whose local port is ``port`` (/proc/net/tcp)."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":
+                total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def test_a_committed_slot_appears_on_the_successor_and_a_newer_one_replaces_it(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    a.set_ring([("127.0.0.1", b.port)])
+    slot0, slot1 = slotfile.slot_paths(a_dir, 0)
+    write_slot(slot0, 1, os.urandom(1 << 20))
+    wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
+    replica = os.path.join(b_dir, "replicas", "r0")
+    assert read(replica) == read(slot0)
+    assert os.stat(replica).st_mode & 0o777 == 0o600
+    assert b.held() == os.path.getsize(slot0)
+    write_slot(slot1, 2, os.urandom(3 << 20))
+    wait_for(lambda: replica_step(b_dir) == 2, DEADLINE, what="step 2's replica on b")
+    assert read(replica) == read(slot1)
+    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0"]  # no receipt left behind
+    assert a.stats()["sent"] == 2 and b.stats()["received"] == 2
+
+
+def test_an_older_snapshot_never_replaces_a_newer_replica(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    c_dir, c = node("c")
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 5, os.urandom(1 << 16))
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir) == 5, DEADLINE, what="step 5's replica on b")
+    newer = read(os.path.join(b_dir, "replicas", "r0"))
+    write_slot(slotfile.slot_paths(c_dir, 0)[0], 3, os.urandom(1 << 16))  # rank 0 again, an older step
+    c.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: counted(c, "skipped") or counted(c, "sent") or counted(b, "discarded"), DEADLINE,
+             what="b's answer to c's older snapshot")
+    assert read(os.path.join(b_dir, "replicas", "r0")) == newer
+    assert c.stats()["sent"] == 0
+
+
+def test_a_slot_written_during_the_send_never_becomes_a_replica(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    slot0, slot1 = slotfile.slot_paths(a_dir, 0)
+    write_slot(slot0, 1, os.urandom(1 << 20))
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
+    old = read(os.path.join(b_dir, "replicas", "r0"))
+    os.kill(b.pid, signal.SIGSTOP)  # b answers nothing: a's offer of step 2 waits for b's go
+    try:
+        write_slot(slot1, 2, os.urandom(1 << 20))
+        wait_for(lambda: queued_at(b.port) > 0, DEADLINE, what="a's offer of step 2 queued at b")
+        write_slot(slot1, 3, os.urandom(1 << 20), commit=False)  # the worker begins a new write in it
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    wait_for(lambda: counted(b, "discarded") and counted(a, "torn"), DEADLINE, what="b discarding the torn copy")
+    assert read(os.path.join(b_dir, "replicas", "r0")) == old and replica_step(b_dir) == 1
+    write_slot(slot1, 3, os.urandom(1 << 20))  # the write commits: that one is sent
+    wait_for(lambda: replica_step(b_dir) == 3, DEADLINE, what="step 3's replica on b")
+    assert read(os.path.join(b_dir, "replicas", "r0")) == read(slot1)
+
+
+def test_fetch_gets_a_replica_or_a_local_slot_and_nothing_else(node, shm, caplog):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    slot0 = slotfile.slot_paths(a_dir, 0)[0]
+    write_slot(slot0, 7, os.urandom(1 << 20), rank=3)
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir, 3) == 7, DEADLINE, what="the replica on b")
+    restore = os.path.join(shm, "restore")
+    os.mkdir(restore)
+    dest = os.path.join(restore, "3")
+    assert fetch("127.0.0.1", b.port, 3, 7, dest, timeout=10)
+    assert read(dest) == read(slot0) and os.stat(dest).st_mode & 0o777 == 0o600
+    os.unlink(dest)
+    assert fetch("127.0.0.1", a.port, 3, 7, dest, timeout=10)  # a serves its own slot
+    assert read(dest) == read(slot0)
+    os.unlink(dest)
+    assert not fetch("127.0.0.1", b.port, 3, 8, dest, timeout=10)  # no such step
+    assert not fetch("127.0.0.1", b.port, 2, 7, dest, timeout=10)  # no such rank
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    assert not fetch("127.0.0.1", port, 3, 7, dest, timeout=10)  # nobody there
+    assert os.listdir(restore) == []
+
+
+def test_a_killed_child_is_restarted_by_check_and_serves_again(node, shm):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    slot0, slot1 = slotfile.slot_paths(a_dir, 0)
+    write_slot(slot0, 1, os.urandom(1 << 16))
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
+    for service in (b, a):  # the receiver, then the sender (whose ring must be handed over again)
+        pid = service.pid
+        assert not service.check()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(service.check, 10, what="the child's restart")  # its threads go, then the kernel reports it
+        assert service.pid not in (None, pid)
+    port = b.port
+    write_slot(slot1, 2, os.urandom(1 << 16))
+    wait_for(lambda: replica_step(b_dir) == 2, DEADLINE, what="step 2's replica on b after the restarts")
+    dest = os.path.join(shm, "fetched")
+    assert b.port == port and fetch("127.0.0.1", port, 0, 2, dest, timeout=10)
+    assert read(dest) == read(slot1)
+
+
+def test_close_leaves_no_process_and_refuses_peers(node):
+    _, a = node("a")
+    pid, port = a.pid, a.port
+    a.close()
+    assert a.pid is None and not psutil.pid_exists(pid)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    a.close()  # idempotent
+
+
+def test_throughput_of_a_256_mib_snapshot_over_loopback(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    data = os.urandom(1 << 20) * 256
+    a.set_ring([("127.0.0.1", b.port)])
+    t0 = time.monotonic()
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 1, data)
+    t1 = time.monotonic()
+    wait_for(lambda: replica_step(b_dir) == 1, 120, interval=0.005, what="the 256 MiB replica")
+    took = time.monotonic() - t1
+    print(f"\n256 MiB slot: written in {t1 - t0:.3f} s, on the successor {took:.3f} s after the commit "
+          f"({256 / took:.0f} MiB/s, including up to {0.05:.2f} s of scan period)")
