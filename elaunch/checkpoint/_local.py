@@ -3,8 +3,9 @@
 The worker writes the persisted layout (:mod:`elaunch.checkpoint.persisted`) itself,
 synchronously, into ``ELAUNCH_CHECKPOINT_DIR`` (default ``./elaunch_checkpoints``).
 Replicated state is written by local rank 0 only (one file per node, as the persister
-does); sharded state by every rank. After a write, the writer prunes the steps older
-than the newest complete one.
+does); sharded state by every rank. Once a step is complete, the writer prunes the steps
+older than the complete one before it: two complete steps stay, so ranks whose saves
+are one step apart (a rank killed between its save and its peer's) still agree on one.
 
 On load, each rank finds its newest complete step; when ``torch.distributed`` is
 initialized, the ranks agree on the smallest of them (one ``all_reduce(MIN)``), so they
@@ -33,8 +34,10 @@ def save(state: Any, step: int, *, replicated: bool, rank: int, world_size: int,
     d = directory()
     path = persisted.write_rank_file(d, step, rank, world_size, replicated, state)
     done = persisted.newest_complete(d)
-    if done is not None:
-        persisted.prune(d, done[0])
+    if done is not None and done[0] == step:  # keep the previous complete step: ranks one save apart agree on it
+        before = persisted.newest_complete(d, step - 1)
+        if before is not None:
+            persisted.prune(d, before[0])
     return path
 
 

@@ -104,6 +104,13 @@ def _slot(path: str) -> _Slot:
     return slot
 
 
+def close_all() -> None:
+    """Unmap and close every slot file this process keeps open (their memory goes once the agent removes them)."""
+    with _LOCK:
+        while _SLOTS:
+            _SLOTS.popitem()[1].close()
+
+
 def check_space(shm_dir: str, path: str, need: int) -> None:
     """Raise ``SnapshotTooLarge`` unless ``need`` bytes fit the free memory of ``shm_dir``'s file system.
 

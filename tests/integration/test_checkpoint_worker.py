@@ -1,0 +1,244 @@
+"""The worker side of in-memory checkpoints (issue 24, items 1, 2, 5): real worker processes, real /dev/shm files.
+
+Workers are ``tests/scripts/ckpt_roundtrip.py`` run with the environment an elaunch agent
+gives them (``ELAUNCH_CHECKPOINT_SHM``, ``ELAUNCH_CHECKPOINT_RESTORE``,
+``ELAUNCH_CHECKPOINT_STEP``, ranks) or, for the fallback mode, without it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import elaunch.checkpoint as ckpt  # noqa: E402
+from elaunch.checkpoint import _shm, persisted, slotfile  # noqa: E402
+from tests.conftest import SCRIPTS, wait_for  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+
+sys.path.insert(0, str(SCRIPTS))
+from ckpt_roundtrip import make_state, same  # noqa: E402
+
+WORKER = str(SCRIPTS / "ckpt_roundtrip.py")
+_ENV_DROP = ("ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP",
+             "ELAUNCH_CHECKPOINT_DIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def worker_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP and not k.startswith("CKPT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parents[1]), env.get("PYTHONPATH", "")])
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_worker(*args, timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, WORKER, *map(str, args)], env=worker_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def load_result(**env) -> dict:
+    r = run_worker("load", **env)
+    assert r.returncode in (0, 3), r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def shm_dir():
+    """A node directory in /dev/shm, removed after the test (with this process's cached mappings)."""
+    path = f"/dev/shm/elaunch-test-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, mode=0o700)
+    yield path
+    _shm.close_all()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_shm():
+    """A node directory on its own 8 MiB tmpfs (mounted here; root only), unmounted after."""
+    path = f"/dev/shm/elaunch-test-{os.getpid()}-small"
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", path], capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
+    yield path
+    _shm.close_all()
+    subprocess.run(["umount", path], check=True)
+    os.rmdir(path)
+
+
+def committed(shm: str) -> dict[str, int]:
+    """Slot file name -> the step it holds committed."""
+    return {os.path.basename(i.path): i.step for i in slotfile.inventory(shm)}
+
+
+def test_round_trip_is_bit_identical(shm_dir):
+    r = run_worker("save", 3, 4, ELAUNCH_CHECKPOINT_SHM=shm_dir, LOCAL_RANK=0, RANK=0, WORLD_SIZE=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert committed(shm_dir) == {"0.0": 3, "0.1": 4}
+    for name in ("slots", "slots/0.0", "slots/0.1"):
+        mode = os.stat(os.path.join(shm_dir, name)).st_mode & 0o777
+        assert mode == (0o700 if name == "slots" else 0o600), (name, oct(mode))
+    snap = ckpt.read_slot(os.path.join(shm_dir, "slots", "0.1"))
+    assert snap.step == 4 and same(snap.state, make_state(4))
+    assert snap.state["model"]["shared"] is snap.state["model"]["same"]
+    # a fresh worker restores the step the job agreed on
+    got = load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir, ELAUNCH_CHECKPOINT_RESTORE=f"{shm_dir}/slots/0.0",
+                      ELAUNCH_CHECKPOINT_STEP=3)
+    assert got == {"step": 3, "equal": True}
+    assert load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir) == {"step": None}
+
+
+def test_header_names_rank_and_world(shm_dir):
+    r = run_worker("save", 7, ELAUNCH_CHECKPOINT_SHM=shm_dir, LOCAL_RANK=1, RANK=5, WORLD_SIZE=6, CKPT_SHARDED=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = slotfile.read_info(os.path.join(shm_dir, "slots", "1.0"))
+    assert (info.step, info.rank, info.world_size, info.replicated) == (7, 5, 6, False)
+    assert same(ckpt.read_slot(info.path).state, make_state(7, 5))
+
+
+def test_restored_step_must_be_the_agreed_one(shm_dir):
+    assert run_worker("save", 5, ELAUNCH_CHECKPOINT_SHM=shm_dir).returncode == 0
+    got = load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir, ELAUNCH_CHECKPOINT_RESTORE=f"{shm_dir}/slots/0.0",
+                      ELAUNCH_CHECKPOINT_STEP=6)
+    assert "holds step 5" in got["error"] and "step 6" in got["error"]
+    got = load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir, ELAUNCH_CHECKPOINT_RESTORE=f"{shm_dir}/slots/0.1",
+                      ELAUNCH_CHECKPOINT_STEP=5)
+    assert "cannot open" in got["error"]
+
+
+def test_kill_during_a_save_leaves_the_previous_snapshot_whole(shm_dir):
+    """SIGKILL while a slot's seq is odd (a copy under way): the other slot still holds its step, intact."""
+    proc = subprocess.Popen([sys.executable, WORKER, "loop", "1"], stdout=subprocess.PIPE, text=True,
+                            env=worker_env(ELAUNCH_CHECKPOINT_SHM=shm_dir, CKPT_MIB=96))
+    try:
+        assert proc.stdout.readline().strip() == "saved 1"
+        maps = {}
+
+        def writing():
+            for name in ("0.0", "0.1"):
+                if name not in maps:
+                    try:
+                        with open(os.path.join(shm_dir, "slots", name), "rb") as f:
+                            maps[name] = mmap.mmap(f.fileno(), slotfile.HEADER_SIZE, prot=mmap.PROT_READ)
+                    except (OSError, ValueError):
+                        continue  # not made or not sized yet
+                if slotfile.seq_of(maps[name]) % 2:
+                    return name
+            return None
+
+        torn = wait_for(writing, timeout=60, interval=0, what="a save under way (odd seq)")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        for m in maps.values():
+            m.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    other = "0.1" if torn == "0.0" else "0.0"
+    assert slotfile.read_info(os.path.join(shm_dir, "slots", torn)) is None
+    info = slotfile.read_info(os.path.join(shm_dir, "slots", other))
+    assert info is not None
+    snap = ckpt.read_slot(info.path)
+    assert same(snap.state, make_state(info.step, mib=96))
+    got = load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir, ELAUNCH_CHECKPOINT_RESTORE=info.path,
+                      ELAUNCH_CHECKPOINT_STEP=info.step, CKPT_MIB=96)
+    assert got == {"step": info.step, "equal": True}
+    assert run_worker("save", info.step + 1, ELAUNCH_CHECKPOINT_SHM=shm_dir).returncode == 0
+    assert committed(shm_dir) == {other: info.step, torn: info.step + 1}  # the torn slot is written next
+
+
+def test_unpicklable_leaf_names_its_key_path(shm_dir, monkeypatch):
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    ckpt.save({"w": torch.ones(3)}, 1)
+    before = committed(shm_dir)
+    state = {"model": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": 0.1, "fn": lambda x: x}]}}
+    with pytest.raises(TypeError, match=r"state\['optimizer'\]\['param_groups'\]\[0\]\['fn'\]"):
+        ckpt.save(state, 2)
+    sparse = {"emb": [torch.ones(2), torch.eye(3).to_sparse()]}
+    with pytest.raises(TypeError, match=r"state\['emb'\]\[1\].*dense"):
+        ckpt.save(sparse, 2)
+    assert committed(shm_dir) == before
+    assert not os.path.exists(os.path.join(shm_dir, "slots", "0.1"))
+
+
+def test_too_large_fails_before_writing(small_shm, monkeypatch):
+    """8 MiB tmpfs: two 2 MiB snapshots fit; a 7 MiB one does not (4 MiB free + the 2 its slot holds)."""
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", small_shm)
+    ckpt.save({"x": torch.full((2 << 18,), 1.0)}, 1)  # 2 MiB
+    ckpt.save({"x": torch.full((2 << 18,), 2.0)}, 2)
+    slots = [os.path.join(small_shm, "slots", n) for n in ("0.0", "0.1")]
+    before = [open(p, "rb").read() for p in slots]
+    with pytest.raises(ckpt.SnapshotTooLarge) as err:
+        ckpt.save({"x": torch.zeros(7 << 18)}, 3)  # 7 MiB
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError)
+    assert "needs 7.0 MiB" in str(err.value) and "nothing was overwritten" in str(err.value)
+    assert [open(p, "rb").read() for p in slots] == before
+    assert committed(small_shm) == {"0.0": 1, "0.1": 2}
+    assert torch.equal(ckpt.read_slot(slots[1]).state["x"], torch.full((2 << 18,), 2.0))
+
+
+def test_fallback_round_trip_layout_and_pruning(tmp_path):
+    d = tmp_path / "ck"
+    r = run_worker("save", 1, 2, 3, ELAUNCH_CHECKPOINT_DIR=d)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(d)) == ["step_000000000002", "step_000000000003"]  # the one before stays
+    path = d / "step_000000000003" / "rank_0_of_1.pt"
+    payload = torch.load(path, weights_only=False)  # torch alone loads it
+    assert {k: payload[k] for k in ("step", "rank", "world_size", "replicated")} == \
+        {"step": 3, "rank": 0, "world_size": 1, "replicated": True}
+    assert same(payload["state"], make_state(3))
+    assert load_result(ELAUNCH_CHECKPOINT_DIR=d) == {"step": 3, "equal": True}
+    assert load_result(ELAUNCH_CHECKPOINT_DIR=tmp_path / "none") == {"step": None}
+
+
+def test_fallback_ignores_a_killed_writers_temp_files(tmp_path):
+    """Step 2's temporary files (one cut short, one whole but never renamed) do not make step 2."""
+    d = tmp_path / "ck"
+    assert run_worker("save", 1, ELAUNCH_CHECKPOINT_DIR=d).returncode == 0
+    whole = (d / "step_000000000001" / "rank_0_of_1.pt").read_bytes()
+    torn = d / "step_000000000002"
+    torn.mkdir()
+    (torn / ".rank_0_of_1.pt.tmp-12345").write_bytes(whole[:999])
+    (torn / ".rank_1_of_1.pt.tmp-12346").write_bytes(whole)
+    assert persisted.newest_complete(str(d))[0] == 1
+    assert load_result(ELAUNCH_CHECKPOINT_DIR=d) == {"step": 1, "equal": True}
+
+
+def test_fallback_sharded_needs_every_rank(tmp_path):
+    d = tmp_path / "ck"
+    for rank in (0, 1):
+        r = run_worker("save", 4, ELAUNCH_CHECKPOINT_DIR=d, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, CKPT_SHARDED=1)
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = run_worker("save", 5, ELAUNCH_CHECKPOINT_DIR=d, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, CKPT_SHARDED=1)
+    assert r.returncode == 0
+    step, files, replicated = persisted.newest_complete(str(d))
+    assert (step, sorted(files), replicated) == (4, [0, 1], False)
+    assert load_result(ELAUNCH_CHECKPOINT_DIR=d, RANK=1, WORLD_SIZE=2) == {"step": 4, "equal": True}
+    got = load_result(ELAUNCH_CHECKPOINT_DIR=d, RANK=1, WORLD_SIZE=3)
+    assert "world of 2 ranks" in got["error"]
+
+
+def test_fallback_ranks_agree_on_one_step(tmp_path):
+    """Two 'nodes' with their own directories, one a save behind: both resume from the older step."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_worker("save", 1, 2, 3, ELAUNCH_CHECKPOINT_DIR=a, RANK=0, WORLD_SIZE=2).returncode == 0
+    assert run_worker("save", 1, 2, ELAUNCH_CHECKPOINT_DIR=b, RANK=1, WORLD_SIZE=2, CKPT_STATE_RANK=0).returncode == 0
+    port = free_port()
+    common = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CKPT_DIST=1, CKPT_STATE_RANK=0)
+    procs = [subprocess.Popen([sys.executable, WORKER, "load"], stdout=subprocess.PIPE, text=True,
+                              env=worker_env(ELAUNCH_CHECKPOINT_DIR=d, RANK=r, **common))
+             for r, d in ((0, a), (1, b))]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [{"step": 2, "equal": True}] * 2
