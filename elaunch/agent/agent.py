@@ -18,6 +18,7 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from elaunch.agent.checkpoints import CheckpointKeeper
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, signal_name, with_root
@@ -122,6 +123,8 @@ class ElasticAgent:
         self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
         self._echo = event_echo(config.event_log_handler)
         self._events = AgentEvents(None, "", self._hostname, self._job.max_restarts)  # run() opens the real one
+        # in-memory checkpoints: the node directory, each round's restore, the persister and replica service
+        self._keeper = CheckpointKeeper.for_launch(config, env_opts.run_id, rdzv.job_channel)
 
     @property
     def log_root(self) -> str | None:
@@ -147,6 +150,8 @@ class ElasticAgent:
         self._watchdogs.append(HangWatchdog(self._config.hang_timeout, range(self._spec.local_world_size),
                                             self._rdzv, self._hostname))
         self._watchdogs[:0] = self._file_timer()
+        self._keeper.open(self._launcher, self._events)
+        self._watchdogs.append(self._keeper)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
                                      self._watchdogs)
         try:
@@ -156,6 +161,7 @@ class ElasticAgent:
         except SignalException as exc:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
             self._launcher.no_more_attempts()
+            self._keeper.persist_now("signal")  # written while the workers stop; awaited before the directory goes
             self._stop_workers(exc.sigval)
             self._events.job_end(sig=exc.sigval)
             raise
@@ -165,6 +171,7 @@ class ElasticAgent:
         finally:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
+            self._keeper.close()  # before the helpers and the reaper go: it awaits a persist, then removes its dir
             self._launcher.close()
             for watchdog in self._watchdogs:
                 watchdog.close()
@@ -178,6 +185,7 @@ class ElasticAgent:
         procs = self._procs
         if procs is not None:
             procs.notify(sig)
+        self._keeper.ask_persist("notice")
         self._events.notice(sig)
         log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
 
@@ -246,6 +254,7 @@ class ElasticAgent:
             exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
             self._stop_workers(signal.SIGTERM)
             if verdict is Verdict.FAILED:
+                self._keeper.persist_now("failure")  # the snapshots the failed workers left, in the background
                 stopped.observe_failure(self._monitor.alarm, *exited, self._procs.poll(), self._attempt_logs,
                                         self._hostname)
         stopped.step, stopped.root = self._job.decide(verdict, stopped.record, stopped.fixable)
@@ -339,19 +348,13 @@ class ElasticAgent:
         master_addr, master_port = info.master_addr, info.master_port
         if info.host_store:  # as torchrun's agent: every worker is a client of a store this agent hosts
             master_port = self._launcher.serve_store(master_addr, master_port)
-        group = WorkerGroup(
-            spec=spec,
-            workers=workers,
-            round=info.round,
-            group_rank=info.rank,
-            group_world_size=info.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-        )
+        group = WorkerGroup(spec=spec, workers=workers, round=info.round, group_rank=info.rank,
+                            group_world_size=info.world_size, master_addr=master_addr, master_port=master_port)
         opts = self._env_opts
         if opts.use_agent_store != info.use_agent_store:
             opts = dataclasses.replace(opts, use_agent_store=info.use_agent_store)
         logs = self._launcher.attempt_logs(attempt, spec.local_world_size)
+        self._keeper.prepare(info, workers, spec.local_world_size)  # the round's restore: its env, below
         cmds, envs, prefixes = {}, {}, {}
         for w in workers:
             lr = w.local_rank
@@ -374,17 +377,9 @@ class ElasticAgent:
         record = agent_record(info.round, [w.global_rank for w in workers], self._job.max_restarts,
                               self._job.restarts, spec.role, self._hostname, self.log_root)
         publish(self._rdzv.job_channel(), "agent", record)
-        log.info(
-            "round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)",
-            info.round,
-            info.rank,
-            info.world_size,
-            workers[0].global_rank,
-            workers[-1].global_rank,
-            workers[0].world_size,
-            group.master_addr,
-            group.master_port,
-        )
+        log.info("round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)", info.round, info.rank,
+                 info.world_size, workers[0].global_rank, workers[-1].global_rank, workers[0].world_size,
+                 group.master_addr, group.master_port)
         return group
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:

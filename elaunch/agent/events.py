@@ -262,6 +262,21 @@ class AgentEvents(EventLog):
         """``notice``: a forwarded signal (``--forward-signals``); the job keeps running."""
         self.emit("notice", signal=signal_of(-sig))
 
+    def checkpoint_restore(self, round: int, step: int, sources: Mapping[int, str]) -> None:
+        """``checkpoint_restore``: this node's workers of ``round`` restore ``step``.
+
+        Args:
+            sources: global rank -> where its snapshot comes from: ``memory`` (this node's),
+                ``peer`` (fetched from another node's memory), ``disk`` (``--checkpoint-dir``),
+                or ``missing`` (no source could be read: its ``ckpt.load()`` fails).
+        """
+        self.emit("checkpoint_restore", round=round, step=step,
+                  sources={str(r): kind for r, kind in sorted(sources.items())})
+
+    def checkpoint_persisted(self, step: int, path: str, seconds: float) -> None:
+        """``checkpoint_persisted``: this node's files of ``step`` are in ``path`` (``seconds`` to read and write)."""
+        self.emit("checkpoint_persisted", step=step, path=path, seconds=round(seconds, 3))
+
     def job_end(self, result=None, error: BaseException | None = None, sig: int | None = None) -> None:
         """``job_succeeded`` or ``job_failed`` (from a RunResult, an exception, or a handled signal); once."""
         if self._ended:

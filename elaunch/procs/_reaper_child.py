@@ -8,6 +8,8 @@ Reads commands from the agent on pipe ``fd`` (one per line):
   descendants inherit, joined by NUL bytes (run id, error file, ranks: see
   ``spawn.marker_entries``);
 * ``f <pid>`` — forget it (the agent stopped it); ``f *`` — forget all;
+* ``d <path>`` — hex of a node directory (``/dev/shm/elaunch-*``, see ``snapshot_dir``)
+  to remove once the workers are killed; any other path is ignored;
 * ``s`` — write ``s`` to stdout (an ack: every command before it was read).
 
 Between commands it sleeps in ``select`` on the pipe: no periodic work. On
@@ -16,9 +18,9 @@ then: every watched group and session, the live descendants of those, and every
 process whose environment carries all the markers of a watched worker (a child
 that left its worker's session with ``setsid`` and whose parent died, wherever
 it was re-parented), with their descendants. It SIGKILLs them until none is
-left, then exits. A process that cleared its environment *and* left its
+left, removes the node directories it was given, then exits. A process that cleared its environment *and* left its
 worker's session after its parent died is not found. Stdlib only; imports its
-sibling ``_proctree`` by path.
+siblings ``_proctree`` and ``snapshot_dir`` by path.
 """
 
 import os
@@ -36,6 +38,7 @@ def main(fd: int) -> int:
         signal.signal(sig, signal.SIG_IGN)  # only EOF ends the watch
     watched: dict[int, int] = {}  # pid -> start
     markers: dict[int, frozenset] = {}  # pid -> the env entries its descendants carry
+    dirs: list = []  # node directories to remove at the end
     buf = b""
     while True:
         chunk = os.read(fd, 65536)  # blocks until a command or EOF
@@ -51,6 +54,8 @@ def main(fd: int) -> int:
                 watched[pid] = int(parts[2])
                 entries = frozenset(bytes.fromhex(parts[3]).split(b"\0")) if len(parts) == 4 else frozenset()
                 markers[pid] = entries - {b""}
+            elif len(parts) == 2 and parts[0] == "d":
+                dirs.append(os.fsdecode(bytes.fromhex(parts[1])))
             elif parts == ["s"]:
                 acks += 1
             elif len(parts) == 2 and parts[0] == "f":
@@ -67,7 +72,18 @@ def main(fd: int) -> int:
                 pass
     if watched:
         _kill_all(watched, [m for m in markers.values() if m])
+    if dirs:
+        _remove_dirs(dirs)
     return 0
+
+
+def _remove_dirs(dirs: list) -> None:
+    """Remove each node directory of ``dirs`` (after the workers died: nothing writes them any more)."""
+    import snapshot_dir
+
+    for path in dirs:
+        if snapshot_dir.removable(path):
+            snapshot_dir.remove(path)
 
 
 def _alive_roots(watched: dict, table: dict) -> list:

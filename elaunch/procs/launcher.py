@@ -88,7 +88,7 @@ class WorkerLauncher:
         self._store_host: StoreHost | None = None
         #: the owners of the run's helper processes (``procs.helper_process``): each has
         #: ``private_fds()`` and ``close()``, and lives until :meth:`close`
-        self._helpers: list[StoreHost] = []
+        self._helpers: list = []
 
     @property
     def log_root(self) -> str | None:
@@ -170,6 +170,16 @@ class WorkerLauncher:
             self._store_host = StoreHost(self._reaper)
             self._helpers.append(self._store_host)
         return self._store_host.serve(host, port)
+
+    @property
+    def reaper(self) -> Reaper | None:
+        """The watchdog that outlives the agent, once :meth:`open` started it."""
+        return self._reaper
+
+    def add_helper(self, owner) -> None:
+        """Keep a helper's owner (``private_fds()``, ``close()``): forked workers close its descriptors,
+        :meth:`close` closes it (after the helpers added later)."""
+        self._helpers.append(owner)
 
     def _forker(self, logs: AttemptLogs) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
         """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target."""

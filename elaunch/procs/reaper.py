@@ -7,7 +7,8 @@ small watchdog per agent that holds the read end of a pipe from the agent. The
 kernel closes the write end when the agent exits for any reason; on that EOF the
 watchdog SIGKILLs every watched process group, session and descendant, and every
 process carrying a watched worker's environment markers (a ``setsid`` child whose
-parent died), then exits. Until then it sleeps on the pipe: no periodic work.
+parent died), then removes the node directories it was given
+(``/dev/shm/elaunch-*``, the workers' in-memory snapshots), then exits. Until then it sleeps on the pipe: no periodic work.
 
 The watchdog is ``python -S -E elaunch/procs/_reaper_child.py <fd>`` (no site, no
 psutil, no torch: a few MB, started without waiting for it).
@@ -82,6 +83,15 @@ class Reaper:
             self._send("f *\n")
         else:
             self._send("".join(f"f {pid}\n" for pid in pids))
+
+    def remove_on_exit(self, path: str) -> None:
+        """Have the watchdog remove the node directory ``path`` when the agent dies, after killing the workers.
+
+        Only a node directory is removed (``snapshot_dir.removable``: ``/dev/shm/elaunch-*``
+        itself); the watchdog ignores any other path. A directory already gone is fine,
+        so the agent removing it first at the end of its run needs no ``forget``.
+        """
+        self._send(f"d {os.fsencode(path).hex()}\n")
 
     def sync(self, timeout: float = 10.0) -> bool:
         """Wait up to ``timeout`` seconds until the watchdog has read every command sent so far.

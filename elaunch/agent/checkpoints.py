@@ -1,0 +1,399 @@
+"""The agent's side of in-memory checkpoints: the keeper of the node directory, the round's restore, the helpers.
+
+A worker saves with ``elaunch.checkpoint.save`` into its slots in the agent's node
+directory (``procs.snapshot_dir``: ``/dev/shm/elaunch-<run id>-<agent pid>``, 0700);
+the :class:`CheckpointKeeper` owns that directory for the agent's run:
+
+* **made at the start of the run, removed at its end** (success, failure, a handled
+  signal), and by the reaper after a ``kill -9`` of the agent. Without a writable
+  ``/dev/shm``: one warning, in-memory checkpoints are off (no variable is set).
+* **each round's restore** (:meth:`CheckpointKeeper.prepare`, before the workers
+  start): what this node holds (``slotfile.inventory``, and the newest complete step
+  in ``--checkpoint-dir``) is exchanged with the round's other nodes through the job
+  channel (one round trip, at most :data:`EXCHANGE_TIMEOUT` seconds; a single-node
+  round plans from its own inventory), every node runs the same pure
+  ``checkpoint.plan.choose`` on the same documents, and this node fetches what its
+  ranks need from peers' memory (``procs.replicas.fetch``) into ``restore/``.
+  Each worker gets ``ELAUNCH_CHECKPOINT_SHM`` (the directory) and, when the job
+  restores, ``ELAUNCH_CHECKPOINT_RESTORE`` (its file) and ``ELAUNCH_CHECKPOINT_STEP``.
+  **A fetch that fails** falls back to another holder of the same step (a peer, then
+  disk); when none is left the worker is still given the plan's step and a file that
+  does not exist, so its ``ckpt.load()`` raises and the round fails (a counted
+  restart, after which every node plans again): ranks never resume from different
+  steps, and a node never silently starts fresh beside peers that restored.
+* **the helpers**: the replica service (``procs.replicas``, with
+  ``--checkpoint-replicas`` > 0 once a round has more than one node; its ring is the
+  next N nodes by group rank) and the persister (``procs.persister``, with
+  ``--checkpoint-dir``), asked to persist at once when a worker fails, on a forwarded
+  notice, and on a handled signal (then waited for up to ``persist_wait`` seconds
+  before the directory goes).
+* **events and status**: ``checkpoint_restore`` and ``checkpoint_persisted`` in
+  ``events.jsonl``; a ``checkpoint`` node record (newest step, its time, bytes held)
+  for ``elaunch status``, at most every :data:`STATUS_EVERY` seconds.
+
+It is a :class:`~elaunch.agent.watchdog.Watchdog` (``env``, ``poll``, ``close``), so
+the agent's monitor polls it; it never raises an alarm. torchrun has nothing of the
+kind. Stdlib only: no torch in the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from elaunch.agent.published import publish
+from elaunch.checkpoint import plan as planner
+from elaunch.checkpoint import slotfile
+from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
+
+log = logging.getLogger("elaunch.agent")
+
+#: Seconds the round's inventory exchange may take before this node plans without the missing documents.
+EXCHANGE_TIMEOUT = 5.0
+#: Seconds one fetch of a snapshot from a peer may take.
+FETCH_TIMEOUT = 60.0
+#: Seconds the agent waits for the persist it asked for on a handled signal before removing the directory.
+PERSIST_WAIT = 30.0
+#: Most seconds between two ``checkpoint`` node records (status).
+STATUS_EVERY = 5.0
+ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
+#: The event's name of each kind of source.
+MEMORY, PEER, DISK = "memory", "peer", "disk"
+
+
+def ranks_by_group(nodes: Sequence, world_size: int, local_world_size: int) -> dict[str, list[int]]:
+    """Group rank (as text) -> its global ranks: contiguous per node in group-rank order (``ranks.assign_ranks``).
+
+    Args:
+        nodes: the round's ``NodeInfo`` in group-rank order, or () (every node runs ``local_world_size``).
+        world_size: the number of nodes.
+    """
+    sizes = [n.local_world_size for n in nodes] if nodes else [local_world_size] * world_size
+    out, base = {}, 0
+    for g, size in enumerate(sizes):
+        out[str(g)] = list(range(base, base + size))
+        base += size
+    return out
+
+
+def ring(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, int]]:
+    """The next ``n`` nodes after ``me`` by group rank that named a replica address: ``[(host, port), ...]``."""
+    order = sorted(addrs, key=int)
+    if me not in order or n <= 0:
+        return []
+    at = order.index(me)
+    out = []
+    for g in order[at + 1:] + order[:at]:
+        host, _, port = addrs[g].rpartition(":")
+        if host and port.isdigit() and len(out) < n:
+            out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def source_kind(source: planner.Source, me: str) -> str:
+    """``memory`` (this node's slot or replica), ``peer`` (another node's memory) or ``disk``."""
+    if source.where == planner.DISK:
+        return DISK
+    return MEMORY if source.node == me else PEER
+
+
+class CheckpointKeeper:
+    """One agent run's in-memory checkpoints (see the module docstring).
+
+    Args:
+        run_id: the job's id (the directory's name).
+        replicas: ``--checkpoint-replicas`` (resolved: >= 0).
+        ckpt_dir: ``--checkpoint-dir`` or None.
+        persist_interval: ``--checkpoint-persist-interval``, seconds.
+        channel: returns the rendezvous' job channel (exchange, node records).
+        root: where node directories go (default ``/dev/shm``).
+        exchange_timeout, fetch_timeout, persist_wait: seconds, see the constants.
+        clock: seconds since the epoch (injectable for tests).
+
+    Attributes:
+        node_dir: the node directory, or None (off, or not opened).
+        polls: the monitor must call :meth:`poll` while the group runs (a helper runs).
+        interval: None (the monitor's interval is fine).
+    """
+
+    interval = None
+
+    def __init__(self, run_id: str, replicas: int, ckpt_dir: str | None, persist_interval: float,
+                 channel: Callable[[], object], *, root: str = SHM_ROOT, exchange_timeout: float = EXCHANGE_TIMEOUT,
+                 fetch_timeout: float = FETCH_TIMEOUT, persist_wait: float = PERSIST_WAIT,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._run_id, self._replicas, self._ckpt_dir = run_id, replicas, ckpt_dir
+        self._persist_interval = persist_interval
+        self._events, self._channel, self._root = None, channel, root
+        self._exchange_timeout, self._fetch_timeout, self._persist_wait = exchange_timeout, fetch_timeout, persist_wait
+        self._clock = clock
+        self.node_dir: NodeDir | None = None
+        self._launcher = None
+        self._persister = None
+        self._service = None
+        self._env: dict[int, dict[str, str]] = {}
+        self._published_at = float("-inf")
+        self._signalled = False
+        self._asked: str | None = None  # a persist asked from a signal handler, done at the next poll
+        self.polls = False
+
+    @classmethod
+    def for_launch(cls, config, run_id: str, channel: Callable[[], object]) -> "CheckpointKeeper":
+        """The keeper of a launch's options (``LaunchConfig``: ``checkpoint_replicas``, ``checkpoint_dir``,
+        ``checkpoint_persist_interval``, ``max_nodes``)."""
+        from elaunch.config.options import replicas_for
+
+        return cls(run_id, replicas_for(config.checkpoint_replicas, config.max_nodes), config.checkpoint_dir,
+                   config.checkpoint_persist_interval, channel)
+
+    # -- the run -----------------------------------------------------------------------------------------------
+
+    def open(self, launcher, events) -> None:
+        """Make the node directory (the reaper removes it if the agent dies); start the persister if asked.
+
+        Args:
+            launcher: the agent's ``WorkerLauncher``, opened (its reaper; it keeps the helpers).
+            events: the run's event log (``AgentEvents``).
+        """
+        self._launcher, self._events = launcher, events
+        self.node_dir = NodeDir.create(self._run_id, root=self._root)
+        if self.node_dir is None:
+            return
+        if launcher.reaper is not None:
+            launcher.reaper.remove_on_exit(self.node_dir.path)
+        if self._ckpt_dir:
+            from elaunch.procs.persister import Persister
+
+            persister = Persister(self.node_dir.path, self._ckpt_dir, self._persist_interval, launcher.reaper)
+            try:
+                persister.start()
+            except OSError as exc:
+                log.warning("checkpoint persister could not start (%s): nothing is persisted to %s", exc,
+                            self._ckpt_dir)
+            else:
+                self._persister = persister
+                launcher.add_helper(persister)
+                self.polls = True
+
+    def close(self) -> None:
+        """Wait for a persist asked on a signal (up to ``persist_wait`` seconds), stop the helpers, remove the
+        directory. Idempotent."""
+        persister, self._persister = self._persister, None
+        if persister is not None:
+            if self._signalled:
+                self._await_persist(persister)
+            self._report_persisted(persister)
+            persister.close()
+        service, self._service = self._service, None
+        if service is not None:
+            service.close()
+        if self.node_dir is not None:
+            self.node_dir.remove()
+            self.node_dir = None
+
+    # -- the round ---------------------------------------------------------------------------------------------
+
+    def prepare(self, info, workers: Sequence, local_world_size: int) -> None:
+        """Plan this round's restore and fetch what this node's ranks need; before the workers start.
+
+        Args:
+            info: the round (``RendezvousInfo``).
+            workers: this node's ``Worker`` list, ranks assigned.
+            local_world_size: workers per node (when ``info.nodes`` is empty).
+        """
+        self._env = {}
+        if self.node_dir is None:
+            return
+        nd = self.node_dir
+        nd.clear_restore()
+        me = str(info.rank)
+        multi = info.world_size > 1
+        addr = self._start_service(info) if multi and self._replicas > 0 else ""
+        doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr)
+        docs = self._exchange(info.round, {**doc, "group_rank": info.rank}) if multi else {me: doc}
+        docs[me] = doc
+        held = {g: planner.held_from_doc(d) for g, d in docs.items()}
+        world = workers[0].world_size if workers else 0
+        try:
+            plan = planner.choose(ranks_by_group(info.nodes, info.world_size, local_world_size), held, world, me)
+        except ValueError as exc:
+            log.warning("checkpoint restore: no plan for round %d (%s); the workers start fresh", info.round, exc)
+            plan = planner.Plan(None)
+        if plan.reason:
+            log.warning("checkpoint restore: %s", plan.reason)
+        files = self._gather(plan, held, docs, me) if plan.step is not None else {}
+        for w in workers:
+            env = {ENV_SHM: nd.path}
+            if plan.step is not None:
+                env[ENV_RESTORE], env[ENV_STEP] = files[w.global_rank][0], str(plan.step)
+            self._env[w.local_rank] = env
+        if plan.step is not None:
+            self._events.checkpoint_restore(info.round, plan.step, {r: kind for r, (_path, kind) in files.items()})
+        if self._service is not None:
+            addrs = {g: planner.addr_from_doc(d) for g, d in docs.items()}
+            self._service.set_ring(ring(addrs, me, self._replicas) if multi else [])
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker this round ({} when off)."""
+        return dict(self._env.get(local_rank, {}))
+
+    def new_attempt(self, round: int) -> None:
+        """Nothing: :meth:`prepare` did the round's work."""
+
+    def _persisted(self):
+        """``persisted.newest_complete(--checkpoint-dir)``, or None (no directory, nothing complete, unreadable)."""
+        if not self._ckpt_dir:
+            return None
+        from elaunch.checkpoint import persisted
+
+        try:
+            return persisted.newest_complete(self._ckpt_dir)
+        except OSError as exc:
+            log.warning("checkpoint restore: cannot read %s (%s)", self._ckpt_dir, exc)
+            return None
+
+    def _exchange(self, round: int, doc: dict) -> dict[str, dict]:
+        """Every node's document of this round by group rank (text); a node whose document did not come holds nothing."""
+        try:
+            got = self._channel().exchange("checkpoint", round, doc, self._exchange_timeout)
+        except Exception as exc:  # noqa: BLE001 - a restore aid: the round goes on without the others' documents
+            log.warning("checkpoint restore: the inventory exchange of round %d failed (%s)", round, exc)
+            return {}
+        out = {}
+        for d in got.values():
+            if isinstance(d, dict) and type(d.get("group_rank")) is int:
+                out[str(d["group_rank"])] = d
+        return out
+
+    def _start_service(self, info) -> str:
+        """Start the replica service at the first multi-node round; return ``host:port`` ("" when off)."""
+        if self._service is None and self._launcher is not None:
+            host = info.nodes[info.rank].addr if info.nodes else "127.0.0.1"
+            try:
+                from elaunch.procs.replicas import ReplicaService
+
+                service = ReplicaService(self.node_dir.path, host, self._launcher.reaper)
+                service.start()
+            except (ImportError, OSError) as exc:
+                log.warning("replica service could not start on %s (%s): no peer keeps this node's snapshots",
+                            host, exc)
+                self._replicas = 0
+                return ""
+            self._service = service
+            self._launcher.add_helper(service)
+            self.polls = True
+        service = self._service
+        if service is None or service.port is None:
+            return ""
+        host = service.host
+        return f"[{host}]:{service.port}" if ":" in host else f"{host}:{service.port}"
+
+    def _gather(self, plan: planner.Plan, held: Mapping[str, list], docs: Mapping[str, dict],
+                me: str) -> dict[int, tuple[str, str]]:
+        """This node's ranks -> (the file to restore, its kind): local files as they are, peers' fetched."""
+        files = {}
+        for rank, source in sorted(plan.mine.items()):
+            candidates = [source, *self._alternatives(plan.step, rank, held, me, source)]
+            for cand in candidates:
+                path = self._obtain(cand, plan.step, held, docs, me, rank)
+                if path:
+                    files[rank] = (path, source_kind(cand, me))
+                    break
+            else:
+                missing = os.path.join(self.node_dir.restore, f"r{rank}")
+                log.error("checkpoint restore: no source of step %d for rank %d could be read; its worker's "
+                          "ckpt.load() fails so that no rank resumes from another step", plan.step, rank)
+                files[rank] = (missing, "missing")
+        return files
+
+    @staticmethod
+    def _alternatives(step: int, rank: int, held: Mapping[str, list], me: str,
+                      first: planner.Source) -> list[planner.Source]:
+        """Other sources of ``step`` for ``rank``: peers' memory, then disk this node can read."""
+        found = []
+        for node in sorted(held, key=int):
+            for h in held[node]:
+                if h.step != step or not (h.replicated or h.rank == rank):
+                    continue
+                if h.where == planner.DISK and not (node == me or h.shared):
+                    continue
+                src = planner.Source(node, h.where, h.locator)
+                if src != first and src not in found:
+                    found.append(src)
+        return sorted(found, key=lambda s: (s.where == planner.DISK, s.node != me))
+
+    def _obtain(self, source: planner.Source, step: int, held: Mapping[str, list], docs: Mapping[str, dict],
+                me: str, rank: int) -> str:
+        """The local path of ``source``'s snapshot (fetched from its peer when in its memory), or ""."""
+        if source.where == planner.DISK or source.node == me:
+            return source.locator if os.path.exists(source.locator) else ""
+        saved = next((h.rank for h in held.get(source.node, ()) if h.locator == source.locator), None)
+        host, _, port = planner.addr_from_doc(docs.get(source.node)).rpartition(":")
+        if saved is None or not host or not port.isdigit():
+            return ""
+        from elaunch.procs.replicas import fetch
+
+        dest = os.path.join(self.node_dir.restore, f"r{rank}")
+        return dest if fetch(host.strip("[]"), int(port), saved, step, dest, self._fetch_timeout) else ""
+
+    # -- while the group runs ----------------------------------------------------------------------------------
+
+    def poll(self, watched=None) -> None:
+        """Check the helpers (a dead one is restarted or turned off), log persists, publish the status record."""
+        for name in ("_persister", "_service"):
+            helper = getattr(self, name)
+            if helper is None:
+                continue
+            try:
+                helper.check()
+            except OSError as exc:
+                log.warning("%s; in-memory checkpoints go on without it", exc)
+                helper.close()
+                setattr(self, name, None)
+        if self._asked is not None:
+            why, self._asked = self._asked, None
+            self.persist_now(why)
+        if self._persister is not None:
+            self._report_persisted(self._persister)
+        now = self._clock()
+        if self.node_dir is not None and now - self._published_at >= STATUS_EVERY:
+            self._published_at = now
+            publish(self._channel(), "checkpoint", self.status_record())
+
+    def status_record(self) -> dict:
+        """The ``checkpoint`` node record: the newest step of this node's slots, its time, bytes held."""
+        infos = slotfile.inventory(self.node_dir.path) if self.node_dir is not None else []
+        own = slotfile.newest(i for i in infos if os.path.basename(os.path.dirname(i.path)) == "slots")
+        return {"step": own.step if own else None, "time": own.time if own else None,
+                "bytes": self.node_dir.bytes_held() if self.node_dir is not None else 0, "at": self._clock()}
+
+    def ask_persist(self, why: str) -> None:
+        """Have the next :meth:`poll` ask for a persist (safe in a signal handler: sets one attribute)."""
+        self._asked = why
+
+    def persist_now(self, why: str) -> None:
+        """Ask the persister to write the newest snapshot now (a worker failed, a notice, a signal); never waits."""
+        if why == "signal":
+            self._signalled = True
+        if self._persister is None:
+            return
+        try:
+            self._persister.persist_now()
+        except OSError as exc:
+            log.warning("checkpoint persister: cannot persist on %s (%s)", why, exc)
+
+    def _await_persist(self, persister) -> None:
+        deadline = time.monotonic() + self._persist_wait
+        try:
+            persister.persist_now(wait=self._persist_wait)  # answered once the write asked before is done too
+        except OSError as exc:
+            log.warning("checkpoint persister: %s", exc)
+        if time.monotonic() > deadline:
+            log.warning("checkpoint persister: still writing after %g s; stopping it", self._persist_wait)
+
+    def _report_persisted(self, persister) -> None:
+        for step, path, seconds in persister.poll_done():
+            self._events.checkpoint_persisted(step, path, seconds)
+            log.info("checkpoint of step %d persisted to %s in %.2f s", step, path, seconds)

@@ -1,0 +1,124 @@
+"""The node directory: the shared memory an agent owns for its workers' in-memory snapshots.
+
+One per agent run, ``/dev/shm/elaunch-<run id>-<agent pid>/`` (mode 0700), holding
+
+* ``slots/<local_rank>.0`` and ``.1``: each worker's two slot files (the worker
+  creates and writes them, ``elaunch.checkpoint.slotfile``);
+* ``replicas/``: copies of peers' snapshots (the replica service writes them);
+* ``restore/``: what the agent fetched from a peer for the current round.
+
+The agent makes it at the start of its run and removes it at the end (success,
+failure, a handled signal); after a ``kill -9`` of the agent its reaper removes it
+(``reaper.Reaper.remove_on_exit``), once the workers are dead. The reaper runs
+without ``site`` and imports this module by path: stdlib only, no package-relative
+import. torchrun keeps no such thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+log = logging.getLogger(__name__)
+
+#: Where node directories live: a tmpfs every process of the node can map.
+SHM_ROOT = "/dev/shm"
+#: Every node directory's name starts with this (the reaper removes nothing else).
+PREFIX = "elaunch-"
+#: The subdirectories, made with the node directory.
+SUBDIRS = ("slots", "replicas", "restore")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def dir_name(run_id: str, pid: int) -> str:
+    """``elaunch-<run id>-<pid>``, the run id cut to 64 characters of ``[A-Za-z0-9_.-]`` (others become ``_``)."""
+    return f"{PREFIX}{_UNSAFE.sub('_', run_id)[:64]}-{pid}"
+
+
+def removable(path: str, root: str = SHM_ROOT) -> bool:
+    """True when ``path`` is a node directory the reaper may remove: ``root/elaunch-*`` itself, no link."""
+    real = os.path.realpath(path)
+    return (os.path.dirname(real) == os.path.realpath(root) and os.path.basename(real).startswith(PREFIX)
+            and real == os.path.abspath(path))
+
+
+def remove(path: str) -> None:
+    """Remove the node directory ``path`` and everything in it; a missing one is fine. Never raises."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class NodeDir:
+    """One agent run's node directory (see the module docstring).
+
+    Attributes:
+        path: the directory (absolute).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, run_id: str, pid: int | None = None, root: str = SHM_ROOT) -> "NodeDir | None":
+        """Make ``root/elaunch-<run id>-<pid>`` (0700) and its subdirectories; None when it cannot be.
+
+        A directory of the same name left by an earlier agent of the same pid is
+        emptied first. When ``root`` is missing or not writable, one warning is
+        logged and None returned: the job runs without in-memory checkpoints.
+
+        Args:
+            run_id: the job's id (``--rdzv-id``).
+            pid: the agent's pid (default: this process's).
+            root: the tmpfs (default :data:`SHM_ROOT`).
+        """
+        path = os.path.join(root, dir_name(run_id, os.getpid() if pid is None else pid))
+        try:
+            if os.path.lexists(path):
+                remove(path)
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # whatever the umask
+            for sub in SUBDIRS:
+                os.mkdir(os.path.join(path, sub), 0o700)
+        except OSError as exc:
+            remove(path)
+            log.warning("in-memory checkpoints are off: cannot make %s (%s); ckpt.load() returns None "
+                        "and ckpt.save() writes to ELAUNCH_CHECKPOINT_DIR", path, exc.strerror or exc)
+            return None
+        return cls(path)
+
+    @property
+    def restore(self) -> str:
+        """``restore/``: files fetched from peers for the current round."""
+        return os.path.join(self.path, "restore")
+
+    def clear_restore(self) -> None:
+        """Delete what an earlier round fetched (its memory is freed once no worker maps it)."""
+        try:
+            names = os.listdir(self.restore)
+        except OSError:
+            return
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.restore, name))
+            except OSError:
+                pass
+
+    def bytes_held(self) -> int:
+        """Bytes of the files under the directory (slots, replicas, restore); 0 when gone."""
+        total = 0
+        for sub in SUBDIRS:
+            try:
+                with os.scandir(os.path.join(self.path, sub)) as entries:
+                    for entry in entries:
+                        try:
+                            total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        except OSError:
+                            pass
+            except OSError:
+                pass
+        return total
+
+    def remove(self) -> None:
+        """Remove the directory and everything in it. Idempotent, never raises."""
+        remove(self.path)

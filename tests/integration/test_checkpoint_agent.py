@@ -1,0 +1,94 @@
+"""The agent's side of in-memory checkpoints, with real agents (``python -m elaunch``), workers and /dev/shm.
+
+The workers (tests/scripts/ckpt_worker.py) save with ``elaunch.checkpoint.save`` and
+report what ``ckpt.load()`` gave them; these tests check what the agent made of it:
+the restored step after a worker was killed, the node directory's mode and its removal
+(after the run, and after ``kill -9`` of the agent), the worker environment, the
+restore event, and the options' bad values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, alive, kill_tree, launcher_env, run, start
+
+pytest.importorskip("torch")
+
+WORKER = str(SCRIPTS / "ckpt_worker.py")
+
+
+def reports(out: Path) -> dict[str, dict]:
+    """``<rank>_<restarts>`` -> the worker's report."""
+    return {p.name[:-5]: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+
+
+def events(log_dir: Path, kind: str) -> list[dict]:
+    found = []
+    for path in log_dir.glob("*/events.jsonl"):
+        found += [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+    return found
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_a_worker_killed_after_saving_step_k_is_restarted_at_step_k(tmp_path, sharded):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    args = [WORKER, str(out), "3", "--die-rank", "1", "--die-after", "2"] + (["--sharded"] if sharded else [])
+    r = run("elaunch", "--nproc-per-node=2", "--max-restarts=1", f"--log-dir={logs}", *args, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = reports(out)
+    assert sorted(got) == ["0_0", "0_1", "1_0", "1_1"], got
+    for rank in (0, 1):
+        first, again = got[f"{rank}_0"], got[f"{rank}_1"]
+        assert first["step"] is None and "ELAUNCH_CHECKPOINT_RESTORE" not in first["env"]
+        assert again["restarts"] == 1  # the restart was counted
+        assert again["step"] == 2 and again["state_ok"] is True, again
+        env = again["env"]
+        assert env["ELAUNCH_CHECKPOINT_STEP"] == "2"
+        assert env["ELAUNCH_CHECKPOINT_RESTORE"].startswith(env["ELAUNCH_CHECKPOINT_SHM"] + "/slots/")
+        if sharded:  # each rank its own slot
+            assert os.path.basename(env["ELAUNCH_CHECKPOINT_RESTORE"]).startswith(f"{rank}.")
+        assert first["shm_mode"] == again["shm_mode"] == 0o700
+        assert os.path.basename(env["ELAUNCH_CHECKPOINT_SHM"]).startswith("elaunch-")
+    (restore,) = events(logs, "checkpoint_restore")
+    assert restore["step"] == 2 and restore["round"] == 1 and restore["sources"] == {"0": "memory", "1": "memory"}
+    shm = got["0_1"]["env"]["ELAUNCH_CHECKPOINT_SHM"]
+    assert not os.path.exists(shm), "the node directory outlived the run"
+
+
+def test_the_node_directory_goes_with_an_agent_killed_by_sigkill(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = start("elaunch", "--nproc-per-node=1", WORKER, str(out), "2", "--wait-for", str(tmp_path / "never"),
+                  env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        report = wait_for(lambda: (out / "0_0.json").exists() and json.loads((out / "0_0.json").read_text()),
+                          60, what="the worker's report")
+        shm = report["env"]["ELAUNCH_CHECKPOINT_SHM"]
+        wait_for(lambda: len(os.listdir(os.path.join(shm, "slots"))) >= 2, 60, what="the worker's saves")
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+        wait_for(lambda: not os.path.exists(shm), 10, what=f"the reaper to remove {shm}")
+        wait_for(lambda: not alive(report["pid"]), 10, what="the worker to die")
+    finally:
+        kill_tree(agent.pid)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--checkpoint-replicas=two", "--checkpoint-replicas=two: expected auto or an integer >= 0"),
+    ("--checkpoint-replicas=-1", "--checkpoint-replicas=-1: expected auto or an integer >= 0"),
+    ("--checkpoint-persist-interval=-5", "--checkpoint-persist-interval=-5: must be >= 0 seconds"),
+    ("--checkpoint-dir=" + str(SCRIPTS / "say.py"), "not a directory"),
+])
+def test_bad_checkpoint_options_are_one_line_and_exit_2(flag, message):
+    r = run("elaunch", flag, str(SCRIPTS / "say.py"), timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
