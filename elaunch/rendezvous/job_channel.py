@@ -22,6 +22,9 @@ from dataclasses import replace
 
 from elaunch.rendezvous.job_records import FailureRecord, JobState
 
+#: The node id :meth:`LocalJobChannel.exchange` files this node's document under (it names no nodes).
+LOCAL_NODE = "local"
+
 
 class JobChannel(abc.ABC):
     """One agent's channel to the job's shared facts.
@@ -161,6 +164,35 @@ class JobChannel(abc.ABC):
         """
 
     @abc.abstractmethod
+    def exchange(self, kind: str, round: int, doc: dict, timeout: float) -> dict[str, dict]:
+        """Publish this node's JSON ``doc`` of ``kind`` for ``round`` and return every member's.
+
+        Each member of the round (:attr:`round_members`) calls it with its own
+        document (the in-memory checkpoints' inventories: ``checkpoint.plan``);
+        it returns once every member published one for ``round``, or after
+        ``timeout`` seconds with those that did (a missing member holds nothing).
+        A document of an earlier round is never taken for this round's. Every
+        member gets the same set of documents, also when some came late (the
+        dynamic backends agree on it: ``dynamic/exchange.py``), so a choice made
+        from them is the same on every node. Waits at most ``2 * timeout`` seconds.
+
+        Args:
+            kind: what is exchanged (letters, digits, ``_``), e.g. ``"ckpt"``.
+            round: the round this node joined last (``RendezvousInfo.round``).
+            doc: this node's document (JSON-serialisable, small: kilobytes).
+            timeout: seconds to wait for the other members' documents.
+
+        Returns:
+            node id -> document, this node's own included (unless the members agreed
+            without it). Without job state (static, standalone, plugin handlers):
+            ``{LOCAL_NODE: doc}`` at once, or ``{node_id: doc}`` where a node id is set.
+
+        Raises:
+            ValueError: a bad ``kind``; TypeError, ValueError: ``doc`` is not JSON-serialisable.
+                Backend errors are never raised: they are logged and waited through.
+        """
+
+    @abc.abstractmethod
     def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent of the job to dump its workers' Python stacks (``by``: the hung worker).
 
@@ -223,6 +255,10 @@ class LocalJobChannel(JobChannel):
     def publish_node_record(self, kind: str, doc: dict) -> None:
         pass
 
+    def exchange(self, kind: str, round: int, doc: dict, timeout: float) -> dict[str, dict]:
+        """Only this node's ``doc``, at once: no other node is reachable (a static job of several nodes included)."""
+        return {self.node_id or LOCAL_NODE: doc}
+
     def request_stack_dump(self, by: FailureRecord) -> int:
         return 0
 
@@ -248,6 +284,8 @@ class InMemoryJobChannel(JobChannel):
     Attributes:
         job: the current facts.
         records: ``kind -> doc`` as published.
+        peer_docs: ``kind -> {node id: doc}``: the other members' documents :meth:`exchange` returns.
+        exchanged: ``(kind, round, doc)`` of each :meth:`exchange` call.
         calls: the names of the writing methods called, in order.
     """
 
@@ -261,6 +299,8 @@ class InMemoryJobChannel(JobChannel):
         self.nodes_new = 0
         self.records: dict[str, dict] = {}
         self.calls: list[str] = []
+        self.peer_docs: dict[str, dict[str, dict]] = {}
+        self.exchanged: list[tuple[str, int, dict]] = []
 
     def state(self) -> JobState:
         return self.job
@@ -300,6 +340,11 @@ class InMemoryJobChannel(JobChannel):
 
     def publish_node_record(self, kind: str, doc: dict) -> None:
         self.records[kind] = doc
+
+    def exchange(self, kind: str, round: int, doc: dict, timeout: float) -> dict[str, dict]:
+        """This node's ``doc`` and the scripted ``peer_docs[kind]`` (node id -> document); noted in ``exchanged``."""
+        self.exchanged.append((kind, round, doc))
+        return {**self.peer_docs.get(kind, {}), self.node_id: doc}
 
     def request_stack_dump(self, by: FailureRecord) -> int:
         self.calls.append("request_stack_dump")

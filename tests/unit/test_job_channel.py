@@ -7,6 +7,9 @@ as data; the local one is what static, standalone and plugin handlers hand out.
 from __future__ import annotations
 
 import ast
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,10 @@ from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.job import JobView
 from elaunch.agent.published import publish
 from elaunch.rendezvous.api import FailureRecord, JobState, NodeInfo
+from elaunch.rendezvous.dynamic.exchange import NodeExchange
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
-from elaunch.rendezvous.job_channel import InMemoryJobChannel, JobChannel, LocalJobChannel
+from elaunch.rendezvous.job_channel import LOCAL_NODE, InMemoryJobChannel, JobChannel, LocalJobChannel
 from elaunch.rendezvous.standalone import StandaloneRendezvous
 from elaunch.spec import WorkerState
 from tests.unit.fakes import FakeRoundStores, InMemoryBackend
@@ -109,3 +113,123 @@ def test_no_capability_is_probed_with_getattr_on_a_handler_or_backend():
                     and ast.unparse(node.args[0]) in ("self._rdzv", "rdzv", "self._backend", "backend")):
                 probes.append(f"{path.name}:{node.lineno}")
     assert probes == []
+
+
+# -- exchange: one round's documents between the members ----------------------------------
+
+
+def test_the_local_channel_exchanges_with_nobody():
+    channel = StandaloneRendezvous("r", NodeInfo("127.0.0.1")).job_channel()
+    assert channel.exchange("ckpt", 0, {"held": [1]}, timeout=30) == {LOCAL_NODE: {"held": [1]}}
+
+
+def test_the_in_memory_channel_returns_the_scripted_peers_and_notes_the_call():
+    channel = InMemoryJobChannel("a")
+    channel.peer_docs["ckpt"] = {"b": {"x": 2}}
+    assert channel.exchange("ckpt", 3, {"x": 1}, 1.0) == {"a": {"x": 1}, "b": {"x": 2}}
+    assert channel.exchange("other", 3, {}, 1.0) == {"a": {}}
+    assert channel.exchanged == [("ckpt", 3, {"x": 1}), ("other", 3, {})]
+
+
+def test_the_dynamic_channel_before_any_round_exchanges_with_itself():
+    backend = InMemoryBackend()
+    h = DynamicRendezvousHandler(NodeInfo("127.0.0.1"), RendezvousSettings("r", 1, 1), backend, FakeRoundStores())
+    me = h.job_channel().node_id
+    assert h.job_channel().exchange("ckpt", 0, {"x": 1}, timeout=5) == {me: {"x": 1}}
+    assert json.loads(backend.node_keys["exchange-ckpt", me]) == {"round": 0, "doc": {"x": 1}}
+
+
+def _exchange_all(backend, calls, timeout=5.0):
+    """Run ``(node, round, doc, members)`` exchanges at once, each in its thread; their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(NodeExchange(backend, node).run, "ckpt", rnd, doc, members, timeout)
+                   for node, rnd, doc, members in calls]
+        return [f.result(timeout + timeout + 5) for f in futures]
+
+
+def test_members_exchange_their_documents_of_one_round():
+    backend = InMemoryBackend()
+    members = {"a", "b", "c"}
+    got = _exchange_all(backend, [(n, 4, {"n": n}, members) for n in sorted(members)])
+    assert got == [{n: {"n": n} for n in members}] * 3
+
+
+def test_a_member_that_never_publishes_is_left_out_after_the_timeout():
+    backend = InMemoryBackend()
+    start = time.monotonic()
+    got = _exchange_all(backend, [("a", 1, {}, {"a", "b", "z"}), ("b", 1, {}, {"a", "b", "z"})], timeout=0.3)
+    assert got == [{"a": {}, "b": {}}] * 2 and 0.3 <= time.monotonic() - start < 3
+
+
+def test_a_document_of_an_older_round_is_not_this_rounds():
+    backend = InMemoryBackend()
+    _exchange_all(backend, [("a", 1, {"old": 1}, {"a", "b"}), ("b", 1, {"old": 1}, {"a", "b"})])
+    assert _exchange_all(backend, [("a", 2, {"new": 1}, {"a", "b"})], timeout=0.2) == [{"a": {"new": 1}}]
+
+
+def test_a_member_that_moved_on_to_a_newer_round_is_not_waited_for():
+    backend = InMemoryBackend()
+    backend.put_node_key("exchange-ckpt", "b", json.dumps({"round": 3, "doc": {}}).encode())
+    start = time.monotonic()
+    assert _exchange_all(backend, [("a", 2, {}, {"a", "b"})], timeout=4) == [{"a": {}}]
+    assert time.monotonic() - start < 2
+
+
+def test_everyone_takes_the_leaders_set_when_a_member_comes_late():
+    """The leader (lowest id) gave up on b; c, still waiting, then sees b: c and b both drop b, as the leader did."""
+    backend = InMemoryBackend()
+    members = {"a", "b", "c"}
+    with ThreadPoolExecutor(2) as pool:
+        c = pool.submit(NodeExchange(backend, "c").run, "ckpt", 5, {"n": "c"}, members, 10.0)
+        a = NodeExchange(backend, "a").run("ckpt", 5, {"n": "a"}, members, 0.3)
+        assert a == {"a": {"n": "a"}, "c": {"n": "c"}}
+        b = NodeExchange(backend, "b").run("ckpt", 5, {"n": "b"}, members, 10.0)
+        assert b == a and c.result(20) == a
+
+
+class _Lagging:
+    """A backend view on which ``hidden``'s key is unreadable until the leader ``a``'s agreed list was read."""
+
+    def __init__(self, backend: InMemoryBackend, hidden: str) -> None:
+        self._backend, self._hidden = backend, hidden
+        self._agreed = False
+
+    def put_node_key(self, kind, node_id, data):
+        self._backend.put_node_key(kind, node_id, data)
+
+    def get_node_keys(self, kind, nodes):
+        got = self._backend.get_node_keys(kind, nodes)
+        if list(nodes) == ["a"] and b'"agreed"' in got.get("a", b""):
+            self._agreed = True  # only the wait for the leader's list reads its key alone
+            return got
+        return got if self._agreed else {n: v for n, v in got.items() if n != self._hidden}
+
+
+def test_a_member_that_gave_up_on_a_document_the_leader_took_reads_it_again():
+    backend = InMemoryBackend()
+    members = {"a", "b", "c"}
+    with ThreadPoolExecutor(2) as pool:
+        c = pool.submit(NodeExchange(_Lagging(backend, "b"), "c").run, "ckpt", 1, {"n": "c"}, members, 0.2)
+        b = pool.submit(NodeExchange(backend, "b").run, "ckpt", 1, {"n": "b"}, members, 10.0)
+        a = NodeExchange(backend, "a").run("ckpt", 1, {"n": "a"}, members, 10.0)
+        assert a == {n: {"n": n} for n in members} and b.result(20) == a and c.result(20) == a
+
+
+def test_without_the_leaders_list_a_member_keeps_what_it_saw():
+    backend = InMemoryBackend()
+    start = time.monotonic()
+    assert _exchange_all(backend, [("b", 0, {}, {"a", "b"})], timeout=0.2) == [{"b": {}}]
+    assert time.monotonic() - start >= 0.4  # its own wait, then the wait for the leader's list
+
+
+@pytest.mark.parametrize("kind", ["", "a/b", "x y", "ckpt-1"])
+def test_a_bad_kind_is_a_value_error(kind):
+    with pytest.raises(ValueError, match="exchange kind"):
+        NodeExchange(InMemoryBackend(), "a").run(kind, 0, {}, {"a"}, 1.0)
+
+
+def test_unreadable_documents_count_as_missing():
+    backend = InMemoryBackend()
+    for node, data in [("b", b"not json"), ("c", b'{"round": 0}'), ("d", b'{"round": "0", "doc": {}}')]:
+        backend.put_node_key("exchange-ckpt", node, data)
+    assert _exchange_all(backend, [("a", 0, {}, {"a", "b", "c", "d"})], timeout=0.1) == [{"a": {}}]

@@ -22,6 +22,7 @@ from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
 from elaunch.rendezvous.dynamic import job_ops, liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
+from elaunch.rendezvous.dynamic.exchange import NodeExchange
 from elaunch.rendezvous.dynamic.round_view import RoundView
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -278,6 +279,19 @@ class DynamicJobChannel(JobChannel):
             self._backend.put_node_key(kind, self.node_id, json.dumps(doc, separators=(",", ":")).encode())
         except (RendezvousError, TypeError, ValueError) as exc:
             log.debug("node %s could not publish its %s record: %s", self.node_id, kind, exc)
+
+    def exchange(self, kind: str, round: int, doc: dict, timeout: float) -> dict[str, dict]:
+        """Publish ``doc`` for ``round`` on this node's ``exchange-<kind>`` key; return the round's members' docs.
+
+        See ``JobChannel.exchange`` and ``dynamic/exchange.py`` (the keys, the
+        round tags, the leader's agreement). The members are those of the round
+        this node joined last (:attr:`round_members`; this node alone before one).
+
+        Raises:
+            ValueError: a bad ``kind``; TypeError, ValueError: ``doc`` is not JSON-serialisable.
+        """
+        members = self._view.members or frozenset({self.node_id})
+        return NodeExchange(self._backend, self.node_id, self._sleep).run(kind, round, doc, members, timeout)
 
     def request_stack_dump(self, by: FailureRecord) -> int:
         """Ask every agent to dump its workers' stacks (``by``: the hung worker); return the request's id.
