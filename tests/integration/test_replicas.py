@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 
 import psutil
@@ -25,6 +26,7 @@ from elaunch.procs.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 
 DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)
+BIG = os.urandom(1 << 20) * 256  #: 256 MiB of data: a send long enough to be caught in the middle
 
 
 @pytest.fixture
@@ -135,7 +137,7 @@ def test_an_older_snapshot_never_replaces_a_newer_replica(node):
     assert c.stats()["sent"] == 0
 
 
-def test_a_slot_written_during_the_send_never_becomes_a_replica(node):
+def test_a_slot_whose_write_began_before_the_send_never_becomes_a_replica(node):
     a_dir, a = node("a")
     b_dir, b = node("b")
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
@@ -155,6 +157,45 @@ def test_a_slot_written_during_the_send_never_becomes_a_replica(node):
     write_slot(slot1, 3, os.urandom(1 << 20))  # the write commits: that one is sent
     wait_for(lambda: replica_step(b_dir) == 3, DEADLINE, what="step 3's replica on b")
     assert read(os.path.join(b_dir, "replicas", "r0")) == read(slot1)
+
+
+def receipts(node_dir: str, sub: str = "replicas") -> list[str]:
+    return [n for n in os.listdir(os.path.join(node_dir, sub)) if n.startswith(".")]
+
+
+def header_received(node_dir: str) -> bool:
+    """True once a receipt in ``replicas/`` has its header (magic and an even seq)."""
+    for name in receipts(node_dir):
+        try:
+            with open(os.path.join(node_dir, "replicas", name), "rb") as f:
+                head = f.read(16)
+        except OSError:
+            continue
+        if head[:8] == slotfile.MAGIC and slotfile.seq_of(head) % 2 == 0:
+            return True
+    return False
+
+
+def test_a_slot_whose_write_began_during_the_send_never_becomes_a_replica(node):
+    """The header and meta went out whole before the write began: only the end mark tells the copy is torn."""
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    slot0, slot1 = slotfile.slot_paths(a_dir, 0)
+    write_slot(slot0, 1, os.urandom(1 << 16))
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
+    old = read(os.path.join(b_dir, "replicas", "r0"))
+    write_slot(slot1, 2, BIG)
+    wait_for(lambda: header_received(b_dir), DEADLINE, interval=0.001, what="b receiving step 2")
+    os.kill(b.pid, signal.SIGSTOP)  # a's send stalls in the middle (b's buffers fill)
+    try:
+        assert receipts(b_dir), "b received step 2 whole before it could be stopped: make BIG bigger"
+        write_slot(slot1, 3, BIG[::-1], commit=False)  # the worker begins a new write in it
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    wait_for(lambda: counted(b, "discarded") or counted(b, "received", 2), 60, what="b's verdict on step 2")
+    assert read(os.path.join(b_dir, "replicas", "r0")) == old and not receipts(b_dir)
+    assert b.stats()["discarded"] == 1 and a.stats()["torn"] == 1
 
 
 def test_fetch_gets_a_replica_or_a_local_slot_and_nothing_else(node, shm, caplog):
@@ -180,6 +221,23 @@ def test_fetch_gets_a_replica_or_a_local_slot_and_nothing_else(node, shm, caplog
         port = unused.getsockname()[1]
     assert not fetch("127.0.0.1", port, 3, 7, dest, timeout=10)  # nobody there
     assert os.listdir(restore) == []
+
+
+def test_a_fetch_whose_peer_dies_in_the_middle_fails_and_leaves_nothing(node, shm):
+    a_dir, a = node("a")
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 4, BIG)
+    restore = os.path.join(shm, "restore")
+    os.mkdir(restore)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fetch("127.0.0.1", a.port, 0, 4,
+                                                                 os.path.join(restore, "r0"), timeout=60)))
+    thread.start()
+    try:
+        wait_for(lambda: os.listdir(restore), DEADLINE, interval=0.001, what="the fetch receiving")
+        os.kill(a.pid, signal.SIGKILL)
+    finally:
+        thread.join(60)
+    assert result == [False] and os.listdir(restore) == []
 
 
 def test_a_killed_child_is_restarted_by_check_and_serves_again(node, shm):
@@ -216,7 +274,7 @@ def test_close_leaves_no_process_and_refuses_peers(node):
 def test_throughput_of_a_256_mib_snapshot_over_loopback(node):
     a_dir, a = node("a")
     b_dir, b = node("b")
-    data = os.urandom(1 << 20) * 256
+    data = BIG
     a.set_ring([("127.0.0.1", b.port)])
     t0 = time.monotonic()
     write_slot(slotfile.slot_paths(a_dir, 0)[0], 1, data)
