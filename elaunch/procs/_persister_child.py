@@ -1,0 +1,173 @@
+"""The persister child: writes the node's newest consistent snapshot to the checkpoint directory.
+
+``python elaunch/procs/_persister_child.py FD NODE_DIR CKPT_DIR INTERVAL``: FD is this
+end of a ``SOCK_SEQPACKET`` socket pair with the agent (``persister.py``). Every
+INTERVAL seconds (0 or less: never by itself) and on each message ``persist N`` it
+persists once (:func:`persist_once`) and answers ``ran N`` to the message. Each step
+whose files are all written is reported as ``done STEP STEP_DIR SECONDS``; a failed
+write as ``error TEXT`` (and tried again at the next persist). End of file on FD
+(the agent closed it, or died): exit. SIGTERM: finish the write under way, then exit.
+
+It runs at ``nice`` 10 with one torch thread, so training keeps the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from elaunch.checkpoint import slotfile
+
+
+def _committed(node_dir: str) -> dict[int, list[slotfile.SlotInfo]]:
+    """Each local rank's committed slots (0 to 2), by local rank (from the names ``slots/<lr>.<n>``)."""
+    by_rank: dict[int, list[slotfile.SlotInfo]] = {}
+    try:
+        names = os.listdir(os.path.join(node_dir, "slots"))
+    except OSError:
+        return by_rank
+    for name in names:
+        lr, dot, n = name.partition(".")
+        if not (dot and lr.isdigit() and n in ("0", "1")):
+            continue
+        info = slotfile.read_info(os.path.join(node_dir, "slots", name))
+        by_rank.setdefault(int(lr), [])
+        if info is not None:
+            by_rank[int(lr)].append(info)
+    return by_rank
+
+
+def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
+    """The step to persist and the slots holding it, or None (no step every local rank has).
+
+    The world is the latest commit's (the running round's). The step is the newest
+    one every local rank committed in that world: a rank one step ahead (mid-save
+    for its peers) still holds the step before in its other slot. For replicated
+    state one slot is enough: the node's lowest global rank's.
+    """
+    by_rank = _committed(node_dir)
+    infos = [i for slots in by_rank.values() for i in slots]
+    if not infos:
+        return None
+    world = max(infos, key=lambda i: i.time).world_size
+    held = [{i.step: i for i in slots if i.world_size == world} for slots in by_rank.values()]
+    common = set(held[0]).intersection(*held[1:])
+    if not common:
+        return None
+    step = max(common)
+    chosen = sorted((h[step] for h in held), key=lambda i: i.rank)
+    return step, chosen[:1] if all(i.replicated for i in chosen) else chosen
+
+
+class NodePersister:
+    """What the child remembers between persists: the rank files it wrote (no rewrite)."""
+
+    def __init__(self, node_dir: str, ckpt_dir: str) -> None:
+        self.node_dir, self.ckpt_dir = node_dir, ckpt_dir
+        self._written: set[tuple[int, int, int]] = set()  # (step, rank, world_size)
+
+    def persist_once(self) -> tuple[int, str, float] | None:
+        """Write the chosen step's rank files not yet written; prune older steps once all are.
+
+        Returns:
+            ``(step, step_dir, seconds)`` when files were written and the step is now
+            whole on disk for this node; None: nothing new, or a slot changed while
+            it was read (the newer snapshot is taken next time).
+
+        Raises:
+            OSError: a file cannot be written (nothing torn is left behind).
+        """
+        from elaunch.checkpoint import persisted
+
+        pick = choose(self.node_dir)
+        if pick is None:
+            return None
+        step, slots = pick
+        todo = [i for i in slots if (step, i.rank, i.world_size) not in self._written
+                and not os.path.exists(persisted.rank_file(self.ckpt_dir, step, i.rank, i.world_size))]
+        if not todo:
+            return None
+        began = time.monotonic()
+        for info in todo:
+            state = _read(info)
+            if state is None:
+                return None  # overwritten since chosen: the next persist takes the newer step
+            persisted.write_rank_file(self.ckpt_dir, step, info.rank, info.world_size, info.replicated, state)
+            del state
+            self._written.add((step, info.rank, info.world_size))
+        previous = persisted.newest_complete(self.ckpt_dir, at_most=step - 1)
+        persisted.prune(self.ckpt_dir, step if previous is None else previous[0])  # the previous one stays
+        return step, persisted.step_dir(self.ckpt_dir, step), time.monotonic() - began
+
+
+def _read(info: slotfile.SlotInfo):
+    """The state in ``info``'s slot if it still holds that very commit, else None."""
+    from elaunch.checkpoint import read_slot
+
+    try:
+        snap = read_slot(info.path)
+    except Exception:  # noqa: BLE001 - torn by a writer mid-read (seqlock), or emptied
+        return None
+    now = slotfile.read_info(info.path)
+    if now is None or now.seq != info.seq or snap.step != info.step:
+        return None  # a write began after the choice: what was read may be the newer one
+    return snap.state
+
+
+class _Stop(Exception):
+    """SIGTERM while waiting: exit now."""
+
+
+def main(fd: int, node_dir: str, ckpt_dir: str, interval: float) -> int:
+    os.nice(10)
+    chan = socket.socket(fileno=fd)
+    busy, stopping = [False], [False]
+
+    def on_term(_signum, _frame):
+        stopping[0] = True
+        if not busy[0]:
+            raise _Stop
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        worker = NodePersister(node_dir, ckpt_dir)
+        next_at = time.monotonic() + interval if interval > 0 else None
+        while not stopping[0]:
+            timeout = None if next_at is None else max(next_at - time.monotonic(), 0.0)
+            ready, _, _ = select.select([chan], [], [], timeout)
+            words = chan.recv(4096).decode("ascii", "replace").split() if ready else ["tick"]
+            if not words:
+                return 0  # the agent closed the channel or died
+            busy[0] = True
+            _persist(worker, chan)
+            busy[0] = False
+            if words[0] == "persist":
+                chan.send(f"ran {words[1] if len(words) > 1 else 0}".encode("ascii"))
+            elif next_at is not None and words[0] == "tick":
+                next_at = time.monotonic() + interval
+    except (_Stop, BrokenPipeError, ConnectionResetError):
+        pass
+    return 0
+
+
+def _persist(worker: NodePersister, chan: socket.socket) -> None:
+    try:
+        done = worker.persist_once()
+    except Exception as exc:  # noqa: BLE001 - reported to the agent; the next persist tries again
+        chan.send(f"error persisting to {worker.ckpt_dir}: {type(exc).__name__}: {exc}".replace("\n", " ")
+                  .encode("utf-8", "replace")[:4096])
+        return
+    if done is not None:
+        step, path, seconds = done
+        chan.send(f"done {step} {path} {seconds:.6f}".encode("utf-8", "replace"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])))
