@@ -224,7 +224,7 @@ def inventory_doc(infos: Iterable[Any], persisted: tuple[int, Mapping[int, str],
 
 
 def held_from_doc(doc: Any) -> list[Held]:
-    """The :class:`Held` entries of a document from :func:`inventory_doc`; malformed entries (or documents) are skipped."""
+    """The :class:`Held` entries of a document from :func:`inventory_doc`; malformed entries or documents: skipped."""
     if not isinstance(doc, dict) or doc.get("v") != DOC_VERSION or not isinstance(doc.get("held"), list):
         return []
     out = []

@@ -22,7 +22,7 @@ CONF = {"poll_interval": "0.05", "join_timeout": "30", "read_timeout": "10", "la
 
 @pytest.fixture
 def make_handlers():
-    """``make(backend, endpoint, n)``: n handlers of one run id (the first hosts a c10d store); all shut down at the end."""
+    """``make(backend, endpoint, n)``: n handlers of one run id (the first hosts c10d's store); all shut down after."""
     made = []
 
     def make(backend: str, endpoint: str, n: int):

@@ -116,7 +116,8 @@ def test_every_node_computes_the_same_plan_and_fetches_only_from_peers():
 
 def test_the_locator_is_the_held_entrys():
     got = choose({"a": [0]}, {"a": [rep(1, 0, SLOT, "/dev/shm/x/slots/0.1")]}, 1, "a")
-    assert got == Plan(1, {0: Source("a", SLOT, "/dev/shm/x/slots/0.1")}, {0: Source("a", SLOT, "/dev/shm/x/slots/0.1")})
+    source = Source("a", SLOT, "/dev/shm/x/slots/0.1")
+    assert got == Plan(1, {0: source}, {0: source})
 
 
 @pytest.mark.parametrize("ranks, ws", [({"a": [0], "b": [0]}, 1), ({"a": [0, 2]}, 2), ({"a": [0]}, 2)])
