@@ -297,3 +297,15 @@ def test_choose_the_step_every_local_rank_holds(dirs, slots, expected):
     got = choose(dirs[0])
     assert (None if got is None else (got[0], [i.rank for i in got[1]])) == expected
     assert got is None or all(i.step == got[0] for i in got[1])
+
+
+def test_a_slot_overwritten_after_the_choice_is_not_written_under_the_chosen_step(dirs, savers):
+    from elaunch.procs._persister_child import NodePersister, _read, choose
+
+    [s] = savers((0, 0, 1))
+    s.save(1, 2)
+    step, [info] = choose(dirs[0])
+    assert step == 2 and same_bits(_read(info), make_state(2, 0, s.mib))
+    s.save(3, 4)  # both slots rewritten: the one chosen now holds step 4
+    assert _read(info) is None
+    assert NodePersister(dirs[0], dirs[1]).persist_once()[0] == 4  # the next persist takes the newer
