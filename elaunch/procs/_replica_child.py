@@ -9,7 +9,8 @@ per packet:
   on. Peers' connections are served from it (one thread each), until the end.
 * ``ring [[HOST, PORT], ...]`` (JSON after the word): this round's successors. One
   sender thread per successor keeps one connection to it and sends it this node's
-  newest committed snapshot of each rank when it changed; ``ring []`` stops sending.
+  newest committed snapshot of each rank when it changed (of replicated state, the
+  lowest rank's only: :func:`to_send`); ``ring []`` stops sending.
 * ``stats``: answer one JSON packet of counters (:data:`COUNTERS`).
 * end of file (the agent closed its end, or died): exit.
 
@@ -264,8 +265,13 @@ class Server:
         send_json(conn, {"size": 0})
 
 
-def newest_per_rank(slots: str) -> dict[int, "slotfile.SlotInfo"]:
-    """This node's newest committed snapshot of each global rank in ``slots/``."""
+def to_send(slots: str) -> dict[int, "slotfile.SlotInfo"]:
+    """This node's newest committed snapshot of each global rank in ``slots/``, one for replicated state.
+
+    Replicated state (``slotfile.REPLICATED``: DDP) is the same on every rank and any
+    rank's snapshot serves any rank, so of the ranks whose newest snapshot is
+    replicated only the lowest is sent (a node of 8 ranks sends one copy, not 8).
+    """
     try:
         names = os.listdir(slots)
     except OSError:
@@ -275,7 +281,9 @@ def newest_per_rank(slots: str) -> dict[int, "slotfile.SlotInfo"]:
         info = None if name.startswith(".") else slotfile.read_info(os.path.join(slots, name))
         if info is not None:
             by_rank.setdefault(info.rank, []).append(info)
-    return {rank: slotfile.newest(infos) for rank, infos in by_rank.items()}
+    newest = {rank: slotfile.newest(infos) for rank, infos in by_rank.items()}
+    shared = sorted(rank for rank, info in newest.items() if info.replicated)
+    return {rank: info for rank, info in newest.items() if not info.replicated or rank == shared[0]}
 
 
 class Link:
@@ -327,7 +335,7 @@ class Link:
     def _send_changed(self, sock: socket.socket, rfile) -> bool:
         """Send each rank's newest snapshot the peer was not sent yet; True if any was tried."""
         tried = False
-        for rank, seen in newest_per_rank(self.slots).items():
+        for rank, seen in to_send(self.slots).items():
             if self.sent.get(rank) == (seen.path, seen.seq, seen.step, seen.time):
                 continue
             opened = open_info(seen.path)

@@ -2,7 +2,8 @@
 
 With ``--checkpoint-replicas N`` each agent sends its workers' newest committed
 snapshots (``slots/`` of its node directory) to the next N nodes of the round (a
-ring), in the background, and keeps the copies its predecessors send it in
+ring), in the background (of replicated state, which any rank's snapshot serves,
+only the node's lowest rank's), and keeps the copies its predecessors send it in
 ``replicas/r<rank>`` (one per saved global rank, the newest step wins). A node that
 replaces a lost one fetches its ranks' snapshots from a peer at the round's start
 (:func:`fetch`), without touching disk. No torchrun counterpart: torch keeps no

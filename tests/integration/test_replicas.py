@@ -57,7 +57,8 @@ def node(shm):
         service.close()
 
 
-def write_slot(path: str, step: int, data: bytes, rank: int = 0, commit: bool = True) -> None:
+def write_slot(path: str, step: int, data: bytes, rank: int = 0, commit: bool = True,
+               replicated: bool = False) -> None:
     """Write a snapshot of ``rank`` at ``step`` into the slot file ``path`` (sized to fit); ``commit=False``:
     begin the write and leave it under way (odd seq)."""
     meta = f"meta of rank {rank} step {step}".encode()
@@ -72,7 +73,7 @@ def write_slot(path: str, step: int, data: bytes, rank: int = 0, commit: bool = 
             at = slotfile.data_offset(len(meta))
             buf[at:at + len(data)] = data
             if commit:
-                slotfile.commit(buf, seq, step=step, rank=rank, world_size=2, replicated=False,
+                slotfile.commit(buf, seq, step=step, rank=rank, world_size=8, replicated=replicated,
                                 meta_len=len(meta), data_len=len(data))
     finally:
         os.close(fd)
@@ -119,6 +120,20 @@ def test_a_committed_slot_appears_on_the_successor_and_a_newer_one_replaces_it(n
     assert read(replica) == read(slot1)
     assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0"]  # no receipt left behind
     assert a.stats()["sent"] == 2 and b.stats()["received"] == 2
+
+
+def test_of_replicated_state_one_copy_goes_out_per_node(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    for local, rank in ((0, 5), (1, 4)):  # DDP: the same state on both; any rank's serves any rank
+        write_slot(slotfile.slot_paths(a_dir, local)[0], 1, b"same" * 1000, rank=rank, replicated=True)
+    sharded = slotfile.slot_paths(a_dir, 2)
+    write_slot(sharded[0], 1, os.urandom(1 << 16), rank=6)
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: replica_step(b_dir, 4) == 1 and replica_step(b_dir, 6) == 1, DEADLINE, what="r4 and r6 on b")
+    write_slot(sharded[1], 2, os.urandom(1 << 16), rank=6)  # a's sender has looked at rank 5 since
+    wait_for(lambda: replica_step(b_dir, 6) == 2, DEADLINE, what="r6's step 2 on b")
+    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r4", "r6"]
 
 
 def test_an_older_snapshot_never_replaces_a_newer_replica(node):
@@ -195,6 +210,7 @@ def test_a_slot_whose_write_began_during_the_send_never_becomes_a_replica(node):
         os.kill(b.pid, signal.SIGCONT)
     wait_for(lambda: counted(b, "discarded") or counted(b, "received", 2), 60, what="b's verdict on step 2")
     assert read(os.path.join(b_dir, "replicas", "r0")) == old and not receipts(b_dir)
+    wait_for(lambda: counted(a, "torn") or counted(a, "sent", 2), DEADLINE, what="a hearing b's verdict")
     assert b.stats()["discarded"] == 1 and a.stats()["torn"] == 1
 
 
