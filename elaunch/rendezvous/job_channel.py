@@ -175,6 +175,8 @@ class JobChannel(abc.ABC):
         member gets the same set of documents, also when some came late (the
         dynamic backends agree on it: ``dynamic/exchange.py``), so a choice made
         from them is the same on every node. Waits at most ``2 * timeout`` seconds.
+        One exchange per ``kind`` and round: a second one in the same round may
+        return the first one's documents.
 
         Args:
             kind: what is exchanged (letters, digits, ``_``), e.g. ``"ckpt"``.
