@@ -21,6 +21,7 @@ import sys
 import time
 
 from elaunch.checkpoint import slotfile
+from elaunch.procs._proctree import exists
 
 
 def _committed(node_dir: str) -> dict[int, list[slotfile.SlotInfo]]:
@@ -96,8 +97,9 @@ class NodePersister:
             state = _read(info)
             if state is None:
                 return None  # overwritten since chosen: the next persist takes the newer step
-            persisted.write_rank_file(self.ckpt_dir, step, info.rank, info.world_size, info.replicated, state)
+            path = persisted.write_rank_file(self.ckpt_dir, step, info.rank, info.world_size, info.replicated, state)
             del state
+            _remove_stale_temporaries(path)
             self._written.add((step, info.rank, info.world_size))
         previous = persisted.newest_complete(self.ckpt_dir, at_most=step - 1)
         persisted.prune(self.ckpt_dir, step if previous is None else previous[0])  # the previous one stays
@@ -116,6 +118,23 @@ def _read(info: slotfile.SlotInfo):
     if now is None or now.seq != info.seq or snap.step != info.step:
         return None  # a write began after the choice: what was read may be the newer one
     return snap.state
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Remove what earlier writers of ``path`` killed midway left (``.NAME.tmp-PID``, PID no longer running here).
+
+    Only this node writes a given rank's file of a step (its rank, or its lowest
+    for replicated state), so a writer's pid is a pid of this host.
+    """
+    folder, name = os.path.split(path)
+    prefix = f".{name}.tmp-"
+    for other in os.listdir(folder):
+        pid = other[len(prefix):]
+        if other.startswith(prefix) and pid.isdigit() and not exists(int(pid)):
+            try:
+                os.unlink(os.path.join(folder, other))
+            except OSError:
+                pass
 
 
 class _Stop(Exception):

@@ -211,6 +211,7 @@ def test_a_child_killed_mid_write_leaves_the_previous_checkpoint_whole(dirs, sav
     wait_for(lambda: p.check(), 10, what="the child restarted")
     assert p.persist_now(wait=READY) == 2
     assert loads_as(persisted.rank_file(dirs[1], 2, 0, 1), 2, 0, 1, s.mib)
+    assert files_of(dirs[1]) == {1: ["rank_0_of_1.pt"], 2: ["rank_0_of_1.pt"]}  # the dead writer's temporary went
 
 
 def test_a_dead_child_is_restarted_by_check_until_the_budget_is_spent(dirs, savers, persister):
