@@ -41,9 +41,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from elaunch.agent.published import publish
+from elaunch.agent.restore import RoundRestore, ranks_by_group, ring
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
@@ -59,44 +60,6 @@ PERSIST_WAIT = 30.0
 #: Most seconds between two ``checkpoint`` node records (status).
 STATUS_EVERY = 5.0
 ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
-#: The event's name of each kind of source.
-MEMORY, PEER, DISK = "memory", "peer", "disk"
-
-
-def ranks_by_group(nodes: Sequence, world_size: int, local_world_size: int) -> dict[str, list[int]]:
-    """Group rank (as text) -> its global ranks: contiguous per node in group-rank order (``ranks.assign_ranks``).
-
-    Args:
-        nodes: the round's ``NodeInfo`` in group-rank order, or () (every node runs ``local_world_size``).
-        world_size: the number of nodes.
-    """
-    sizes = [n.local_world_size for n in nodes] if nodes else [local_world_size] * world_size
-    out, base = {}, 0
-    for g, size in enumerate(sizes):
-        out[str(g)] = list(range(base, base + size))
-        base += size
-    return out
-
-
-def ring(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, int]]:
-    """The next ``n`` nodes after ``me`` by group rank that named a replica address: ``[(host, port), ...]``."""
-    order = sorted(addrs, key=int)
-    if me not in order or n <= 0:
-        return []
-    at = order.index(me)
-    out = []
-    for g in order[at + 1:] + order[:at]:
-        host, _, port = addrs[g].rpartition(":")
-        if host and port.isdigit() and len(out) < n:
-            out.append((host.strip("[]"), int(port)))
-    return out
-
-
-def source_kind(source: planner.Source, me: str) -> str:
-    """``memory`` (this node's slot or replica), ``peer`` (another node's memory) or ``disk``."""
-    if source.where == planner.DISK:
-        return DISK
-    return MEMORY if source.node == me else PEER
 
 
 class CheckpointKeeper:
@@ -136,6 +99,7 @@ class CheckpointKeeper:
         self._env: dict[int, dict[str, str]] = {}
         self._published_at = float("-inf")
         self._signalled = False
+        self._warned_static = False
         self._asked: str | None = None  # a persist asked from a signal handler, done at the next poll
         self.polls = False
 
@@ -214,16 +178,11 @@ class CheckpointKeeper:
         doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr)
         docs = self._exchange(info.round, {**doc, "group_rank": info.rank}) if multi else {me: doc}
         docs[me] = doc
-        held = {g: planner.held_from_doc(d) for g, d in docs.items()}
-        world = workers[0].world_size if workers else 0
-        try:
-            plan = planner.choose(ranks_by_group(info.nodes, info.world_size, local_world_size), held, world, me)
-        except ValueError as exc:
-            log.warning("checkpoint restore: no plan for round %d (%s); the workers start fresh", info.round, exc)
-            plan = planner.Plan(None)
+        restore = RoundRestore(docs, me, nd.restore, self._fetch_timeout)
+        plan = self._plan(info, restore, workers, local_world_size)
         if plan.reason:
             log.warning("checkpoint restore: %s", plan.reason)
-        files = self._gather(plan, held, docs, me) if plan.step is not None else {}
+        files = restore.gather(plan) if plan.step is not None else {}
         for w in workers:
             env = {ENV_SHM: nd.path}
             if plan.step is not None:
@@ -234,6 +193,26 @@ class CheckpointKeeper:
         if self._service is not None:
             addrs = {g: planner.addr_from_doc(d) for g, d in docs.items()}
             self._service.set_ring(ring(addrs, me, self._replicas) if multi else [])
+
+    def _plan(self, info, restore: RoundRestore, workers: Sequence, local_world_size: int) -> planner.Plan:
+        """The round's plan from every node's document; no restore where the nodes cannot agree on one.
+
+        Without job state (a static job of several nodes) no document is exchanged: each
+        node would choose from its own memory alone, and nodes could restore different
+        steps, so none restores (every ``ckpt.load()`` returns None, alike).
+        """
+        if info.world_size > 1 and not self._channel().keeps_job_state:
+            if not self._warned_static:
+                self._warned_static = True
+                log.warning("in-memory checkpoints are not restored: this rendezvous cannot exchange what each "
+                            "node holds (use c10d or etcd); ckpt.save() still works")
+            return planner.Plan(None)
+        world = workers[0].world_size if workers else 0
+        try:
+            return restore.plan(ranks_by_group(info.nodes, info.world_size, local_world_size), world)
+        except ValueError as exc:
+            log.warning("checkpoint restore: no plan for round %d (%s); the workers start fresh", info.round, exc)
+            return planner.Plan(None)
 
     def env(self, local_rank: int) -> dict[str, str]:
         """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker this round ({} when off)."""
@@ -255,7 +234,7 @@ class CheckpointKeeper:
             return None
 
     def _exchange(self, round: int, doc: dict) -> dict[str, dict]:
-        """Every node's document of this round by group rank (text); a node whose document did not come holds nothing."""
+        """Every node's document of this round by group rank (text); a node whose document is missing holds nothing."""
         try:
             got = self._channel().exchange("checkpoint", round, doc, self._exchange_timeout)
         except Exception as exc:  # noqa: BLE001 - a restore aid: the round goes on without the others' documents
@@ -289,54 +268,6 @@ class CheckpointKeeper:
             return ""
         host = service.host
         return f"[{host}]:{service.port}" if ":" in host else f"{host}:{service.port}"
-
-    def _gather(self, plan: planner.Plan, held: Mapping[str, list], docs: Mapping[str, dict],
-                me: str) -> dict[int, tuple[str, str]]:
-        """This node's ranks -> (the file to restore, its kind): local files as they are, peers' fetched."""
-        files = {}
-        for rank, source in sorted(plan.mine.items()):
-            candidates = [source, *self._alternatives(plan.step, rank, held, me, source)]
-            for cand in candidates:
-                path = self._obtain(cand, plan.step, held, docs, me, rank)
-                if path:
-                    files[rank] = (path, source_kind(cand, me))
-                    break
-            else:
-                missing = os.path.join(self.node_dir.restore, f"r{rank}")
-                log.error("checkpoint restore: no source of step %d for rank %d could be read; its worker's "
-                          "ckpt.load() fails so that no rank resumes from another step", plan.step, rank)
-                files[rank] = (missing, "missing")
-        return files
-
-    @staticmethod
-    def _alternatives(step: int, rank: int, held: Mapping[str, list], me: str,
-                      first: planner.Source) -> list[planner.Source]:
-        """Other sources of ``step`` for ``rank``: peers' memory, then disk this node can read."""
-        found = []
-        for node in sorted(held, key=int):
-            for h in held[node]:
-                if h.step != step or not (h.replicated or h.rank == rank):
-                    continue
-                if h.where == planner.DISK and not (node == me or h.shared):
-                    continue
-                src = planner.Source(node, h.where, h.locator)
-                if src != first and src not in found:
-                    found.append(src)
-        return sorted(found, key=lambda s: (s.where == planner.DISK, s.node != me))
-
-    def _obtain(self, source: planner.Source, step: int, held: Mapping[str, list], docs: Mapping[str, dict],
-                me: str, rank: int) -> str:
-        """The local path of ``source``'s snapshot (fetched from its peer when in its memory), or ""."""
-        if source.where == planner.DISK or source.node == me:
-            return source.locator if os.path.exists(source.locator) else ""
-        saved = next((h.rank for h in held.get(source.node, ()) if h.locator == source.locator), None)
-        host, _, port = planner.addr_from_doc(docs.get(source.node)).rpartition(":")
-        if saved is None or not host or not port.isdigit():
-            return ""
-        from elaunch.procs.replicas import fetch
-
-        dest = os.path.join(self.node_dir.restore, f"r{rank}")
-        return dest if fetch(host.strip("[]"), int(port), saved, step, dest, self._fetch_timeout) else ""
 
     # -- while the group runs ----------------------------------------------------------------------------------
 

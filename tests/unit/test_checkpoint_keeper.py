@@ -1,0 +1,218 @@
+"""The agent's side of in-memory checkpoints without processes: the node directory, the round's restore, the env.
+
+Real slot files in a temporary directory; the job channel and the fetch are small fakes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import stat
+
+import pytest
+
+from elaunch.agent import restore as R
+from elaunch.agent.checkpoints import ENV_RESTORE, ENV_SHM, ENV_STEP, CheckpointKeeper
+from elaunch.agent.events import AgentEvents
+from elaunch.checkpoint import plan as planner
+from elaunch.checkpoint import slotfile
+from elaunch.procs import snapshot_dir
+from elaunch.rendezvous.api import NodeInfo, RendezvousInfo
+from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
+from elaunch.spec import Worker
+
+
+def write_slot(path: str, step: int, rank: int, world_size: int, replicated: bool = True) -> None:
+    meta, data = b"meta", b"x" * 64
+    size = slotfile.file_size(len(meta), len(data))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as buf:
+            seq = slotfile.begin(buf)
+            buf[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
+            slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
+                            meta_len=len(meta), data_len=len(data))
+    finally:
+        os.close(fd)
+
+
+class Launcher:
+    """What the keeper needs of a WorkerLauncher: a reaper (none here) and a place for helpers."""
+
+    reaper = None
+
+    def __init__(self) -> None:
+        self.helpers = []
+
+    def add_helper(self, owner) -> None:
+        self.helpers.append(owner)
+
+
+def keeper(tmp_path, channel, lines: list) -> CheckpointKeeper:
+    k = CheckpointKeeper("job/1", 0, None, 60.0, lambda: channel, root=str(tmp_path))
+    k.open(Launcher(), AgentEvents(None, "n0", "host", 0, echo=lines.append))
+    return k
+
+
+def workers(nodes: int, per_node: int, group_rank: int) -> list[Worker]:
+    world = nodes * per_node
+    return [Worker(local_rank=lr, global_rank=group_rank * per_node + lr, role_rank=group_rank * per_node + lr,
+                   world_size=world, role_world_size=world) for lr in range(per_node)]
+
+
+def info(round: int, rank: int, nodes: int, per_node: int) -> RendezvousInfo:
+    return RendezvousInfo(round, rank, nodes, "127.0.0.1", 1, nodes=tuple(NodeInfo("127.0.0.1", "default", per_node)
+                                                                        for _ in range(nodes)))
+
+
+def test_ranks_of_each_node_and_the_ring():
+    assert R.ranks_by_group([NodeInfo("a", "r", 2), NodeInfo("b", "r", 3)], 2, 2) == {"0": [0, 1], "1": [2, 3, 4]}
+    assert R.ranks_by_group((), 2, 2) == {"0": [0, 1], "1": [2, 3]}
+    addrs = {"0": "10.0.0.1:7", "1": "10.0.0.2:8", "2": "", "3": "[::1]:9"}
+    assert R.ring(addrs, "1", 1) == [("::1", 9)]  # node 2 named no address
+    assert R.ring(addrs, "3", 5) == [("10.0.0.1", 7), ("10.0.0.2", 8)]  # never itself, never more than there are
+    assert R.ring(addrs, "0", 0) == []
+
+
+def test_the_node_directory_is_0700_with_its_parts_and_goes(tmp_path):
+    d = snapshot_dir.NodeDir.create("a b/c", 42, root=str(tmp_path))
+    assert os.path.basename(d.path) == "elaunch-a_b_c-42"
+    assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+    assert sorted(os.listdir(d.path)) == ["replicas", "restore", "slots"]
+    d.remove()
+    assert not os.path.exists(d.path)
+
+
+def test_no_writable_shm_is_one_warning_and_off(tmp_path, caplog):
+    lines: list = []
+    with caplog.at_level(logging.WARNING):
+        k = CheckpointKeeper("job", 0, None, 60.0, LocalJobChannel, root=str(tmp_path / "missing"))
+        k.open(Launcher(), AgentEvents(None, "n0", "host", 0, echo=lines.append))
+    assert k.node_dir is None
+    assert [r.getMessage() for r in caplog.records if "in-memory checkpoints are off" in r.getMessage()]
+    k.prepare(info(0, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(0) == {} and k.env(1) == {}  # no variable: the worker's API falls back to a directory
+    k.close()
+
+
+@pytest.mark.parametrize("path, ok", [
+    ("/dev/shm/elaunch-x-1", True), ("/dev/shm/other-1", False), ("/tmp/elaunch-x-1", False),
+    ("/dev/shm/elaunch-x-1/slots", False), ("/dev/shm/elaunch-x-1/../../etc", False), ("/dev/shm", False),
+])
+def test_the_reaper_removes_only_node_directories(path, ok):
+    assert snapshot_dir.removable(path) is ok
+
+
+def test_single_node_restores_the_newest_step_every_rank_has_from_its_own_slots(tmp_path):
+    lines: list = []
+    k = keeper(tmp_path, LocalJobChannel(), lines)
+    shm = k.node_dir.path
+    k.prepare(info(0, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(0) == {ENV_SHM: shm} and k.env(1) == {ENV_SHM: shm}  # nothing saved yet: nothing to restore
+    a0, b0 = slotfile.slot_paths(shm, 0)
+    a1, b1 = slotfile.slot_paths(shm, 1)
+    write_slot(a0, 4, 0, 2, replicated=False)
+    write_slot(b0, 5, 0, 2, replicated=False)
+    write_slot(a1, 4, 1, 2, replicated=False)  # rank 1 died before saving step 5
+    k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(0) == {ENV_SHM: shm, ENV_RESTORE: a0, ENV_STEP: "4"}  # the step every rank has, not 5
+    assert k.env(1) == {ENV_SHM: shm, ENV_RESTORE: a1, ENV_STEP: "4"}
+    (event,) = [json.loads(x) for x in lines if b"checkpoint_restore" in x]
+    assert event["round"] == 1 and event["step"] == 4 and event["sources"] == {"0": "memory", "1": "memory"}
+    k.close()
+    assert not os.path.exists(shm)
+
+
+def test_replicated_state_serves_a_local_rank_from_another_ranks_slot(tmp_path):
+    k = keeper(tmp_path, LocalJobChannel(), [])
+    shm = k.node_dir.path
+    a0, _ = slotfile.slot_paths(shm, 0)
+    write_slot(a0, 9, 0, 2)
+    k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(1)[ENV_RESTORE] == a0 and k.env(1)[ENV_STEP] == "9"
+    record = k.status_record()
+    assert record["step"] == 9 and record["bytes"] > 0
+    k.close()
+
+
+def test_several_nodes_without_an_exchange_restore_nothing_alike(tmp_path):
+    """A static job of two nodes: each would choose from its own memory alone, so none restores."""
+    k = keeper(tmp_path, LocalJobChannel(), [])
+    write_slot(slotfile.slot_paths(k.node_dir.path, 0)[0], 3, 0, 4)
+    k.prepare(info(1, 0, 2, 2), workers(2, 2, 0), 2)
+    assert ENV_RESTORE not in k.env(0) and ENV_RESTORE not in k.env(1)
+    k.close()
+
+
+class Exchanging(InMemoryJobChannel):
+    """An in-memory channel whose exchange returns the peers' documents given, with the caller's own."""
+
+    def __init__(self, peers: dict) -> None:
+        super().__init__("me")
+        self.peers = peers
+        self.asked: list = []
+
+    def exchange(self, kind, round, doc, timeout):
+        self.asked.append((kind, round, timeout))
+        return {**self.peers, "me": doc}
+
+
+def test_a_new_node_plans_from_the_exchanged_documents(tmp_path):
+    """Node 1 holds nothing; node 0's doc says it holds step 7 (replicated): node 1's rank fetches it."""
+    peer = {"v": planner.DOC_VERSION, "addr": "127.0.0.1:1", "group_rank": 0,
+            "held": [[7, 0, 2, True, planner.SLOT, "/peer/slots/0.0", False]]}
+    channel = Exchanging({"peer": peer})
+    k = keeper(tmp_path, channel, [])
+    k.prepare(info(2, 1, 2, 1), workers(2, 1, 1), 1)
+    assert channel.asked == [("checkpoint", 2, k._exchange_timeout)]
+    # the fetch from 127.0.0.1:1 fails (nothing listens): no other holder: the file is named but missing
+    env = k.env(0)
+    assert env[ENV_STEP] == "7" and env[ENV_RESTORE] == os.path.join(k.node_dir.restore, "r1")
+    assert not os.path.exists(env[ENV_RESTORE])
+    k.close()
+
+
+def test_a_failed_fetch_falls_back_to_another_holder_of_the_same_step(tmp_path):
+    docs = {
+        "0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
+        "1": {"v": 1, "addr": "10.0.0.2:5", "held": [[7, 1, 2, True, "replica", "/b/replicas/r1", False],
+                                                     [6, 1, 2, True, "slot", "/b/slots/0.0", False]]},
+        "2": {"v": 1, "addr": "", "held": []},
+    }
+    calls = []
+
+    def fetch(host, port, rank, step, dest, timeout):
+        calls.append((host, rank, step))
+        if host == "10.0.0.1":
+            return False  # the least-picked peer is gone
+        open(dest, "wb").close()
+        return True
+
+    (tmp_path / "restore").mkdir()
+    restore = R.RoundRestore(docs, "2", str(tmp_path / "restore"), 1.0, fetch=fetch)
+    plan = restore.plan({"0": [0], "1": [1], "2": [2]}, 3)
+    assert plan.step == 7 and plan.mine[2].node == "0"
+    files = restore.gather(plan)
+    assert files == {2: (str(tmp_path / "restore" / "r2"), R.PEER)}
+    assert calls == [("10.0.0.1", 0, 7), ("10.0.0.2", 1, 7)]  # the same step from the other peer, never step 6
+
+
+def test_a_step_no_holder_can_give_is_a_missing_file_never_another_step(tmp_path):
+    docs = {"0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
+            "1": {"v": 1, "addr": "", "held": []}}
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a: False)
+    files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
+    assert files == {1: (str(tmp_path / "r1"), R.MISSING)}
+
+
+def test_own_persisted_file_of_the_step_is_the_fallback(tmp_path):
+    pt = tmp_path / "rank_0_of_2.pt"
+    pt.write_bytes(b"")
+    docs = {"0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
+            "1": {"v": 1, "addr": "", "held": [[7, 0, 2, True, "disk", str(pt), False]]}}
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a: False)
+    files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
+    assert files == {1: (str(pt), R.DISK)}
