@@ -59,7 +59,8 @@ def command(rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: dict
     try:
         snap = read.snapshot(reader)
         doc = report.build(snap.state, snap.agents, backend=rdzv_backend, endpoint=reader.endpoint,
-                           run_id=reader.run_id, now=snap.read_at, dead_after=reader.settings.dead_after)
+                           run_id=reader.run_id, now=snap.read_at, dead_after=reader.settings.dead_after,
+                           checkpoints=snap.checkpoints)
         status = 0
         answer = None
         if stacks:

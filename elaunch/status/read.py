@@ -169,11 +169,14 @@ class Snapshot:
         state: the rendezvous state.
         agents: node id -> its ``agent`` record (``elaunch.agent.published``), where one was published.
         read_at: seconds since the epoch of the read.
+        checkpoints: node id -> its ``checkpoint`` record (the in-memory checkpoints' newest step, its
+            time, bytes held: ``elaunch.agent.checkpoints``), where one was published.
     """
 
     state: RendezvousState
     agents: dict[str, dict]
     read_at: float
+    checkpoints: dict[str, dict] = field(default_factory=dict)
 
 
 def _decode_docs(raw: dict[str, bytes]) -> dict[str, dict]:
@@ -209,9 +212,10 @@ def snapshot(reader: Reader) -> Snapshot:
             raise StatusError(f"no rendezvous {reader.run_id!r} at the {reader.where} (wrong --rdzv-id, "
                               f"or the job's state expired?)")
         agents = _decode_docs(reader.backend.get_node_keys("agent", _nodes(state)))
+        checkpoints = _decode_docs(reader.backend.get_node_keys("checkpoint", sorted(state.participants)))
     except RendezvousError as exc:
         raise StatusError(_first_line(exc)) from exc
-    return Snapshot(state, agents, read_at)
+    return Snapshot(state, agents, read_at, checkpoints)
 
 
 @dataclass

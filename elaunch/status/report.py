@@ -61,15 +61,28 @@ def _age(state: RendezvousState, node: str, now: float) -> float | None:
     return None if beat is None else max(0.0, now - beat)
 
 
+def _checkpoint(record: Mapping | None, now: float) -> dict | None:
+    """A node's in-memory checkpoints from its ``checkpoint`` record: ``step`` (its newest, or null), ``age``
+    (seconds since that step was saved, or null) and ``bytes`` (shared memory held); None without a record."""
+    if not isinstance(record, Mapping):
+        return None
+    step, at, held = record.get("step"), record.get("time"), record.get("bytes")
+    return {"step": step if isinstance(step, int) else None,
+            "age": max(0.0, now - at) if isinstance(at, (int, float)) and isinstance(step, int) else None,
+            "bytes": held if isinstance(held, int) else None}
+
+
 def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str, endpoint: str, run_id: str,
-          now: float, dead_after: float) -> dict:
+          now: float, dead_after: float, checkpoints: Mapping[str, Mapping] | None = None) -> dict:
     """Return the report object (the ``--json`` output) of one read.
 
     Args:
         agents: node id -> ``agent`` record published by that node's agent.
         now: when the state was read, seconds since the epoch.
         dead_after: seconds without a heartbeat after which a node counts as dead.
+        checkpoints: node id -> ``checkpoint`` record published by that node's agent (in-memory checkpoints).
     """
+    checkpoints = checkpoints or {}
     nodes = []
     for node, group_rank in sorted(state.participants.items(), key=lambda kv: (kv[1], kv[0])):
         addr, role, size = state.node_infos.get(node, _NO_INFO)
@@ -83,6 +96,7 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
             "joined_at": agent.get("joined_at") if agent and agent.get("round") == state.round else None,
             "heartbeat_age": age, "dead": age is not None and age > dead_after,
             "log_dir": agent.get("log_dir") if agent else None,
+            "checkpoint": _checkpoint(checkpoints.get(node), now),
         })
     waiting = []
     for node in sorted(state.wait_list | state.redundancy_list):
@@ -111,6 +125,19 @@ def _secs(age: float | None, dead: bool) -> str:
     return "-" if age is None else f"{age:.1f} s" + (" DEAD" if dead else "")
 
 
+def _keeps(c: Mapping | None) -> bool:
+    return bool(c) and (c.get("step") is not None or bool(c.get("bytes")))
+
+
+def _checkpoint_cells(c: Mapping | None) -> list[str]:
+    """STEP, STEP AGE and SNAPSHOTS (MiB of shared memory held) of a node's ``checkpoint`` entry."""
+    if not c:
+        return ["-", "-", "-"]
+    held = c.get("bytes")
+    return [str(c["step"]) if c.get("step") is not None else "-", _secs(c.get("age"), False),
+            f"{held / 2**20:.1f} MiB" if held is not None else "-"]
+
+
 def _ranks_text(ranks: list[int]) -> str:
     if not ranks:
         return "-"
@@ -135,7 +162,12 @@ def table(report: Mapping) -> str:
         rows = [[str(n["group_rank"]) if n["group_rank"] is not None else "-", n["addr"] or "-",
                  str(n["pid"]) if n["pid"] is not None else "-", _ranks_text(n["ranks"]), _when(n["joined_at"]),
                  _secs(n["heartbeat_age"], n["dead"])] for n in nodes]
-        lines += ["", *_rows(["NODE", "ADDRESS", "AGENT PID", "RANKS", "JOINED", "HEARTBEAT AGE"], rows)]
+        header = ["NODE", "ADDRESS", "AGENT PID", "RANKS", "JOINED", "HEARTBEAT AGE"]
+        if any(_keeps(n.get("checkpoint")) for n in nodes):  # in-memory checkpoints' columns, once a node keeps any
+            header += ["STEP", "STEP AGE", "SNAPSHOTS"]
+            for row, n in zip(rows, nodes):
+                row += _checkpoint_cells(n.get("checkpoint"))
+        lines += ["", *_rows(header, rows)]
     else:
         lines += ["", "no nodes in this round"]
     waiting = report["waiting"]

@@ -216,3 +216,23 @@ def test_own_persisted_file_of_the_step_is_the_fallback(tmp_path):
     restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a: False)
     files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
     assert files == {1: (str(pt), R.DISK)}
+
+
+def test_status_shows_each_nodes_newest_step_its_age_and_memory_held():
+    from elaunch.rendezvous.dynamic.state import RendezvousState
+    from elaunch.status import report
+
+    s = RendezvousState(round=1, complete=True, participants={"a_1_0": 0, "b_2_0": 1})
+    for node in s.participants:
+        s.node_infos[node] = NodeInfo("10.0.0.1", "default", 1)
+    records = {"a_1_0": {"step": 41, "time": 90.0, "bytes": 3 * 2**20, "at": 99.0}}
+    doc = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=100.0, dead_after=15.0,
+                       checkpoints=records)
+    assert [n["checkpoint"] for n in doc["nodes"]] == [{"step": 41, "age": 10.0, "bytes": 3 * 2**20}, None]
+    lines = report.table(doc).splitlines()
+    header = next(line for line in lines if line.startswith("NODE"))
+    assert header.split()[-4:] == ["STEP", "STEP", "AGE", "SNAPSHOTS"]
+    row0 = next(line for line in lines if line.startswith("0 "))
+    assert row0.endswith("41    10.0 s    3.0 MiB"), row0
+    plain = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=100.0, dead_after=15.0)
+    assert "STEP" not in report.table(plain)  # no columns for a job that keeps no snapshots
