@@ -1,39 +1,33 @@
 """The replica service's child: keeps copies of peers' snapshots and sends this node's to its ring.
 
 ``python elaunch/procs/_replica_child.py FD NODE_DIR``: FD is this end of a
-``SOCK_SEQPACKET`` socket pair with the agent (``replicas.py``); NODE_DIR the
-agent's node directory (``slots/``, ``replicas/``). Messages from the agent, one
-per packet:
+``SOCK_SEQPACKET`` socket pair with the agent (``replicas.py``), NODE_DIR the
+agent's node directory. Messages from the agent, one per packet:
 
-* ``listen`` with one descriptor attached: a TCP socket the agent bound and listens
-  on. Peers' connections are served from it (one thread each), until the end.
-* ``ring [[HOST, PORT], ...]`` (JSON after the word): this round's successors. One
-  sender thread per successor keeps one connection to it and sends it this node's
-  newest committed snapshot of each rank when it changed (of replicated state, the
-  lowest rank's only: :func:`to_send`); ``ring []`` stops sending.
-* ``stats``: answer one JSON packet of counters (:data:`COUNTERS`).
+* ``listen`` with a descriptor attached: the TCP socket the agent listens on; peers'
+  connections are served from it, one thread each.
+* ``ring [[HOST, PORT], ...]`` (JSON): this round's successors. One thread per
+  successor keeps one connection to it and sends it this node's newest committed
+  snapshot of each rank when it changed (:func:`to_send`); ``ring []`` stops sending.
+* ``stats``: answered by one JSON packet of counters (:data:`COUNTERS`).
 * end of file (the agent closed its end, or died): exit.
 
-The wire between agents, per connection, requests from the connecting side, each a
-JSON line (``\\n``-terminated) answered by a JSON line:
+Between agents, the connecting side sends requests, each a JSON line answered by one:
 
-* ``{"op": "put", "rank", "step", "seq", "time", "size"}``, answered ``{"go": bool}``
-  (false: this node holds that rank's snapshot at that step or a newer one, or has
-  no room). After a go: ``size`` raw bytes of the slot file, then one byte, ``=``
-  (the slot's seq did not change while it was read) or ``x`` (a write began: discard),
-  answered ``{"ok": bool}``. A receipt goes to ``replicas/.r<rank>.tmp-<pid>-<n>``
-  (0600) and is renamed to ``replicas/r<rank>`` once whole, marked ``=``, parsed by
-  ``slotfile.read_info`` with the announced rank, step, seq and size, and not older
-  than the replica already there (the newest step wins).
-* ``{"op": "get", "rank", "step"}``, answered ``{"size": N}`` then N bytes and the
-  ``=``/``x`` byte, or ``{"size": 0}`` when neither ``replicas/r<rank>`` nor a local
-  slot holds that rank at that step.
+* ``{"op": "put", "rank", "step", "seq", "time", "size"}`` -> ``{"go": bool}`` (false:
+  this node has that snapshot or a newer one of that rank, or no room). After a go:
+  ``size`` bytes of the slot file and one mark byte, ``=`` (its seq did not change
+  during the read) or ``x`` (a write began: discard) -> ``{"ok": bool}``. The bytes go
+  to ``replicas/.r<rank>.tmp-<pid>-<n>`` (0600), renamed to ``replicas/r<rank>`` when
+  marked ``=``, parsed by ``slotfile.read_info`` as announced, and not older than the
+  replica there (the newest step wins).
+* ``{"op": "get", "rank", "step"}`` -> ``{"size": N}``, N bytes and the mark, from
+  ``replicas/r<rank>`` or a local slot of that rank and step; or ``{"size": 0}``.
 
-Bytes go from the file to the socket with ``sendfile`` (no copy through Python, and a
-slot truncated under it ends the send short instead of faulting a mapping); they are
-received straight into a mapping of the new file, its pages reserved first
-(``posix_fallocate``), so a full ``/dev/shm`` is an error, not a SIGBUS.
-Stdlib only (no torch): the functions the agent's ``fetch`` shares are importable.
+Bytes leave a file by ``sendfile`` (no copy in Python; a file truncated under it ends
+the send short, where a mapping would fault) and land in a mapping of the new file
+whose pages were reserved (``posix_fallocate``: a full ``/dev/shm`` is ENOSPC, not a
+SIGBUS). Stdlib only (no torch); the agent's ``fetch`` imports the wire functions.
 """
 
 from __future__ import annotations
@@ -51,10 +45,8 @@ if __package__:
     from ..checkpoint import slotfile
 else:  # run as a script: load the sibling package's slot-file module by path, without elaunch's imports
     import importlib.util
-
-    _spec = importlib.util.spec_from_file_location(
-        "_elaunch_slotfile", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          "checkpoint", "slotfile.py"))
+    _spec = importlib.util.spec_from_file_location("_elaunch_slotfile", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "slotfile.py"))
     slotfile = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(slotfile)
 
@@ -64,7 +56,7 @@ SCAN = 0.05  #: seconds between looks at the slots' headers
 CHUNK = 4 << 20  #: bytes received per read into the new file's mapping
 IO_TIMEOUT = 30.0  #: seconds one blocking read or write on a connection may wait for its peer
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
-MAX_LINE = 4096
+MAX_LINE = 4096  #: bytes of a request or answer line, at most
 COUNTERS = ("sent", "skipped", "torn", "received", "refused", "discarded", "served")
 
 
@@ -72,11 +64,10 @@ class Stats:
     """Counters a test or the agent's status can read (``stats`` on the channel)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.lock, self.counts = threading.Lock(), dict.fromkeys(COUNTERS, 0)
 
     def add(self, name: str) -> None:
-        with self._lock:
+        with self.lock:
             self.counts[name] += 1
 
 
@@ -106,28 +97,26 @@ def receive_file(rfile, path: str, size: int, deadline: float | None = None, soc
     """Receive ``size`` bytes and the mark byte into a new file ``path`` (0600); return the mark.
 
     Raises:
-        OSError: the file cannot be made (ENOSPC when ``/dev/shm`` is full); ConnectionError:
-            the peer closed early; TimeoutError: past ``deadline`` (``time.monotonic()``).
+        OSError: no such file can be made (ENOSPC: ``/dev/shm`` is full), the peer closed early
+            (ConnectionError), or ``deadline`` (``time.monotonic()``) passed (TimeoutError).
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, max(size, 1))
-        with mmap.mmap(fd, max(size, 1)) as buf:
+        os.posix_fallocate(fd, 0, size)  # pages reserved: a full /dev/shm fails here, not as a SIGBUS below
+        with mmap.mmap(fd, size) as buf:
             view, got = memoryview(buf), 0
             try:
                 while got < size:
-                    if deadline is not None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
+                    if deadline is not None:  # the socket's timeout is per call: the whole receipt has one
+                        if deadline <= time.monotonic():
                             raise TimeoutError("timed out receiving a snapshot")
-                        sock.settimeout(left)
+                        sock.settimeout(deadline - time.monotonic())
                     n = rfile.readinto(view[got:got + CHUNK])
                     if not n:
                         raise ConnectionError(f"connection closed after {got} of {size} bytes")
                     got += n
             finally:
                 view.release()
-        os.ftruncate(fd, size)
     finally:
         os.close(fd)
     mark = rfile.read(1)
@@ -137,10 +126,7 @@ def receive_file(rfile, path: str, size: int, deadline: float | None = None, soc
 
 
 def open_info(path: str) -> tuple[int, "slotfile.SlotInfo"] | None:
-    """Open ``path`` and parse its commit through the descriptor: ``(fd, info)``, or None.
-
-    The info is the opened file's even if ``path`` is renamed over meanwhile.
-    """
+    """``(fd, info)``: ``path`` opened and parsed through the descriptor (one file's, whatever renames), or None."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -153,10 +139,10 @@ def open_info(path: str) -> tuple[int, "slotfile.SlotInfo"] | None:
 
 
 def send_file(sock: socket.socket, fd: int, info: "slotfile.SlotInfo") -> bool:
-    """Send the snapshot's bytes from ``fd``, then its mark; return True if it was still whole (mark ``=``).
+    """Send the snapshot's bytes from ``fd``, then its mark; True if it was still whole (mark ``=``).
 
     Raises:
-        ConnectionError: the file ended early (truncated under the send); OSError: the connection failed.
+        OSError: the connection failed, or the file ended early (ConnectionError).
     """
     with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
         sent = sock.sendfile(f, 0, info.size)
@@ -165,11 +151,6 @@ def send_file(sock: socket.socket, fd: int, info: "slotfile.SlotInfo") -> bool:
     whole = slotfile.seq_of(os.pread(fd, 16, 0)) == info.seq
     sock.sendall(b"=" if whole else b"x")
     return whole
-
-
-def _newer(info: "slotfile.SlotInfo | None", step: int, stamp: float) -> bool:
-    """True when ``info`` holds the same snapshot as ``(step, stamp)`` or a newer one."""
-    return info is not None and (info.step, info.time) >= (step, stamp)
 
 
 class Server:
@@ -189,9 +170,10 @@ class Server:
         while True:
             try:
                 conn, _ = listener.accept()
-            except OSError as exc:
+            except OSError as exc:  # out of descriptors, a connection reset in the backlog: try again
                 log.warning("replica service: accept failed: %s", exc)
-                return
+                time.sleep(BACKOFF[0])
+                continue
             threading.Thread(target=self._connection, args=(conn,), name="peer", daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
@@ -215,8 +197,8 @@ class Server:
         rank, step, seq, stamp, size = (int(req["rank"]), int(req["step"]), int(req["seq"]), float(req["time"]),
                                         int(req["size"]))
         final = os.path.join(self.replicas, f"r{rank}")
-        room = os.statvfs(self.replicas)
-        if _newer(slotfile.read_info(final), step, stamp) or room.f_bavail * room.f_frsize < size:
+        have, room = slotfile.read_info(final), os.statvfs(self.replicas)
+        if (have is not None and (have.step, have.time) >= (step, stamp)) or room.f_bavail * room.f_frsize < size:
             self.stats.add("refused")
             send_json(conn, {"go": False})
             return
@@ -238,10 +220,7 @@ class Server:
                     ok = False
                     self.stats.add("discarded")
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink(tmp)  # gone already when it was renamed
         send_json(conn, {"ok": ok})
 
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
@@ -290,24 +269,19 @@ class Link:
     """One successor: a thread that keeps one connection to it and sends it this node's new snapshots."""
 
     def __init__(self, node_dir: str, peer: tuple[str, int], stats: Stats) -> None:
-        self.peer = peer
-        self.slots = os.path.join(node_dir, "slots")
-        self.stats = stats
+        self.peer, self.slots, self.stats = peer, os.path.join(node_dir, "slots"), stats
         self.sent: dict[int, tuple] = {}  # rank -> (path, seq, step, time) of the snapshot it has
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
-        self._thread = threading.Thread(target=self._run, name=f"link {peer[0]}:{peer[1]}", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name=f"link {peer[0]}:{peer[1]}", daemon=True).start()
 
     def stop(self) -> None:
         """End the thread; a send under way is cut (the peer discards what it got)."""
         self._stop.set()
-        sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):  # no connection
+            pass
 
     def _run(self) -> None:
         backoff, warned = BACKOFF[0], False
@@ -380,12 +354,15 @@ class Ring:
 def _clean(replicas: str) -> None:
     """Remove receipts a previous child left unfinished (it was killed mid-receipt)."""
     os.makedirs(replicas, mode=0o700, exist_ok=True)
-    for name in os.listdir(replicas):
-        if name.startswith("."):
-            try:
-                os.unlink(os.path.join(replicas, name))
-            except OSError:
-                pass
+    for name in [n for n in os.listdir(replicas) if n.startswith(".")]:
+        _unlink(os.path.join(replicas, name))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def main(fd: int, node_dir: str) -> int:
@@ -407,7 +384,7 @@ def main(fd: int, node_dir: str) -> int:
         elif word == "ring":
             ring.set([(str(h), int(p)) for h, p in json.loads(rest)])
         elif word == "stats":
-            with stats._lock:
+            with stats.lock:
                 chan.send(json.dumps(stats.counts).encode("ascii"))
         else:
             log.warning("replica service: unknown message %r", msg[:80])
