@@ -108,12 +108,15 @@ class NodePersister:
 
 def _read(info: slotfile.SlotInfo):
     """The state in ``info``'s slot if it still holds that very commit, else None."""
-    from elaunch.checkpoint import read_slot
+    from elaunch.checkpoint import CheckpointError, read_slot
 
     try:
         snap = read_slot(info.path)
-    except Exception:  # noqa: BLE001 - torn by a writer mid-read (seqlock), or emptied
+    except CheckpointError:  # written to while read (seqlock), or emptied; other errors are reported
         return None
+    except (AttributeError, ImportError) as exc:  # unpickling the structure needs the state's classes
+        raise RuntimeError(f"cannot read step {info.step} of rank {info.rank} ({exc}): the state's classes must "
+                           "be importable from a module on the agent's PYTHONPATH, not defined in __main__") from exc
     now = slotfile.read_info(info.path)
     if now is None or now.seq != info.seq or snap.step != info.step:
         return None  # a write began after the choice: what was read may be the newer one

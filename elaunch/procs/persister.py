@@ -13,7 +13,10 @@ fsynced and renamed, so a reader never sees a torn file; older steps are pruned
 only once the new one is complete, keeping the previous complete step. A child
 killed in the middle of a write leaves a temporary file that readers ignore and
 the previous checkpoint whole. Its policy is restart (3 times): a persister that
-died loses nothing but the write it was doing.
+died loses nothing but the write it was doing. A persist that fails (the directory
+is full or read-only; the state holds an object of a class the child cannot import,
+such as one defined in the training script's ``__main__``) is logged once as a
+warning and tried again at the next persist.
 
 torchrun has no counterpart (torch keeps no snapshots); DLRover's flash
 checkpoint persists from its agent the same way. Stdlib only: the agent imports
@@ -59,6 +62,7 @@ class Persister:
                                      env=env, reaper=reaper, restarts=RESTARTS, grace=GRACE)
         self._done: list[tuple[int, str, float]] = []  # read from the channel, not yet handed out
         self._asked = 0  # the number of the last persist request
+        self._error = ""  # the child's last error report
 
     @property
     def pid(self) -> int | None:
@@ -154,10 +158,12 @@ class Persister:
             step, _, tail = rest.partition(" ")
             path, _, seconds = tail.rpartition(" ")
             self._done.append((int(step), path, float(seconds)))
+            self._error = ""
         elif kind == "ran":
             return int(rest)
-        elif kind == "error":
-            log.warning("checkpoint persister: %s", rest)
+        elif kind == "error":  # said once while it lasts: the child tries again at each persist
+            log.log(logging.DEBUG if rest == self._error else logging.WARNING, "checkpoint persister: %s", rest)
+            self._error = rest
         return None
 
     def private_fds(self) -> tuple[int, ...]:

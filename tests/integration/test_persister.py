@@ -11,6 +11,7 @@ lets a write finish and reaps the child.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -49,10 +50,12 @@ def dirs():
 class Saver:
     """One worker process saving into the node directory when told (``save(step)``)."""
 
-    def __init__(self, node_dir: str, local_rank: int, rank: int, world_size: int, mib: float, sharded: bool):
+    def __init__(self, node_dir: str, local_rank: int, rank: int, world_size: int, mib: float, sharded: bool,
+                 marker: bool = False):
         env = dict(os.environ, ELAUNCH_CHECKPOINT_SHM=node_dir, LOCAL_RANK=str(local_rank), RANK=str(rank),
                    WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
-        argv = [sys.executable, str(SCRIPTS / "ckpt_saver.py"), str(mib), *(["sharded"] if sharded else [])]
+        argv = [sys.executable, str(SCRIPTS / "ckpt_saver.py"), str(mib), *(["sharded"] if sharded else []),
+                *(["marker"] if marker else [])]
         self.rank, self.mib = rank, mib
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -76,11 +79,11 @@ class Saver:
 
 @pytest.fixture
 def savers(dirs):
-    """``start(local_rank, rank, world_size, mib=1, sharded=False)`` -> a ready :class:`Saver`; all closed after."""
+    """``start((local_rank, rank, world_size), ..., mib=1, sharded=False, marker=False)`` -> ready :class:`Saver` s."""
     made: list[Saver] = []
 
-    def start(*ranks: tuple[int, int, int], mib: float = 1.0, sharded: bool = False) -> list[Saver]:
-        new = [Saver(dirs[0], lr, r, w, mib, sharded) for lr, r, w in ranks]
+    def start(*ranks: tuple[int, int, int], mib: float = 1.0, sharded: bool = False, marker: bool = False):
+        new = [Saver(dirs[0], lr, r, w, mib, sharded, marker) for lr, r, w in ranks]
         made.extend(new)
         for s in new:
             s.ready()
@@ -310,3 +313,15 @@ def test_a_slot_overwritten_after_the_choice_is_not_written_under_the_chosen_ste
     s.save(3, 4)  # both slots rewritten: the one chosen now holds step 4
     assert _read(info) is None
     assert NodePersister(dirs[0], dirs[1]).persist_once()[0] == 4  # the next persist takes the newer
+
+
+def test_a_state_the_child_cannot_unpickle_is_reported_once_not_skipped_in_silence(dirs, savers, persister, caplog):
+    p = persister()
+    [s] = savers((0, 0, 1), marker=True)  # a leaf of a class defined in the saver's __main__
+    s.save(1)
+    with caplog.at_level(logging.DEBUG, logger="elaunch.procs.persister"):
+        assert p.persist_now(wait=READY) is None
+        assert p.persist_now(wait=READY) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Marker" in warnings[0] and dirs[1] in warnings[0], warnings
+    assert persisted.steps_on_disk(dirs[1]) == []

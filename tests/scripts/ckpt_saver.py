@@ -1,9 +1,10 @@
-"""A worker that saves snapshots when told: ``ckpt_saver.py MIB [sharded]``, one per local rank.
+"""A worker that saves snapshots when told: ``ckpt_saver.py MIB [sharded] [marker]``, one per local rank.
 
 Runs as a worker would under elaunch (``ELAUNCH_CHECKPOINT_SHM``, ``LOCAL_RANK``,
 ``RANK``, ``WORLD_SIZE`` in its environment). Prints ``ready`` once torch is
 imported, then reads lines from stdin: ``save STEP`` saves :func:`make_state` of
-that step with ``elaunch.checkpoint.save`` (replicated unless ``sharded``) and prints
+that step (with a :class:`Marker` under ``marker``) with ``elaunch.checkpoint.save`` (replicated
+unless ``sharded``) and prints
 ``saved STEP`` once it is committed. End of input: exit.
 """
 
@@ -32,6 +33,13 @@ def make_state(step: int, rank: int, mib: float):
     }
 
 
+class Marker:
+    """A leaf of a class only this script defines (``__main__.Marker``): the persister cannot unpickle it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
 def main(mib: float, *modes: str) -> int:
     import elaunch.checkpoint as ckpt
 
@@ -41,7 +49,10 @@ def main(mib: float, *modes: str) -> int:
         words = line.split()
         if words[:1] == ["save"]:
             step = int(words[1])
-            ckpt.save(make_state(step, rank, mib), step, replicated="sharded" not in modes)
+            state = make_state(step, rank, mib)
+            if "marker" in modes:
+                state["marker"] = Marker(step)
+            ckpt.save(state, step, replicated="sharded" not in modes)
             print(f"saved {step}", flush=True)
     return 0
 
