@@ -37,7 +37,7 @@ import time
 
 from ..checkpoint import slotfile
 from . import _replica_child as wire
-from .helper_process import HelperDied, HelperProcess
+from .helper_process import HelperProcess
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,20 @@ class ReplicaService:
         """Give the (new) child the listening socket and the ring."""
         chan = self._helper.chan
         assert chan is not None and self._listener is not None
-        socket.send_fds(chan, [b"listen"], [self._listener.fileno()])
+        try:
+            socket.send_fds(chan, [b"listen"], [self._listener.fileno()])
+        except OSError as exc:  # it died at once: the next check() restarts it
+            log.debug("replica service: the socket was not handed over (%s)", exc)
+            return
         self._send_ring()
 
     def _send_ring(self) -> None:
-        if self._helper.chan is not None:
+        if self._helper.chan is None:
+            return
+        try:
             self._helper.chan.send(b"ring " + json.dumps([[h, p] for h, p in self._ring]).encode("utf-8"))
+        except OSError as exc:  # the child died: check() restarts it and hands it the ring
+            log.debug("replica service: the ring was not handed over (%s)", exc)
 
     def set_ring(self, peers: list[tuple[str, int]]) -> None:
         """Send this node's snapshots to ``peers`` (``(host, port)`` of each successor's service) from now on.
@@ -118,14 +126,17 @@ class ReplicaService:
     def check(self) -> bool:
         """Restart the child if it died (and hand it the socket and the ring); True if it was restarted.
 
-        Once its restart budget is spent: one warning, the service stays off (False from then on).
+        Cheap (one ``waitid``): for every pass of the agent's monitor. Never raises: once
+        the restart budget is spent, or a restart fails, one warning, and the service
+        stays off (False from then on; peers' connections are refused).
         """
         if self._listener is None:
             return False
         try:
             restarted = self._helper.check()
-        except HelperDied as exc:
+        except OSError as exc:  # HelperDied (budget spent), or it could not be started again
             log.warning("%s; peers' copies of this node's snapshots are not updated any more", exc)
+            self._helper.stop()
             self._close_listener()
             return False
         if restarted:

@@ -267,6 +267,8 @@ def test_a_killed_child_is_restarted_by_check_and_serves_again(node, shm):
         pid = service.pid
         assert not service.check()
         os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, what="the child's death")
+        service.set_ring([("127.0.0.1", b.port)] if service is a else [])  # to a dead child: no error
         wait_for(service.check, 10, what="the child's restart")  # its threads go, then the kernel reports it
         assert service.pid not in (None, pid)
     port = b.port
@@ -275,6 +277,24 @@ def test_a_killed_child_is_restarted_by_check_and_serves_again(node, shm):
     dest = os.path.join(shm, "fetched")
     assert b.port == port and fetch("127.0.0.1", port, 0, 2, dest, timeout=10)
     assert read(dest) == read(slot1)
+
+
+def test_once_its_restarts_are_spent_the_service_is_off_without_an_error(shm, caplog):
+    node_dir = os.path.join(shm, "a")
+    service = ReplicaService(node_dir, "127.0.0.1", restarts=1)
+    try:
+        port = service.start()
+        for _ in range(2):
+            pid = service.pid
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: service.check() or service.pid is None, 10, what="the child's restart or end")
+        assert "replica service (pid %d) was killed by SIGKILL; peers' copies" % pid in caplog.text
+        assert service.pid is None and not service.check() and service.private_fds() == ()
+        service.set_ring([("127.0.0.1", 1)])  # nothing to tell: no error
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        service.close()
 
 
 def test_close_leaves_no_process_and_refuses_peers(node):
