@@ -36,6 +36,8 @@ def target_status(metric: dict[str, Any], by_key: dict[str, dict[str, Any]]) -> 
     kind, value = target["kind"], target["value"]
     if kind == "abs_le":
         return "met" if e <= value else "not met"
+    if kind == "abs_ge":  # the median must reach ``value`` (e.g. a goodput in %)
+        return "met" if e >= value else "not met"
     if kind == "all_le":  # every repeat, not the median: a missed repeat is a miss
         samples = metric["values"]["elaunch"]
         return "met" if samples and all(v is not None and v <= value for v in samples) else "not met"

@@ -1,0 +1,353 @@
+"""Goodput under faults: ``python -m benchmarks.goodput [--quick] [--json FILE]`` (issue 24, "Measure").
+
+examples/ddp_digits.py with a 256 MiB state (``--state-mib``) trains on 3 test hosts
+(network namespaces, one worker each, c10d rendezvous on the first host, ``--nnodes=2:3``)
+for about 3 minutes, under three configurations:
+
+* ``a``: elaunch, ``ckpt.save`` every step (``--snapshot-every 1 --no-disk-checkpoint``;
+  ``--checkpoint-dir`` unset: nothing persisted, restores come from memory and peers' replicas);
+* ``b``: elaunch, the example's per-epoch ``torch.save`` only (``--snapshot-every 0``);
+* ``c``: torchrun, the same per-epoch ``torch.save`` and the same flags.
+
+elaunch runs with ``--warm-start`` (its spares import torch and scikit-learn; ``--no-warm-start``
+turns it off). Each configuration runs once uninterrupted (T0), then under each fault:
+
+* ``kill``: a worker SIGKILL every 20 s (a host drawn with the benchmark's seeded RNG, its
+  worker killed once the group trains; the next kill 20 s later, once the new group trains);
+* ``node``: at 40 % of T0 one node other than the store's is killed outright (every
+  process in its namespace; its ``/dev/shm`` entries removed, as a dead machine's memory
+  would be) and a fresh host with a new agent joins at once.
+
+Goodput = T0 / T_faulty (launch to the last agent's exit). Steps lost per restart = the
+steps the group had started when it stopped (the worker's step counter) minus the step it
+resumed from (the example's ``resumed from ... at epoch E step S`` line). Bit-identical: the
+final parameters' SHA-256 (``--final-params``) against the same configuration's T0 run
+(a run whose world size changed differs by design: reported, not failed).
+
+"Nothing lost" (``--lost``, on by default with configuration a): ``--nnodes=3`` (the world
+stays 3), 6 worker SIGKILLs at random points, every second one aimed at a save in
+progress (a slot header's seq is odd, ``elaunch.checkpoint.slotfile.seq_of``), and one node
+replaced after the third; the final parameters must equal the uninterrupted run's.
+
+Prints a markdown table; ``--json FILE`` writes the rows and, for ``python -m
+benchmarks.report``, a ``goodput`` scenario (elaunch a/b vs torchrun c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import DidNotComplete, log_line
+from benchmarks.goodput_hosts import Cluster
+from benchmarks.goodput_results import attempts, fmt_s, markdown, report_scenario, summarize
+
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    launcher: str
+    label: str
+    args: tuple[str, ...]
+
+
+CONFIGS = {
+    "a": Config("a", "elaunch", "elaunch, ckpt.save every step", ("--snapshot-every", "1", "--no-disk-checkpoint")),
+    "b": Config("b", "elaunch", "elaunch, per-epoch torch.save", ("--snapshot-every", "0")),
+    "c": Config("c", "torchrun", "torchrun, per-epoch torch.save", ("--snapshot-every", "0")),
+}
+FAULTS = {"kill": "a worker SIGKILL every {every:g} s", "node": "a node killed, a fresh one joins"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big a run is: the example's flags and the faults' timing (seconds)."""
+
+    state_mib: int
+    epochs: int
+    step_sleep: float
+    kill_every: float
+    node_at: float  # fraction of T0
+    lost_kills: int
+    lost_gap: tuple[float, float]
+    bound: float  # a faulty run may take this many T0
+
+    def example_args(self, seed: int, workdir: Path) -> list[str]:
+        return ["--epochs", str(self.epochs), "--step-sleep", str(self.step_sleep), "--state-mib",
+                str(self.state_mib), "--seed", str(seed), "--checkpoint", str(workdir / "checkpoint.pt"),
+                "--final-params", str(workdir / "final.json")]
+
+
+FULL = Sizes(256, 30, 0.3, 20.0, 0.4, 6, (8.0, 16.0), 5.0)
+QUICK = Sizes(16, 4, 0.2, 15.0, 0.4, 2, (4.0, 6.0), 5.0)
+
+
+class JobEnded(Exception):
+    """Every agent exited: no more faults to inject."""
+
+
+def _wait(cluster: Cluster, predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate()`` (reading the agents' output meanwhile) until truthy; return its value.
+
+    Raises:
+        JobEnded: every agent exited first. DidNotComplete: ``timeout`` seconds passed.
+    """
+    deadline = min(time.monotonic() + timeout, cluster.deadline)
+    while True:
+        cluster.poll()
+        value = predicate()
+        if value:
+            return value
+        if not cluster.live_agents():
+            raise JobEnded
+        if time.monotonic() > deadline:
+            if deadline == cluster.deadline:
+                raise DidNotComplete(f"did not complete in {cluster.deadline - cluster.t_mono:.0f} s (waiting for {what})")
+            raise DidNotComplete(f"did not complete in {timeout:g} s ({what})")
+        time.sleep(interval)
+
+
+def _pause(cluster: Cluster, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    _wait(cluster, lambda: time.monotonic() >= end, seconds + 1, "a pause")
+
+
+def _kill_one(cluster: Cluster, rng: random.Random, aim_at_save: bool = False) -> dict:
+    """SIGKILL the worker of a random live host once the group trains; return the event."""
+    hosts = sorted({a.host.index for a in cluster.live_agents()})
+    index = rng.choice(hosts)
+    worker = _wait(cluster, lambda: cluster.training() and cluster.live_worker(index), 300, "a worker to kill")
+    event = {"t": time.time(), "fault": "worker SIGKILL", "host": index, "rank": worker.rank, "pid": worker.pid}
+    if aim_at_save:
+        agent = next(a for a in cluster.live_agents() if a.host.index == index)
+        event["during_save"] = kill_during_save(cluster.node_dir(agent), worker.pid)
+    else:
+        cluster.kill_worker(worker)
+    return event
+
+
+def kill_during_save(node_dir: Path, pid: int, timeout: float = 5.0) -> bool | None:
+    """SIGKILL ``pid`` while its slot's seq is odd (a save under way); True if the slot stayed torn.
+
+    Returns None when there are no slot files to watch (the worker was killed anyway).
+    """
+    from elaunch.checkpoint.slotfile import seq_of
+
+    maps = []
+    for path in sorted((node_dir / "slots").glob("0.[01]")):
+        try:
+            with open(path, "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 64, prot=mmap.PROT_READ))
+        except (OSError, ValueError):
+            pass
+    caught = None
+    deadline = time.monotonic() + timeout
+    while maps and caught is None and time.monotonic() < deadline:
+        caught = next((m for m in maps if seq_of(m) % 2), None)
+        if caught is None:
+            time.sleep(0.0005)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    torn = None if not maps else bool(caught is not None and seq_of(caught) % 2)
+    for m in maps:
+        m.close()
+    return torn
+
+
+def fault_kill(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, events: list) -> None:
+    """A worker SIGKILL every ``sizes.kill_every`` s until the job ends."""
+    _wait(cluster, cluster.training, 300, "the group to train")
+    cluster.note_shm()
+    while True:
+        _pause(cluster, sizes.kill_every)
+        events.append(_kill_one(cluster, rng))
+
+
+def _replace_node(cluster: Cluster, rng: random.Random) -> dict:
+    """Kill a node other than the store's outright and start a fresh host with a new agent."""
+    _wait(cluster, cluster.training, 300, "the group to train")
+    victim = rng.choice([a for a in cluster.live_agents() if a.host is not cluster.store_host])
+    worker = cluster.live_worker(victim.host.index)
+    dropped = cluster.kill_node(victim)
+    new = cluster.start_agent()
+    return {"t": time.time(), "fault": "node killed", "host": victim.host.index,
+            "rank": worker.rank if worker else None, "shm_dropped": sorted(dropped), "joined": new.index}
+
+
+def fault_node(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, events: list) -> None:
+    _wait(cluster, cluster.training, 300, "the group to train")
+    cluster.note_shm()
+    _pause(cluster, max(0.0, cluster.t_start + sizes.node_at * t0 - time.time()))
+    events.append(_replace_node(cluster, rng))
+    _wait(cluster, cluster.training, 300, "the new group to train")
+    cluster.note_shm()
+
+
+def fault_lost(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, events: list) -> None:
+    """Nothing lost: ``sizes.lost_kills`` worker SIGKILLs (every second aimed at a save), a node replaced."""
+    _wait(cluster, cluster.training, 300, "the group to train")
+    cluster.note_shm()
+    for i in range(sizes.lost_kills):
+        _pause(cluster, rng.uniform(*sizes.lost_gap))
+        events.append(_kill_one(cluster, rng, aim_at_save=i % 2 == 1))
+        if i == 2:
+            _pause(cluster, rng.uniform(*sizes.lost_gap))
+            events.append(_replace_node(cluster, rng))
+
+
+FAULT_DRIVERS = {"kill": fault_kill, "node": fault_node, "lost": fault_lost}
+
+
+def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm: bool,
+             t0: float | None = None, ref: dict | None = None) -> dict:
+    """One run of configuration ``cfg`` under ``fault`` (``none``: the T0 run); return its row."""
+    from tests.multinode import netns
+
+    workdir = root / f"{cfg.name}-{fault}"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    nnodes = "3" if fault == "lost" else "2:3"
+    row = {"config": cfg.name, "label": cfg.label, "launcher": cfg.launcher, "fault": fault, "seed": seed,
+           "nnodes": nnodes, "warm_start": warm and cfg.launcher == "elaunch", "state_mib": sizes.state_mib,
+           "epochs": sizes.epochs, "step_sleep": sizes.step_sleep, "note": "", "events": []}
+    with netns.Network("-gp") as net:
+        cluster = Cluster(netns, net, cfg.launcher, nnodes, f"gp{os.getpid()}{cfg.name}{fault}", workdir,
+                          sizes.example_args(seed, workdir) + list(cfg.args), warm)
+        try:
+            elapsed = _drive(cluster, fault, sizes, random.Random(seed), t0, row)
+        finally:
+            cluster.stop()
+            row["leftovers"] = cluster.leftovers()
+            for path in row["leftovers"]:  # a killed node's reaper died with it: its memory is ours to drop
+                if path.startswith("/dev/shm/"):
+                    shutil.rmtree(path, ignore_errors=True)
+        row["attempts"] = attempts(cluster.lines, cluster.workers(), cluster.t_start)
+        for event in row["events"]:
+            event["t"] = round(event["t"] - cluster.t_start, 2)
+    done = not row["note"] and all(c == 0 for c in row["exit_codes"] if c is not None)
+    row["T_s"] = elapsed if done else None
+    row["T0_s"] = row["T_s"] if fault == "none" else t0
+    row["goodput"] = (t0 / row["T_s"]) if (t0 and row["T_s"]) else None
+    final = workdir / "final.json"
+    summarize(row, json.loads(final.read_text()) if final.exists() else None, ref)
+    return row
+
+
+def _drive(cluster: Cluster, fault: str, sizes: Sizes, rng: random.Random, t0: float | None, row: dict) -> float:
+    """Start 3 agents, inject ``fault`` until the job ends (or the bound); return seconds to the last exit."""
+    t_start = cluster.t_mono = time.monotonic()
+    cluster.t_start = time.time()
+    bound = 900.0 if t0 is None else sizes.bound * t0
+    cluster.deadline = t_start + bound
+    for _ in range(3):
+        cluster.start_agent()
+    try:
+        try:
+            if fault != "none":
+                FAULT_DRIVERS[fault](cluster, rng, sizes, t0 or 0.0, row["events"])
+        except JobEnded:
+            pass
+        _wait(cluster, lambda: not cluster.live_agents(), bound, "the job to end")
+    except JobEnded:
+        pass
+    except DidNotComplete as exc:
+        row["note"] = str(exc)
+    cluster.poll()
+    row["exit_codes"] = [None if a.killed else a.proc.poll() for a in cluster.agents]
+    return max((a.exited for a in cluster.agents if a.exited), default=time.monotonic()) - t_start
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small state and ~30 s of training per run")
+    p.add_argument("--json", type=Path, default=None, help="write the rows and the report scenario here")
+    p.add_argument("--configs", default="a,b,c", help="which configurations (default a,b,c)")
+    p.add_argument("--faults", default="kill,node", help="which faults (default kill,node)")
+    p.add_argument("--lost", default="a", help="configuration of the nothing-lost run ('' = none; default a)")
+    p.add_argument("--seed", type=int, default=0, help="the example's and the fault schedule's seed")
+    p.add_argument("--no-warm-start", action="store_true", help="elaunch without --warm-start")
+    p.add_argument("--work-dir", type=Path, default=None, help="keep logs here (default: a temporary directory)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--step-sleep", type=float, default=None)
+    p.add_argument("--state-mib", type=int, default=None)
+    a = p.parse_args(argv)
+    a.configs = [c for c in a.configs.split(",") if c]
+    a.faults = [f for f in a.faults.split(",") if f]
+    bad = [c for c in a.configs + ([a.lost] if a.lost else []) if c not in CONFIGS]
+    bad += [f for f in a.faults if f not in FAULTS]
+    if bad:
+        p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c; faults kill,node)")
+    return a
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Every configuration's T0 run, then its faulty runs, then the nothing-lost run."""
+    from benchmarks import run as suite
+    from tests.multinode import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        raise SystemExit(f"goodput: cannot build test hosts: {reason}")
+    netns.cleanup_stale()
+    base = QUICK if a.quick else FULL
+    sizes = Sizes(**{**base.__dict__, **{k: v for k, v in (("epochs", a.epochs), ("step_sleep", a.step_sleep),
+                                                             ("state_mib", a.state_mib)) if v is not None}})
+    warm = not a.no_warm_start
+    t_begin, load_start = time.monotonic(), suite._loadavg()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="elaunch-goodput-") as tmp:
+        root = a.work_dir.resolve() if a.work_dir else Path(tmp)
+        baselines = {}
+        for name in dict.fromkeys(a.configs + ([a.lost] if a.lost else [])):
+            cfg = CONFIGS[name]
+            log_line(f"goodput {name} ({cfg.label}): uninterrupted")
+            baselines[name] = base_row = run_once(cfg, "none", sizes, a.seed, root, warm)
+            rows.append(base_row)
+            faults = (a.faults if name in a.configs else []) + (["lost"] if name == a.lost else [])
+            for fault in faults:
+                log_line(f"goodput {name}: {fault} (T0 {fmt_s(base_row['T_s'])})")
+                rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, base_row["T_s"], base_row))
+    for r in rows:
+        r["fault_label"] = {"none": "uninterrupted", "lost": "nothing lost (--nnodes=3)"}.get(
+            r["fault"], FAULTS.get(r["fault"], "").format(every=sizes.kill_every))
+    digests = {r["final"]["sha256"] for r in rows if r["fault"] == "none" and r["final"]}
+    notes = [f"goodput: {sizes.state_mib} MiB state, {sizes.epochs} epochs, --step-sleep {sizes.step_sleep}, "
+             f"seed {a.seed}; elaunch {'with' if warm else 'without'} --warm-start",
+             "goodput: the uninterrupted runs' final parameters " +
+             ("agree" if len(digests) == 1 else f"DIFFER ({len(digests)} digests)")]
+    cmd = "python -m benchmarks.goodput" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:]))
+    torch_v, elaunch_v = suite._versions()
+    meta = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": a.quick, "repeat": 1,
+            "machine": suite._machine(), "python": sys.version.split()[0], "torch": torch_v, "elaunch": elaunch_v,
+            "commit": suite._commit(), "warm_start": "--warm-start" if warm else None, "loadavg_start": load_start,
+            "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin, "notes": notes}
+    return {"meta": meta, "sizes": sizes.__dict__, "rows": rows,
+            "scenarios": [report_scenario(rows, sizes.state_mib)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    result = run(a)
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(result["rows"]))
+    for note in result["meta"]["notes"]:
+        print(f"- {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

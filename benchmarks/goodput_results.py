@@ -1,0 +1,157 @@
+"""What a goodput run's output says: group starts, steps lost, the table and the report scenario.
+
+Pure functions over what :mod:`benchmarks.goodput_hosts` collected (the agents' output
+lines with the time each was seen, the workers' step counters), so they are tested
+with tables, no processes.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+
+from benchmarks.goodput_hosts import Worker
+
+TRAIN_SAMPLES = 1437  #: ddp_digits' training split (load_digits, 80 %)
+BATCH = 32  #: ddp_digits' default --batch-size
+#: rank 0's line on a resume: ``resumed from SOURCE at epoch E step S`` or ``... after epoch E``
+RESUMED = re.compile(r"resumed from (.+?) (?:at epoch (\d+) step (\d+)|after epoch (\d+))\s*$")
+#: A report target the elaunch median must reach (benchmarks/report.py ``abs_ge``).
+TARGET = {"kind": "abs_ge", "value": 95.0, "text": ">= 95 %"}
+
+
+def steps_per_epoch(world: int) -> int:
+    """Steps of one epoch at ``world`` ranks (DistributedSampler pads to ceil(N / world), batches of 32)."""
+    return -(-(-(-TRAIN_SAMPLES // world)) // BATCH)
+
+
+def classify(source: str) -> str:
+    """``snapshot`` for ``snapshot of step N`` (ckpt.load), else ``disk`` (the --checkpoint file)."""
+    return "snapshot" if source.startswith("snapshot") else "disk"
+
+
+def attempts(lines: Sequence[tuple[float, int, str]], workers: Sequence[Worker], t_start: float) -> list[dict]:
+    """One entry per group start (a rank 0 process), oldest first.
+
+    Args:
+        lines: (time seen, host, line) of the agents' output; a ``resumed from`` line
+            belongs to the rank 0 that started last before it was seen.
+        workers: every worker's step counter.
+        t_start: when the run started (time.time(), s).
+
+    Returns:
+        Dicts: ``world``; ``start`` and ``first`` (its first step; None: none) in s after
+        ``t_start``; ``from`` (``start`` for the
+        first group, ``snapshot``/``disk`` when it resumed, ``scratch`` for a later group
+        that did not); ``done`` (epochs complete, steps of the next); ``position`` (its
+        first step); ``started`` (steps it started); ``reached`` (position + started);
+        and, for all but the last, ``lost``: reached minus where the next group resumed,
+        in steps of this group's world (a world change restarts the epoch).
+    """
+    resumed = []
+    for t, _host, line in lines:
+        m = RESUMED.search(line)
+        if m:
+            done = (int(m[2]) - 1, int(m[3])) if m[2] else (int(m[4]), 0)
+            resumed.append((t, m[1], done))
+    zeros = [w for w in workers if w.rank == 0]
+    out = []
+    for k, z in enumerate(zeros):
+        until = zeros[k + 1].start if k + 1 < len(zeros) else float("inf")
+        hit = next((r for r in resumed if z.start <= r[0] < until), None)
+        done = hit[2] if hit else (0, 0)
+        pos = done[0] * steps_per_epoch(z.world) + done[1]
+        out.append({"world": z.world, "start": round(z.start - t_start, 2),
+                    "first": round(z.first - t_start, 2) if z.first else None,
+                    "from": classify(hit[1]) if hit else ("scratch" if k else "start"),
+                    "source": hit[1] if hit else None, "done": done, "position": pos,
+                    "started": z.count, "reached": pos + z.count})
+    for prev, nxt in zip(out, out[1:]):
+        prev["lost"] = prev["reached"] - (nxt["done"][0] * steps_per_epoch(prev["world"]) + nxt["done"][1])
+    return out
+
+
+def summarize(row: dict, final: dict | None, ref: dict | None) -> None:
+    """Fill ``row``'s restarts, steps lost, restores by source, worlds, recoveries and digest check.
+
+    ``row`` holds ``attempts`` (:func:`attempts`), ``events`` (each fault, ``t`` in s after
+    the run's start) and ``note``; ``ref`` is the uninterrupted run's row.
+    """
+    tries = row["attempts"]
+    row["restarts"] = max(0, len(tries) - 1)
+    row["steps_lost"] = sum(a.get("lost", 0) for a in tries)
+    row["restores"] = {k: sum(1 for a in tries if a["from"] == k) for k in ("snapshot", "disk", "scratch")}
+    row["worlds"] = [a["world"] for a in tries]
+    # a fault's recovery: from the fault to the first step of the first group started after it
+    row["recovery_s"] = []
+    for event in row["events"]:
+        nxt = next((a for a in tries if a["start"] > event["t"] and a["first"] is not None), None)
+        if nxt:
+            row["recovery_s"].append(round(nxt["first"] - event["t"], 2))
+    row["final"] = final
+    row["bit_identical"] = None
+    if final and ref and ref.get("final"):
+        row["bit_identical"] = final["sha256"] == ref["final"]["sha256"]
+        if len(set(row["worlds"])) > 1 and not row["bit_identical"]:
+            worlds = " -> ".join(str(w) for w in dict.fromkeys(row["worlds"]))
+            note = f"world size changed ({worlds}): the parameters differ by design"
+            row["note"] = f"{row['note']}; {note}" if row["note"] else note
+
+
+def fmt_s(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f} s"
+
+
+def markdown(rows: Sequence[dict]) -> str:
+    """The rows as a markdown table (one per configuration and fault)."""
+    lines = ["| config | fault | T0 | T faulty | goodput | restarts | steps lost | restored from | "
+             "fault -> training (median) | bit-identical | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gp = "—" if r["goodput"] is None else f"{100 * r['goodput']:.1f} %"
+        src = ", ".join(f"{k} {v}" for k, v in r["restores"].items() if v) or "—"
+        same = {None: "—", True: "yes", False: "no"}[r["bit_identical"]]
+        back = fmt_s(statistics.median(r["recovery_s"])) if r["recovery_s"] else "—"
+        lines.append(f"| {r['config']}: {r['label']} | {r['fault_label']} | {fmt_s(r['T0_s'])} | "
+                     f"{fmt_s(r['T_s'])} | {gp} | {r['restarts']} | {r['steps_lost']} | {src} | {back} | {same} | "
+                     f"{r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _metric(key: str, label: str, unit: str, e: dict | None, t: dict | None, field: str,
+            target: dict | None = None) -> dict:
+    """A benchmarks.report metric: elaunch's row ``e`` against torchrun's ``t`` (``field`` of each)."""
+    values, notes, median = {}, {}, {}
+    for which, row in (("elaunch", e), ("torchrun", t)):
+        v = None if row is None else row.get(field)
+        if v is not None:
+            v = 100.0 * v if unit == "%" else float(v)
+        values[which], median[which] = [v], v
+        notes[which] = [] if v is not None else [(row["note"] or "did not complete") if row else "not run"]
+    ratio = median["elaunch"] / median["torchrun"] if median["elaunch"] is not None and median["torchrun"] else None
+    return {"key": key, "label": label, "unit": unit, "values": values, "notes": notes, "target": target,
+            "median": median, "ratio": ratio}
+
+
+def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
+    """The ``goodput`` scenario for benchmarks/report.py: elaunch a and b each against torchrun c."""
+    by = {(r["config"], r["fault"]): r for r in rows}
+    what = f"3 hosts, {state_mib} MiB state"
+    metrics = []
+    for fault in dict.fromkeys(r["fault"] for r in rows if r["fault"] in ("kill", "node")):
+        label = next(r["fault_label"] for r in rows if r["fault"] == fault)
+        for cfg, how, target in (("a", "ckpt.save every step", TARGET), ("b", "per-epoch torch.save", None)):
+            if (cfg, fault) in by:
+                metrics.append(_metric(f"goodput.{fault}_{cfg}", f"goodput, {label} ({what}): elaunch {how} "
+                                       "vs torchrun per-epoch torch.save", "%", by[(cfg, fault)],
+                                       by.get(("c", fault)), "goodput", target))
+    lost = next((r for r in rows if r["fault"] == "lost"), None)
+    if lost:
+        kills = [e for e in lost["events"] if e["fault"] == "worker SIGKILL"]
+        torn = sum(1 for e in kills if e.get("during_save"))
+        m = _metric("goodput.nothing_lost", f"nothing lost: {len(kills)} worker SIGKILLs ({torn} during a save) and "
+                    f"a node replaced, final parameters bit-identical ({what}, {lost['label']})", "bool",
+                    lost, None, "bit_identical")
+        m["notes"]["torchrun"] = ["not run (a check of elaunch's ckpt.save)"]
+        metrics.append(m)
+    return {"name": "goodput", "metrics": metrics}

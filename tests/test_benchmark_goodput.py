@@ -1,0 +1,144 @@
+"""The goodput benchmark (issue 24): its bookkeeping as tables, and a --quick run end to end.
+
+The quick run is structure only: no goodput is asserted (the machine is shared and noisy);
+it checks that the faults were injected, the restarts and restores were counted, the
+table and JSON were written, and nothing was left behind (processes, namespaces, /dev/shm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.goodput_hosts import Worker
+from benchmarks.goodput_results import attempts, report_scenario, steps_per_epoch, summarize
+from tests.conftest import REPO
+from tests.helpers import kill_tree, launcher_env
+
+T = 1000.0  # the run's start
+
+
+def w(rank, start, count, world=3, pid=None):
+    return Worker(host=rank + 1, rank=rank, world=world, pid=pid or int(start * 10), start=T + start,
+                  first=T + start + 2, count=count)
+
+
+@pytest.mark.parametrize("world,steps", [(1, 45), (2, 23), (3, 15), (4, 12)])
+def test_steps_per_epoch_follows_the_sampler_and_batches(world, steps):
+    assert steps_per_epoch(world) == steps
+
+
+CASES = {
+    # first group trains 20 steps (reached 20), killed; the second resumes after epoch 1 (15): 5 lost
+    "epoch checkpoint": (
+        [(T + 31, 1, "resumed from /x/checkpoint.pt after epoch 1")],
+        [w(0, 1, 20), w(1, 1, 20), w(0, 30, 30)],
+        [("start", 0, 20, 5), ("disk", 15, 45, None)],
+    ),
+    # snapshots: the second group resumes at epoch 2 step 5 = position 20: nothing lost;
+    # the third group's line says epoch 3 step 0, a step short of 31: 1 lost
+    "snapshots": (
+        [(T + 31, 1, "[default0]:resumed from snapshot of step 20 at epoch 2 step 5"),
+         (T + 61, 2, "resumed from snapshot of step 30 after epoch 2")],
+        [w(0, 1, 20), w(0, 30, 11), w(0, 60, 15)],
+        [("start", 0, 20, 0), ("snapshot", 20, 31, 1), ("snapshot", 30, 45, None)],
+    ),
+    # a group that printed no resume line started from scratch: all it had reached is lost
+    "scratch": (
+        [],
+        [w(0, 1, 12), w(0, 30, 45)],
+        [("start", 0, 12, 12), ("scratch", 0, 45, None)],
+    ),
+    # world 3 -> 2: the lost steps count in the old world's epochs (15 a epoch)
+    "world change": (
+        [(T + 31, 1, "resumed from /x/checkpoint.pt after epoch 1")],
+        [w(0, 1, 22), w(0, 30, 10, world=2)],
+        [("start", 0, 22, 7), ("disk", 23, 33, None)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attempts_count_where_each_group_started_and_what_it_lost(case):
+    lines, workers, want = CASES[case]
+    got = attempts(lines, workers, T)
+    assert [(a["from"], a["position"], a["reached"], a.get("lost")) for a in got] == want
+
+
+def test_summary_compares_digests_and_excuses_a_world_change():
+    ref = {"final": {"sha256": "aa"}}
+    same = {"note": "", "events": [{"t": 10.0}],
+            "attempts": [{"from": "start", "world": 3, "lost": 2, "start": 1.0, "first": 3.0},
+                         {"from": "snapshot", "world": 3, "start": 11.0, "first": 12.5}]}
+    summarize(same, {"sha256": "aa"}, ref)
+    assert (same["bit_identical"], same["restarts"], same["steps_lost"], same["note"]) == (True, 1, 2, "")
+    assert same["recovery_s"] == [2.5]
+    assert same["restores"] == {"snapshot": 1, "disk": 0, "scratch": 0}
+    changed = {"note": "", "events": [], "attempts": [{"from": "start", "world": 3, "lost": 4},
+                                                      {"from": "disk", "world": 2}]}
+    summarize(changed, {"sha256": "bb"}, ref)
+    assert changed["bit_identical"] is False and "world size changed (3 -> 2)" in changed["note"]
+
+
+def test_report_scenario_pairs_elaunch_rows_with_torchrun_and_judges_the_target():
+    from benchmarks.report import target_status
+
+    def row(cfg, goodput):
+        return {"config": cfg, "fault": "kill", "fault_label": "a worker SIGKILL every 20 s", "goodput": goodput,
+                "note": "", "label": cfg}
+
+    scenario = report_scenario([row("a", 0.97), row("b", 0.8), row("c", 0.5)], 256)
+    metrics = {m["key"]: m for m in scenario["metrics"]}
+    assert metrics["goodput.kill_a"]["median"] == {"elaunch": 97.0, "torchrun": 50.0}
+    assert target_status(metrics["goodput.kill_a"], metrics) == "met"
+    assert metrics["goodput.kill_b"]["target"] is None
+    low = report_scenario([row("a", 0.9)], 256)["metrics"][0]
+    assert target_status(low, {}) == "not met" and low["notes"]["torchrun"] == ["not run"]
+
+
+def _our_namespaces(pid: int) -> list[str]:
+    res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in res.stdout.splitlines() if line.startswith(f"elt-{pid}-")]
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+@pytest.mark.multinode
+def test_quick_run_injects_faults_counts_restores_and_leaves_nothing(tmp_path):
+    from tests.multinode import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "goodput.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.goodput", "--quick", "--configs=b", "--faults=kill",
+                             "--lost=", f"--json={out}", f"--work-dir={tmp_path / 'work'}"], cwd=REPO,
+                            env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"benchmarks.goodput --quick timed out\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["config"], r["fault"]): r for r in result["rows"]}
+    base, faulty = rows[("b", "none")], rows[("b", "kill")]
+    assert base["T_s"] > 0 and base["restarts"] == 0 and base["final"]["world_size"] == 3, base
+    assert faulty["T_s"] > 0 and 0 < faulty["goodput"] == pytest.approx(base["T_s"] / faulty["T_s"])
+    kills = [e for e in faulty["events"] if e["fault"] == "worker SIGKILL"]
+    assert kills and faulty["restarts"] >= len(kills), faulty
+    assert faulty["restores"]["disk"] >= 1 and faulty["steps_lost"] >= 0, faulty
+    # same seed, same world throughout: the per-epoch checkpoint resumes bit-identically
+    assert faulty["worlds"] == [3] * len(faulty["worlds"]) and faulty["bit_identical"] is True, faulty
+    assert base["leftovers"] == [] and faulty["leftovers"] == []
+    assert "| config | fault | T0 |" in stdout and "a worker SIGKILL every" in stdout
+    assert [m["key"] for m in result["scenarios"][0]["metrics"]] == ["goodput.kill_b"]
+    assert _our_namespaces(proc.pid) == []
+    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(f"elaunch-gp{proc.pid}")}
+    assert not left, left
