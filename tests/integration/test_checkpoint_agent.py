@@ -92,3 +92,44 @@ def test_bad_checkpoint_options_are_one_line_and_exit_2(flag, message):
     r = run("elaunch", flag, str(SCRIPTS / "say.py"), timeout=60)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def persisted_file(ckpt_dir: Path, step: int, rank: int = 0, world: int = 1) -> Path:
+    return ckpt_dir / f"step_{step:012d}" / f"rank_{rank}_of_{world}.pt"
+
+
+def test_sigterm_persists_the_newest_snapshot_before_the_agent_exits(tmp_path):
+    import torch
+
+    out, logs, ckpt_dir = tmp_path / "out", tmp_path / "logs", tmp_path / "ckpt"
+    out.mkdir()
+    agent = start("elaunch", "--nproc-per-node=1", f"--log-dir={logs}", f"--checkpoint-dir={ckpt_dir}",
+                  "--checkpoint-persist-interval=0", WORKER, str(out), "3", "--wait-for", str(tmp_path / "never"),
+                  env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (out / "saved_0_2").exists(), 60, what="the worker's save of step 2")
+        assert not persisted_file(ckpt_dir, 2).exists()  # interval 0: nothing persisted in the background
+        agent.send_signal(signal.SIGTERM)
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = torch.load(persisted_file(ckpt_dir, 2), weights_only=False)  # torch alone reads it
+    assert saved["step"] == 2 and saved["rank"] == 0 and bool((saved["state"]["w"] == 2.0).all())
+    (persisted,) = events(logs, "checkpoint_persisted")
+    assert persisted["step"] == 2 and persisted["seconds"] >= 0
+    shm = json.loads((out / "0_0.json").read_text())["env"]["ELAUNCH_CHECKPOINT_SHM"]
+    assert not os.path.exists(shm)
+
+
+def test_a_dead_worker_has_its_snapshot_persisted_and_the_restart_restores_it(tmp_path):
+    out, logs, ckpt_dir = tmp_path / "out", tmp_path / "logs", tmp_path / "ckpt"
+    out.mkdir()
+    r = run("elaunch", "--nproc-per-node=1", "--max-restarts=1", f"--log-dir={logs}", f"--checkpoint-dir={ckpt_dir}",
+            "--checkpoint-persist-interval=0", WORKER, str(out), "3", "--die-rank", "0", "--die-after", "1",
+            "--wait-for", str(persisted_file(ckpt_dir, 1)), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert reports(out)["0_1"]["step"] == 1  # from memory, not from the disk
+    assert [e["step"] for e in events(logs, "checkpoint_persisted")][:1] == [1]
+    (restore,) = events(logs, "checkpoint_restore")
+    assert restore["sources"] == {"0": "memory"}
