@@ -353,8 +353,8 @@ class Ring:
 
 def _clean(replicas: str) -> None:
     """Remove receipts a previous child left unfinished (it was killed mid-receipt)."""
-    os.makedirs(replicas, mode=0o700, exist_ok=True)
-    for name in [n for n in os.listdir(replicas) if n.startswith(".")]:
+    names = os.listdir(replicas) if os.path.isdir(replicas) else []  # the agent made it
+    for name in [n for n in names if n.startswith(".")]:
         _unlink(os.path.join(replicas, name))
 
 

@@ -78,10 +78,11 @@ class ReplicaService:
         """Listen on ``host`` (any free port) and start the child; return the port. Once (else the port).
 
         Raises:
-            OSError: the socket cannot be bound, or the child cannot be started.
+            OSError: ``replicas/`` cannot be made, the socket cannot be bound, or the child cannot be started.
         """
         if self._listener is not None:
             return self.port
+        os.makedirs(os.path.join(self.node_dir, "replicas"), mode=0o700, exist_ok=True)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
