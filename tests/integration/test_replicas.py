@@ -136,6 +136,22 @@ def test_of_replicated_state_one_copy_goes_out_per_node(node):
     assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r4", "r6"]
 
 
+def test_each_successor_of_the_ring_gets_a_copy_until_the_ring_leaves_it_out(node):
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    c_dir, c = node("c")
+    slot0, slot1 = slotfile.slot_paths(a_dir, 0)
+    write_slot(slot0, 1, os.urandom(1 << 16))
+    a.set_ring([("127.0.0.1", b.port), ("127.0.0.1", c.port)])  # --checkpoint-replicas=2
+    wait_for(lambda: replica_step(b_dir) == 1 and replica_step(c_dir) == 1, DEADLINE, what="copies on b and c")
+    a.set_ring([("127.0.0.1", c.port)])  # the next round: b is no successor any more
+    write_slot(slot1, 2, os.urandom(1 << 16))
+    wait_for(lambda: replica_step(c_dir) == 2, DEADLINE, what="step 2 on c")
+    write_slot(slot0, 3, os.urandom(1 << 16))
+    wait_for(lambda: replica_step(c_dir) == 3, DEADLINE, what="step 3 on c")  # a has looked at b's link since
+    assert replica_step(b_dir) == 1 and b.stats()["received"] == 1
+
+
 def test_an_older_snapshot_never_replaces_a_newer_replica(node):
     a_dir, a = node("a")
     b_dir, b = node("b")
