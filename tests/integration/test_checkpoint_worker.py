@@ -203,14 +203,13 @@ def test_fallback_round_trip_layout_and_pruning(tmp_path):
 
 
 def test_fallback_ignores_a_killed_writers_temp_files(tmp_path):
-    """Step 2's temporary files (one cut short, one whole but never renamed) do not make step 2."""
+    """Temporary files of killed writers (step 2's whole but never renamed, step 3's cut short) make no step."""
     d = tmp_path / "ck"
     assert run_worker("save", 1, ELAUNCH_CHECKPOINT_DIR=d).returncode == 0
     whole = (d / "step_000000000001" / "rank_0_of_1.pt").read_bytes()
-    torn = d / "step_000000000002"
-    torn.mkdir()
-    (torn / ".rank_0_of_1.pt.tmp-12345").write_bytes(whole[:999])
-    (torn / ".rank_1_of_1.pt.tmp-12346").write_bytes(whole)
+    for step, data in ((2, whole), (3, whole[:999])):
+        (d / f"step_{step:012d}").mkdir()
+        (d / f"step_{step:012d}" / f".rank_0_of_1.pt.tmp-{12345 + step}").write_bytes(data)
     assert persisted.newest_complete(str(d))[0] == 1
     assert load_result(ELAUNCH_CHECKPOINT_DIR=d) == {"step": 1, "equal": True}
 
