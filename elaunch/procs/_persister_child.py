@@ -43,12 +43,14 @@ def _committed(node_dir: str) -> dict[int, list[slotfile.SlotInfo]]:
 
 
 def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
-    """The step to persist and the slots holding it, or None (no step every local rank has).
+    """The step to persist and the slots holding it, or None (nothing consistent to persist).
 
-    The world is the latest commit's (the running round's). The step is the newest
-    one every local rank committed in that world: a rank one step ahead (mid-save
-    for its peers) still holds the step before in its other slot. For replicated
-    state one slot is enough: the node's lowest global rank's.
+    The world is the latest commit's (the running round's); older worlds' slots are
+    left aside. Sharded state: the newest step every local rank committed in that
+    world, one slot per rank (a rank one save ahead of its peers still holds that
+    step in its other slot). Replicated state (every slot of the world replicated):
+    any rank's snapshot is the whole state, so the newest step any local rank
+    committed, one slot: the lowest global rank's that holds it.
     """
     by_rank = _committed(node_dir)
     infos = [i for slots in by_rank.values() for i in slots]
@@ -56,12 +58,14 @@ def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
         return None
     world = max(infos, key=lambda i: i.time).world_size
     held = [{i.step: i for i in slots if i.world_size == world} for slots in by_rank.values()]
+    if all(i.replicated for h in held for i in h.values()):
+        step = max(s for h in held for s in h)
+        return step, [min((h[step] for h in held if step in h), key=lambda i: i.rank)]
     common = set(held[0]).intersection(*held[1:])
     if not common:
         return None
     step = max(common)
-    chosen = sorted((h[step] for h in held), key=lambda i: i.rank)
-    return step, chosen[:1] if all(i.replicated for i in chosen) else chosen
+    return step, sorted((h[step] for h in held), key=lambda i: i.rank)
 
 
 class NodePersister:

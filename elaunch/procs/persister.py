@@ -6,9 +6,11 @@ one of the agent's helpers (``helper_process``), never a worker: a child that
 imports torch (``_persister_child.py``), runs at low priority (``nice`` 10, one
 torch thread) and writes, every ``interval`` seconds and whenever the agent asks
 (:meth:`Persister.persist_now`: a worker died, a preemption notice, SIGTERM before
-the group stops), the newest step that every local rank has committed, in the
-persisted layout (``elaunch.checkpoint.persisted``): one ``torch.save`` file per
-rank (one per node for replicated state), each written to a temporary name,
+the group stops), the node's newest consistent snapshot in the persisted layout
+(``elaunch.checkpoint.persisted``): for sharded state, the newest step every local
+rank has committed (a rank one save ahead is not persisted ahead of its peers),
+one ``torch.save`` file per rank; for replicated state, the newest step any local
+rank committed, one file per node. Each is written to a temporary name,
 fsynced and renamed, so a reader never sees a torn file; older steps are pruned
 only once the new one is complete, keeping the previous complete step. A child
 killed in the middle of a write leaves a temporary file that readers ignore and
