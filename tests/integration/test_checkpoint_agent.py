@@ -133,3 +133,68 @@ def test_a_dead_worker_has_its_snapshot_persisted_and_the_restart_restores_it(tm
     assert [e["step"] for e in events(logs, "checkpoint_persisted")][:1] == [1]
     (restore,) = events(logs, "checkpoint_restore")
     assert restore["sources"] == {"0": "memory"}
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    import psutil
+
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, tmp_path):
+    """Two agents save step 2 and replicate it to each other; one is killed (kill -9) and a fresh node takes
+    its place: its rank restores step 2 fetched from the survivor's memory, the survivor's from its own."""
+    _backend, ep = endpoint
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    out.mkdir()
+    agents: dict[str, object] = {}
+    errs = {name: tmp_path / f"{name}.err" for name in "ABC"}
+
+    def agent(name: str):
+        with open(errs[name], "w") as err:
+            agents[name] = start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                                 f"--rdzv-endpoint={ep}", "--rdzv-id=ckpt-peer",
+                                 "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--local-addr=127.0.0.1",
+                                 f"--log-dir={tmp_path / name}", WORKER, str(out), "3", "--wait-for", str(stop),
+                                 env=launcher_env(), stdout=subprocess.DEVNULL, stderr=err)
+
+    def stderr() -> str:
+        return "".join(f"--- {n} ---\n{p.read_text(errors='replace')[-2500:]}\n" for n, p in errs.items()
+                       if p.exists())
+
+    try:
+        agent("A")
+        agent("B")
+        wait_for(lambda: all((out / f"saved_{r}_2").exists() for r in (0, 1)), 120, what="both ranks' step 2")
+        first = reports(out)
+        shms = {r: first[f"{r}_0"]["env"]["ELAUNCH_CHECKPOINT_SHM"] for r in (0, 1)}
+        # each node keeps the other's snapshot: the ring of two
+        wait_for(lambda: os.path.exists(f"{shms[0]}/replicas/r1") and os.path.exists(f"{shms[1]}/replicas/r0"),
+                 60, what="the replicas")
+        port = int(ep.rpartition(":")[2])
+        victim = next(n for n in ("B", "A") if not _listens_on(agents[n].pid, port))  # the store stays up
+        survivor = "A" if victim == "B" else "B"
+        os.kill(agents[victim].pid, signal.SIGKILL)
+        agents[victim].wait(10)
+        agent("C")
+        wait_for(lambda: sum(1 for rep in reports(out).values() if rep["step"] == 2) == 2, 120,
+                 what=f"both ranks restored\n{stderr()}")
+        stop.touch()
+        for name in (survivor, "C"):
+            assert agents[name].wait(90) == 0, stderr()
+    finally:
+        for a in agents.values():
+            kill_tree(a.pid)
+    restored = [rep for rep in reports(out).values() if rep["step"] == 2]
+    assert sorted(rep["rank"] for rep in restored) == [0, 1] and all(rep["state_ok"] for rep in restored)
+    assert all(rep["restarts"] == 0 for rep in restored)  # a node replaced: not a counted restart
+    (fresh,) = events(tmp_path / "C", "checkpoint_restore")
+    (kept,) = events(tmp_path / survivor, "checkpoint_restore")
+    assert fresh["step"] == kept["step"] == 2
+    assert list(fresh["sources"].values()) == ["peer"] and list(kept["sources"].values()) == ["memory"]
+    wait_for(lambda: not os.path.exists(shms[0]) and not os.path.exists(shms[1]), 10, what="the node dirs to go")

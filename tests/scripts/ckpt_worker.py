@@ -2,7 +2,8 @@
 
 ``ckpt_worker.py OUT STEPS [--die-rank R --die-after K] [--wait-for PATH] [--sharded]``
 
-Writes ``OUT/<rank>_<restart count>.json`` with what ``ckpt.load()`` returned (its step,
+Writes ``OUT/<rank>_<restart count>.json`` (``..._<pid>.json`` when that exists: a
+group re-formed without a counted restart) with what ``ckpt.load()`` returned (its step,
 and whether the state matched what was saved), the ``ELAUNCH_CHECKPOINT_*`` variables and
 the node directory's mode, then saves steps from the restored one + 1 (or 0) to STEPS - 1,
 each state a tensor filled with the step (sharded: 100 * step + rank), and marks each
@@ -54,9 +55,12 @@ report = {
     "env": {k: v for k, v in os.environ.items() if k.startswith("ELAUNCH_CHECKPOINT")},
     "shm_mode": None if not shm else stat.S_IMODE(os.stat(shm).st_mode),
 }
-with open(os.path.join(out, f"{rank}_{restarts}.json.tmp"), "w") as f:
+name = f"{rank}_{restarts}"
+if os.path.exists(os.path.join(out, name + ".json")):  # a re-formed group (not counted): same rank and count
+    name += f"_{os.getpid()}"
+with open(os.path.join(out, name + ".json.tmp"), "w") as f:
     json.dump(report, f)
-os.replace(os.path.join(out, f"{rank}_{restarts}.json.tmp"), os.path.join(out, f"{rank}_{restarts}.json"))
+os.replace(os.path.join(out, name + ".json.tmp"), os.path.join(out, name + ".json"))
 if error is not None:
     sys.exit(3)
 start = 0 if snap is None else snap.step + 1
