@@ -198,3 +198,27 @@ def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, 
     assert fresh["step"] == kept["step"] == 2
     assert list(fresh["sources"].values()) == ["peer"] and list(kept["sources"].values()) == ["memory"]
     wait_for(lambda: not os.path.exists(shms[0]) and not os.path.exists(shms[1]), 10, what="the node dirs to go")
+
+
+def test_the_reaper_removes_a_registered_node_directory_and_nothing_else(tmp_path):
+    from elaunch.procs.reaper import start_reaper
+
+    node_dir = f"/dev/shm/elaunch-reaper-test-{os.getpid()}"
+    os.makedirs(os.path.join(node_dir, "slots"), mode=0o700)
+    (Path(node_dir) / "slots" / "0.0").write_bytes(b"x")
+    outside = tmp_path / "elaunch-not-shm"
+    outside.mkdir()
+    reaper = start_reaper()
+    try:
+        reaper.remove_on_exit(node_dir)
+        reaper.remove_on_exit(str(outside))  # not under /dev/shm: ignored
+        assert reaper.sync()
+        assert os.path.exists(node_dir)  # only when the agent goes
+    finally:
+        reaper.close()
+        if os.path.exists(node_dir):
+            import shutil
+
+            shutil.rmtree(node_dir)
+            raise AssertionError("the reaper left the node directory")
+    assert outside.exists()
