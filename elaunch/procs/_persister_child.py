@@ -1,8 +1,9 @@
 """The persister child: writes the node's newest consistent snapshot to the checkpoint directory.
 
 ``python elaunch/procs/_persister_child.py FD NODE_DIR CKPT_DIR INTERVAL``: FD is this
-end of a ``SOCK_SEQPACKET`` socket pair with the agent (``persister.py``). Every
-INTERVAL seconds (0 or less: never by itself) and on each message ``persist N`` it
+end of a ``SOCK_SEQPACKET`` socket pair with the agent (``persister.py``). At every
+multiple of INTERVAL seconds since the epoch (0 or less: never by itself; the same
+ticks on every node, see :func:`choose`) and on each message ``persist N`` it
 persists once (:func:`persist_once`) and answers ``ran N`` to the message. Each step
 whose files are all written is reported as ``done STEP STEP_DIR SECONDS``; a failed
 write as ``error TEXT`` (and tried again at the next persist). End of file on FD
@@ -42,7 +43,7 @@ def _committed(node_dir: str) -> dict[int, list[slotfile.SlotInfo]]:
     return by_rank
 
 
-def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
+def choose(node_dir: str, before: float | None = None) -> tuple[int, list[slotfile.SlotInfo]] | None:
     """The step to persist and the slots holding it, or None (nothing consistent to persist).
 
     The world is the latest commit's (the running round's); older worlds' slots are
@@ -51,6 +52,11 @@ def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
     step in its other slot). Replicated state (every slot of the world replicated):
     any rank's snapshot is the whole state, so the newest step any local rank
     committed, one slot: the lowest global rank's that holds it.
+
+    ``before`` (seconds since the epoch; sharded state only): take the newest common
+    step every local rank committed no later than that, if any is still held, so
+    that nodes persisting at the same wall-clock tick pick the same step and the
+    job's step becomes complete (nodes share nothing else to agree on).
     """
     by_rank = _committed(node_dir)
     infos = [i for slots in by_rank.values() for i in slots]
@@ -64,7 +70,8 @@ def choose(node_dir: str) -> tuple[int, list[slotfile.SlotInfo]] | None:
     common = set(held[0]).intersection(*held[1:])
     if not common:
         return None
-    step = max(common)
+    early = [s for s in common if before is not None and all(h[s].time <= before for h in held)]
+    step = max(early or common)
     return step, sorted((h[step] for h in held), key=lambda i: i.rank)
 
 
@@ -75,8 +82,8 @@ class NodePersister:
         self.node_dir, self.ckpt_dir = node_dir, ckpt_dir
         self._written: set[tuple[int, int, int]] = set()  # (step, rank, world_size)
 
-    def persist_once(self) -> tuple[int, str, float] | None:
-        """Write the chosen step's rank files not yet written; prune older steps once all are.
+    def persist_once(self, before: float | None = None) -> tuple[int, str, float] | None:
+        """Write the chosen step's rank files not yet written (:func:`choose`); prune older steps once all are.
 
         Returns:
             ``(step, step_dir, seconds)`` when files were written and the step is now
@@ -88,7 +95,7 @@ class NodePersister:
         """
         from elaunch.checkpoint import persisted
 
-        pick = choose(self.node_dir)
+        pick = choose(self.node_dir, before)
         if pick is None:
             return None
         step, slots = pick
@@ -164,28 +171,33 @@ def main(fd: int, node_dir: str, ckpt_dir: str, interval: float) -> int:
 
         torch.set_num_threads(1)
         worker = NodePersister(node_dir, ckpt_dir)
-        next_at = time.monotonic() + interval if interval > 0 else None
+        tick = _next_tick(interval)
         while not stopping[0]:
-            timeout = None if next_at is None else max(next_at - time.monotonic(), 0.0)
+            timeout = None if tick is None else max(tick - time.time(), 0.0)
             ready, _, _ = select.select([chan], [], [], timeout)
             words = chan.recv(4096).decode("ascii", "replace").split() if ready else ["tick"]
             if not words:
                 return 0  # the agent closed the channel or died
             busy[0] = True
-            _persist(worker, chan)
+            _persist(worker, chan, tick if words[0] == "tick" else None)
             busy[0] = False
             if words[0] == "persist":
                 chan.send(f"ran {words[1] if len(words) > 1 else 0}".encode("ascii"))
-            elif next_at is not None and words[0] == "tick":
-                next_at = time.monotonic() + interval
+            elif words[0] == "tick":
+                tick = _next_tick(interval)
     except (_Stop, BrokenPipeError, ConnectionResetError):
         pass
     return 0
 
 
-def _persist(worker: NodePersister, chan: socket.socket) -> None:
+def _next_tick(interval: float) -> float | None:
+    """The next multiple of ``interval`` seconds since the epoch (every node's persister ticks together), or None."""
+    return (time.time() // interval + 1) * interval if interval > 0 else None
+
+
+def _persist(worker: NodePersister, chan: socket.socket, tick: float | None) -> None:
     try:
-        done = worker.persist_once()
+        done = worker.persist_once(tick)
     except Exception as exc:  # noqa: BLE001 - reported to the agent; the next persist tries again
         chan.send(f"error persisting to {worker.ckpt_dir}: {type(exc).__name__}: {exc}".replace("\n", " ")
                   .encode("utf-8", "replace")[:4096])

@@ -330,3 +330,25 @@ def test_a_state_the_child_cannot_unpickle_is_reported_once_not_skipped_in_silen
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "Marker" in warnings[0] and dirs[1] in warnings[0], warnings
     assert persisted.steps_on_disk(dirs[1]) == []
+
+
+@pytest.mark.parametrize("before, expected", [(None, 3), (5.5, 2), (6.5, 3), (0.5, 3)],
+                         ids=["newest", "committed by the tick", "all by the tick", "none by the tick: newest"])
+def test_a_tick_persists_sharded_state_at_the_step_committed_by_it(dirs, before, expected):
+    """Nodes tick at the same wall-clock moments: the step committed by then is the one they all pick."""
+    from elaunch.procs._persister_child import choose
+
+    for lr, n, step, stamp in [(0, 0, 2, 1), (0, 1, 3, 5), (1, 0, 2, 2), (1, 1, 3, 6)]:
+        _commit(dirs[0], lr, n, step, lr, 2, False, float(stamp))
+    assert choose(dirs[0], before)[0] == expected
+    for lr, n, step, stamp in [(0, 0, 2, 1), (0, 1, 3, 5), (1, 0, 2, 2), (1, 1, 3, 6)]:
+        _commit(dirs[0], lr, n, step, lr, 2, True, float(stamp))
+    assert choose(dirs[0], before)[0] == 3  # replicated: one node's file is the whole state, the newest
+
+
+def test_ticks_fall_on_multiples_of_the_interval_since_the_epoch():
+    from elaunch.procs._persister_child import _next_tick
+
+    now = time.time()
+    tick = _next_tick(60.0)
+    assert tick % 60.0 == 0 and now < tick <= now + 60.0 and _next_tick(0) is None
