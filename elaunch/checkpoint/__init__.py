@@ -135,9 +135,9 @@ def load(map_location=None) -> Snapshot | None:
     expect_step = int(expect) if expect else None
     if path.endswith(".pt"):
         return _load_persisted(path, map_location, expect_step)
-    from elaunch.checkpoint import _shm
+    from elaunch.checkpoint import _read
 
-    info, state = _shm.read(path, map_location, expect_step)
+    info, state = _read.read(path, map_location, expect_step)
     return Snapshot(info.step, state)
 
 
@@ -164,7 +164,7 @@ def read_slot(path: str, map_location="cpu") -> Snapshot:
         CheckpointError: the file is missing, holds no committed snapshot, or was
             written to while it was read (read it again: the writer committed or died).
     """
-    from elaunch.checkpoint import _shm
+    from elaunch.checkpoint import _read
 
-    info, state = _shm.read(path, map_location)
+    info, state = _read.read(path, map_location)
     return Snapshot(info.step, state)

@@ -1,4 +1,4 @@
-"""Saving into and reading from slot files: the in-memory mode (under elaunch).
+"""Saving into slot files: the in-memory mode (under elaunch). Reading them: ``_read``.
 
 A worker keeps each slot file it wrote open and mapped between saves (one mapping per
 file, remapped only when a snapshot outgrows it), so a save after the first is one copy
@@ -16,8 +16,6 @@ Imported only from inside ``elaunch.checkpoint``'s functions: it imports torch.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -188,90 +186,14 @@ def copy_in(slot: _Slot, data_at: int, tensors: list[tuple[torch.Tensor, _tree.T
         torch.cuda.synchronize(device)  # the commit must follow the copies' end
 
 
-def _pin(base: torch.Tensor) -> bool:
-    """Register the mapping under ``base`` with CUDA (page-locked); False when CUDA refuses."""
-    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
+def _pin(base: torch.Tensor, flags: int = 0) -> bool:
+    """Register the mapping under ``base`` with CUDA (page-locked); False when CUDA refuses.
+
+    ``flags``: ``cudaHostRegister``'s (8, ``cudaHostRegisterReadOnly``, for a read-only mapping).
+    """
+    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), flags)
     ok = int(getattr(err, "value", err)) == 0
     if not ok:
         log.warning("elaunch.checkpoint: cudaHostRegister of a %d MiB slot failed (%s): CUDA tensors are copied "
                     "through pageable memory", base.numel() // _MiB, err)
     return ok
-
-
-def read(path: str, map_location=None, expect_step: int | None = None):
-    """The committed snapshot in the slot file ``path``, its tensors copied out: ``(SlotInfo, state)``.
-
-    The header and meta are read through a mapping; the tensors with ``preadv`` straight
-    into new tensors (no page fault per 4 KiB of a fresh mapping: about 3x faster for
-    CPU targets here), then moved to their device.
-
-    Raises:
-        CheckpointError: ``path`` holds no committed snapshot, holds another step than
-            ``expect_step``, or was written to while it was read.
-    """
-    from elaunch.checkpoint import CheckpointError
-
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise CheckpointError(f"cannot open the snapshot {path}: {exc.strerror}") from exc
-    try:
-        size = os.fstat(fd).st_size
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else contextlib.nullcontext() as mm:
-            info = slotfile.parse(mm, path) if mm is not None else None
-            if info is None:
-                raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
-            if expect_step is not None and info.step != expect_step:
-                raise CheckpointError(f"{path} holds step {info.step}, the job agreed on step {expect_step}")
-            state = _copy_out(fd, mm, info, map_location)
-    finally:
-        os.close(fd)
-    return info, state
-
-
-def _read_into(fd: int, t: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous CPU tensor ``t`` with the file's bytes from ``offset``."""
-    nbytes, done = t.numel() * t.element_size(), 0
-    while done < nbytes:
-        view = (ctypes.c_char * (nbytes - done)).from_address(t.data_ptr() + done)
-        n = os.preadv(fd, [view], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"the snapshot file ends {nbytes - done} bytes early")
-        done += n
-
-
-def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location) -> Any:
-    from elaunch.checkpoint import CheckpointError
-
-    meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
-
-    def make(ref: _tree.TensorRef) -> torch.Tensor:
-        t = torch.empty(ref.shape, dtype=ref.torch_dtype)
-        _read_into(fd, t, info.data_at + ref.offset)
-        device = target_device(ref.device, map_location)
-        return t if device.type == "cpu" else t.to(device)
-
-    try:
-        state = _tree.unpack(meta, make)
-    except Exception as exc:
-        if not slotfile.still(mm, info):
-            raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc
-        raise
-    if not slotfile.still(mm, info):
-        raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})")
-    return state
-
-
-def target_device(saved: str, map_location) -> torch.device:
-    """Where a tensor saved on ``saved`` goes, under ``map_location`` as ``torch.load`` reads it.
-
-    ``map_location``: None (where it was), a device string or ``torch.device``, or a
-    dict from saved device strings to device strings.
-    """
-    if map_location is None:
-        return torch.device(saved)
-    if isinstance(map_location, dict):
-        return torch.device(map_location.get(saved, saved))
-    if isinstance(map_location, (str, torch.device)):
-        return torch.device(map_location)
-    raise TypeError(f"map_location must be None, a device, a device string or a dict, not {map_location!r}")

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from elaunch.checkpoint import _tree  # noqa: E402
-from elaunch.checkpoint._shm import target_device  # noqa: E402
+from elaunch.checkpoint._read import target_device  # noqa: E402
 
 Point = collections.namedtuple("Point", "x y")
 
