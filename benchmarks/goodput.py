@@ -89,8 +89,8 @@ class Sizes:
                 "--final-params", str(workdir / "final.json")]
 
 
-FULL = Sizes(256, 30, 0.3, 20.0, 0.4, 6, (8.0, 16.0), 5.0)
-QUICK = Sizes(16, 4, 0.2, 15.0, 0.4, 2, (4.0, 6.0), 5.0)
+FULL = Sizes(256, 27, 0.3, 20.0, 0.4, 6, (8.0, 16.0), 3.0)
+QUICK = Sizes(16, 4, 0.2, 15.0, 0.4, 2, (4.0, 6.0), 4.0)
 
 
 class JobEnded(Exception):
@@ -203,7 +203,7 @@ def fault_lost(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, ev
     for i in range(sizes.lost_kills):
         _pause(cluster, rng.uniform(*sizes.lost_gap))
         events.append(_kill_one(cluster, rng, aim_at_save=i % 2 == 1))
-        if i == 2:
+        if i == sizes.lost_kills // 2 - 1:  # a node replaced halfway
             _pause(cluster, rng.uniform(*sizes.lost_gap))
             events.append(_replace_node(cluster, rng))
 
@@ -308,18 +308,31 @@ def run(a: argparse.Namespace) -> dict:
     warm = not a.no_warm_start
     t_begin, load_start = time.monotonic(), suite._loadavg()
     rows: list[dict] = []
+
+    def result() -> dict:
+        return _result(rows, sizes, a, warm, time.monotonic() - t_begin, load_start)
+
     with tempfile.TemporaryDirectory(prefix="elaunch-goodput-") as tmp:
         root = a.work_dir.resolve() if a.work_dir else Path(tmp)
-        baselines = {}
         for name in dict.fromkeys(a.configs + ([a.lost] if a.lost else [])):
             cfg = CONFIGS[name]
             log_line(f"goodput {name} ({cfg.label}): uninterrupted")
-            baselines[name] = base_row = run_once(cfg, "none", sizes, a.seed, root, warm)
+            base_row = run_once(cfg, "none", sizes, a.seed, root, warm)
             rows.append(base_row)
             faults = (a.faults if name in a.configs else []) + (["lost"] if name == a.lost else [])
             for fault in faults:
+                if a.json:  # what is measured so far survives an interrupted run
+                    a.json.write_text(json.dumps({**result(), "partial": True}, indent=1) + "\n")
                 log_line(f"goodput {name}: {fault} (T0 {fmt_s(base_row['T_s'])})")
                 rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, base_row["T_s"], base_row))
+    return result()
+
+
+def _result(rows: list[dict], sizes: Sizes, a: argparse.Namespace, warm: bool, duration: float,
+            load_start: str) -> dict:
+    """The JSON-able result: run facts (benchmarks.run's meta), the rows, the report scenario."""
+    from benchmarks import run as suite
+
     for r in rows:
         r["fault_label"] = {"none": "uninterrupted", "lost": "nothing lost (--nnodes=3)"}.get(
             r["fault"], FAULTS.get(r["fault"], "").format(every=sizes.kill_every))
@@ -333,7 +346,7 @@ def run(a: argparse.Namespace) -> dict:
     meta = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "quick": a.quick, "repeat": 1,
             "machine": suite._machine(), "python": sys.version.split()[0], "torch": torch_v, "elaunch": elaunch_v,
             "commit": suite._commit(), "warm_start": "--warm-start" if warm else None, "loadavg_start": load_start,
-            "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin, "notes": notes}
+            "loadavg_end": suite._loadavg(), "duration_s": duration, "notes": notes}
     return {"meta": meta, "sizes": sizes.__dict__, "rows": rows,
             "scenarios": [report_scenario(rows, sizes.state_mib)]}
 

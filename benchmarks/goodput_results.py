@@ -44,7 +44,8 @@ def attempts(lines: Sequence[tuple[float, int, str]], workers: Sequence[Worker],
         Dicts: ``world``; ``start`` and ``first`` (its first step; None: none) in s after
         ``t_start``; ``from`` (``start`` for the
         first group, ``snapshot``/``disk`` when it resumed, ``scratch`` for a later group
-        that did not); ``done`` (epochs complete, steps of the next); ``position`` (its
+        that trained without resuming, ``none`` for one that failed before its first step:
+        it carries the last group's position); ``done`` (epochs complete, steps of the next); ``position`` (its
         first step); ``started`` (steps it started); ``reached`` (position + started);
         and, for all but the last, ``lost``: reached minus where the next group resumed,
         in steps of this group's world (a world change restarts the epoch).
@@ -56,19 +57,26 @@ def attempts(lines: Sequence[tuple[float, int, str]], workers: Sequence[Worker],
             done = (int(m[2]) - 1, int(m[3])) if m[2] else (int(m[4]), 0)
             resumed.append((t, m[1], done))
     zeros = [w for w in workers if w.rank == 0]
-    out = []
+    out: list[dict] = []
     for k, z in enumerate(zeros):
         until = zeros[k + 1].start if k + 1 < len(zeros) else float("inf")
         hit = next((r for r in resumed if z.start <= r[0] < until), None)
-        done = hit[2] if hit else (0, 0)
-        pos = done[0] * steps_per_epoch(z.world) + done[1]
-        out.append({"world": z.world, "start": round(z.start - t_start, 2),
-                    "first": round(z.first - t_start, 2) if z.first else None,
-                    "from": classify(hit[1]) if hit else ("scratch" if k else "start"),
-                    "source": hit[1] if hit else None, "done": done, "position": pos,
-                    "started": z.count, "reached": pos + z.count})
+        entry = {"world": z.world, "start": round(z.start - t_start, 2),
+                 "first": round(z.first - t_start, 2) if z.first else None,
+                 "source": hit[1] if hit else None, "started": z.count}
+        if hit is None and k and not z.count:  # failed before its first step: where it stood is the last group's
+            prev = out[-1]
+            entry.update({"from": "none", "world": prev["world"], "done": prev["done"],
+                          "position": prev["reached"], "reached": prev["reached"]})
+        else:
+            done = hit[2] if hit else (0, 0)
+            pos = done[0] * steps_per_epoch(z.world) + done[1]
+            entry.update({"from": classify(hit[1]) if hit else ("scratch" if k else "start"), "done": done,
+                          "position": pos, "reached": pos + z.count})
+        out.append(entry)
     for prev, nxt in zip(out, out[1:]):
-        prev["lost"] = prev["reached"] - (nxt["done"][0] * steps_per_epoch(prev["world"]) + nxt["done"][1])
+        prev["lost"] = 0 if nxt["from"] == "none" else \
+            prev["reached"] - (nxt["done"][0] * steps_per_epoch(prev["world"]) + nxt["done"][1])
     return out
 
 
@@ -81,7 +89,7 @@ def summarize(row: dict, final: dict | None, ref: dict | None) -> None:
     tries = row["attempts"]
     row["restarts"] = max(0, len(tries) - 1)
     row["steps_lost"] = sum(a.get("lost", 0) for a in tries)
-    row["restores"] = {k: sum(1 for a in tries if a["from"] == k) for k in ("snapshot", "disk", "scratch")}
+    row["restores"] = {k: sum(1 for a in tries if a["from"] == k) for k in ("snapshot", "disk", "scratch", "none")}
     row["worlds"] = [a["world"] for a in tries]
     # a fault's recovery: from the fault to the first step of the first group started after it
     row["recovery_s"] = []

@@ -53,6 +53,12 @@ CASES = {
         [w(0, 1, 12), w(0, 30, 45)],
         [("start", 0, 12, 12), ("scratch", 0, 45, None)],
     ),
+    # a group that failed before its first step (no resume line, no step) stands where the last one did
+    "failed before training": (
+        [(T + 61, 1, "resumed from snapshot of step 12 at epoch 1 step 12")],
+        [w(0, 1, 13), w(0, 30, 0), w(0, 60, 48)],
+        [("start", 0, 13, 0), ("none", 13, 13, 1), ("snapshot", 12, 60, None)],
+    ),
     # world 3 -> 2: the lost steps count in the old world's epochs (15 a epoch)
     "world change": (
         [(T + 31, 1, "resumed from /x/checkpoint.pt after epoch 1")],
@@ -77,7 +83,7 @@ def test_summary_compares_digests_and_excuses_a_world_change():
     summarize(same, {"sha256": "aa"}, ref)
     assert (same["bit_identical"], same["restarts"], same["steps_lost"], same["note"]) == (True, 1, 2, "")
     assert same["recovery_s"] == [2.5]
-    assert same["restores"] == {"snapshot": 1, "disk": 0, "scratch": 0}
+    assert same["restores"] == {"snapshot": 1, "disk": 0, "scratch": 0, "none": 0}
     changed = {"note": "", "events": [], "attempts": [{"from": "start", "world": 3, "lost": 4},
                                                       {"from": "disk", "world": 2}]}
     summarize(changed, {"sha256": "bb"}, ref)
