@@ -21,8 +21,8 @@ from elaunch.config.errors import ConfigError
 from elaunch.rendezvous.registry import user_backend_names
 
 __all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_MASTER_PORT", "DEFAULT_PERSIST_INTERVAL", "DEFAULT_SHUTDOWN_TIMEOUT",
-           "DEFAULT_SIGNALS", "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS", "LaunchOptions", "Option", "default_of",
-           "parse_replicas", "replicas_for"]
+           "DEFAULT_SIGNALS", "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS", "LaunchOptions", "Option",
+           "default_of", "parse_replicas", "replicas_for"]
 
 #: Seconds between SIGTERM and SIGKILL when neither the flag nor ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
