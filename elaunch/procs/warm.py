@@ -55,6 +55,8 @@ ROUND_KEYS = frozenset(
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_ERROR_FILE",
+        "ELAUNCH_CHECKPOINT_RESTORE",  # the round's restore plan (agent.checkpoints)
+        "ELAUNCH_CHECKPOINT_STEP",
     }
 )
 #: Interpreter options a warmable worker argv may carry before its script (``build_cmd``'s).

@@ -222,3 +222,16 @@ def test_the_reaper_removes_a_registered_node_directory_and_nothing_else(tmp_pat
             shutil.rmtree(node_dir)
             raise AssertionError("the reaper left the node directory")
     assert outside.exists()
+
+
+def test_a_warm_spare_runs_the_restored_worker(tmp_path):
+    """The restore's variables are the round's: a spare started before them still takes the worker."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", "--nproc-per-node=2", "--max-restarts=1", "--warm-start", "--warm-start-modules=torch",
+            WORKER, str(out), "3", "--die-rank", "1", "--die-after", "2", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = reports(out)
+    for rank in (0, 1):
+        assert got[f"{rank}_1"]["step"] == 2 and got[f"{rank}_1"]["warm"] is True, got[f"{rank}_1"]
+    assert got["0_0"]["warm"] is False

@@ -54,6 +54,7 @@ report = {
     "error": error,
     "env": {k: v for k, v in os.environ.items() if k.startswith("ELAUNCH_CHECKPOINT")},
     "shm_mode": None if not shm else stat.S_IMODE(os.stat(shm).st_mode),
+    "warm": any(a.endswith(b"_warm_child.py") for a in open("/proc/self/cmdline", "rb").read().split(b"\0")),
 }
 name = f"{rank}_{restarts}"
 if os.path.exists(os.path.join(out, name + ".json")):  # a re-formed group (not counted): same rank and count
