@@ -84,6 +84,7 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
             ``state['optimizer']['param_groups'][0]['fn']``. Nothing is written.
         SnapshotTooLarge: the snapshot is larger than the free shared memory. Nothing is
             written; both slots keep what they held.
+        CheckpointError: the agent's directory (``ELAUNCH_CHECKPOINT_SHM``) is gone.
         OSError: the checkpoint directory cannot be written (without elaunch).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

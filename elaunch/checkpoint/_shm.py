@@ -139,11 +139,11 @@ def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: i
     Raises:
         TypeError: a leaf cannot be saved (its key path is named); nothing is written.
         SnapshotTooLarge: it does not fit the free shared memory; nothing is written.
+        CheckpointError: the node directory ``shm_dir`` does not exist.
     """
     packed = _tree.pack(state)
     need = slotfile.file_size(len(packed.meta), packed.data_len)
-    slots_dir = os.path.join(shm_dir, "slots")
-    os.makedirs(slots_dir, mode=0o700, exist_ok=True)
+    _make_slots_dir(shm_dir)
     with _LOCK:
         path = slotfile.slot_to_write(shm_dir, local_rank)
         check_space(shm_dir, path, need)
@@ -157,6 +157,19 @@ def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: i
         slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
                         meta_len=len(packed.meta), data_len=packed.data_len)
     return path
+
+
+def _make_slots_dir(shm_dir: str) -> None:
+    """Make ``shm_dir/slots`` (0700) if missing; never the node directory itself (the agent's to make and remove)."""
+    from elaunch.checkpoint import CheckpointError
+
+    try:
+        os.mkdir(os.path.join(shm_dir, "slots"), 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"the agent's checkpoint directory {shm_dir} (ELAUNCH_CHECKPOINT_SHM) is gone: "
+                              f"the agent ended or removed it") from exc
 
 
 def _grow(slot: _Slot, shm_dir: str, need: int) -> None:

@@ -158,6 +158,50 @@ def test_kill_during_a_save_leaves_the_previous_snapshot_whole(shm_dir):
     assert committed(shm_dir) == {other: info.step, torn: info.step + 1}  # the torn slot is written next
 
 
+def test_a_slot_overwritten_while_read_raises_never_mixes_steps(shm_dir):
+    """A reader racing a worker that saves without pause: each read is one whole step, or CheckpointError.
+
+    The worker cycles through 3 states made once, so it spends its time copying, and slot
+    0.0 (every other step) gets a different state each time. Each read of 0.0 starts as
+    the worker commits 0.1, that is as it turns to overwrite 0.0.
+    """
+    proc = subprocess.Popen([sys.executable, WORKER, "loop", "1"], stdout=subprocess.DEVNULL, text=True,
+                            env=worker_env(ELAUNCH_CHECKPOINT_SHM=shm_dir, CKPT_MIB=32, CKPT_CYCLE=3))
+    seen = {"whole": 0, "changed": 0, "empty": 0}
+    other = os.path.join(shm_dir, "slots", "0.1")
+    try:
+        wait_for(lambda: slotfile.read_info(other), timeout=60, what="the worker's second save")
+        with open(other, "rb") as f:
+            header = mmap.mmap(f.fileno(), slotfile.HEADER_SIZE, prot=mmap.PROT_READ)
+
+        def raced():
+            wait_for(lambda: slotfile.seq_of(header) % 2, timeout=30, interval=0, what="a write of slot 0.1")
+            wait_for(lambda: slotfile.seq_of(header) % 2 == 0, timeout=30, interval=0, what="its commit")
+            try:
+                snap = ckpt.read_slot(os.path.join(shm_dir, "slots", "0.0"))
+            except ckpt.CheckpointError as exc:
+                seen["changed" if "while it was read" in str(exc) else "empty"] += 1
+            else:
+                assert same(snap.state, make_state(snap.step % 3, mib=32)), f"step {snap.step} came back mixed"
+                seen["whole"] += 1
+            return seen["changed"] >= 2
+
+        try:
+            wait_for(raced, timeout=120, interval=0, what="reads refused as changed while the worker saves")
+        finally:
+            header.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_save_without_the_agents_directory_fails(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", str(tmp_path / "gone"))
+    with pytest.raises(ckpt.CheckpointError, match="is gone"):
+        ckpt.save({"x": torch.ones(1)}, 1)
+    assert not (tmp_path / "gone").exists()
+
+
 def test_unpicklable_leaf_names_its_key_path(shm_dir, monkeypatch):
     monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
     ckpt.save({"w": torch.ones(3)}, 1)

@@ -8,6 +8,7 @@ the state is bit-identical, container types included, to ``make_state(S)``), or
 With ``CKPT_DIST=1`` it first joins a gloo group (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``). ``CKPT_STATE_RANK`` (default ``RANK``) seeds the state. ``CKPT_MIB`` sets
 the size of the big tensors (default 1 MiB in all). ``CKPT_SHARDED=1``: ``replicated=False``.
+``CKPT_CYCLE=N``: step S saves ``make_state(S % N)``, made once (a loop then spends its time copying).
 """
 
 from __future__ import annotations
@@ -100,8 +101,14 @@ def main() -> int:
     if what == "load":
         return _load()
     steps = itertools.count(args[0]) if what == "loop" else args
+    cycle = int(os.environ.get("CKPT_CYCLE", "0"))
+    states = {}
     for step in steps:
-        ckpt.save(make_state(step, rank), step, replicated=os.environ.get("CKPT_SHARDED") != "1")
+        key = step % cycle if cycle else step
+        state = states.get(key) or make_state(key, rank)
+        if cycle:
+            states[key] = state
+        ckpt.save(state, step, replicated=os.environ.get("CKPT_SHARDED") != "1")
         print(f"saved {step}", flush=True)
     return 0
 
