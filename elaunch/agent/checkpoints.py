@@ -10,7 +10,8 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
 * **each round's restore** (:meth:`CheckpointKeeper.prepare`, before the workers
   start): what this node holds (``slotfile.inventory``, and the newest complete step
   in ``--checkpoint-dir``) is exchanged with the round's other nodes through the job
-  channel (one round trip, at most :data:`EXCHANGE_TIMEOUT` seconds; a single-node
+  channel (one round trip; it returns once every node's document is in, or after
+  ``--checkpoint-timeout`` seconds without the missing ones; a single-node
   round plans from its own inventory), every node runs the same pure
   ``checkpoint.plan.choose`` on the same documents, and this node fetches what its
   ranks need from peers' memory (``procs.replicas.fetch``) into ``restore/``.
@@ -25,7 +26,7 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   ``--checkpoint-replicas`` > 0 once a round has more than one node; its ring is the
   next N nodes by group rank) and the persister (``procs.persister``, with
   ``--checkpoint-dir``), asked to persist at once when a worker fails, on a forwarded
-  notice, and on a handled signal (then waited for up to ``persist_wait`` seconds
+  notice, and on a handled signal (then waited for up to ``--checkpoint-timeout`` seconds
   before the directory goes).
 * **events and status**: ``checkpoint_restore`` and ``checkpoint_persisted`` in
   ``events.jsonl``; a ``checkpoint`` node record (newest step, its time, bytes held)
@@ -51,12 +52,10 @@ from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
 
 log = logging.getLogger("elaunch.agent")
 
-#: Seconds the round's inventory exchange may take before this node plans without the missing documents.
-EXCHANGE_TIMEOUT = 5.0
-#: Seconds one fetch of a snapshot from a peer may take.
-FETCH_TIMEOUT = 60.0
-#: Seconds the agent waits for the persist it asked for on a handled signal before removing the directory.
-PERSIST_WAIT = 30.0
+#: Seconds the round's inventory exchange may take before this node plans without the missing documents,
+#: one fetch of a snapshot from a peer may take, and the agent waits for the persist it asked for on a
+#: handled signal before removing the directory: ``--checkpoint-timeout``'s default.
+EXCHANGE_TIMEOUT = FETCH_TIMEOUT = PERSIST_WAIT = 30.0
 #: Most seconds between two ``checkpoint`` node records (status).
 STATUS_EVERY = 5.0
 ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
@@ -106,11 +105,13 @@ class CheckpointKeeper:
     @classmethod
     def for_launch(cls, config, run_id: str, channel: Callable[[], object]) -> "CheckpointKeeper":
         """The keeper of a launch's options (``LaunchConfig``: ``checkpoint_replicas``, ``checkpoint_dir``,
-        ``checkpoint_persist_interval``, ``max_nodes``)."""
+        ``checkpoint_persist_interval``, ``checkpoint_timeout``, ``max_nodes``)."""
         from elaunch.config.options import replicas_for
 
+        wait = config.checkpoint_timeout
         return cls(run_id, replicas_for(config.checkpoint_replicas, config.max_nodes), config.checkpoint_dir,
-                   config.checkpoint_persist_interval, channel)
+                   config.checkpoint_persist_interval, channel, exchange_timeout=wait, fetch_timeout=wait,
+                   persist_wait=wait)
 
     # -- the run -----------------------------------------------------------------------------------------------
 

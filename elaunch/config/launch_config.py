@@ -70,6 +70,8 @@ class LaunchConfig:
             or None: nothing is persisted.
         checkpoint_persist_interval: seconds between background persists, >= 0; 0: only when a
             worker dies, on a notice and on SIGTERM (``--checkpoint-persist-interval``).
+        checkpoint_timeout: seconds, > 0, the agent waits for the round's inventory exchange, for
+            each fetch from a peer, and on SIGTERM for the last persist (``--checkpoint-timeout``).
     """
 
     min_nodes: int = default_of("nnodes")[0]
@@ -106,3 +108,4 @@ class LaunchConfig:
     checkpoint_replicas: int | None = None
     checkpoint_dir: str | None = None
     checkpoint_persist_interval: float = default_of("checkpoint_persist_interval")
+    checkpoint_timeout: float = default_of("checkpoint_timeout")
