@@ -28,6 +28,7 @@ torch is imported inside the functions: the (torch-free) agent imports
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, NamedTuple
 
@@ -75,7 +76,7 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
         state: a nested dict (any dict type), list or tuple of tensors (dense, CPU or
             CUDA; non-contiguous ones are fine), numbers, strings, None and other
             picklable objects: what ``state_dict()`` returns.
-        step: the training step (an int >= 0); ``load`` returns it.
+        step: the training step (an int >= 0, or anything with ``__index__``); ``load`` returns it.
         replicated: True when every rank holds the same state (DDP): any rank's snapshot
             restores any rank, at any world size. False for sharded state (FSDP, TP).
 
@@ -86,9 +87,11 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
             written; both slots keep what they held.
         CheckpointError: the agent's directory (``ELAUNCH_CHECKPOINT_SHM``) is gone.
         OSError: the checkpoint directory cannot be written (without elaunch).
+        ValueError: ``step`` is not an integer >= 0.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
         raise ValueError(f"step must be an int >= 0, not {step!r}")
+    step = operator.index(step)  # a numpy or 0-dim torch integer too
     shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
     local_rank = _env_int("LOCAL_RANK", 0)
     if shm:

@@ -195,6 +195,15 @@ def test_a_slot_overwritten_while_read_raises_never_mixes_steps(shm_dir):
         proc.wait()
 
 
+def test_step_is_an_integer_of_any_kind(shm_dir, monkeypatch):
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    ckpt.save({"x": torch.ones(1)}, torch.tensor(4))
+    assert ckpt.read_slot(os.path.join(shm_dir, "slots", "0.0")).step == 4
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            ckpt.save({"x": torch.ones(1)}, bad)
+
+
 def test_save_without_the_agents_directory_fails(monkeypatch, tmp_path):
     monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", str(tmp_path / "gone"))
     with pytest.raises(ckpt.CheckpointError, match="is gone"):

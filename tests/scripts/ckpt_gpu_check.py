@@ -131,13 +131,14 @@ def main() -> int:
     shm = f"/dev/shm/elaunch-gpucheck-{os.getpid()}"
     os.environ["ELAUNCH_CHECKPOINT_SHM"] = shm
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}, threads {torch.get_num_threads()}")
+    os.makedirs(shm, mode=0o700)  # the agent's node directory, which a save does not make
     try:
         if torch.cuda.is_available():
             round_trip(shm)
         for mib in mibs:
             for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
                 _shm.close_all()
-                shutil.rmtree(shm, ignore_errors=True)
+                shutil.rmtree(os.path.join(shm, "slots"), ignore_errors=True)
                 sizes(mib, device, shm)
     finally:
         _shm.close_all()
