@@ -236,3 +236,49 @@ def test_a_warm_spare_runs_the_restored_worker(tmp_path):
     for rank in (0, 1):
         assert got[f"{rank}_1"]["step"] == 2 and got[f"{rank}_1"]["warm"] is True, got[f"{rank}_1"]
     assert got["0_0"]["warm"] is False
+
+
+def test_a_forwarded_notice_persists_at_once(tmp_path):
+    out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    agent = start("elaunch", "--nproc-per-node=1", f"--checkpoint-dir={ckpt_dir}", "--checkpoint-persist-interval=0",
+                  WORKER, str(out), "2", "--wait-for", str(tmp_path / "stop"), env=launcher_env(),
+                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (out / "saved_0_1").exists(), 60, what="the worker's save of step 1")
+        agent.send_signal(signal.SIGUSR1)  # Slurm's preemption notice: forwarded, and a persist
+        wait_for(lambda: persisted_file(ckpt_dir, 1).exists(), 30, what="the persist of step 1")
+        (tmp_path / "stop").touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+def test_status_shows_the_nodes_newest_step_and_memory(endpoint, tmp_path):
+    import subprocess as sp
+    import sys
+
+    _backend, ep = endpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = start("elaunch", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={ep}",
+                  "--rdzv-id=ckpt-status", "--local-addr=127.0.0.1", WORKER, str(out), "3", "--wait-for",
+                  str(tmp_path / "stop"), env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def status() -> dict | None:
+        r = sp.run([sys.executable, "-m", "elaunch.status", "--rdzv-backend=c10d", f"--rdzv-endpoint={ep}",
+                    "--rdzv-id=ckpt-status", "--json"], capture_output=True, text=True, timeout=60)
+        node = json.loads(r.stdout)["nodes"][0] if r.returncode == 0 else None
+        return node if node and node.get("checkpoint") and node["checkpoint"]["step"] == 2 else None
+
+    try:
+        wait_for(lambda: (out / "saved_0_2").exists(), 60, what="the worker's save of step 2")
+        node = wait_for(status, 60, interval=1.0, what="a status with step 2")
+        assert node["checkpoint"]["bytes"] > 0 and 0 <= node["checkpoint"]["age"] < 60
+        (tmp_path / "stop").touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 0, err[-3000:]

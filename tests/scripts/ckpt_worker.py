@@ -30,6 +30,7 @@ def arg(name, default=None):
     return args[args.index(name) + 1] if name in args else default
 
 
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a forwarded notice: keep running
 rank = int(os.environ["RANK"])
 restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 die_rank, die_after = int(arg("--die-rank", -1)), int(arg("--die-after", -1))
