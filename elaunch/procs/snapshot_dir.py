@@ -9,9 +9,10 @@ One per agent run, ``/dev/shm/elaunch-<run id>-<agent pid>/`` (mode 0700), holdi
 
 The agent makes it at the start of its run and removes it at the end (success,
 failure, a handled signal); after a ``kill -9`` of the agent its reaper removes it
-(``reaper.Reaper.remove_on_exit``), once the workers are dead. The reaper runs
-without ``site`` and imports this module by path: stdlib only, no package-relative
-import. torchrun keeps no such thing.
+(``reaper.Reaper.remove_on_exit``), once the workers are dead; one left when the
+reaper died too is removed by the next agent that starts on the node (:func:`sweep`).
+The reaper runs without ``site`` and imports this module by path: stdlib only, no
+package-relative import. torchrun keeps no such thing.
 """
 
 from __future__ import annotations
@@ -49,6 +50,44 @@ def remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def sweep(root: str = SHM_ROOT) -> list[str]:
+    """Remove the node directories under ``root`` that no agent owns any more; return their paths.
+
+    A node directory outlives its agent only when its reaper died with it (a whole
+    process tree or cgroup killed at once: a test's kill of every descendant, a batch
+    system ending the job). One is stale when it has the node directory's parts, is
+    this user's, and the agent pid in its name is gone (a live pid, whoever it is,
+    keeps it). Never raises.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = entry.name.rpartition("-")[2]
+        if not (entry.name.startswith(PREFIX) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        try:
+            mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and all(os.path.isdir(os.path.join(entry.path, sub)) for sub in SUBDIRS):
+            remove(entry.path)
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's: alive
+    return True
+
+
 class NodeDir:
     """One agent run's node directory (see the module docstring).
 
@@ -63,9 +102,10 @@ class NodeDir:
     def create(cls, run_id: str, pid: int | None = None, root: str = SHM_ROOT) -> "NodeDir | None":
         """Make ``root/elaunch-<run id>-<pid>`` (0700) and its subdirectories; None when it cannot be.
 
-        A directory of the same name left by an earlier agent of the same pid is
-        emptied first. When ``root`` is missing or not writable, one warning is
-        logged and None returned: the job runs without in-memory checkpoints.
+        Node directories whose agents are gone are removed first (:func:`sweep`), and
+        a directory of the same name left by an earlier agent of the same pid is
+        emptied. When ``root`` is missing or not writable, one warning is logged and
+        None returned: the job runs without in-memory checkpoints.
 
         Args:
             run_id: the job's id (``--rdzv-id``).
@@ -73,6 +113,8 @@ class NodeDir:
             root: the tmpfs (default :data:`SHM_ROOT`).
         """
         path = os.path.join(root, dir_name(run_id, os.getpid() if pid is None else pid))
+        for stale in sweep(root):
+            log.info("removed %s: its agent is gone", stale)
         try:
             if os.path.lexists(path):
                 remove(path)

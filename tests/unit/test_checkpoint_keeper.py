@@ -236,3 +236,21 @@ def test_status_shows_each_nodes_newest_step_its_age_and_memory_held():
     assert row0.endswith("41    10.0 s    3.0 MiB"), row0
     plain = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=100.0, dead_after=15.0)
     assert "STEP" not in report.table(plain)  # no columns for a job that keeps no snapshots
+
+
+def test_a_new_agent_sweeps_node_directories_whose_agents_are_gone(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)  # exited and reaped
+    live = snapshot_dir.NodeDir.create("other", os.getpid(), root=str(tmp_path))  # a live agent's
+    stale = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
+    foreign = tmp_path / f"elaunch-progress-{dead}"  # not a node directory: no slots/replicas/restore
+    foreign.mkdir()
+    assert snapshot_dir.sweep(str(tmp_path)) == [stale.path]
+    assert os.path.isdir(live.path) and foreign.is_dir() and not os.path.exists(stale.path)
+    again = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
+    snapshot_dir.NodeDir.create("new", 1, root=str(tmp_path))  # pid 1 lives: its creation sweeps the dead one
+    assert not os.path.exists(again.path) and os.path.isdir(live.path)
