@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 import elaunch.checkpoint as ckpt  # noqa: E402
 from elaunch.checkpoint import _shm, persisted, slotfile  # noqa: E402
-from tests.conftest import SCRIPTS, wait_for  # noqa: E402
+from tests.conftest import NOT_APPLICABLE, SCRIPTS, wait_for  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
@@ -209,6 +209,24 @@ def test_save_without_the_agents_directory_fails(monkeypatch, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="is gone"):
         ckpt.save({"x": torch.ones(1)}, 1)
     assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{NOT_APPLICABLE} no CUDA device here")
+def test_cuda_tensors_go_through_a_registered_slot(shm_dir, monkeypatch):
+    """CUDA tensors (bf16, strided) are copied into the slot's mapping registered with CUDA, and back."""
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    base = torch.randn(64, 48, device="cuda")
+    state = {"w": torch.randn(999, device="cuda").to(torch.bfloat16), "t": base.t(), "x": [base[::2, 1::3]],
+             "cpu": torch.arange(5)}
+    ckpt.save(state, 1)
+    path = os.path.join(shm_dir, "slots", "0.0")
+    assert _shm._SLOTS[path].pinned
+    back = ckpt.read_slot(path, map_location=None)
+    assert back.state["w"].device.type == "cuda" and back.state["cpu"].device.type == "cpu"
+    assert all(torch.equal(back.state[k], state[k]) for k in ("w", "t", "cpu"))
+    assert torch.equal(back.state["x"][0], state["x"][0])
+    on_cpu = ckpt.read_slot(path)
+    assert on_cpu.state["t"].device.type == "cpu" and torch.equal(on_cpu.state["t"], state["t"].cpu())
 
 
 def test_unpicklable_leaf_names_its_key_path(shm_dir, monkeypatch):
