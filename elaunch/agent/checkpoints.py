@@ -11,7 +11,7 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   start): what this node holds (``slotfile.inventory``, and the newest complete step
   in ``--checkpoint-dir``) is exchanged with the round's other nodes through the job
   channel (one round trip; it returns once every node's document is in, or after
-  ``--checkpoint-timeout`` seconds without the missing ones; a single-node
+  ``--checkpoint-exchange-timeout`` seconds without the missing ones; a single-node
   round plans from its own inventory), every node runs the same pure
   ``checkpoint.plan.choose`` on the same documents, and this node fetches what its
   ranks need from peers' memory (``procs.replicas.fetch``) into ``restore/``.
@@ -52,10 +52,13 @@ from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
 
 log = logging.getLogger("elaunch.agent")
 
-#: Seconds the round's inventory exchange may take before this node plans without the missing documents,
-#: one fetch of a snapshot from a peer may take, and the agent waits for the persist it asked for on a
-#: handled signal before removing the directory: ``--checkpoint-timeout``'s default.
-EXCHANGE_TIMEOUT = FETCH_TIMEOUT = PERSIST_WAIT = 30.0
+#: Seconds the round's inventory exchange may take before this node plans without the missing documents
+#: (``--checkpoint-exchange-timeout``'s default): short, since a member that died after the rendezvous
+#: holds every other node's workers back until then (the exchange waits at most twice this).
+EXCHANGE_TIMEOUT = 5.0
+#: Seconds one fetch of a snapshot from a peer may take, and the agent waits for the persist it asked for
+#: on a handled signal before removing the directory (``--checkpoint-timeout``'s default).
+FETCH_TIMEOUT = PERSIST_WAIT = 30.0
 #: Most seconds between two ``checkpoint`` node records (status).
 STATUS_EVERY = 5.0
 ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
@@ -105,13 +108,13 @@ class CheckpointKeeper:
     @classmethod
     def for_launch(cls, config, run_id: str, channel: Callable[[], object]) -> "CheckpointKeeper":
         """The keeper of a launch's options (``LaunchConfig``: ``checkpoint_replicas``, ``checkpoint_dir``,
-        ``checkpoint_persist_interval``, ``checkpoint_timeout``, ``max_nodes``)."""
+        ``checkpoint_persist_interval``, ``checkpoint_timeout``, ``checkpoint_exchange_timeout``, ``max_nodes``)."""
         from elaunch.config.options import replicas_for
 
         wait = config.checkpoint_timeout
         return cls(run_id, replicas_for(config.checkpoint_replicas, config.max_nodes), config.checkpoint_dir,
-                   config.checkpoint_persist_interval, channel, exchange_timeout=wait, fetch_timeout=wait,
-                   persist_wait=wait)
+                   config.checkpoint_persist_interval, channel, exchange_timeout=config.checkpoint_exchange_timeout,
+                   fetch_timeout=wait, persist_wait=wait)
 
     # -- the run -----------------------------------------------------------------------------------------------
 

@@ -70,8 +70,10 @@ class LaunchConfig:
             or None: nothing is persisted.
         checkpoint_persist_interval: seconds between background persists, >= 0; 0: only when a
             worker dies, on a notice and on SIGTERM (``--checkpoint-persist-interval``).
-        checkpoint_timeout: seconds, > 0, the agent waits for the round's inventory exchange, for
-            each fetch from a peer, and on SIGTERM for the last persist (``--checkpoint-timeout``).
+        checkpoint_timeout: seconds, > 0, the agent waits for each fetch from a peer, and on SIGTERM
+            for the last persist (``--checkpoint-timeout``).
+        checkpoint_exchange_timeout: seconds, > 0, the agent waits for the round's inventory exchange
+            (``--checkpoint-exchange-timeout``).
     """
 
     min_nodes: int = default_of("nnodes")[0]
@@ -109,3 +111,4 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     checkpoint_persist_interval: float = default_of("checkpoint_persist_interval")
     checkpoint_timeout: float = default_of("checkpoint_timeout")
+    checkpoint_exchange_timeout: float = default_of("checkpoint_exchange_timeout")

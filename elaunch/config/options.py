@@ -210,10 +210,13 @@ _ROWS = (
     Option("checkpoint_persist_interval", CKPT, "Seconds between background persists to --checkpoint-dir; 0: "
            "only when a worker dies, on a notice and on SIGTERM (elaunch only).", f"{DEFAULT_PERSIST_INTERVAL:g}",
            "SECONDS", _seconds(True), "seconds", argtype=float, elaunch_only=True),
-    Option("checkpoint_timeout", CKPT, "Seconds the agent waits at a round's start for the other nodes' inventories "
-           "(returned as soon as all are in) and for each snapshot fetched from a peer, and on SIGTERM for the last "
-           "persist to --checkpoint-dir (elaunch only).", "30", "SECONDS", _seconds(False), "seconds", argtype=float,
-           elaunch_only=True),
+    Option("checkpoint_timeout", CKPT, "Seconds the agent waits at a round's start for each snapshot fetched from a "
+           "peer, and on SIGTERM for the last persist to --checkpoint-dir (elaunch only).", "30", "SECONDS",
+           _seconds(False), "seconds", argtype=float, elaunch_only=True),
+    Option("checkpoint_exchange_timeout", CKPT, "Seconds the agent waits at a round's start for the other nodes' "
+           "lists of the snapshots they hold (the wait ends as soon as all are in; a node missing then counts as "
+           "holding none, alike on every node) (elaunch only).", "5", "SECONDS", _seconds(False), "seconds",
+           argtype=float, elaunch_only=True),
     Option("log_dir", LOGS, "Base directory for worker logs (a run-specific subdirectory is created).", None, "DIR",
            torch="logs_specs"),
     Option("redirects", LOGS, "Redirect worker streams to log files: 0 none, 1 stdout, 2 stderr, 3 both; or per "

@@ -87,6 +87,7 @@ def test_the_node_directory_goes_with_an_agent_killed_by_sigkill(tmp_path):
     ("--checkpoint-replicas=-1", "--checkpoint-replicas=-1: expected auto or an integer >= 0"),
     ("--checkpoint-persist-interval=-5", "--checkpoint-persist-interval=-5: must be >= 0 seconds"),
     ("--checkpoint-timeout=0", "--checkpoint-timeout=0: must be > 0 seconds"),
+    ("--checkpoint-exchange-timeout=x", "--checkpoint-exchange-timeout=x: expected seconds (a number)"),
     ("--checkpoint-dir=" + str(SCRIPTS / "say.py"), "not a directory"),
 ])
 def test_bad_checkpoint_options_are_one_line_and_exit_2(flag, message):
