@@ -100,6 +100,7 @@ class CheckpointKeeper:
         self._service = None
         self._env: dict[int, dict[str, str]] = {}
         self._published_at = float("-inf")
+        self._publishing = None  # the thread writing the last status record
         self._signalled = False
         self._warned_static = False
         self._asked: str | None = None  # a persist asked from a signal handler, done at the next poll
@@ -293,9 +294,10 @@ class CheckpointKeeper:
         if self._persister is not None:
             self._report_persisted(self._persister)
         now = self._clock()
-        if self.node_dir is not None and now - self._published_at >= STATUS_EVERY:
+        writing = self._publishing is not None and self._publishing.is_alive()  # never two writes at once
+        if self.node_dir is not None and now - self._published_at >= STATUS_EVERY and not writing:
             self._published_at = now
-            publish(self._channel(), "checkpoint", self.status_record())
+            self._publishing = publish(self._channel(), "checkpoint", self.status_record())
 
     def status_record(self) -> dict:
         """The ``checkpoint`` node record: the newest step of this node's slots, its time, bytes held."""

@@ -254,3 +254,32 @@ def test_a_new_agent_sweeps_node_directories_whose_agents_are_gone(tmp_path):
     again = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
     snapshot_dir.NodeDir.create("new", 1, root=str(tmp_path))  # pid 1 lives: its creation sweeps the dead one
     assert not os.path.exists(again.path) and os.path.isdir(live.path)
+
+
+def test_the_status_record_is_published_every_few_seconds_one_write_at_a_time(tmp_path):
+    import threading
+
+    release, calls = threading.Event(), []
+
+    class Slow(InMemoryJobChannel):
+        def publish_node_record(self, kind, doc):
+            calls.append(kind)
+            release.wait(10)  # an unreachable backend holds the write
+
+    now = [100.0]
+    channel = Slow()
+    k = CheckpointKeeper("job", 0, None, 60.0, lambda: channel, root=str(tmp_path), clock=lambda: now[0])
+    k.open(Launcher(), AgentEvents(None, "n0", "host", 0))
+    k.poll()
+    now[0] += 1.0
+    k.poll()  # too soon
+    now[0] += 10.0
+    k.poll()  # due, but the first write still hangs
+    assert calls == ["checkpoint"]
+    release.set()
+    k._publishing.join(5)
+    k.poll()
+    wait = k._publishing
+    wait.join(5)
+    assert calls == ["checkpoint", "checkpoint"]
+    k.close()
