@@ -18,6 +18,19 @@ from dataclasses import dataclass, field
 LOCAL_RANK_MACRO = "${local_rank}"
 
 
+
+def signal_name(exitcode: int) -> str:
+    """``"SIGKILL"`` for exit code -9 (a death by signal ``-exitcode``); ``"signal 99"`` for one Python cannot name.
+
+    The one formatter of a signal's name: failure summaries, log lines, events and helpers use it.
+    """
+    import signal
+
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
 class WorkerState(str, enum.Enum):
     """State of a WorkerGroup, as torch's ``WorkerState``.
 
@@ -154,14 +167,7 @@ class ProcessFailure:
     @property
     def signal_name(self) -> str:
         """Name of the killing signal (``"SIGKILL"``) or ``""`` for a normal exit."""
-        if self.exitcode >= 0:
-            return ""
-        import signal
-
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
+        return signal_name(self.exitcode) if self.exitcode < 0 else ""
 
 
 @dataclass

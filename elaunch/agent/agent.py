@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from elaunch.agent.checkpoints import CheckpointKeeper
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
-from elaunch.agent.failures import describe_exits, signal_name, with_root
+from elaunch.agent.failures import describe_exits, with_root
 from elaunch.agent.hang_watchdog import HangWatchdog
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.job import JobView, local_record
@@ -38,7 +38,7 @@ from elaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousJobFailedError,
 )
-from elaunch.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from elaunch.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState, signal_name
 
 if TYPE_CHECKING:
     from elaunch.config import LaunchConfig

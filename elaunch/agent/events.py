@@ -25,6 +25,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+from elaunch.spec import signal_name
+
 log = logging.getLogger("elaunch.agent")
 
 #: The file name inside the run's log directory.
@@ -170,12 +172,7 @@ def signal_of(exitcode: int | None) -> str | None:
     """``"SIGKILL"`` for -9, None for a normal exit."""
     if exitcode is None or exitcode >= 0:
         return None
-    import signal
-
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
+    return signal_name(exitcode)
 
 
 class AgentEvents(EventLog):

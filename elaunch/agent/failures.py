@@ -10,12 +10,11 @@ marked ``remote`` for this node's failure summary. Stdlib only.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Mapping
 
 from elaunch.rendezvous.api import FailureRecord
-from elaunch.spec import ProcessFailure
+from elaunch.spec import ProcessFailure, signal_name
 
 
 def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: bool = False,
@@ -103,14 +102,6 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns / 1e9
     except OSError:
         return None
-
-
-def signal_name(exitcode: int) -> str:
-    """``"SIGKILL"`` for exit code -9 (a death by signal ``-exitcode``)."""
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 def describe_exits(codes: Mapping[int, int | None]) -> str:

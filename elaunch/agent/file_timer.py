@@ -51,7 +51,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from elaunch.agent.failures import signal_name
+from elaunch.spec import signal_name
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.procs import _proctree
 

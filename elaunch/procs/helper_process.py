@@ -54,6 +54,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from elaunch.spec import signal_name
+
 from . import _proctree
 from .spawn import popen_worker
 
@@ -74,12 +76,7 @@ class HelperDied(ChildProcessError):
 
 def how_it_ended(code: int) -> str:
     """``"exited with status N"`` or ``"was killed by SIGNAME"`` for a Popen returncode."""
-    if code >= 0:
-        return f"exited with status {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
+    return f"exited with status {code}" if code >= 0 else f"was killed by {signal_name(code)}"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

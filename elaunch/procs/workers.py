@@ -27,6 +27,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from elaunch.spec import signal_name
+
 from . import _proctree
 from .spawn import _SIGKILL, become_subreaper, marker_entries, popen_worker
 from .tee import Tee, follows_for
@@ -344,7 +346,4 @@ class WorkerProcesses:
 
 
 def _name(sig: int) -> str:
-    try:
-        return _signal.Signals(sig).name
-    except ValueError:
-        return str(sig)
+    return signal_name(-sig)
