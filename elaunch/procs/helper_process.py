@@ -23,16 +23,19 @@ and the replica service. Every helper is a :class:`HelperProcess`, and so:
   :func:`end`: SIGTERM to its group, ``grace`` seconds, SIGKILL, ``waitpid``; the
   reaper forgets it.
 
-Adding a helper (e.g. the snapshot holder) is: a ``_snapshot_holder_child.py``
-whose ``main(fd)`` serves its channel until end of file; a ``snapshot_holder.py``
-with the logic, owning one ``HelperProcess("snapshot holder", _CHILD, reaper=...,
-restarts=..., grace=...)`` and offering ``private_fds()`` and ``close()``; and in
-``WorkerLauncher``, starting it and adding it to ``_helpers`` (their channels are
-closed in forked workers, and each is closed at the end of the run). Not there
-yet, to come with the first helper that needs them: a call of each helper's
-``check()`` from the agent's monitor (the store host is checked at each round's
-``serve``), and a reaper command that removes the files a helper leaves behind
-(shared memory segments) after a ``kill -9`` of the agent.
+The helpers today: the store host (``store_host.py``: report), the replica service
+(``replicas.py``: restart 3 times, then off, since a dead one loses no training) and
+the checkpoint persister (``persister.py``: restart 3 times, then report; the keeper
+turns it off with a warning and the job goes on). Adding one
+is: a ``_NAME_child.py`` whose ``main(fd)`` serves its channel until end of file; a
+``NAME.py`` with the logic, owning one ``HelperProcess(...)`` and offering
+``private_fds()`` and ``close()``; and adding it to ``WorkerLauncher._helpers``
+(their channels are closed in forked workers, and each is closed at the end of the
+run). Each helper's ``check()`` runs from the agent's monitor (the checkpoint keeper,
+``agent/checkpoints.py``, is one of its watchdogs and checks its two at each poll;
+the store host is checked at each round's ``serve``), and the reaper's ``d PATH``
+command removes the node directory of shared memory segments the helpers and
+workers leave behind after a ``kill -9`` of the agent.
 
 torchrun has no such processes: its agent hosts the store in-process, and torch
 keeps no snapshots.
