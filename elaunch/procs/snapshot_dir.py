@@ -22,6 +22,8 @@ import os
 import re
 import shutil
 
+from . import _proctree
+
 log = logging.getLogger(__name__)
 
 #: Where node directories live: a tmpfs every process of the node can map.
@@ -66,7 +68,7 @@ def sweep(root: str = SHM_ROOT) -> list[str]:
         return removed
     for entry in entries:
         pid = entry.name.rpartition("-")[2]
-        if not (entry.name.startswith(PREFIX) and pid.isdigit()) or _alive(int(pid)):
+        if not (entry.name.startswith(PREFIX) and pid.isdigit()) or _proctree.exists(int(pid)):
             continue
         try:
             mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
@@ -76,16 +78,6 @@ def sweep(root: str = SHM_ROOT) -> list[str]:
             remove(entry.path)
             removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # someone else's: alive
-    return True
 
 
 class NodeDir:
