@@ -22,7 +22,10 @@ import os
 import re
 import shutil
 
-from . import _proctree
+try:
+    from . import _proctree
+except ImportError:  # the reaper runs beside this file without the package (python -S): a sibling
+    import _proctree
 
 log = logging.getLogger(__name__)
 
