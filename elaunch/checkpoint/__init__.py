@@ -40,7 +40,8 @@ class Snapshot(NamedTuple):
 
     Attributes:
         step: the step given to :func:`save`.
-        state: the state, with its container types; tensors are fresh copies.
+        state: the state, with its container types; tensors are fresh copies, or the
+            very tensors of :func:`load`'s ``into`` that received the saved values.
     """
 
     step: int
@@ -104,7 +105,7 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
         _local.save(state, step, replicated=replicated, local_rank=local_rank, **_ranks())
 
 
-def load(map_location=None) -> Snapshot | None:
+def load(map_location=None, *, into: Any = None) -> Snapshot | None:
     """The snapshot this worker resumes from, or None when there is none.
 
     Under elaunch: the file the agent chose (``ELAUNCH_CHECKPOINT_RESTORE``: a slot file
@@ -113,36 +114,65 @@ def load(map_location=None) -> Snapshot | None:
     ``ELAUNCH_CHECKPOINT_DIR`` that every rank has (agreed with one ``all_reduce`` when
     ``torch.distributed`` is initialized).
 
+    With ``into``, the restore is a copy into tensors that already exist, the way
+    ``torch.distributed.checkpoint.load`` fills a state in place: no new memory to
+    fault in page by page, which is most of a restore into new tensors (256 MiB from a
+    slot on 2 cores: about 3x faster than into new tensors).
+
+    ::
+
+        snap = ckpt.load(into={"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        # the model's parameters and the optimizer's moments now hold the saved values
+
     Args:
         map_location: like ``torch.load``'s: None (each tensor where it was saved), a
             device string or ``torch.device``, or a dict from saved device strings to
-            device strings.
+            device strings. Tensors copied into ``into`` stay where ``into``'s are.
+        into: None, or a state of the structure that was saved (nested dicts, lists,
+            tuples). Each saved tensor whose key path (``['model']['fc.weight']``,
+            through dicts, lists and tuples) holds a dense tensor of the same shape and
+            dtype in ``into`` (any device) is copied into that tensor, and the returned
+            state holds that very object (not an ``nn.Parameter`` made anew, whatever
+            was saved). Other tensors are restored fresh, as without ``into``. Without
+            elaunch's shared memory the state is loaded as usual, then copied in.
 
     Returns:
-        Snapshot or None.
+        Snapshot or None (then ``into`` is untouched).
 
     Raises:
         CheckpointError: the file is missing or holds no commit, holds another step than
-            the job agreed on, or was overwritten while it was read; without elaunch, a
-            sharded checkpoint saved at another world size.
+            the job agreed on, or was overwritten while it was read (then ``into``'s
+            tensors may hold parts of two steps, or of a step and what they held: load
+            again or do not use them); without elaunch, a sharded checkpoint saved at
+            another world size.
     """
     shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
     if not shm:
         from elaunch.checkpoint import _local
 
         found = _local.load(map_location, **_ranks())
-        return None if found is None else Snapshot(*found)
+        return None if found is None else Snapshot(found[0], _copy_into(found[1], into))
     path = os.environ.get("ELAUNCH_CHECKPOINT_RESTORE", "")
     if not path:
         return None
     expect = os.environ.get("ELAUNCH_CHECKPOINT_STEP", "").strip()
     expect_step = int(expect) if expect else None
     if path.endswith(".pt"):
-        return _load_persisted(path, map_location, expect_step)
+        snap = _load_persisted(path, map_location, expect_step)
+        return Snapshot(snap.step, _copy_into(snap.state, into))
     from elaunch.checkpoint import _read
 
-    info, state = _read.read(path, map_location, expect_step)
+    info, state = _read.read(path, map_location, expect_step, into)
     return Snapshot(info.step, state)
+
+
+def _copy_into(state: Any, into: Any) -> Any:
+    """``state`` as loaded, or with its tensors copied into ``into``'s twins (see :func:`load`)."""
+    if into is None:
+        return state
+    from elaunch.checkpoint import _tree
+
+    return _tree.copy_into(state, into)
 
 
 def _load_persisted(path: str, map_location, expect_step: int | None) -> Snapshot:

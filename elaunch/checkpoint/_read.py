@@ -8,6 +8,12 @@ Tensors bound for a GPU are copied from the mapping itself once it is registered
 CUDA (``cudaHostRegister``, read-only): one DMA, no host copy; if CUDA refuses, they go
 through the CPU path and then ``.to(device)``.
 
+With ``into`` (a state of the saved structure), a saved tensor whose key path holds a
+tensor of its shape and dtype there is copied into that tensor instead (``_tree.match``):
+a contiguous CPU one by ``preadv`` straight into its memory, a strided one from the
+mapping, a CUDA one from the registered mapping. Memory that is already there costs no
+page faults: this is the restore as fast as a copy.
+
 After every copy the slot's sequence number is checked again (``slotfile.still``): a
 snapshot overwritten while it was read raises rather than return a mix of two steps.
 
@@ -34,12 +40,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def read(path: str, map_location=None, expect_step: int | None = None):
+def read(path: str, map_location=None, expect_step: int | None = None, into: Any = None):
     """The committed snapshot in the slot file ``path``, its tensors copied out: ``(SlotInfo, state)``.
+
+    ``into``: tensors at the same key paths, of the same shapes and dtypes, are filled in
+    place and put in the state (the others are new, on ``map_location``).
 
     Raises:
         CheckpointError: ``path`` holds no committed snapshot, holds another step than
-            ``expect_step``, or was written to while it was read.
+            ``expect_step``, or was written to while it was read (then ``into``'s tensors
+            may hold parts of two steps).
     """
     from elaunch.checkpoint import CheckpointError
 
@@ -56,7 +66,7 @@ def read(path: str, map_location=None, expect_step: int | None = None):
             raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
         if expect_step is not None and info.step != expect_step:
             raise CheckpointError(f"{path} holds step {info.step}, the job agreed on step {expect_step}")
-        return info, _copy_out(fd, mm, info, map_location)
+        return info, _copy_out(fd, mm, info, map_location, into)
     finally:
         os.close(fd)
         if mm is not None:
@@ -96,16 +106,23 @@ class _Registered:
         self.ok: bool | None = None
         self.devices: set[torch.device] = set()
 
-    def view(self, at: int, ref: _tree.TensorRef, device: torch.device) -> torch.Tensor | None:
-        if self.ok is None:
+    def host(self, at: int, ref: _tree.TensorRef) -> torch.Tensor:
+        """The saved tensor at ``at`` as a CPU view of the mapping (read only: copy from it)."""
+        if self.base is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": we only read it
                 self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self.base[at:at + ref.nbytes].view(ref.torch_dtype).view(ref.shape)
+
+    def view(self, at: int, ref: _tree.TensorRef, device: torch.device) -> torch.Tensor | None:
+        """The same view, registered with CUDA (for a copy to ``device``); None when CUDA refuses."""
+        src = self.host(at, ref)
+        if self.ok is None:
             self.ok = _shm._pin(self.base, _CUDA_HOST_REGISTER_READ_ONLY)
         if not self.ok:
             return None
         self.devices.add(device)
-        return self.base[at:at + ref.nbytes].view(ref.torch_dtype).view(ref.shape)
+        return src
 
     def close(self) -> None:
         """Wait for the copies, unregister, drop the view (so the mapping can close)."""
@@ -116,13 +133,35 @@ class _Registered:
         self.base = None
 
 
-def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location) -> Any:
+@torch.no_grad()
+def _fill(fd: int, gpu: _Registered, at: int, ref: _tree.TensorRef, t: torch.Tensor) -> torch.Tensor:
+    """Copy the saved tensor at ``at`` into ``t`` (its shape and dtype, any device) in place; return ``t``."""
+    if not ref.nbytes:
+        return t
+    if t.device.type == "cpu":
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            _read_into(fd, t, at)
+        else:
+            t.copy_(gpu.host(at, ref))
+        return t
+    src = gpu.view(at, ref, t.device) if t.device.type == "cuda" else None
+    if src is not None:
+        return t.copy_(src, non_blocking=True)  # one DMA, awaited by gpu.close() before the seqlock check
+    src = torch.empty(ref.shape, dtype=ref.torch_dtype)  # CUDA refused the registration, or another device
+    _read_into(fd, src, at)
+    return t.copy_(src)
+
+
+def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, into: Any = None) -> Any:
     from elaunch.checkpoint import CheckpointError
 
     meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
     gpu = _Registered(mm)
+    matched = _tree.match(meta, into) if into is not None else {}
 
     def make(ref: _tree.TensorRef) -> torch.Tensor:
+        if ref.index in matched:
+            return _fill(fd, gpu, info.data_at + ref.offset, ref, matched[ref.index])
         device = target_device(ref.device, map_location)
         if device.type == "cuda" and ref.nbytes:
             src = gpu.view(info.data_at + ref.offset, ref, device)
@@ -134,7 +173,7 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location) -> 
         return t if device.type == "cpu" else t.to(device)
 
     try:
-        state = _tree.unpack(meta, make)
+        state = _tree.unpack(meta, make, as_is=matched)
     except Exception as exc:
         if not slotfile.still(mm, info):
             raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,9 +159,10 @@ def find_bad_leaf(state: Any, exc: Exception) -> tuple[str, Any, Exception]:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, make: Callable[[TensorRef], torch.Tensor]):
+    def __init__(self, file, make: Callable[[TensorRef], torch.Tensor], as_is: Container[int] = ()):
         super().__init__(file)
         self._make = make
+        self._as_is = as_is
         self._made: dict[int, torch.Tensor] = {}
 
     def persistent_load(self, pid):
@@ -170,7 +171,8 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         t = self._made.get(ref.index)
         if t is None:
-            t = self._made[ref.index] = _with_grad(self._make(ref), ref.grad)
+            t = self._make(ref)
+            t = self._made[ref.index] = t if ref.index in self._as_is else _with_grad(t, ref.grad)
         return t
 
 
@@ -182,9 +184,77 @@ def _with_grad(t: torch.Tensor, grad: int) -> torch.Tensor:
     return t
 
 
-def unpack(meta: bytes, make: Callable[[TensorRef], torch.Tensor]) -> Any:
+def unpack(meta: bytes, make: Callable[[TensorRef], torch.Tensor], as_is: Container[int] = ()) -> Any:
     """The state whose structure ``meta`` holds, each tensor made by ``make(ref)``.
 
     Unpickles ``meta`` (trusted input: a snapshot of this job, in files only its user can read).
+    A tensor whose ``ref.index`` is in ``as_is`` is put in the state as ``make`` returned it;
+    the others become an ``nn.Parameter`` or require grad as the saved tensor did.
     """
-    return _Unpickler(io.BytesIO(meta), make).load()
+    return _Unpickler(io.BytesIO(meta), make, as_is).load()
+
+
+def twin(saved: Any, target: Any) -> bool:
+    """True when ``target`` can take ``saved``'s values in place: a dense tensor of its shape and dtype."""
+    return (isinstance(saved, torch.Tensor) and isinstance(target, torch.Tensor) and target.layout == torch.strided
+            and target.device.type != "meta" and target.shape == saved.shape and target.dtype == saved.dtype)
+
+
+def graft(saved: Any, target: Any, take: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """``saved`` with each tensor that has a :func:`twin` at its key path in ``target`` replaced by ``take(it, twin)``.
+
+    Key paths run through dicts (by key), lists and tuples (by index) on both sides, the
+    way :func:`find_bad_leaf` names them; tensors inside other objects are left as they
+    are. Dicts and lists are changed in place; tuples (namedtuples too) are rebuilt.
+    """
+    if isinstance(saved, torch.Tensor):
+        return take(saved, target) if twin(saved, target) else saved
+    if isinstance(saved, dict) and isinstance(target, dict):
+        for key, value in list(saved.items()):
+            if key in target:
+                new = graft(value, target[key], take)
+                if new is not value:
+                    saved[key] = new
+        return saved
+    if not (isinstance(saved, (list, tuple)) and isinstance(target, (list, tuple))):
+        return saved
+    items = [graft(a, b, take) for a, b in zip(saved, target)] + list(saved[len(target):])
+    if all(a is b for a, b in zip(items, saved)):
+        return saved
+    if isinstance(saved, list):
+        saved[:] = items
+        return saved
+    if type(saved) is tuple:
+        return tuple(items)
+    make = getattr(type(saved), "_make", None)  # a namedtuple
+    return make(items) if make is not None else saved
+
+
+def match(meta: bytes, into: Any) -> dict[int, torch.Tensor]:
+    """Which saved tensors (by ``ref.index``) have a :func:`twin` at their key path in ``into``, and that twin.
+
+    The structure is unpickled once with tensors on the meta device (no data). A saved
+    tensor found at several key paths takes the twin of the first. A state whose
+    unpickling needs its tensors' data (a user's object reading them in ``__setstate__``)
+    matches nothing: all of it is restored into fresh tensors.
+    """
+    unpickler = _Unpickler(io.BytesIO(meta), lambda ref: torch.empty(ref.shape, dtype=ref.torch_dtype, device="meta"))
+    try:
+        skeleton = unpickler.load()
+    except Exception:  # noqa: BLE001 - whatever a user's __setstate__ raises on a meta tensor
+        return {}
+    index = {id(t): i for i, t in unpickler._made.items()}
+    found: dict[int, torch.Tensor] = {}
+
+    def take(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        found.setdefault(index[id(saved)], target)
+        return saved
+
+    graft(skeleton, into, take)
+    return found
+
+
+@torch.no_grad()
+def copy_into(state: Any, into: Any) -> Any:
+    """``state`` (already loaded), each tensor with a :func:`twin` in ``into`` copied into it and replaced by it."""
+    return graft(state, into, lambda saved, target: target.copy_(saved))

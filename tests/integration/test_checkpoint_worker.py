@@ -312,3 +312,141 @@ def test_fallback_ranks_agree_on_one_step(tmp_path):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [{"step": 2, "equal": True}] * 2
+
+
+def _into_case(step: int = 9):
+    """A state of make_state's structure to load into: twins, a wrong shape, a wrong dtype, a strided twin, extras.
+
+    Returns ``(into, fresh)``: ``fresh`` names the model leaves that must come back as new tensors.
+    """
+    into = make_state(step)
+    m = into["model"]
+    m["i8"] = torch.zeros(30, dtype=torch.int8)  # saved: 31 elements
+    m["i64"] = torch.zeros(9, dtype=torch.int64)  # saved: (3, 3), as many bytes
+    m["fp16"] = torch.zeros(9)  # saved: float16
+    m["transposed"] = torch.zeros(16, 12, dtype=torch.float64).t()  # a strided twin of shape (12, 16)
+    m["extra"] = torch.zeros(3)  # not saved: left alone
+    del m["cplx"]  # saved, not in into: fresh
+    return into, {"i8", "i64", "fp16", "cplx"}
+
+
+def _check_into(snap, into, fresh: set[str], step: int) -> None:
+    """Bit-identical to make_state(step); twins are into's very tensors, the rest new; into's others untouched."""
+    want = make_state(step)
+    assert snap.step == step and same({k: v for k, v in snap.state.items() if k != "model"},
+                                      {k: v for k, v in want.items() if k != "model"})
+    got_m, into_m = snap.state["model"], into["model"]
+    assert list(got_m) == list(want["model"]) and all(same(got_m[k], want["model"][k]) for k in want["model"])
+    for key, value in got_m.items():
+        if key == "big":
+            assert all(a is b and a.data_ptr() == b.data_ptr() for a, b in zip(value, into_m["big"]))
+        elif key in fresh:
+            assert value is not into_m.get(key), key
+        else:
+            assert value is into_m[key], key
+    assert snap.state["model"]["shared"] is snap.state["model"]["same"]
+    assert snap.state["optim"]["state"][0]["exp_avg"] is into["optim"]["state"][0]["exp_avg"]
+    assert snap.state["pair"].left is into["pair"].left
+    untouched = {"i8": torch.zeros(30, dtype=torch.int8), "i64": torch.zeros(9, dtype=torch.int64),
+                 "fp16": torch.zeros(9), "extra": torch.zeros(3)}
+    assert all(torch.equal(into_m[key], value) for key, value in untouched.items())
+
+
+@pytest.mark.parametrize("where", ["slot", "persisted", "fallback"])
+def test_load_into_fills_the_given_tensors_in_place(where, shm_dir, tmp_path, monkeypatch):
+    """ckpt.load(into=...): every twin (key path, shape, dtype) receives the saved bytes and is returned itself."""
+    if where == "fallback":
+        monkeypatch.setenv("ELAUNCH_CHECKPOINT_DIR", str(tmp_path / "ck"))
+        ckpt.save(make_state(3), 3)
+    else:
+        monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+        ckpt.save(make_state(3), 3)
+        path = os.path.join(shm_dir, "slots", "0.0")
+        if where == "persisted":
+            path = persisted.write_rank_file(str(tmp_path / "ck"), 3, 0, 1, True, make_state(3))
+        monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", path)
+        monkeypatch.setenv("ELAUNCH_CHECKPOINT_STEP", "3")
+    into, fresh = _into_case()
+    _check_into(ckpt.load(into=into), into, fresh, 3)
+
+
+def test_load_into_keeps_parameters_and_their_storage(shm_dir, monkeypatch):
+    """Saved nn.Parameters restored into model.state_dict()'s tensors: the model's own memory, not new Parameters."""
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(300, 200)
+    ckpt.save({"model": dict(saved.named_parameters()), "n": 1}, 5)
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", os.path.join(shm_dir, "slots", "0.0"))
+    model = torch.nn.Linear(300, 200)
+    into = {"model": model.state_dict()}
+    snap = ckpt.load(into=into)
+    assert snap.state["n"] == 1 and snap.state["model"]["weight"] is into["model"]["weight"]
+    assert snap.state["model"]["weight"].data_ptr() == model.weight.data_ptr()
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+    assert not isinstance(snap.state["model"]["bias"], torch.nn.Parameter)
+    # without into: Parameters again, on new memory
+    plain = ckpt.load()
+    assert isinstance(plain.state["model"]["weight"], torch.nn.Parameter)
+    assert plain.state["model"]["weight"].data_ptr() != model.weight.data_ptr()
+
+
+def test_load_into_racing_a_writer_is_one_whole_step_or_an_error(shm_dir, monkeypatch):
+    """A reader loading into the same tensors while a worker saves without pause: a whole step, or CheckpointError.
+
+    The worker saves 3 states in turn (see the test above). Loads of slot 0.0 start in
+    turn just after a commit of 0.1 (the worker turns to overwrite 0.0: mostly refused)
+    and just after a commit of 0.0 (the worker writes 0.1 meanwhile: mostly whole); both
+    outcomes must be seen.
+    """
+    proc = subprocess.Popen([sys.executable, WORKER, "loop", "1"], stdout=subprocess.DEVNULL, text=True,
+                            env=worker_env(ELAUNCH_CHECKPOINT_SHM=shm_dir, CKPT_MIB=32, CKPT_CYCLE=3))
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", os.path.join(shm_dir, "slots", "0.0"))
+    into = make_state(7, mib=32)
+    big = list(into["model"]["big"])
+    seen = {"whole": 0, "changed": 0, "empty": 0}
+    headers = []
+    try:
+        for name in ("0.0", "0.1"):
+            path = os.path.join(shm_dir, "slots", name)
+            wait_for(lambda: slotfile.read_info(path), timeout=60, what=f"the worker's save into {name}")
+            with open(path, "rb") as f:
+                headers.append(mmap.mmap(f.fileno(), slotfile.HEADER_SIZE, prot=mmap.PROT_READ))
+
+        def raced():
+            header = headers[sum(seen.values()) % 2]
+            wait_for(lambda: slotfile.seq_of(header) % 2, timeout=30, interval=0, what="a write")
+            wait_for(lambda: slotfile.seq_of(header) % 2 == 0, timeout=30, interval=0, what="its commit")
+            try:
+                snap = ckpt.load(into=into)
+            except ckpt.CheckpointError as exc:
+                seen["changed" if "while it was read" in str(exc) else "empty"] += 1
+            else:
+                assert snap.state["model"]["big"][0] is big[0]
+                assert same(snap.state, make_state(snap.step % 3, mib=32)), f"step {snap.step} came back mixed"
+                seen["whole"] += 1
+            return seen["changed"] >= 2 and seen["whole"] >= 2
+
+        try:
+            wait_for(raced, timeout=120, interval=0, what="whole loads and loads refused as changed")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; seen {seen}") from None
+    finally:
+        for header in headers:
+            header.close()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{NOT_APPLICABLE} no CUDA device here")
+def test_load_into_cuda_tensors(shm_dir, monkeypatch):
+    """CUDA twins (contiguous and strided) are filled from the registered mapping; a CPU twin by preadv."""
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    base = torch.randn(64, 48, device="cuda")
+    state = {"w": torch.randn(999, device="cuda").to(torch.bfloat16), "t": base.t(), "cpu": torch.arange(5)}
+    ckpt.save(state, 1)
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", os.path.join(shm_dir, "slots", "0.0"))
+    into = {"w": torch.zeros(999, device="cuda", dtype=torch.bfloat16),
+            "t": torch.zeros(64, 48, device="cuda").t(), "cpu": torch.zeros(5, dtype=torch.int64)}
+    snap = ckpt.load(into=into)
+    assert all(snap.state[k] is into[k] and torch.equal(into[k], state[k]) for k in state)
