@@ -314,12 +314,12 @@ def test_fallback_ranks_agree_on_one_step(tmp_path):
     assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [{"step": 2, "equal": True}] * 2
 
 
-def _into_case(step: int = 9):
+def _into_case(step: int = 9, mib: float = 1):
     """A state of make_state's structure to load into: twins, a wrong shape, a wrong dtype, a strided twin, extras.
 
     Returns ``(into, fresh)``: ``fresh`` names the model leaves that must come back as new tensors.
     """
-    into = make_state(step)
+    into = make_state(step, mib=mib)
     m = into["model"]
     m["i8"] = torch.zeros(30, dtype=torch.int8)  # saved: 31 elements
     m["i64"] = torch.zeros(9, dtype=torch.int64)  # saved: (3, 3), as many bytes
@@ -330,9 +330,9 @@ def _into_case(step: int = 9):
     return into, {"i8", "i64", "fp16", "cplx"}
 
 
-def _check_into(snap, into, fresh: set[str], step: int) -> None:
+def _check_into(snap, into, fresh: set[str], step: int, mib: float = 1) -> None:
     """Bit-identical to make_state(step); twins are into's very tensors, the rest new; into's others untouched."""
-    want = make_state(step)
+    want = make_state(step, mib=mib)
     assert snap.step == step and same({k: v for k, v in snap.state.items() if k != "model"},
                                       {k: v for k, v in want.items() if k != "model"})
     got_m, into_m = snap.state["model"], into["model"]
@@ -352,22 +352,32 @@ def _check_into(snap, into, fresh: set[str], step: int) -> None:
     assert all(torch.equal(into_m[key], value) for key, value in untouched.items())
 
 
-@pytest.mark.parametrize("where", ["slot", "persisted", "fallback"])
+@pytest.mark.parametrize("where", ["slot", "slot-large", "persisted", "fallback"])
 def test_load_into_fills_the_given_tensors_in_place(where, shm_dir, tmp_path, monkeypatch):
-    """ckpt.load(into=...): every twin (key path, shape, dtype) receives the saved bytes and is returned itself."""
+    """ckpt.load(into=...): every twin (key path, shape, dtype) receives the saved bytes and is returned itself.
+
+    ``slot-large``: 8 MiB tensors, read in parts on 2 threads.
+    """
+    mib = 64 if where == "slot-large" else 1
     if where == "fallback":
         monkeypatch.setenv("ELAUNCH_CHECKPOINT_DIR", str(tmp_path / "ck"))
         ckpt.save(make_state(3), 3)
     else:
         monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
-        ckpt.save(make_state(3), 3)
+        ckpt.save(make_state(3, mib=mib), 3)
         path = os.path.join(shm_dir, "slots", "0.0")
         if where == "persisted":
             path = persisted.write_rank_file(str(tmp_path / "ck"), 3, 0, 1, True, make_state(3))
         monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", path)
         monkeypatch.setenv("ELAUNCH_CHECKPOINT_STEP", "3")
-    into, fresh = _into_case()
-    _check_into(ckpt.load(into=into), into, fresh, 3)
+    into, fresh = _into_case(mib=mib)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        snap = ckpt.load(into=into)
+    finally:
+        torch.set_num_threads(threads)
+    _check_into(snap, into, fresh, 3, mib=mib)
 
 
 def test_load_into_keeps_parameters_and_their_storage(shm_dir, monkeypatch):
