@@ -38,8 +38,9 @@ In-memory snapshots (``elaunch.checkpoint``). Under elaunch every rank also save
 its state with ``ckpt.save`` after every step (``--snapshot-every``): a copy into the
 agent's shared memory, a few milliseconds, that survives the worker's death. A new
 group restores with ``ckpt.load()``, which returns the same step on every rank (the
-job agrees on it), so a crash costs the steps since the last snapshot, not since the
-last disk checkpoint. Under torchrun (no agent to keep the copy) snapshots are off
+job agrees on it; ``into`` the model's own tensors, once the model is built), so a
+crash costs the steps since the last snapshot, not since the last disk checkpoint.
+Under torchrun (no agent to keep the copy) snapshots are off
 unless ``--snapshot-every`` asks for them; then ``ckpt`` writes to
 ``$ELAUNCH_CHECKPOINT_DIR``. The disk checkpoint is still written (rank 0, every
 epoch) unless ``--no-disk-checkpoint``; a snapshot, when there is one, is newer.
@@ -360,10 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     ckpt = snapshots() if args.snapshot_every else None
     # Read (and vet) the checkpoint before joining the group: a bad path fails fast.
-    # A snapshot is newer than any disk checkpoint: the job agreed on its step.
-    snap = ckpt.load(map_location=device) if ckpt is not None else None
-    state = snap.state if snap is not None else load_checkpoint(args.checkpoint)
-    source = f"snapshot of step {snap.step}" if snap is not None else args.checkpoint
+    state, source = load_checkpoint(args.checkpoint), args.checkpoint
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -377,11 +375,18 @@ def main(argv: list[str] | None = None) -> None:
 
     model = make_model(args.hidden, args.state_mib).to(device)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    # A snapshot is newer than any disk checkpoint: the job agreed on its step. Its model
+    # tensors are copied straight into the model's own (no new memory to fault in).
+    own = model.state_dict()
+    snap = ckpt.load(map_location=device, into={"model": own}) if ckpt is not None else None
+    if snap is not None:
+        state, source = snap.state, f"snapshot of step {snap.step}"
     # position: `done_epochs` epochs complete, then `done_steps` steps of the next one;
     # `partial` is the all-reduced (loss sum, samples) of those steps, for the epoch line
     done_epochs, done_steps, partial = 0, 0, torch.zeros(2)
     if state is not None:
-        model.load_state_dict(state["model"])
+        if list(state["model"]) != list(own) or any(state["model"][k] is not t for k, t in own.items()):
+            model.load_state_dict(state["model"])  # not restored in place (a disk checkpoint)
         optimizer.load_state_dict(state["optimizer"])
         done_epochs, done_steps = state["epoch"], state.get("step", 0)
         if "rng" in state:
