@@ -57,14 +57,30 @@ CRASHES = "1:1:7,0:1:19,1:2:3,0:2:12,1:3:0,0:3:21"
 
 
 def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, reference_digest):
+    """From the disk checkpoint (snapshots off): mid-epoch and epoch-boundary resumes."""
     r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", EXAMPLE, *SHORT,
             "--checkpoint", str(tmp_path / "ck.pt"), "--final-params", str(tmp_path / "final.json"),
-            "--save-every", "5", "--crash-at", CRASHES, timeout=150)
+            "--save-every", "5", "--snapshot-every", "0", "--crash-at", CRASHES, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(re.findall(r"injected crash: rank \d at epoch \d step \d+ on attempt \d", r.stderr)) >= 6
     assert re.search(r"restart 6/6", r.stderr), r.stderr[-3000:]
     resumed = re.findall(r"resumed from .* (at epoch \d step \d+|after epoch \d)$", r.stdout, re.M)
     assert "at epoch 1 step 5" in resumed and "after epoch 2" in resumed, r.stdout  # mid-epoch and boundary
+    assert final_digest(tmp_path / "final.json") == reference_digest
+
+
+def test_six_crashes_lose_no_step_with_snapshots_and_end_bit_identical(tmp_path, reference_digest):
+    """With in-memory snapshots (ckpt.save every step, the default under elaunch) and no disk
+    checkpoint, each restart resumes at the very step its crash interrupted."""
+    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", EXAMPLE, *SHORT,
+            "--no-disk-checkpoint", "--run-dir", str(tmp_path), "--final-params", str(tmp_path / "final.json"),
+            "--crash-at", CRASHES, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"restart 6/6", r.stderr), r.stderr[-3000:]
+    steps = [int(n) for n in re.findall(r"^resumed from snapshot of step (\d+) ", r.stdout, re.M)]
+    per_epoch = 23  # steps per rank and epoch at world size 2
+    crashed_at = [(e - 1) * per_epoch + st for _, e, st in (map(int, c.split(":")) for c in CRASHES.split(","))]
+    assert steps == crashed_at, r.stdout
     assert final_digest(tmp_path / "final.json") == reference_digest
 
 
