@@ -214,11 +214,15 @@ class Cluster:
         """elaunch's node directory of ``agent`` (``/dev/shm/elaunch-<run id>-<agent pid>``)."""
         return Path(f"/dev/shm/elaunch-{self.run_id}-{agent.proc.pid}")
 
-    def stop(self) -> None:
-        """Kill every agent and every process left in the hosts."""
+    def stop(self, grace: float = 10.0) -> None:
+        """Kill every agent, give what they leave ``grace`` seconds to go (elaunch's reaper cleans
+        up after a ``kill -9`` of its agent), then kill every process left in the hosts."""
         for a in self.agents:
             if a.proc.poll() is None:
                 a.proc.kill()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(h.pids() for h in self.net.hosts):
+            time.sleep(0.2)
         for h in self.net.hosts:
             self.netns.kill_namespace_processes(h.ns)
         for a in self.agents:

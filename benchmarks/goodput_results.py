@@ -150,9 +150,11 @@ def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
         label = next(r["fault_label"] for r in rows if r["fault"] == fault)
         for cfg, how, target in (("a", "ckpt.save every step", TARGET), ("b", "per-epoch torch.save", None)):
             if (cfg, fault) in by:
-                metrics.append(_metric(f"goodput.{fault}_{cfg}", f"goodput, {label} ({what}): elaunch {how} "
-                                       "vs torchrun per-epoch torch.save", "%", by[(cfg, fault)],
+                vs = f"({what}): elaunch {how} vs torchrun per-epoch torch.save"
+                metrics.append(_metric(f"goodput.{fault}_{cfg}", f"goodput, {label} {vs}", "%", by[(cfg, fault)],
                                        by.get(("c", fault)), "goodput", target))
+                metrics.append(_metric(f"goodput.{fault}_{cfg}_lost", f"steps lost, {label} {vs}", "steps",
+                                       by[(cfg, fault)], by.get(("c", fault)), "steps_lost"))
     lost = next((r for r in rows if r["fault"] == "lost"), None)
     if lost:
         kills = [e for e in lost["events"] if e["fault"] == "worker SIGKILL"]

@@ -95,13 +95,14 @@ def test_report_scenario_pairs_elaunch_rows_with_torchrun_and_judges_the_target(
 
     def row(cfg, goodput):
         return {"config": cfg, "fault": "kill", "fault_label": "a worker SIGKILL every 20 s", "goodput": goodput,
-                "note": "", "label": cfg}
+                "note": "", "label": cfg, "steps_lost": 3}
 
     scenario = report_scenario([row("a", 0.97), row("b", 0.8), row("c", 0.5)], 256)
     metrics = {m["key"]: m for m in scenario["metrics"]}
     assert metrics["goodput.kill_a"]["median"] == {"elaunch": 97.0, "torchrun": 50.0}
     assert target_status(metrics["goodput.kill_a"], metrics) == "met"
     assert metrics["goodput.kill_b"]["target"] is None
+    assert metrics["goodput.kill_b_lost"]["median"] == {"elaunch": 3.0, "torchrun": 3.0}
     low = report_scenario([row("a", 0.9)], 256)["metrics"][0]
     assert target_status(low, {}) == "not met" and low["notes"]["torchrun"] == ["not run"]
 
@@ -144,7 +145,7 @@ def test_quick_run_injects_faults_counts_restores_and_leaves_nothing(tmp_path):
     assert faulty["worlds"] == [3] * len(faulty["worlds"]) and faulty["bit_identical"] is True, faulty
     assert base["leftovers"] == [] and faulty["leftovers"] == []
     assert "| config | fault | T0 |" in stdout and "a worker SIGKILL every" in stdout
-    assert [m["key"] for m in result["scenarios"][0]["metrics"]] == ["goodput.kill_b"]
+    assert [m["key"] for m in result["scenarios"][0]["metrics"]] == ["goodput.kill_b", "goodput.kill_b_lost"]
     assert _our_namespaces(proc.pid) == []
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(f"elaunch-gp{proc.pid}")}
     assert not left, left
