@@ -84,6 +84,7 @@ class Sizes:
     lost_kills: int
     lost_gap: tuple[float, float]
     bound: float  # a faulty run may take this many T0
+    kills: int = 0  # at most this many worker SIGKILLs in the kill fault (0: until the job ends)
 
     def example_args(self, seed: int, workdir: Path) -> list[str]:
         return ["--epochs", str(self.epochs), "--step-sleep", str(self.step_sleep), "--state-mib",
@@ -92,7 +93,7 @@ class Sizes:
 
 
 FULL = Sizes(256, 27, 0.3, 20.0, 0.4, 6, (8.0, 16.0), 2.0)
-QUICK = Sizes(16, 4, 0.2, 15.0, 0.4, 2, (4.0, 6.0), 4.0)
+QUICK = Sizes(16, 6, 0.25, 10.0, 0.4, 2, (4.0, 6.0), 4.0, kills=2)
 
 
 class JobEnded(Exception):
@@ -173,7 +174,7 @@ def fault_kill(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, ev
     """A worker SIGKILL every ``sizes.kill_every`` s until the job ends."""
     _wait(cluster, cluster.training, 300, "the group to train")
     cluster.note_shm()
-    while True:
+    while not sizes.kills or len(events) < sizes.kills:
         _pause(cluster, sizes.kill_every)
         events.append(_kill_one(cluster, rng))
 
