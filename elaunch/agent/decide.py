@@ -157,6 +157,26 @@ def hung_ranks(progress: Mapping[int, tuple[bool, float]], exit_codes: Mapping[i
                   if reported and quiet > timeout and exit_codes.get(lr) is None)
 
 
+def hang_suspects(hung: Sequence[int], progress: Mapping[int, tuple[bool, float]],
+                  exit_codes: Mapping[int, int | None], timeout: float) -> list[int]:
+    """Return the ranks to judge for a hang found in ``hung`` (sorted): ``hung`` and its quiet peers.
+
+    Peers stuck in one collective do not go quiet at the same moment: the one that
+    reached it first (blocked, waiting) crosses ``timeout`` first, and the one it waits
+    for (stopped, or stuck outside the collective) may have reported its last step a
+    little later: a save, a slow step, a loaded machine. So a running rank that reported
+    once and has been quiet for more than half of ``timeout`` is judged with them, and
+    ``order_hung`` picks the culprit among all (stopped, behind, not in a collective).
+
+    Args:
+        hung: :func:`hung_ranks`' answer (non-empty).
+        progress, exit_codes, timeout: as for :func:`hung_ranks`.
+    """
+    peers = [lr for lr, (reported, quiet) in progress.items()
+             if reported and quiet > timeout / 2 and exit_codes.get(lr) is None]
+    return sorted(set(hung) | set(peers))
+
+
 def sits_out(blame: Sequence[str], node: str, exclude_after: int, others: int, min_nodes: int,
              restarts: int | None = None, fresh_after: int = 0) -> bool:
     """Decide whether ``node`` sits out the next rounds (bad-node exclusion).

@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 
-from elaunch.agent.decide import exit_grace, hung_ranks, order_hung
+from elaunch.agent.decide import exit_grace, hang_suspects, hung_ranks, order_hung
 from elaunch.agent.published import publish, stacks_record
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.procs import _proctree
@@ -131,7 +131,10 @@ class HangWatchdog:
         marked = [lr for lr, pid in self._files.exit_marks().items()
                   if exit_codes.get(lr) is None and _proctree.exists(pid)]
         self._exiting = {lr: now - self._exit_seen.setdefault(lr, now) for lr in marked}
-        return hung_ranks(progress, exit_codes, self.hang_timeout, self._exiting)
+        hung = hung_ranks(progress, exit_codes, self.hang_timeout, self._exiting)
+        if not hung or self._exiting:
+            return hung  # an exiting rank is judged alone: its peers' quiet waits on it
+        return hang_suspects(hung, progress, exit_codes, self.hang_timeout)
 
     def exiting_for(self, local_rank: int) -> float | None:
         """Seconds ``local_rank``'s worker has been exiting as of the last check; None when it was not."""

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from elaunch.agent.decide import EXIT_GRACE_MIN, Step, Verdict, exit_grace, hung_ranks, judge, next_step, sits_out
+from elaunch.agent.decide import (EXIT_GRACE_MIN, Step, Verdict, exit_grace, hang_suspects, hung_ranks, judge,
+                                  next_step, sits_out)
 from elaunch.agent.failures import from_record, to_record, with_root
 from elaunch.errors.summary import failure_text, format_failure_summary
 from elaunch.rendezvous.api import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
@@ -432,6 +433,22 @@ def test_next_step_rejects_running_even_unfixable():
 )
 def test_hung_ranks(progress, codes, timeout, expected):
     assert hung_ranks(progress, codes, timeout) == expected
+
+
+@pytest.mark.parametrize(
+    "hung, progress, codes, expected",
+    [
+        # the peer it waits for reported its last step a little later (a save, a slow step): judged too
+        ([1], {0: (True, 1.5), 1: (True, 2.1)}, {0: None, 1: None}, [0, 1]),
+        # a peer busy in its step (quiet for less than half the timeout) is not
+        ([1], {0: (True, 0.9), 1: (True, 2.1)}, {0: None, 1: None}, [1]),
+        # never reported, or exited: never a suspect
+        ([1], {0: (False, 9.0), 1: (True, 2.1), 2: (True, 1.5)}, {0: None, 1: None, 2: 0}, [1]),
+        ([0, 2], {0: (True, 3.0), 1: (True, 1.1), 2: (True, 3.0)}, {0: None, 1: None, 2: None}, [0, 1, 2]),
+    ],
+)
+def test_hang_suspects_are_the_hung_and_their_quiet_peers(hung, progress, codes, expected):
+    assert hang_suspects(hung, progress, codes, 2.0) == expected
 
 
 @pytest.mark.parametrize(
