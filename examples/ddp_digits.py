@@ -405,7 +405,12 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and state is not None:
         where = f"at epoch {done_epochs + 1} step {done_steps}" if done_steps else f"after epoch {done_epochs}"
         print(f"resumed from {source} {where}", flush=True)
-    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None)  # broadcasts rank 0's weights
+    # find_unused_parameters=True: DDP then keeps the gradient buckets of its first step instead of
+    # rebuilding them, so a group resumed mid-run sums each gradient in the same order as an
+    # uninterrupted run (at 3 or more ranks that order changes the rounding: resumed runs were not
+    # bit-identical). The cost: one walk of this small graph per step, and one warning per rank.
+    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None,  # broadcasts rank 0's weights
+              find_unused_parameters=True)
     loss_fn = nn.CrossEntropyLoss()
 
     def checkpoint(epochs: int, steps: int, total: torch.Tensor) -> None:
