@@ -125,6 +125,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+#: Variables elaunch gives every worker beyond torchrun's (documented in docs/migrating-from-torchrun.md):
+#: the in-memory checkpoints' node directory. Tests that compare a worker's environment with
+#: torchrun's leave these out.
+ELAUNCH_ADDED_ENV = frozenset({"ELAUNCH_CHECKPOINT_SHM"})
+
+
 def load_envs(out: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text())["env"] for p in sorted(out.glob("env_*.json"))}
 

@@ -285,18 +285,31 @@ def test_fallback_ignores_a_killed_writers_temp_files(tmp_path):
     assert load_result(ELAUNCH_CHECKPOINT_DIR=d) == {"step": 1, "equal": True}
 
 
-def test_fallback_sharded_needs_every_rank(tmp_path):
+def test_fallback_sharded_needs_every_rank(tmp_path, monkeypatch):
+    """In this process: the fallback reads RANK, WORLD_SIZE and the directory at each call."""
     d = tmp_path / "ck"
+    for var in ("ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_DIR", str(d))
+
+    def as_rank(rank: int, world: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+
     for rank in (0, 1):
-        r = run_worker("save", 4, ELAUNCH_CHECKPOINT_DIR=d, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, CKPT_SHARDED=1)
-        assert r.returncode == 0, r.stderr[-3000:]
-    r = run_worker("save", 5, ELAUNCH_CHECKPOINT_DIR=d, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, CKPT_SHARDED=1)
-    assert r.returncode == 0
+        as_rank(rank, 2)
+        ckpt.save(make_state(4, rank), 4, replicated=False)
+    as_rank(0, 2)
+    ckpt.save(make_state(5, 0), 5, replicated=False)  # rank 1 never saves step 5
     step, files, replicated = persisted.newest_complete(str(d))
     assert (step, sorted(files), replicated) == (4, [0, 1], False)
-    assert load_result(ELAUNCH_CHECKPOINT_DIR=d, RANK=1, WORLD_SIZE=2) == {"step": 4, "equal": True}
-    got = load_result(ELAUNCH_CHECKPOINT_DIR=d, RANK=1, WORLD_SIZE=3)
-    assert "world of 2 ranks" in got["error"]
+    as_rank(1, 2)
+    snap = ckpt.load()
+    assert snap.step == 4 and same(snap.state, make_state(4, 1))
+    as_rank(1, 3)
+    with pytest.raises(ckpt.CheckpointError, match="world of 2 ranks"):
+        ckpt.load()
 
 
 def test_fallback_ranks_agree_on_one_step(tmp_path):

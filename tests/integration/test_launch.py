@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, alive, kill_tree, load_envs, read_pids, run, start
+from tests.helpers import ELAUNCH_ADDED_ENV, SCRIPTS, alive, kill_tree, load_envs, read_pids, run, start
 
 NPROC2 = ("--standalone", "--nproc-per-node=2")
 
@@ -38,8 +38,6 @@ PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 #: Deliberate, documented differences (docs/migrating-from-torchrun.md): the
 #: standalone agent hosts the workers' store on loopback, torchrun's on the FQDN.
 DOCUMENTED = {"MASTER_ADDR"}
-#: elaunch's own additions, also documented there: the in-memory checkpoints' node directory.
-ADDED = {"ELAUNCH_CHECKPOINT_SHM"}
 
 
 @pytest.mark.slow
@@ -54,7 +52,7 @@ def test_worker_env_matches_torchrun(tmp_path):
     assert sorted(results["elaunch"]) == sorted(results["torchrun"])
     for name, theirs in results["torchrun"].items():
         ours = results["elaunch"][name]
-        extra, missing = set(ours) - ADDED - set(theirs), set(theirs) - set(ours)
+        extra, missing = set(ours) - ELAUNCH_ADDED_ENV - set(theirs), set(theirs) - set(ours)
         assert not extra and not missing, f"{name}: extra {extra}, missing {missing}"
         differ = {k for k in theirs if ours[k] != theirs[k]}
         assert differ <= PER_LAUNCH | DOCUMENTED, {k: (ours[k], theirs[k]) for k in differ}

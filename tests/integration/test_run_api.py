@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import free_port
+from tests.helpers import ELAUNCH_ADDED_ENV, free_port
 
 pytest.importorskip("torch")
 
@@ -139,7 +139,7 @@ def test_main_gives_the_workers_torchs_environment(tmp_path, driver, backend):
     for name in theirs:
         keys = set(theirs[name]) | set(ours[name])
         differ = {k: (ours[name].get(k), theirs[name].get(k)) for k in keys
-                  if ours[name].get(k) != theirs[name].get(k) and k not in PER_LAUNCH}
+                  if ours[name].get(k) != theirs[name].get(k) and k not in PER_LAUNCH | ELAUNCH_ADDED_ENV}
         # torchrun's standalone and c10d agents name the store by the host's FQDN, elaunch's by address
         differ.pop("MASTER_ADDR", None)
         assert not differ, (name, differ)
