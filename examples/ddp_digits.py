@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import inspect
 import json
 import os
 import signal
@@ -409,8 +410,13 @@ def main(argv: list[str] | None = None) -> None:
     # rebuilding them, so a group resumed mid-run sums each gradient in the same order as an
     # uninterrupted run (at 3 or more ranks that order changes the rounding: resumed runs were not
     # bit-identical). The cost: one walk of this small graph per step, and one warning per rank.
-    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None,  # broadcasts rank 0's weights
-              find_unused_parameters=True)
+    # After a snapshot restore every rank holds the same state (the job agreed on one step, the
+    # same on every rank), so DDP need not broadcast rank 0's weights again: with a large model
+    # that broadcast is most of a restart (256 MiB from rank 0 on every restart). A disk
+    # checkpoint may exist on rank 0's host only: then DDP broadcasts, as it does on a fresh start.
+    skip_sync = snap is not None and "init_sync" in inspect.signature(DDP.__init__).parameters  # torch >= 2.5
+    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None, find_unused_parameters=True,
+              **({"init_sync": False} if skip_sync else {}))
     loss_fn = nn.CrossEntropyLoss()
 
     def checkpoint(epochs: int, steps: int, total: torch.Tensor) -> None:
