@@ -278,16 +278,8 @@ class CheckpointKeeper:
 
     def poll(self, watched=None) -> None:
         """Check the helpers (a dead one is restarted or turned off), log persists, publish the status record."""
-        for name in ("_persister", "_service"):
-            helper = getattr(self, name)
-            if helper is None:
-                continue
-            try:
-                helper.check()
-            except OSError as exc:
-                log.warning("%s; in-memory checkpoints go on without it", exc)
-                helper.close()
-                setattr(self, name, None)
+        self._persister = _checked(self._persister)
+        self._service = _checked(self._service)
         if self._asked is not None:
             why, self._asked = self._asked, None
             self.persist_now(why)
@@ -334,3 +326,16 @@ class CheckpointKeeper:
         for step, path, seconds in persister.poll_done():
             self._events.checkpoint_persisted(step, path, seconds)
             log.info("checkpoint of step %d persisted to %s in %.2f s", step, path, seconds)
+
+
+def _checked(helper):
+    """``helper`` after its ``check()`` (a dead child restarted); None once it died for good (logged)."""
+    if helper is None:
+        return None
+    try:
+        helper.check()
+    except OSError as exc:
+        log.warning("%s; in-memory checkpoints go on without it", exc)
+        helper.close()
+        return None
+    return helper
