@@ -40,7 +40,6 @@ kind. Stdlib only: no torch in the agent.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -293,8 +292,7 @@ class CheckpointKeeper:
 
     def status_record(self) -> dict:
         """The ``checkpoint`` node record: the newest step of this node's slots, its time, bytes held."""
-        infos = slotfile.inventory(self.node_dir.path) if self.node_dir is not None else []
-        own = slotfile.newest(i for i in infos if os.path.basename(os.path.dirname(i.path)) == "slots")
+        own = slotfile.newest(slotfile.inventory(self.node_dir.path, ("slots",))) if self.node_dir is not None else None
         return {"step": own.step if own else None, "time": own.time if own else None,
                 "bytes": self.node_dir.bytes_held() if self.node_dir is not None else 0, "at": self._clock()}
 

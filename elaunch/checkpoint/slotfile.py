@@ -207,10 +207,10 @@ def slot_to_write(node_dir: str, local_rank: int) -> str:
     return b if newest([ia, ib]) is ia else a
 
 
-def inventory(node_dir: str) -> list[SlotInfo]:
-    """Every committed snapshot under ``node_dir`` (``slots/`` and ``replicas/``), in no order."""
+def inventory(node_dir: str, subdirs: tuple[str, ...] = ("slots", "replicas")) -> list[SlotInfo]:
+    """Every committed snapshot under ``node_dir``'s ``subdirs`` (default ``slots/`` and ``replicas/``), in no order."""
     found = []
-    for sub in ("slots", "replicas"):
+    for sub in subdirs:
         try:
             names = os.listdir(os.path.join(node_dir, sub))
         except OSError:
