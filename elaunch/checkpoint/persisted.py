@@ -32,6 +32,12 @@ _RANK_FILE = re.compile(r"^rank_(\d+)_of_(\d+)\.pt$")
 _REPLICATED: dict[tuple[str, int, int], bool] = {}
 
 
+def rank_and_world(path: str) -> tuple[int, int] | None:
+    """``(rank, world_size)`` named by a rank file (``rank_<r>_of_<w>.pt``), or None for another name."""
+    m = _RANK_FILE.match(os.path.basename(path))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def step_dir(directory: str, step: int) -> str:
     """The directory of ``step``'s files under ``directory``."""
     return os.path.join(directory, f"step_{step:012d}")
@@ -130,10 +136,10 @@ def steps(directory: str) -> dict[int, dict[int, dict[int, str]]]:
         except OSError:  # pruned meanwhile
             continue
         for fname in files:
-            r = _RANK_FILE.match(fname)
-            if r:
-                by_world = found.setdefault(int(m.group(1)), {}).setdefault(int(r.group(2)), {})
-                by_world[int(r.group(1))] = os.path.join(directory, name, fname)
+            named = rank_and_world(fname)
+            if named:
+                by_world = found.setdefault(int(m.group(1)), {}).setdefault(named[1], {})
+                by_world[named[0]] = os.path.join(directory, name, fname)
     return found
 
 

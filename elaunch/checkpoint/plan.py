@@ -33,17 +33,17 @@ An inventory entry is a :class:`Held`; a rank's source a :class:`Source`.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from elaunch.checkpoint.persisted import rank_and_world
 
 #: Where a snapshot lies: a worker's slot, a replica a peer sent, a persisted torch file.
 SLOT, REPLICA, DISK = "slot", "replica", "disk"
 MEMORY = (SLOT, REPLICA)
 #: Version of the exchanged document (:func:`inventory_doc`).
 DOC_VERSION = 1
-_PERSISTED_NAME = re.compile(r"rank_(\d+)_of_(\d+)\.pt$")
 
 
 class Held(NamedTuple):
@@ -217,8 +217,8 @@ def inventory_doc(infos: Iterable[Any], persisted: tuple[int, Mapping[int, str],
     if persisted is not None:
         step, paths, replicated = persisted
         for rank, path in sorted(paths.items()):
-            m = _PERSISTED_NAME.search(path)
-            ws = int(m.group(2)) if m else 0
+            named = rank_and_world(path)
+            ws = named[1] if named else 0
             held.append(Held(step, rank, ws, bool(replicated), DISK, path, shared))
     return {"v": DOC_VERSION, "addr": node_addr, "held": [list(h) for h in held]}
 
