@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.load_state_dict(state["optimizer"])
         done_epochs, done_steps = state["epoch"], state.get("step", 0)
         if "rng" in state:
-            torch.set_rng_state(state["rng"])
+            torch.set_rng_state(state["rng"].cpu())  # map_location moved it too
         if done_steps and state.get("world_size") != world:
             if rank == 0:
                 print(f"world size changed ({state.get('world_size')} -> {world}): "
