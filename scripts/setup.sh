@@ -3,8 +3,9 @@
 # wheel 2.13.0 — an unpinned `torch` would pull a multi-GB CUDA build), elaunch
 # itself (editable) and the example's dependency (scikit-learn).
 #   scripts/setup.sh          runtime + example
-#   scripts/setup.sh --test   also the test dependencies (the etcd server, scripts/install-etcd.sh; Slurm
-#                             and munge, scripts/install-slurm.sh)
+#   scripts/setup.sh --test   also the test dependencies (the etcd server, scripts/install-etcd.sh; the
+#                             Prometheus server, scripts/install-prometheus.sh; Slurm and munge,
+#                             scripts/install-slurm.sh)
 #                             and tests/plugins/elaunch_test_plugin, a package registering torchrun
 #                             entry points (torchrun.logs_specs, torchrun.handlers) for the plugin tests
 set -euo pipefail
@@ -19,6 +20,7 @@ pip install -e ".[${extras}]"
 if [ "${1:-}" = "--test" ]; then
   pip install --no-deps ./tests/plugins/elaunch_test_plugin
   bash scripts/install-etcd.sh || echo "warning: could not install etcd-server; the etcd tests will be skipped" >&2
+  bash scripts/install-prometheus.sh || echo "warning: could not install prometheus; the tests with a real Prometheus server will be skipped" >&2
   bash scripts/install-slurm.sh || echo "warning: could not install Slurm; the Slurm tests (tests/slurm) will be skipped" >&2
 fi
 .venv/bin/python -c "import torch, psutil, click, elaunch; print('elaunch', elaunch.__version__, 'torch', torch.__version__)"
