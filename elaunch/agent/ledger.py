@@ -32,8 +32,6 @@ CATEGORIES = ("productive", "rendezvous", "starting", "restoring", "hung", "stop
 _BUSY = ("productive", "restoring")
 #: Events that end a node's part of the job.
 END_KINDS = ("job_succeeded", "job_failed", "node_not_needed")
-#: Categories during which a worker group runs.
-_RUNNING = ("starting", "productive", "restoring", "hung")
 
 
 class Ledger:
@@ -54,6 +52,7 @@ class Ledger:
         self._since = 0.0  # when ``state`` began
         self._totals = dict.fromkeys(CATEGORIES, 0.0)  # of the closed segments
         self._segments: list[list] = []  # closed [start, end, category], in time order
+        self._running = False  # a worker group runs (workers_started until its stop)
         self._behind = False  # a group stopped at a known step: the next group restores until caught_up
 
     def observe(self, event: dict) -> None:
@@ -73,8 +72,10 @@ class Ledger:
         t = max(t, self._since)
         self.last = t if self.last is None else max(self.last, t)
         if kind == "rendezvous_join":
+            self._running = False
             self._to("rendezvous", t)
         elif kind in ("rendezvous_complete", "workers_started"):
+            self._running = self._running or kind == "workers_started"
             if self.state in ("rendezvous", "stopped"):
                 self._to("starting", t)
         elif kind == "training":
@@ -87,7 +88,8 @@ class Ledger:
         elif kind in ("worker_exited", "restart"):
             if event.get("step") is not None:
                 self._behind = True
-            if self.state in _RUNNING:
+            if self._running:
+                self._running = False
                 self._to("stopped", t)
         elif kind == "hang":
             self._hang(t, float(event.get("quiet_seconds") or 0.0))
@@ -109,7 +111,7 @@ class Ledger:
 
     def _hang(self, t: float, quiet: float) -> None:
         """Relabel the busy time in ``[t - quiet, t]`` as hung; the group stays hung until it stops."""
-        if self.state not in _RUNNING:
+        if not self._running:
             return
         self._to("hung", t)  # closes the open segment at t
         cut = t - quiet
@@ -129,7 +131,9 @@ class Ledger:
     def seconds(self, now: float) -> dict[str, float]:
         """Seconds per category from the first event until ``now`` (or the node's job end, if earlier).
 
-        Every category is present; the values sum to ``min(now, end) - start`` (0 before any event).
+        Every category is present; the values sum to ``min(now, end) - start`` (0 before any
+        event) for a ``now`` at or after the latest event (an earlier one counts the time up
+        to the latest transition whole).
         """
         out = dict(self._totals)
         if self.state is not None and self.end is None and now > self._since:
