@@ -61,7 +61,7 @@ class LaunchConfig:
         cmd: the worker argv, e.g. ``("/usr/bin/python3", "-u", "train.py", "--lr=1")``.
         standalone: True when the user asked for ``--standalone``.
         warm_start_modules: ``--warm-start``: modules the spare worker interpreters
-            import in advance (``--warm-start-modules``, default ``("torch",)``), or
+            import in advance (``--warm-start-modules``, default ``("torch", "torch._dynamo")``), or
             None when warm start is off (the default; also with ``--no-python``).
         checkpoint_replicas: peer nodes that keep a copy of each node's in-memory snapshots
             (``--checkpoint-replicas``, >= 0; 0 is off); None: auto, 1 when ``max_nodes`` > 1

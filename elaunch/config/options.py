@@ -21,8 +21,8 @@ from elaunch.config.errors import ConfigError
 from elaunch.rendezvous.registry import user_backend_names
 
 __all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_MASTER_PORT", "DEFAULT_PERSIST_INTERVAL", "DEFAULT_SHUTDOWN_TIMEOUT",
-           "DEFAULT_SIGNALS", "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS", "LaunchOptions", "Option",
-           "default_of", "parse_replicas", "replicas_for"]
+           "DEFAULT_SIGNALS", "DEFAULT_WARM_MODULES", "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS",
+           "LaunchOptions", "Option", "default_of", "parse_replicas", "replicas_for"]
 
 #: Seconds between SIGTERM and SIGKILL when neither the flag nor ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -34,6 +34,9 @@ START_METHODS = ("spawn", "fork", "forkserver")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 #: ``--signals-to-handle`` default, as torchrun.
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: ``--warm-start-modules`` default: ``torch._dynamo`` because the first ``torch.optim`` optimizer imports it
+#: (about 1 s of CPU), so nearly every training script does.
+DEFAULT_WARM_MODULES = ("torch", "torch._dynamo")
 #: ``--forward-signals`` default, minus any signal handled: notices (Slurm's ``--signal=B:USR1@120``), not stops.
 DEFAULT_FORWARD_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
@@ -182,7 +185,8 @@ _ROWS = (
            "--no-python.", False),
     Option("warm_start", WORKERS, "Keep a spare interpreter per worker with --warm-start-modules imported, so "
            "restarted workers skip those imports (elaunch only; not with --no-python).", False, elaunch_only=True),
-    Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance.", "torch", "MOD,...",
+    Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance (torch._dynamo: the first "
+           "torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES), "MOD,...",
            V.parse_comma_list, argtype=comma_list, elaunch_only=True),
     Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
            f"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 
 from elaunch.config.errors import ConfigError
+from elaunch.config.options import DEFAULT_WARM_MODULES
 
 
 def build_cmd(
@@ -74,7 +75,8 @@ def warm_start_modules(
     """Resolve ``--warm-start``/``--warm-start-modules`` (elaunch flags, no torchrun equivalent).
 
     Args:
-        on: the ``--warm-start`` flag; modules: module names or empty for ``("torch",)``;
+        on: the ``--warm-start`` flag; modules: module names or empty for the default
+            (:data:`~elaunch.config.options.DEFAULT_WARM_MODULES`);
         no_python: ``--no-python`` given (warm start then does not apply).
 
     Returns:
@@ -86,7 +88,7 @@ def warm_start_modules(
     """
     if not on:
         return None, []
-    names = tuple(modules) if modules else ("torch",)
+    names = tuple(modules) if modules else DEFAULT_WARM_MODULES
     for name in names:
         if not _MODULE_RE.match(name):
             raise ConfigError(f"--warm-start-modules={','.join(names)}: {name!r} is not a module name")

@@ -2,7 +2,13 @@
 
 Started by ``elaunch.procs.warm`` while a worker group runs. It puts the cold
 worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
-``torch``), then blocks reading pipe ``fd``. The agent writes one handoff and
+``torch``) in a thread of the lowest CPU priority (nice 19), and blocks reading pipe
+``fd`` meanwhile. The spare starts as the group it serves next starts: importing torch
+there at normal priority took seconds of CPU from the new group's own start (3 test
+hosts on 2 cores: about 3 s of CPU per spare). At nice 19 the import runs on idle CPU
+only; the main thread, which later runs the worker, keeps its priority (Linux nice is
+per thread, and an unprivileged process could never raise it back). A handoff waits for
+the import to finish: by then the group the spare replaces has stopped. The agent writes one handoff and
 closes the pipe; the handoff is NUL-separated, file-system-encoded strings:
 
     mode  target  N  arg_1 .. arg_N  M  orig_1 .. orig_M  key_1 value_1 ...
@@ -17,8 +23,12 @@ Stdlib only and nothing beyond what the interpreter has loaded at start-up, so
 the worker's ``sys.modules`` is the cold worker's plus ``<modules>``.
 """
 
+import _thread
 import os
 import sys
+
+#: nice value of the importing thread: the lowest priority an unprivileged thread can take
+IMPORT_NICE = 19
 
 
 def _read_all(fd):
@@ -70,17 +80,31 @@ def _run_module(name, args):
     runpy._run_module_as_main(name, True)
 
 
-def main():
-    fd, path0, modules = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
-        sys.path[0] = path0  # what the cold worker has while it imports
-    for name in modules.split(","):
-        if name:
+def _import_all(names, done):
+    """Import ``names`` at nice :data:`IMPORT_NICE` (this thread only), then release ``done``."""
+    try:
+        try:
+            os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), IMPORT_NICE)  # Linux: a thread id
+        except OSError:
+            pass
+        for name in names:
             try:
                 __import__(name)
             except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
                 pass
+    finally:
+        done.release()
+
+
+def main():
+    fd, path0, modules = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
+        sys.path[0] = path0  # what the cold worker has while it imports
+    done = _thread.allocate_lock()
+    done.acquire()
+    _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done))
     data = _read_all(fd)
+    done.acquire()  # the imports finished (an empty handoff too: no import left half-done at exit)
     if not data:
         return 0  # discarded by the agent
     mode, target, args, orig, env = _decode(data)

@@ -6,7 +6,8 @@ keeps one spare per local rank for the *next* attempt: a direct child of the
 agent started exactly like a worker (own session, ``PR_SET_PDEATHSIG``, the next
 attempt's log files, registered with the reaper), with the environment known in
 advance (the agent's, ``OMP_NUM_THREADS``, ``LOCAL_RANK``...), which imports the
-configured modules (default ``torch``) and then blocks on a pipe. When the next
+configured modules (``--warm-start-modules``) at the lowest CPU priority, and blocks
+on a pipe. When the next
 group starts, the agent hands each spare its argv and complete environment
 (rank-specific variables included) and the spare runs the script as
 ``python script.py`` / ``python -m module`` would (see ``_warm_child.py``).
@@ -39,8 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
-#: Modules a spare imports when none are named (``--warm-start-modules``).
-DEFAULT_MODULES = ("torch",)
+
 #: Worker variables that may change from one round to the next: set only at handoff.
 ROUND_KEYS = frozenset(
     {
@@ -144,7 +144,7 @@ class WarmPool:
         reaper: watchdog that kills the spares if the agent is killed, or None.
     """
 
-    def __init__(self, modules: tuple[str, ...] = DEFAULT_MODULES, reaper: "Reaper | None" = None) -> None:
+    def __init__(self, modules: tuple[str, ...], reaper: "Reaper | None" = None) -> None:
         self._modules = tuple(modules)
         self._reaper = reaper
         self._attempt: int | None = None

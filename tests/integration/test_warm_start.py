@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, alive, kill_tree, run, start
+from tests.helpers import SCRIPTS, alive, kill_tree, launcher_env, run, start
 
 WARM = ("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--warm-start", "--warm-start-modules=json")
 #: Values that differ between any two attempts, warm or cold.
@@ -61,6 +62,25 @@ def test_restarted_script_sees_what_a_cold_one_sees(tmp_path):
         assert warm["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
         assert warm["argv"] == [str(SCRIPTS / "warm_probe.py"), str(out), "x y"]
         assert warm["path0"] == str(SCRIPTS) and warm["name"] == "__main__" and warm["main_is_me"]
+
+
+def test_spares_import_at_the_lowest_priority_and_workers_run_at_the_agents(tmp_path):
+    """A spare imports in a nice-19 thread (idle CPU only, beside the group it serves next); the worker it
+    becomes runs its script at the agent's priority, as a cold worker does."""
+    out, nice = tmp_path / "out", tmp_path / "nice"
+    out.mkdir()
+    nice.mkdir()
+    env = {**launcher_env(), "WARM_NICE_OUT": str(nice)}
+    r = run("elaunch", *WARM[:-1], "--warm-start-modules=json,warm_nice_probe", str(SCRIPTS / "warm_probe.py"),
+            str(out), cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    imports = {p.name: p.read_text() for p in nice.iterdir()}
+    warm_pids = {str(json.loads((out / f"probe_{rank}_1.json").read_text())["pid"]) for rank in (0, 1)}
+    assert warm_pids <= set(imports), (warm_pids, imports)  # the workers of attempt 1 were these spares
+    assert {imports[p] for p in warm_pids} == {"19"}, imports
+    for rank in (0, 1):
+        cold, warm = _probes(out, rank)
+        assert cold["nice"] == warm["nice"] == os.getpriority(os.PRIO_PROCESS, 0), (cold["nice"], warm["nice"])
 
 
 def test_module_mode_relative_path_and_symlink(tmp_path):

@@ -77,8 +77,8 @@ def script(tmp_path):
 
 def test_flag_defaults_and_env(script):
     assert parse_config([script], {}).warm_start_modules is None
-    assert parse_config(["--warm-start", script], {}).warm_start_modules == ("torch",)
-    assert parse_config([script], {"PET_WARM_START": "1"}).warm_start_modules == ("torch",)
+    assert parse_config(["--warm-start", script], {}).warm_start_modules == ("torch", "torch._dynamo")
+    assert parse_config([script], {"PET_WARM_START": "1"}).warm_start_modules == ("torch", "torch._dynamo")
     cfg = parse_config(["--warm-start", "--warm-start-modules=numpy,torch.distributed", script], {})
     assert cfg.warm_start_modules == ("numpy", "torch.distributed")
 

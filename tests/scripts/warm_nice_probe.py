@@ -1,0 +1,11 @@
+"""A module for --warm-start-modules: at import, writes the importing thread's nice value.
+
+Into ``$WARM_NICE_OUT/<pid>`` (when that variable is set); a spare imports it in its
+low-priority import thread (``elaunch.procs._warm_child``).
+"""
+import os
+
+_out = os.environ.get("WARM_NICE_OUT")
+if _out:
+    with open(os.path.join(_out, str(os.getpid())), "w") as _f:
+        _f.write(str(os.getpriority(os.PRIO_PROCESS, 0)))  # Linux: the calling thread's
