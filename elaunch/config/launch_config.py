@@ -49,6 +49,8 @@ class LaunchConfig:
         hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
             made one) before it counts as hung, stacks dumped, a failure of its rank;
             0.0 is off (``--hang-timeout``, elaunch only), >= 0.
+        metrics_port: the TCP port this agent serves its Prometheus ``/metrics`` on (``--metrics-port``,
+            elaunch only), 0-65535 (0: a free port, logged); None: no metrics server.
         event_log_handler: torch event handler name (``--event-log-handler``).
         logs_specs: ``torchrun.logs_specs`` entry-point name, or None for the default.
         virtual_local_rank: set LOCAL_RANK=0 for every worker (``--virtual-local-rank``).
@@ -96,6 +98,7 @@ class LaunchConfig:
     signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")
     forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
     hang_timeout: float = default_of("hang_timeout")
+    metrics_port: int | None = None
     event_log_handler: str = default_of("event_log_handler")
     logs_specs: str | None = None
     virtual_local_rank: bool = False

@@ -234,6 +234,10 @@ _ROWS = (
            torch="duplicate_stdout_filters"),
     Option("duplicate_stderr_filters", LOGS, "Same as --duplicate-stdout-filters, for stderr.", "", "A,B,...",
            V.parse_comma_list, argtype=comma_list, torch="duplicate_stderr_filters"),
+    Option("metrics_port", LOGS, "Serve this agent's Prometheus metrics (docs/metrics.md) at "
+           "http://ADDR:PORT/metrics, ADDR being --local-addr or every interface; 0 picks a free port, which the "
+           "agent logs [default: none, no metrics server] (elaunch only).", None, "PORT",
+           partial(V.parse_int, minimum=0, maximum=65535), argtype=int, elaunch_only=True),
     Option("event_log_handler", LOGS, "torch.distributed.elastic event handler name.", "null", "NAME",
            torch="event_log_handler"),
     Option("logs_specs", LOGS, "Name of a 'torchrun.logs_specs' entry point customising log files.", None, "NAME",

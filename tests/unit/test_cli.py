@@ -59,6 +59,8 @@ def script(tmp_path):
         ("--forward-signals", "", "forward_signals", ()),
         ("--hang-timeout", "2.5", "hang_timeout", 2.5),
         ("--hang_timeout", "0", "hang_timeout", 0.0),
+        ("--metrics-port", "0", "metrics_port", 0),
+        ("--metrics_port", "9400", "metrics_port", 9400),
         ("--shutdown-timeout", "5", "shutdown_timeout", 5.0),
         ("--shutdown_timeout", "0", "shutdown_timeout", 0.0),
         ("--rdzv-conf", "a=1", "rdzv_configs", {"a": "1"}),
@@ -133,6 +135,13 @@ def test_forward_signals_and_hang_timeout_defaults_and_env(script):
                      {"PET_FORWARD_SIGNALS": "SIGUSR2", "PET_HANG_TIMEOUT": "30"})
     assert (c.forward_signals, c.hang_timeout) == (("SIGUSR1",), 1.0)
 
+
+
+def test_metrics_port_is_off_by_default_and_read_from_pet_env(script):
+    assert parse_config([script], {}).metrics_port is None
+    assert parse_config([script], {"PET_METRICS_PORT": ""}).metrics_port is None  # empty: unset
+    assert parse_config([script], {"PET_METRICS_PORT": "0"}).metrics_port == 0
+    assert parse_config(["--metrics-port=9401", script], {"PET_METRICS_PORT": "0"}).metrics_port == 9401
 
 def test_default_forward_signals_yield_to_signals_to_handle(script):
     # torchrun users' --signals-to-handle SIGUSR1 keeps its meaning (stop); only the default yields
