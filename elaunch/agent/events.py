@@ -11,7 +11,8 @@ handler prints torch's events; ``null`` and ``dynamic_rendezvous`` (a null
 handler in torch too) print nothing. The file is written either way.
 
 Writing never raises into the agent: the first OSError is logged once and the
-log goes quiet. Each event is one ``os.write`` of one line to a file opened
+log goes quiet. Observers (:meth:`EventLog.add_observer`, e.g. ``--metrics-port``'s
+``elaunch.agent.metrics``) get each event's dict as it is written, file or not. Each event is one ``os.write`` of one line to a file opened
 with ``O_APPEND`` (no buffer, no fsync), so a notice written from a signal
 handler cannot tear a line the main thread is writing. Stdlib only.
 """
@@ -101,6 +102,17 @@ class EventLog:
         self._clock = clock
         self._fd: int | None = None
         self._quiet = path is None  # no file, or it failed once, or closed
+        self._closed = False
+        self._observers: list[Callable[[dict], None]] = []
+
+    def add_observer(self, observer: Callable[[dict], None]) -> None:
+        """Call ``observer`` with every later event's dict, the one written to the file (with or without a file).
+
+        Called in the thread that emits, in the order of :meth:`emit` calls, before
+        :meth:`close`; the dict must not be changed. An observer that raises is
+        logged once and gets no more events: it never raises into the agent.
+        """
+        self._observers.append(observer)
 
     def emit(self, kind: str, round: int | None = None, at: float | None = None, **fields) -> None:
         """Append one event of ``kind`` with ``fields`` (JSON values; others are written as ``str``).
@@ -109,7 +121,7 @@ class EventLog:
             round: the event's round, default :attr:`round`.
             at: its time in seconds since the epoch, default now.
         """
-        if self._quiet and self._echo is None:
+        if self._closed or (self._quiet and self._echo is None and not self._observers):
             return
         doc = {"time": round_time(self._clock() if at is None else at), "kind": kind, "node": self.node,
                "host": self.host, "round": self.round if round is None else round, **fields}
@@ -129,10 +141,18 @@ class EventLog:
         except Exception as exc:  # a user's torch handler: its fault is logged, never the agent's end
             log.warning("--event-log-handler failed: %s; events go to the file only", exc)
             self._echo = None
+        for observer in tuple(self._observers):
+            try:
+                observer(doc)
+            except Exception as exc:
+                log.warning("event observer %s failed on a %s event: %r; it gets no more events",
+                            getattr(observer, "__qualname__", observer), kind, exc)
+                self._observers.remove(observer)
 
     def close(self) -> None:
-        """Close the file; later events are dropped. Idempotent."""
+        """Close the file; later events are dropped (observers get none either). Idempotent."""
         self._quiet = True
+        self._closed = True
         self._echo = None
         if self._fd is not None:
             fd, self._fd = self._fd, None
