@@ -6,6 +6,15 @@ and bumps a native-endian ``uint64`` at offset 0 on every call. The agent maps t
 file and reads the counter without any system call on either side (see
 :mod:`elaunch.procs.progress_files`).
 
+The file's words (native-endian ``uint64``):
+
+* offset 0: the call counter;
+* offset 8: the exit mark (below);
+* offset 16: the last ``step`` given, plus one (0: no call gave a step);
+* offset 24: when the first call was made, microseconds since the epoch (0: not yet).
+  Written once, before the counter first moves: the agent dates the node's
+  ``training`` event from it, however seldom it looks.
+
 Stdlib only, nothing imported at module level beyond ``os``: ``import elaunch`` stays
 cheap and never imports torch. ``mmap``, ``atexit``, ``faulthandler`` and ``warnings``
 are imported on the first call only.
@@ -42,53 +51,87 @@ PROGRESS_FILE_ENV = "ELAUNCH_PROGRESS_FILE"
 STACKS_FILE_ENV = "ELAUNCH_STACKS_FILE"
 #: Number of the signal that makes the worker dump its stacks into the stacks file.
 STACKS_SIGNAL_ENV = "ELAUNCH_STACKS_SIGNAL"
-#: Bytes of the progress file that this module maps: the uint64 counter at offset 0,
-#: then the exit mark (a uint64 at offset 8: 0, or the worker's pid once it exits).
-MAPPED_BYTES = 16
+#: Bytes of the progress file that this module maps: four uint64 words (the counter,
+#: the exit mark, the step + 1, the first call's time in microseconds; module docstring).
+MAPPED_BYTES = 32
+#: Word indexes in the mapped file.
+COUNTER, EXIT_MARK, STEP, FIRST_CALL_US = 0, 1, 2, 3
 #: Prefix of the line written to the stacks file when the signal handler is registered:
 #: ``elaunch-stacks pid=<pid> signal=<signum>``. The agent sends the signal only to a pid
 #: named on such a line, since the default action of a real-time signal is to terminate.
 STACKS_HEADER = "elaunch-stacks"
 
-# Module state. ``_counter`` is a one-element memoryview of format "Q" once set up.
+# Module state. ``_counter`` is the mapped file's four-word memoryview of format "Q" once set up.
 _counter = None
 _initialised = False
 # Kept referenced for the process lifetime: faulthandler writes to this file's fd.
 _stacks_file = None
 
 
-def progress() -> None:
+def progress(step: int | None = None) -> None:
     """Record that this rank made progress (call once per training step).
 
+    Args:
+        step: the training step just done (an int >= 0, e.g. the optimizer step), or
+            None. With a step the agent knows how far the rank got: after a restart
+            its ``caught_up`` event marks when the node is back at the step it had
+            reached before the failure (the goodput ledger's "restoring" time), and
+            the ``worker_exited`` / ``restart`` events carry it. Without one
+            (the torchrun-era call), only the call counts.
+
     The first call reads ``$ELAUNCH_PROGRESS_FILE``; when it is unset or empty,
-    this and every later call is a no-op. Otherwise the first call maps the file
-    and, when ``$ELAUNCH_STACKS_FILE`` and ``$ELAUNCH_STACKS_SIGNAL`` are set,
-    registers ``faulthandler`` on that signal so the agent can ask for this
+    this and every later call is a no-op. Otherwise the first call maps the file,
+    writes its time, and, when ``$ELAUNCH_STACKS_FILE`` and ``$ELAUNCH_STACKS_SIGNAL``
+    are set, registers ``faulthandler`` on that signal so the agent can ask for this
     process's Python stacks without ptrace. Each later call increments the counter
-    at offset 0 of the file.
+    at offset 0 of the file and, with a step, stores it at offset 16.
 
     Cost: the first call a few system calls (open, fstat, mmap, close, and for the
     stacks file open, write, rt_sigaction); every later call none, about the cost of
-    a global lookup and an integer add (see ``python -m benchmarks.progress_cost``).
+    a global lookup and an integer add, one more store with a step (see
+    ``python -m benchmarks.progress_cost``).
 
     The first call also registers the exit mark (module docstring): once this
     process exits, the agent no longer judges the rank's quiet as a hang.
 
-    Never raises: a file that cannot be opened or mapped (missing, shorter than 16
-    bytes, not writable) or a bad signal number issues one ``RuntimeWarning`` and
-    disables that part.
+    Raises:
+        ValueError: ``step`` is negative or above 2**64 - 2; TypeError: it is not an
+            integer (a Python or numpy int; a float is refused). Only when the file
+            is mapped: without ``$ELAUNCH_PROGRESS_FILE`` the call checks nothing.
+
+    Never raises otherwise: a file that cannot be opened or mapped (missing, shorter
+    than 32 bytes, not writable) or a bad signal number issues one
+    ``RuntimeWarning`` and disables that part.
     """
     counter = _counter
     if counter is not None:
         # Lost increments under thread races are acceptable (module docstring). No
         # wrap-around mask: 2**64 calls take millennia, and the mask costs ~10 ns.
         counter[0] += 1
+        if step is not None:
+            try:  # inline (no call): -1 for a negative step makes the store refuse it too
+                counter[2] = step + 1 if step >= 0 else -1
+            except (TypeError, ValueError):
+                _bad_step(step)
     elif not _initialised:
-        _initialise()
+        _initialise(step)
 
 
-def _initialise() -> None:
-    """First call: map the counter, register the stack dumper. Idempotent."""
+def _store_step(words: memoryview, step: int) -> None:
+    """Write ``step + 1`` at offset 16 (0 stays "no step"); ValueError / TypeError for a bad step."""
+    try:
+        words[STEP] = step + 1 if step >= 0 else -1
+    except (TypeError, ValueError):
+        _bad_step(step)
+
+
+def _bad_step(step: object) -> None:
+    raise (ValueError if hasattr(step, "__index__") else TypeError)(
+        f"elaunch.progress(step={step!r}): step must be an integer from 0 to 2**64 - 2") from None
+
+
+def _initialise(step: int | None) -> None:
+    """First call: map the counter, register the stack dumper, date the first call. Idempotent."""
     global _counter, _initialised
     _initialised = True
     path = os.environ.get(PROGRESS_FILE_ENV)
@@ -103,28 +146,32 @@ def _initialise() -> None:
     except (OSError, ValueError) as exc:
         _warn(f"elaunch.progress(): progress reporting disabled: {PROGRESS_FILE_ENV}={path!r}: {exc}")
         return
+    import atexit
+    import time
+
+    counter[FIRST_CALL_US] = int(time.time() * 1e6)
     counter[0] += 1  # this first call counts too
     _counter = counter
-    import atexit
-
     atexit.register(_mark_exit, counter, os.getpid())
+    if step is not None:
+        _store_step(counter, step)  # a bad step raises, once the file is set up
 
 
 def _mark_exit(words: memoryview, pid: int) -> None:
     """atexit: write ``pid`` as the exit mark, when this is the process that registered it."""
     if os.getpid() == pid:  # a forked child inherits the handler; its exit is not the rank's
         try:
-            words[1] = pid
+            words[EXIT_MARK] = pid
         except ValueError:  # the mapping was released
             pass
 
 
 def _map_counter(path: str) -> memoryview:
-    """Map the first 16 bytes of ``path`` read-write, shared; return a ``"Q"`` view of 2 words.
+    """Map the first 32 bytes of ``path`` read-write, shared; return a ``"Q"`` view of 4 words.
 
     Raises:
         OSError: the file cannot be opened or mapped.
-        ValueError: the file is shorter than 16 bytes.
+        ValueError: the file is shorter than 32 bytes.
     """
     import mmap
 

@@ -6,7 +6,7 @@ plus a stacks file the worker's faulthandler appends to on :data:`STACKS_SIGNAL`
 agent maps the same files read-only, so reading every counter costs no system call.
 
 :class:`ProgressWatch` turns successive counter readings into, per local rank, whether
-it ever reported and how long since its counter last changed. Deciding which ranks
+it ever reported, how long since its counter last changed, and the last step it gave. Deciding which ranks
 are hung from that is left to the caller (a pure function elsewhere).
 
 Stdlib only; no torch.
@@ -22,7 +22,15 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .._worker_progress import MAPPED_BYTES, PROGRESS_FILE_ENV, STACKS_FILE_ENV, STACKS_SIGNAL_ENV
+from .._worker_progress import (
+    EXIT_MARK,
+    FIRST_CALL_US,
+    MAPPED_BYTES,
+    PROGRESS_FILE_ENV,
+    STACKS_FILE_ENV,
+    STACKS_SIGNAL_ENV,
+    STEP,
+)
 
 __all__ = [
     "FILE_BYTES",
@@ -40,8 +48,9 @@ __all__ = [
 #: sent only to a process that registered a handler (see :mod:`elaunch.procs.stacks`).
 STACKS_SIGNAL: int = signal.SIGRTMIN + 3
 #: Size of each progress file in bytes: the uint64 counter at offset 0, the exit mark
-#: (the worker's pid once its interpreter exits) at offset 8, the rest zero (room for
-#: later fields without changing the file's size).
+#: (the worker's pid once its interpreter exits) at offset 8, the last step + 1 at
+#: offset 16, the first call's time (microseconds since the epoch) at offset 24, the
+#: rest zero (room for later fields without changing the file's size).
 FILE_BYTES = 64
 #: Where private directories go when /dev/shm is usable (a tmpfs: no disk writes).
 _SHM = "/dev/shm"
@@ -162,10 +171,24 @@ class ProgressFiles:
         A worker's ``elaunch.progress()`` writes its pid at offset 8 from an
         :mod:`atexit` handler. No system call. Returns ``{}`` after :meth:`close`.
         """
-        return {rank: view[1] for rank, view in self._views.items() if view[1]}
+        return {rank: view[EXIT_MARK] for rank, view in self._views.items() if view[EXIT_MARK]}
+
+    def steps(self) -> dict[int, int | None]:
+        """Local rank -> the last step its worker gave ``elaunch.progress(step=)``, None before any.
+
+        No system call. Returns ``{}`` after :meth:`close`.
+        """
+        return {rank: view[STEP] - 1 if view[STEP] else None for rank, view in self._views.items()}
+
+    def first_calls(self) -> dict[int, float]:
+        """Local rank -> when its worker first called ``elaunch.progress()`` (seconds since the epoch).
+
+        Ranks that have not called yet are left out. No system call; ``{}`` after :meth:`close`.
+        """
+        return {rank: view[FIRST_CALL_US] / 1e6 for rank, view in self._views.items() if view[FIRST_CALL_US]}
 
     def reset(self) -> None:
-        """Zero every counter and exit mark, empty every stacks file, for a new set of workers.
+        """Zero every counter, exit mark, step and first-call time, empty every stacks file, for a new set of workers.
 
         Call only when no worker of the previous set is alive (they would keep
         counting into the same files), and before starting the next set: the stacks
@@ -212,11 +235,13 @@ class RankProgress:
             from when the rank was first seen, if it never changed) to the ``now`` of
             the latest update.
         counter: the latest counter value.
+        step: the last step the rank reported (``progress(step=)``), None before any.
     """
 
     ever_reported: bool
     seconds_since_last_change: float
     counter: int
+    step: int | None = None
 
 
 class ProgressWatch:
@@ -232,14 +257,18 @@ class ProgressWatch:
         self._last: dict[int, int] = {}
         self._changed_at: dict[int, float] = {}
         self._reported: set[int] = set()
+        self._steps: dict[int, int] = {}
         self._now: float | None = None
 
-    def update(self, counters: Mapping[int, int], now: float) -> dict[int, RankProgress]:
+    def update(self, counters: Mapping[int, int], now: float,
+               steps: Mapping[int, int | None] | None = None) -> dict[int, RankProgress]:
         """Record one reading and return the table as of ``now``.
 
         Args:
             counters: local rank -> counter, e.g. :meth:`ProgressFiles.read`.
             now: a monotonic time in seconds, not earlier than the previous update's.
+            steps: local rank -> last reported step or None (:meth:`ProgressFiles.steps`);
+                None: no step read this time (the last ones known stay).
 
         Returns:
             Local rank -> :class:`RankProgress`, for exactly the ranks in ``counters``.
@@ -254,12 +283,16 @@ class ProgressWatch:
             if rank not in counters:
                 del self._last[rank], self._changed_at[rank]
                 self._reported.discard(rank)
+                self._steps.pop(rank, None)
         for rank, value in counters.items():
             if self._last.get(rank) != value:
                 self._last[rank] = value
                 self._changed_at[rank] = now
             if value > 0:
                 self._reported.add(rank)
+        for rank, step in (steps or {}).items():
+            if step is not None and rank in self._last:
+                self._steps[rank] = step
         return self.table()
 
     def table(self) -> dict[int, RankProgress]:
@@ -268,7 +301,7 @@ class ProgressWatch:
         if now is None:
             return {}
         return {
-            rank: RankProgress(rank in self._reported, now - self._changed_at[rank], value)
+            rank: RankProgress(rank in self._reported, now - self._changed_at[rank], value, self._steps.get(rank))
             for rank, value in sorted(self._last.items())
         }
 
@@ -277,4 +310,5 @@ class ProgressWatch:
         self._last.clear()
         self._changed_at.clear()
         self._reported.clear()
+        self._steps.clear()
         self._now = None

@@ -85,7 +85,7 @@ def test_registers_stack_handler_and_names_its_pid(files):
 
 @pytest.mark.parametrize(
     "content, expected",
-    [(b"\0" * 12, "is 12 bytes, needs at least 16"), (None, "No such file")],
+    [(b"\0" * 12, "is 12 bytes, needs at least 32"), (None, "No such file")],
     ids=["too-short", "missing"],
 )
 def test_unusable_file_warns_once_and_never_raises(tmp_path, content, expected):
@@ -263,3 +263,61 @@ def test_progress_watch_rejects_time_going_back_and_resets():
     watch.reset()
     assert watch.table() == {}
     assert watch.update({0: 0}, 1.0) == {0: RankProgress(False, 0.0, 0)}
+
+
+def test_step_is_stored_with_the_first_call_time(files):
+    import time
+
+    before = time.time()
+    out = _python(
+        """
+        import elaunch
+        elaunch.progress(step=7)
+        for s in range(8, 20): elaunch.progress(step=s)
+        elaunch.progress()  # without a step: the last step stays
+        """,
+        files.env(0),
+    )
+    assert out.returncode == 0, out.stderr
+    assert files.read() == {0: 14, 1: 0}
+    assert files.steps() == {0: 19, 1: None}
+    first = files.first_calls()
+    assert list(first) == [0] and before - 1 <= first[0] <= time.time()
+    files.reset()
+    assert files.steps() == {0: None, 1: None} and files.first_calls() == {}
+
+
+def test_step_zero_is_a_step(files):
+    out = _python("import elaunch\nelaunch.progress(step=0)\n", files.env(0))
+    assert out.returncode == 0, out.stderr
+    assert files.steps()[0] == 0
+
+
+@pytest.mark.parametrize("bad, error", [(-1, "ValueError"), (2.5, "TypeError"), ("3", "TypeError"),
+                                        (2**64, "ValueError")])
+def test_bad_step_raises_one_clear_error_and_later_calls_still_count(files, bad, error):
+    out = _python(
+        f"""
+        import elaunch
+        for first in (True, False):
+            try:
+                elaunch.progress(step={bad!r})
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+        elaunch.progress(step=3)
+        """,
+        files.env(0),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [f"{error} elaunch.progress(step={bad!r}): step must be an integer from 0 to 2**64 - 2"] * 2
+    assert files.read()[0] == 3 and files.steps()[0] == 3  # the bad first call set the file up and counted
+
+
+def test_progress_watch_keeps_the_last_step_reported():
+    watch = ProgressWatch()
+    watch.update({0: 1, 1: 0}, 1.0, {0: 5, 1: None})
+    assert watch.update({0: 2, 1: 0}, 2.0) == {0: RankProgress(True, 0.0, 2, 5), 1: RankProgress(False, 1.0, 0)}
+    assert watch.update({0: 3}, 3.0, {0: 6})[0].step == 6
+    watch.reset()
+    assert watch.update({0: 0}, 4.0, {0: None}) == {0: RankProgress(False, 0.0, 0, None)}
