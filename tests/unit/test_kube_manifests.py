@@ -134,3 +134,26 @@ def test_a_name_is_published_only_for_pods_the_service_selects():
     for pod in pods:
         pod.labels["app"] = "other"
     assert kube.dns_records(docs, pods) == {}
+
+
+@pytest.mark.parametrize("name", ["c10d.yaml", "etcd-v3.yaml"])
+def test_prometheus_scrapes_the_port_the_agent_serves_metrics_on(name, monkeypatch):
+    docs, job, pods = _job_pods(name)
+    monkeypatch.chdir(REPO)
+    template = job["spec"]["template"]
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    port = int(annotations["prometheus.io/port"])
+    (spec,) = [c for c in template["spec"]["containers"] if c["name"] == "trainer"]
+    assert {"name": "metrics", "containerPort": port} in spec["ports"]  # what a PodMonitor names
+    for pod in pods:
+        assert parse_config(_trainer(pod).argv[1:], _trainer(pod).env).metrics_port == port
+    services = [d for d in docs if d.get("kind") == "Service" and d["spec"]["selector"] == template["metadata"]["labels"]]
+    for svc in services:  # a ServiceMonitor finds it through the Service's port of the same name
+        assert {"name": "metrics", "port": port} in svc["spec"]["ports"]
+    # the Prometheus Operator's PodMonitor selects these pods and that port
+    monitor = kube.find(kube.load(MANIFESTS / "podmonitor.yaml"), "PodMonitor")
+    (expr,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert expr["key"] == "app" and expr["operator"] == "In"
+    assert template["metadata"]["labels"]["app"] in expr["values"]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
