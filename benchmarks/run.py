@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import failures, link_cut, rdzv_scale, report, scenarios
+from benchmarks import failures, link_cut, metrics_cost, rdzv_scale, report, scenarios
 from benchmarks.common import REPO, log_line
 
 SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
-             "job_abort", "job_abort_etcd", "hang", "exit_abort")
+             "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
 #: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
 #: scenario needs many runs to say anything (a rate), ~30 s even at one repeat.
@@ -161,6 +161,8 @@ def run(a: argparse.Namespace) -> dict:
                 recs.append(rec)
             elif name == "overhead":
                 recs.append(scenarios.bench_overhead(cfg))
+            elif name == "overhead_metrics":
+                recs.append(metrics_cost.bench_overhead_metrics(cfg))
             elif name == "job_abort":
                 recs.append(failures.bench_job_abort(cfg))
             elif name == "job_abort_etcd":

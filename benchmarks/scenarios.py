@@ -344,39 +344,63 @@ def bench_overhead(cfg: BenchConfig) -> Recorder:
                {"kind": "ratio_le", "value": 0.5, "text": "<= 0.5x torchrun"})
     rec.metric("rss", "agent overhead: agent RSS while workers run", "MiB")
     rec.metric("helpers_rss", "agent overhead: RSS of the launcher's helper processes", "MiB")
-    window = cfg.overhead_seconds
 
     def once(which, log, out):
-        settle = 0.5 if cfg.quick else 1.0
-        settle_max = 2.0 if cfg.quick else 8.0
-        proc = start(which, ["--standalone", "--nproc-per-node=2", SLEEPER, str(window + settle_max + 2)], log)
-        try:
-            agent = psutil.Process(proc.pid)
-
-            def split():
-                kids = agent.children(recursive=True)
-                workers = {k.pid for k in kids if _is_sleeper(k)}
-                workers |= {d.pid for k in kids if k.pid in workers for d in _kids(k)}
-                return [k for k in kids if k.pid not in workers], len([k for k in kids if _is_sleeper(k)])
-
-            wait_until(lambda: split()[1] >= 2, 90, "2 workers running", (proc,))
-            time.sleep(settle)  # the measurement window starts after the start-up burst
-            helpers = split()[0]
-            group = [agent, *helpers]
-            _quiet(group, settle_max - settle)
-            c0, t0 = _cpu(group), time.monotonic()
-            rss, hrss = [], []
-            while time.monotonic() - t0 < window:
-                rss.append(_rss(agent))
-                hrss.append(sum(_rss(h) for h in helpers))
-                time.sleep(0.25)
-            c1, t1 = _cpu(group), time.monotonic()
-            _finish(proc, 60, "workers exit")
-        finally:
-            stop([proc])
-        return {"cpu_per_min": (c1 - c0) / (t1 - t0) * 60.0, "rss": max(rss), "helpers_rss": max(hrss)}
+        return idle_window(cfg, which, log)
 
     return _drive(cfg, rec, "overhead", once)
+
+
+def idle_window(cfg: BenchConfig, which: str, log: Path, extra: tuple[str, ...] = (), tick=None,
+                before_exit=None, before_exit_seconds: float = 0.0) -> dict[str, float]:
+    """Measure launcher ``which`` (with ``extra`` flags) idling over two sleeping workers.
+
+    The window lasts ``cfg.overhead_seconds`` and starts after the start-up burst (see
+    :func:`bench_overhead`). ``tick()``, when given, is called every 0.25 s inside the
+    window (from this process: its own CPU is not counted). ``before_exit()``, when given,
+    runs after the window while the workers still sleep (``before_exit_seconds`` more at
+    most) and its dict is merged into the result.
+
+    Returns:
+        ``cpu_per_min`` (launcher CPU seconds per minute in the window), ``rss`` (the agent's
+        peak RSS, MiB), ``helpers_rss`` (its helper processes', MiB), and ``before_exit``'s.
+
+    Raises:
+        DidNotComplete: the workers did not start within 90 s or exit within 60 s.
+    """
+    window = cfg.overhead_seconds
+    settle = 0.5 if cfg.quick else 1.0
+    settle_max = 2.0 if cfg.quick else 8.0
+    proc = start(which, ["--standalone", "--nproc-per-node=2", *extra, SLEEPER,
+                         str(window + settle_max + 2 + before_exit_seconds)], log)
+    try:
+        agent = psutil.Process(proc.pid)
+
+        def split():
+            kids = agent.children(recursive=True)
+            workers = {k.pid for k in kids if _is_sleeper(k)}
+            workers |= {d.pid for k in kids if k.pid in workers for d in _kids(k)}
+            return [k for k in kids if k.pid not in workers], len([k for k in kids if _is_sleeper(k)])
+
+        wait_until(lambda: split()[1] >= 2, 90, "2 workers running", (proc,))
+        time.sleep(settle)  # the measurement window starts after the start-up burst
+        helpers = split()[0]
+        group = [agent, *helpers]
+        _quiet(group, settle_max - settle)
+        c0, t0 = _cpu(group), time.monotonic()
+        rss, hrss = [], []
+        while time.monotonic() - t0 < window:
+            rss.append(_rss(agent))
+            hrss.append(sum(_rss(h) for h in helpers))
+            if tick is not None:
+                tick()
+            time.sleep(0.25)
+        c1, t1 = _cpu(group), time.monotonic()
+        extra_values = before_exit() if before_exit is not None else {}
+        _finish(proc, 60 + before_exit_seconds, "workers exit")
+    finally:
+        stop([proc])
+    return {"cpu_per_min": (c1 - c0) / (t1 - t0) * 60.0, "rss": max(rss), "helpers_rss": max(hrss), **extra_values}
 
 
 #: Seconds of the look that ends the overhead benchmark's settling: the launcher used at
