@@ -103,6 +103,7 @@ class CheckpointKeeper:
         self._signalled = False
         self._warned_static = False
         self._asked: str | None = None  # a persist asked from a signal handler, done at the next poll
+        self._persisted_commit: float | None = None  # when the newest step persisted in this run was committed
         self.polls = False
 
     @classmethod
@@ -296,6 +297,22 @@ class CheckpointKeeper:
         return {"step": own.step if own else None, "time": own.time if own else None,
                 "bytes": self.node_dir.bytes_held() if self.node_dir is not None else 0, "at": self._clock()}
 
+    def snapshot_facts(self):
+        """This node's newest in-memory snapshot for ``--metrics-port``: a ``metrics.Snapshot``, or None when off.
+
+        ``step`` and ``time`` (seconds since the epoch) are the newest commit in this node's slots, read
+        now (``/dev/shm`` headers, no network: safe from the metrics server's thread); ``persisted_time``
+        is when the newest step persisted to ``--checkpoint-dir`` in this run was committed (None before
+        the first persist, and without ``--checkpoint-dir``).
+        """
+        from elaunch.agent.metrics import Snapshot
+
+        node_dir = self.node_dir
+        if node_dir is None:
+            return None
+        own = slotfile.newest(slotfile.inventory(node_dir.path, ("slots",)))
+        return Snapshot(own.step if own else None, own.time if own else None, self._persisted_commit)
+
     def ask_persist(self, why: str) -> None:
         """Have the next :meth:`poll` ask for a persist (safe in a signal handler: sets one attribute)."""
         self._asked = why
@@ -322,8 +339,17 @@ class CheckpointKeeper:
 
     def _report_persisted(self, persister) -> None:
         for step, path, seconds in persister.poll_done():
+            self._persisted_commit = self._commit_time(step, self._clock() - seconds)
             self._events.checkpoint_persisted(step, path, seconds)
             log.info("checkpoint of step %d persisted to %s in %.2f s", step, path, seconds)
+
+    def _commit_time(self, step: int, fallback: float) -> float:
+        """When ``step`` was committed in this node's slots (its last rank's commit); ``fallback`` (the persist's
+        start, later than the commit) once every slot of that step was overwritten."""
+        node_dir = self.node_dir
+        infos = slotfile.inventory(node_dir.path, ("slots",)) if node_dir is not None else []
+        times = [i.time for i in infos if i.step == step]
+        return max(times) if times else fallback
 
 
 def _checked(helper):

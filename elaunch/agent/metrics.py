@@ -1,0 +1,462 @@
+"""``--metrics-port``: the agent's Prometheus metrics, served at ``/metrics`` through ``prometheus_client``.
+
+What follows from events (restarts, rounds, membership, hangs, the goodput
+ledger) is folded from the agent's event log as it is written: :class:`AgentMetrics`
+is an observer of :class:`~elaunch.agent.events.EventLog` (``add_observer``) and
+gets the very dicts written to ``events.jsonl``, so the metrics and the file
+cannot disagree. What is state rather than an event (each local rank's progress,
+the workers' states between the agent's looks, the newest snapshot) is read when
+Prometheus scrapes, by a custom collector, from callables the agent hands in;
+none of them touches the network or the rendezvous' store, so a scrape costs
+well under the 10 ms budget. The names, types, labels and units are listed in
+docs/metrics.md ("Metrics").
+
+Every metric has the labels ``run_id``, ``node`` (the rendezvous' node id, as in
+the event log) and ``role``; per-rank gauges add ``local_rank``. The metrics live
+in their own ``CollectorRegistry`` (never the process-wide default one: under
+``elaunch.run`` the agent runs inside a user's program, which may have its own).
+torchrun has nothing of the kind (only torch's in-process ``metrics`` API with a
+console handler).
+
+Every family is built at scrape time by one collector from figures this module
+keeps (prometheus_client's metric families, registry, text format and server do
+the rest), rather than through ``Counter``/``Histogram`` objects: those add a
+``<name>_created`` gauge family per metric (six names outside the contract; turning
+them off is a process-wide setting, the user's program's too under ``elaunch.run``),
+write to files under ``$PROMETHEUS_MULTIPROC_DIR`` when a user's job sets it, and
+each takes a lock of its own.
+
+Threads: :meth:`AgentMetrics.observe` runs in the thread that emits (the agent's
+main thread); a scrape runs in the HTTP server's thread. One lock guards the
+figures between them. ``notice`` events, the only ones a signal handler emits,
+are not looked at (no metric counts them), so the lock is never taken from a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from elaunch.agent.ledger import CATEGORIES, Ledger
+
+log = logging.getLogger("elaunch.agent")
+
+__all__ = ["BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "ProgressSampler", "Snapshot",
+           "serve_metrics", "start_metrics"]
+
+#: The labels of every metric (per-rank gauges add ``local_rank``).
+LABELS = ("run_id", "node", "role")
+#: ``elaunch_restarts_total``'s ``cause`` values, each exported from the start (0 until it happens).
+CAUSES = ("failure", "membership", "node_lost")
+#: ``elaunch_workers``'s ``state`` values.
+WORKER_STATES = ("running", "succeeded", "failed", "stopped")
+#: ``elaunch_rendezvous_duration_seconds`` bucket bounds, seconds: a standalone round takes
+#: milliseconds, a c10d or etcd round a second or more, one waiting for nodes minutes.
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
+#: The event-fed counters besides restarts: (key, name without ``_total``, help).
+_COUNTERS = (
+    ("rounds", "elaunch_rendezvous_rounds", "Rendezvous rounds this node completed"),
+    ("changes", "elaunch_membership_changes", "Rounds whose member nodes differ from this node's previous round's"),
+    ("losses", "elaunch_node_losses", "Nodes of this node's previous round missing from its next one (killed, cut "
+     "off, stopped by a signal, sitting out)"),
+    ("hangs", "elaunch_hang_verdicts", "Hang verdicts on this node (--hang-timeout, or workers stuck in "
+     "uninterruptible sleep)"),
+)
+#: Seconds between the progress sampler's looks at the counters: the most ``elaunch_progress_age_seconds``
+#: can read short (``elaunch.progress()`` writes no time; a look costs no system call).
+SAMPLE_EVERY = 1.0
+#: Where the server listens without ``--local-addr``: every IPv4 interface.
+ALL_INTERFACES = "0.0.0.0"
+
+
+class Snapshot(NamedTuple):
+    """This node's in-memory checkpoints as the scrape reads them (``CheckpointKeeper.snapshot_facts``).
+
+    Attributes:
+        step: the newest step committed to this node's slots, or None (no ``ckpt.save`` yet).
+        time: when it was committed (seconds since the epoch), or None.
+        persisted_time: when the newest step persisted to ``--checkpoint-dir`` in this run was
+            committed in memory (seconds since the epoch), or None (no ``--checkpoint-dir``, or
+            nothing persisted yet).
+    """
+
+    step: int | None = None
+    time: float | None = None
+    persisted_time: float | None = None
+
+
+def _nothing() -> dict:
+    return {}
+
+
+class AgentMetrics:
+    """One agent run's metrics: counters fed by events, gauges read at scrape time.
+
+    Args:
+        run_id, node, role: the values of the labels every metric has; ``node`` None until
+            :meth:`watch` names it (a scrape before then answers no metric).
+        progress: returns local rank -> ``(seconds since its last elaunch.progress() or None
+            before any call, last reported step or None)`` for the running group; no I/O.
+        exit_codes: returns local rank -> exit code (None: running) of the running group as the
+            agent last saw them, without reaping; no I/O.
+        snapshot: returns this node's :class:`Snapshot`, or None (in-memory checkpoints off);
+            it may read ``/dev/shm`` but nothing over the network.
+        clock: seconds since the epoch (the ledger's ``now``; injectable for tests).
+
+    Attributes:
+        registry: the ``CollectorRegistry`` holding every metric (give it to ``generate_latest``).
+        address: ``(host, port)`` the server listens on, once :meth:`serve` started it.
+    """
+
+    def __init__(self, run_id: str, node: str | None, role: str, *,
+                 progress: Callable[[], Mapping[int, tuple[float | None, int | None]]] = _nothing,
+                 exit_codes: Callable[[], Mapping[int, int | None]] = _nothing,
+                 snapshot: Callable[[], Snapshot | None] = lambda: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._const = {"run_id": run_id, "node": node, "role": role}
+        self._progress, self._exit_codes, self._snapshot, self._clock = progress, exit_codes, snapshot, clock
+        self._lock = threading.Lock()
+        self._ledger = Ledger()
+        self._group: dict[int, str] = {}  # local rank -> state, from the events of this node's last group
+        self._ledger_shown = dict.fromkeys(CATEGORIES, 0.0)  # what the counters said last: they never go down
+        self._server = self._thread = None
+        self._sampler: ProgressSampler | None = None
+        self.address: tuple[str, int] | None = None
+        # the event-fed counters, exported by the collector (_event_families)
+        self._restarts = dict.fromkeys(CAUSES, 0)
+        self._counts = {"rounds": 0, "changes": 0, "losses": 0, "hangs": 0}
+        self._round_buckets = [0] * len(BUCKETS)  # rounds that took at most BUCKETS[i] seconds
+        self._round_seconds = 0.0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_ScrapeTime(self))
+
+    def watch(self, events, node: str, *, progress_files: Callable[[], Any] | None = None,
+              exit_codes: Callable[[], Mapping[int, int | None]] | None = None,
+              snapshot: Callable[[], Snapshot | None] | None = None) -> None:
+        """Observe ``events`` (an ``EventLog``) from now on, as node ``node``; set the scrape-time sources given.
+
+        The agent calls this once its run's event log is open (the server started before,
+        so that a taken port is bad input before anything else starts).
+
+        Args:
+            progress_files: returns the node's ``ProgressFiles`` (or None): a
+                :class:`ProgressSampler` reads them for the progress gauges.
+            exit_codes, snapshot: as the constructor's.
+        """
+        if progress_files is not None:
+            self._sampler = ProgressSampler(progress_files)
+            self._sampler.start()
+            self._progress = self._sampler.table
+        self._exit_codes = exit_codes or self._exit_codes
+        self._snapshot = snapshot or self._snapshot
+        self._const = {**self._const, "node": node}
+        events.add_observer(self.observe)
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def observe(self, event: Mapping[str, Any]) -> None:
+        """Fold one event dict of ``events.jsonl`` (an ``EventLog`` observer); unknown kinds change nothing.
+
+        The mapping (docs/metrics.md): ``restart`` -> ``elaunch_restarts_total{cause}``;
+        ``rendezvous_complete`` -> ``elaunch_rendezvous_rounds_total`` and its ``seconds`` into
+        ``elaunch_rendezvous_duration_seconds``; ``membership_change`` ->
+        ``elaunch_membership_changes_total``, and its ``left`` nodes into
+        ``elaunch_node_losses_total``; ``hang`` -> ``elaunch_hang_verdicts_total``;
+        ``workers_started`` / ``worker_exited`` -> the group's states (``elaunch_workers``);
+        every event but ``notice`` -> the ledger.
+        """
+        kind = event.get("kind")
+        if kind == "notice":  # emitted from a signal handler: no lock, and no metric counts it
+            return
+        with self._lock:
+            if kind == "restart":
+                cause = str(event.get("cause"))
+                self._restarts[cause] = self._restarts.get(cause, 0) + 1
+            elif kind == "rendezvous_complete":
+                self._counts["rounds"] += 1
+                seconds = event.get("seconds")
+                if isinstance(seconds, (int, float)):
+                    self._round_seconds += seconds
+                    for i, bound in enumerate(BUCKETS):
+                        self._round_buckets[i] += seconds <= bound
+            elif kind == "membership_change":
+                self._counts["changes"] += 1
+                self._counts["losses"] += len(event.get("left") or ())
+            elif kind == "hang":
+                self._counts["hangs"] += 1
+            elif kind == "workers_started":
+                self._group = dict.fromkeys(event.get("local_ranks") or (), "running")
+            elif kind == "worker_exited" and event.get("local_rank") in self._group:
+                self._group[event["local_rank"]] = _exit_state(event.get("exitcode"), bool(event.get("stopped")))
+            self._ledger.observe(dict(event))
+
+    def _event_families(self, keys: list[str], values: list[str]) -> list:
+        """The event-fed counters and histogram (copied under the lock)."""
+        with self._lock:
+            restarts, counts = dict(self._restarts), dict(self._counts)
+            buckets, total = list(self._round_buckets), self._round_seconds
+        fam = CounterMetricFamily("elaunch_restarts", "Worker-group restarts on this node, by the restart event's "
+                                  "cause (failure: counted against --max-restarts; membership, node_lost: not)",
+                                  labels=[*keys, "cause"])
+        for cause, n in restarts.items():
+            fam.add_metric([*values, cause], n)
+        out = [fam]
+        for key, name, text in _COUNTERS:
+            out.append(CounterMetricFamily(name, text, labels=keys))
+            out[-1].add_metric(values, counts[key])
+        hist = HistogramMetricFamily("elaunch_rendezvous_duration_seconds", "Seconds from joining a rendezvous "
+                                     "round to its completion, on this node", labels=keys)
+        hist.add_metric(values, [(_le(b), n) for b, n in zip(BUCKETS, buckets)], total)
+        out.append(hist)
+        return out
+
+    # -- scrape time -------------------------------------------------------------------------------------------
+
+    def worker_states(self) -> dict[str, int]:
+        """``state -> workers`` of this node's last group (every state present; all 0 before a group).
+
+        A rank still running by the events is looked up in ``exit_codes``: a worker that exited
+        is counted succeeded (0) or failed before the agent stops the group and logs it.
+        """
+        with self._lock:
+            group = dict(self._group)
+        codes = self._exit_codes() if "running" in group.values() else {}
+        out = dict.fromkeys(WORKER_STATES, 0)
+        for lr, state in group.items():
+            if state == "running" and codes.get(lr) is not None:
+                state = _exit_state(codes[lr], stopped=False)
+            out[state] += 1
+        return out
+
+    def ledger_seconds(self, now: float) -> tuple[dict[str, float], float | None]:
+        """``(seconds per category as the counters show them, goodput)`` until ``now`` (seconds since the epoch).
+
+        A hang verdict moves its quiet seconds from productive (or restoring) to hung in the
+        ledger; a counter never goes down, so each category shows the most it ever reached:
+        ``productive`` then stays flat until the ledger's own figure passes it again. The
+        goodput is the ledger's, exact.
+        """
+        with self._lock:
+            seconds = self._ledger.seconds(now)
+            goodput = self._ledger.goodput(now)
+            for cat, value in seconds.items():
+                self._ledger_shown[cat] = max(self._ledger_shown[cat], value)
+            return dict(self._ledger_shown), goodput
+
+    def collect_now(self) -> list:
+        """The metric families read at scrape time (:class:`_ScrapeTime`'s ``collect``); none before the node is known."""
+        c, now = self._const, self._clock()
+        if c["node"] is None:
+            return []
+        keys, values = list(LABELS), [c[k] for k in LABELS]
+        workers = GaugeMetricFamily("elaunch_workers", "Workers of this node's last group by state",
+                                    labels=[*keys, "state"])
+        for state, n in self.worker_states().items():
+            workers.add_metric([*values, state], n)
+        age = GaugeMetricFamily("elaunch_progress_age_seconds", "Seconds since the local rank's worker last "
+                                "called elaunch.progress() (absent before its first call)", labels=[*keys, "local_rank"])
+        step = GaugeMetricFamily("elaunch_progress_step", "The last step the local rank's worker gave "
+                                 "elaunch.progress(step=)", labels=[*keys, "local_rank"])
+        for lr, (seconds, last_step) in sorted(self._progress().items()):
+            if seconds is not None:
+                age.add_metric([*values, str(lr)], max(seconds, 0.0))
+            if last_step is not None:
+                step.add_metric([*values, str(lr)], last_step)
+        out = [*self._event_families(keys, values), workers, age, step, *self._snapshot_families(keys, values, now)]
+        seconds, goodput = self.ledger_seconds(now)
+        ledger = CounterMetricFamily("elaunch_ledger_seconds", "Seconds of this node's part of the job by goodput "
+                                     "ledger category (docs/metrics.md)", labels=[*keys, "category"])
+        for cat in CATEGORIES:
+            ledger.add_metric([*values, cat], seconds[cat])
+        out.append(ledger)
+        if goodput is not None:
+            out.append(GaugeMetricFamily("elaunch_goodput_ratio", "Productive seconds over all seconds of this "
+                                         "node's part of the job (0-1)", labels=keys))
+            out[-1].add_metric(values, goodput)
+        return out
+
+    def _snapshot_families(self, keys: list[str], values: list[str], now: float) -> list:
+        snap = self._snapshot()
+        if snap is None or snap.step is None:
+            return []
+        fams = [GaugeMetricFamily("elaunch_snapshot_step", "The newest step committed to this node's in-memory "
+                                  "checkpoint slots", labels=keys),
+                GaugeMetricFamily("elaunch_snapshot_age_seconds", "Seconds since the newest in-memory checkpoint "
+                                  "of this node was committed", labels=keys)]
+        fams[0].add_metric(values, snap.step)
+        fams[1].add_metric(values, max(now - snap.time, 0.0))
+        if snap.persisted_time is not None:
+            fams.append(GaugeMetricFamily("elaunch_snapshot_persist_lag_seconds", "Seconds between the commits of "
+                                          "the newest in-memory checkpoint and of the newest one persisted to "
+                                          "--checkpoint-dir", labels=keys))
+            fams[-1].add_metric(values, max(snap.time - snap.persisted_time, 0.0))
+        return fams
+
+    # -- the server --------------------------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str | None = None) -> tuple[str, int]:
+        """Serve ``/metrics`` on ``addr:port`` (``prometheus_client.start_http_server``, a daemon thread).
+
+        Args:
+            port: the TCP port; 0 picks a free one.
+            addr: the address to bind (``--local-addr``), None for every IPv4 interface.
+
+        Returns:
+            ``(host, port)`` it listens on (the port actually bound).
+
+        Raises:
+            OSError: the address cannot be bound (the port is taken, the address is not this host's).
+        """
+        from prometheus_client import start_http_server
+
+        self._server, self._thread = start_http_server(port, addr or ALL_INTERFACES, registry=self.registry)
+        self.address = (addr or ALL_INTERFACES, self._server.server_port)
+        return self.address
+
+    def close(self) -> None:
+        """Stop the server and close its socket (the port is free once this returns), and the sampler. Idempotent."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self._thread.join(timeout=5.0)
+
+
+class ProgressSampler:
+    """Per local rank: how long since its ``elaunch.progress()`` counter last changed, and its last step.
+
+    ``elaunch.progress()`` writes no time (it costs one add and no system call), so a call is
+    dated when the agent sees the counter move: a daemon thread reads the mapped counters every
+    :data:`SAMPLE_EVERY` seconds (no system call), and each scrape reads them once more. The age
+    a scrape reports is thus at most ``SAMPLE_EVERY`` seconds short of the true one, never long:
+    a rank that stopped calling shows its quiet time. A counter at 0 (no call since the group
+    started: the files are zeroed for each group) has no age.
+
+    Args:
+        files: returns the node's ``ProgressFiles`` (``read()``, ``steps()``), or None.
+        every: seconds between the thread's looks.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, files: Callable[[], Any], every: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._files, self._every, self._clock = files, SAMPLE_EVERY if every is None else every, clock
+        self._lock = threading.Lock()
+        self._seen: dict[int, tuple[int, float]] = {}  # local rank -> (counter, when it was first seen at it)
+        self._steps: dict[int, int | None] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        """Read the counters and steps once; a counter seen at a new value is dated now."""
+        files = self._files()
+        if files is None:
+            return
+        try:
+            counters, steps = files.read(), files.steps()
+        except (ValueError, RuntimeError):  # the files are being closed under us: the run ends
+            return
+        now = self._clock()
+        with self._lock:
+            for lr, value in counters.items():
+                seen = self._seen.get(lr)
+                if seen is None or seen[0] != value:
+                    self._seen[lr] = (value, now)
+            self._steps = steps
+
+    def table(self) -> dict[int, tuple[float | None, int | None]]:
+        """Local rank -> ``(seconds since its counter last moved or None before a call, last step or None)``."""
+        self.sample()
+        now = self._clock()
+        with self._lock:
+            return {lr: (now - at if value > 0 else None, self._steps.get(lr))
+                    for lr, (value, at) in sorted(self._seen.items())}
+
+    def start(self) -> None:
+        """Start the sampling thread (a daemon: it never holds the agent's exit)."""
+        self._thread = threading.Thread(target=self._run, name="elaunch-progress-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.sample()
+
+    def close(self) -> None:
+        """Stop the thread. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+
+class _ScrapeTime:
+    """The custom collector: the gauges (and the ledger's counters) read when Prometheus scrapes."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        return self._metrics.collect_now()
+
+    def describe(self):
+        return []  # names known only once collected; registering checks no clash with the event-fed ones
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def _exit_state(code: int | None, stopped: bool) -> str:
+    """A worker's state from its exit: ``stopped`` when the agent stopped it, else succeeded or failed."""
+    if stopped:
+        return "stopped"
+    if code is None:
+        return "running"
+    return "succeeded" if code == 0 else "failed"
+
+
+def start_metrics(config) -> AgentMetrics | None:
+    """The metrics of a launch (``LaunchConfig``: ``metrics_port``, ``local_addr``, ``run_id``, ``role``), serving.
+
+    Called before the rendezvous handler, the log directory or any helper exists: a port that
+    cannot be bound is bad input, and nothing has to be undone. The URL is logged at WARNING
+    (shown by default), with the port actually bound (``--metrics-port=0``).
+
+    Returns:
+        The serving :class:`AgentMetrics` (the agent calls :meth:`AgentMetrics.watch`; the caller
+        :meth:`AgentMetrics.close`), or None without ``--metrics-port``.
+
+    Raises:
+        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).
+    """
+    if config.metrics_port is None:
+        return None
+    metrics = AgentMetrics(config.run_id, None, config.role)
+    serve_metrics(metrics, config.metrics_port, config.local_addr)
+    return metrics
+
+
+def serve_metrics(metrics: AgentMetrics, port: int, addr: str | None) -> None:
+    """Start ``metrics``' server for ``--metrics-port`` and log its URL (WARNING: shown by default).
+
+    Raises:
+        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's): bad input.
+    """
+    from elaunch.config.errors import ConfigError
+
+    try:
+        host, bound = metrics.serve(port, addr)
+    except OSError as exc:
+        where = f"{addr or ALL_INTERFACES}:{port}"
+        raise ConfigError(f"--metrics-port={port}: cannot listen on {where}: {exc.strerror or exc}") from None
+    shown = socket.gethostname() if host == ALL_INTERFACES else (f"[{host}]" if ":" in host else host)
+    log.warning("metrics on http://%s:%d/metrics%s", shown, bound, " (every interface)" if host == ALL_INTERFACES else "")
