@@ -23,6 +23,7 @@ from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, with_root
 from elaunch.agent.hang_watchdog import HangWatchdog
+from elaunch.agent.progress_watch import ProgressWatchdog, open_progress_watch
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
@@ -84,6 +85,8 @@ class ElasticAgent:
         fork_target: run each worker as a fork of this process calling
             ``fork_target(local_rank)`` (``elastic_launch`` of a function with
             ``start_method="fork"``; see ``WorkerLauncher``); None: exec ``spec.cmd``.
+        metrics: ``--metrics-port``'s serving ``elaunch.agent.metrics.AgentMetrics``
+            (``run()`` has it watch the run's events and state), or None.
 
     Raises:
         ValueError: ``event_log_handler`` is not a torch event handler name.
@@ -101,6 +104,7 @@ class ElasticAgent:
         base_env: Mapping[str, str] | None = None,
         hostname: str | None = None,
         fork_target: Callable[[int], int] | None = None,
+        metrics=None,
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -108,6 +112,7 @@ class ElasticAgent:
         self._env_opts = env_opts
         self._config = config
         self._exit_barrier_timeout = exit_barrier_timeout
+        self._metrics = metrics
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
         self._launcher = WorkerLauncher(logs, env_opts.run_id, config.warm_start_modules, fork_target=fork_target)
@@ -121,6 +126,7 @@ class ElasticAgent:
         # the D-state watch; run() adds the file timer's and the hang watchdog (they create files)
         self._watchdogs: list[Watchdog] = [UninterruptibleWatch(stuck_after, hostname=self._hostname)] if stuck_after else []
         self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
+        self._progress: ProgressWatchdog | None = None  # made in run(): the progress files, read for events
         self._echo = event_echo(config.event_log_handler)
         self._events = AgentEvents(None, "", self._hostname, self._job.max_restarts)  # run() opens the real one
         # in-memory checkpoints: the node directory, each round's restore, the persister and replica service
@@ -147,9 +153,17 @@ class ElasticAgent:
         node = self._rdzv.job_channel().node_id or f"{self._hostname}_{os.getpid()}"
         self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
                                    node, self._hostname, self._job.max_restarts, self._echo)
-        self._watchdogs.append(HangWatchdog(self._config.hang_timeout, range(self._spec.local_world_size),
-                                            self._rdzv, self._hostname))
+        # the progress files exist whenever workers run (training/caught_up events); hang verdicts need --hang-timeout
+        self._progress = open_progress_watch(range(self._spec.local_world_size), self._events,
+                                             self._config.monitor_interval, self._config.hang_timeout)
+        self._watchdogs += [w for w in (self._progress, HangWatchdog(
+            self._config.hang_timeout, range(self._spec.local_world_size), self._rdzv, self._hostname,
+            progress=self._progress)) if w is not None]
         self._watchdogs[:0] = self._file_timer()
+        if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
+            self._metrics.watch(self._events, node, snapshot=self._keeper.snapshot_facts,
+                                progress_files=lambda: self._progress.files if self._progress else None,
+                                exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
         self._watchdogs.append(self._keeper)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
@@ -390,4 +404,5 @@ class ElasticAgent:
         procs.stop(sig, self._config.shutdown_timeout if grace is None else grace)
         procs.close()
         self._exits_told = procs
-        self._events.workers_exited(self._group.workers, before, procs.poll(), procs.exit_times())
+        step = self._progress.stopped() if self._progress is not None else None
+        self._events.workers_exited(self._group.workers, before, procs.poll(), procs.exit_times(), step)

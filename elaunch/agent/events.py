@@ -209,6 +209,8 @@ class AgentEvents(EventLog):
         self._joined_at = 0.0
         self._ended = False
         self._pending = None  # a failure of another node whose restart is logged once the next round formed
+        self._stopped_step: int | None = None  # the step the last group stopped at (``restart``'s ``step``)
+        self._started_at = 0.0  # when the last workers_started was written (seconds since the epoch)
 
     def rendezvous_joining(self) -> None:
         """``rendezvous_join``: this node starts joining the next round (``round``: its last one, -1 at first)."""
@@ -246,34 +248,59 @@ class AgentEvents(EventLog):
 
     def workers_started(self, attempt: int, workers, pids: Mapping[int, int], master: str) -> None:
         """``workers_started``: the attempt's ranks and pids (``workers``: its ``Worker`` list)."""
-        self.emit("workers_started", attempt=attempt, ranks=[w.global_rank for w in workers],
+        self._started_at = self._clock()
+        self.emit("workers_started", at=self._started_at, attempt=attempt, ranks=[w.global_rank for w in workers],
                   local_ranks=[w.local_rank for w in workers], pids=[pids[w.local_rank] for w in workers],
                   master=master)
 
     def workers_exited(self, workers, before: Mapping[int, int | None], codes: Mapping[int, int | None],
-                       times: Mapping[int, float]) -> None:
+                       times: Mapping[int, float], step: int | None = None) -> None:
         """One ``worker_exited`` per worker, at its exit time; ``stopped`` when the agent stopped it.
 
         Args:
             before: local rank -> exit code when the agent began stopping the group (None: running).
             codes, times: the final exit codes and exit times (seconds since the epoch).
+            step: the highest step the group reported (``elaunch.progress(step=)``), None: none;
+                also the next ``restart``'s ``step``.
         """
+        self._stopped_step = step
         for w in workers:
             lr = w.local_rank
             code = codes.get(lr)
             self.emit("worker_exited", at=times.get(lr), rank=w.global_rank, local_rank=lr, pid=w.pid,
-                      exitcode=code, signal=signal_of(code), stopped=before.get(lr) is None)
+                      exitcode=code, signal=signal_of(code), stopped=before.get(lr) is None, step=step)
+
+    def training(self, step: int | None, at: float) -> None:
+        """``training``: every local rank of the attempt called ``elaunch.progress()``, the last at ``at``.
+
+        Args:
+            step: the highest step reported so far in the attempt, or None.
+            at: the last rank's first call, seconds since the epoch (the event's ``time``; not
+                before ``workers_started``'s, which a fast worker may beat).
+        """
+        self.emit("training", at=max(at, self._started_at), step=step)
+
+    def caught_up(self, step: int) -> None:
+        """``caught_up``: after a stop, the node's highest reported step reached the one it had reached before."""
+        self.emit("caught_up", step=step)
 
     def restart(self, counted: bool, count: int, cause: str, failure=None, failed_round: int | None = None) -> None:
         """``restart``: the group re-forms (``cause``: ``failure``, ``membership`` or ``node_lost``)."""
         failed_round = self.round if failed_round is None else failed_round
         self.emit("restart", round=failed_round, counted=counted, count=count, budget=self.budget, cause=cause,
                   failed_round=failed_round,
-                  failure=None if failure is None else failure_fields(failure))
+                  failure=None if failure is None else failure_fields(failure), step=self._stopped_step)
 
-    def hang(self, hung: Mapping[int, object], culprit: int | None, stuck: bool = False) -> None:
-        """``hang``: workers made no progress (``hung``: global rank -> its failure) or sit in D state."""
-        self.emit("hang", ranks=sorted(hung), culprit=culprit, stuck=stuck)
+    def hang(self, hung: Mapping[int, object], culprit: int | None, stuck: bool = False,
+             quiet_seconds: float | None = None) -> None:
+        """``hang``: workers made no progress (``hung``: global rank -> its failure) or sit in D state.
+
+        Args:
+            quiet_seconds: how long the hung ranks had been quiet (or in D state) at the verdict,
+                seconds (the goodput ledger moves them from productive to hung); None: unknown.
+        """
+        self.emit("hang", ranks=sorted(hung), culprit=culprit, stuck=stuck,
+                  quiet_seconds=None if quiet_seconds is None else round(quiet_seconds, 3))
 
     def notice(self, sig: int) -> None:
         """``notice``: a forwarded signal (``--forward-signals``); the job keeps running."""

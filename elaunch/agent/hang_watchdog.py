@@ -1,7 +1,7 @@
 """The ``--hang-timeout`` watchdog: find hung workers, dump stacks, answer other nodes' stack-dump requests.
 
-Workers call ``elaunch.progress()`` each step; it bumps a counter in a file this
-watchdog creates per local rank (``procs.progress_files``). :class:`HangWatchdog`
+Workers call ``elaunch.progress()`` each step; it bumps a counter in a file the
+agent's progress watch (``agent.progress_watch``) creates per local rank (``procs.progress_files``). :class:`HangWatchdog`
 reads the counters at each poll (no system call), the pure verdict
 ``decide.hung_ranks`` names the ranks that went quiet, and the Python stacks of
 every worker are dumped with py-spy (or the faulthandler fallback, ``procs.stacks``)
@@ -38,12 +38,16 @@ class HangWatchdog:
 
     Args:
         hang_timeout: seconds without progress (after a first ``elaunch.progress()``)
-            that make a rank hung; 0 turns detection off (no files are made, stack
-            dumps use py-spy only, and only stack-dump requests are answered).
+            that make a rank hung; 0 turns detection off (only stack-dump requests are
+            answered, and only when something else makes the monitor look).
         local_ranks: this node's local ranks.
         rdzv: the rendezvous handler (its job channel carries stack-dump requests and their answers).
         hostname: this node's name, for failures.
         clock: monotonic seconds (injectable for tests).
+        progress: the node's progress watch (its files and their watch are read here), which the
+            agent polls as a watchdog of its own; None: with ``hang_timeout > 0`` this watchdog
+            makes and owns one (no events), without it there are no files and stack dumps use
+            py-spy only.
 
     Attributes:
         polls: True when ``--hang-timeout`` is on (stack-dump requests come with the rendezvous' polling).
@@ -57,7 +61,7 @@ class HangWatchdog:
     """
 
     def __init__(self, hang_timeout: float, local_ranks: range | list[int], rdzv: RendezvousHandler,
-                 hostname: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 hostname: str, clock: Callable[[], float] = time.monotonic, progress=None) -> None:
         self.hang_timeout = hang_timeout
         self._channel = rdzv.job_channel()
         self._hostname = hostname
@@ -67,32 +71,32 @@ class HangWatchdog:
         self.dumps_seen: int | None = None
         self.answered: tuple[dict, str | None] | None = None
         self.round = -1
-        self._files = None
-        self._watch = None
         self._exit_seen: dict[int, float] = {}  # local rank -> when its exit mark was first seen
         self._exiting: dict[int, float] = {}  # local rank -> seconds exiting, as of the last check
-        if hang_timeout > 0:
-            from elaunch.procs.progress_files import ProgressFiles, ProgressWatch
+        self._own = progress is None and hang_timeout > 0  # this watchdog gives the workers their files
+        if self._own:
+            from elaunch.agent.progress_watch import ProgressWatchdog
 
-            self._files = ProgressFiles(local_ranks)
-            self._watch = ProgressWatch()
+            progress = ProgressWatchdog(local_ranks, clock=clock)
+        self._progress = progress
+        self._files = progress.files if progress is not None else None
+        self._watch = progress.watch if progress is not None else None
 
     def env(self, local_rank: int) -> dict[str, str]:
-        """Variables for ``local_rank``'s worker (``ELAUNCH_PROGRESS_FILE``...); {} when off."""
-        return self._files.env(local_rank) if self._files is not None else {}
+        """Variables for ``local_rank``'s worker (``ELAUNCH_PROGRESS_FILE``...) when this watchdog owns the files."""
+        return self._progress.env(local_rank) if self._own else {}
 
     def new_attempt(self, round: int) -> None:
-        """Forget the last attempt's hang facts; zero the progress counters and stacks files."""
-        if self._files is not None:
-            self._files.reset()
-            self._watch.reset()
-            self._exit_seen, self._exiting = {}, {}
+        """Forget the last attempt's hang facts (the files are zeroed by their owner, the progress watch)."""
+        if self._own:
+            self._progress.new_attempt(round)
+        self._exit_seen, self._exiting = {}, {}
         self.dumps_seen, self.answered, self.round = None, None, round
 
     def close(self) -> None:
-        """Remove the progress files. Idempotent."""
-        if self._files is not None:
-            self._files.close()
+        """Remove the progress files when this watchdog owns them. Idempotent."""
+        if self._own:
+            self._progress.close()
 
     def poll(self, watched: Watched) -> Alarm | None:
         """Answer the job's stack-dump requests, then return the alarm of a hang (None: none).
@@ -122,10 +126,10 @@ class HangWatchdog:
         process is exiting, from the first check that saw the mark on: see
         ``decide.hung_ranks``.
         """
-        if self._files is None:
+        if self._files is None or self.hang_timeout <= 0:
             return []
         now = self._clock()
-        table = self._watch.update(self._files.read(), now)
+        table = self._watch.update(self._files.read(), now, self._files.steps())
         progress = {lr: (p.ever_reported, p.seconds_since_last_change) for lr, p in table.items()}
         # a mark counts while its process is exiting; a rank whose exit code is known needs no look
         marked = [lr for lr, pid in self._files.exit_marks().items()
@@ -214,7 +218,8 @@ class HangWatchdog:
                   "; the other hung ranks wait behind it" if len(order) > 1 else "", path or "(no log directory)")
         failures = self._failures(order, by_lr, quiet, dumps, path, now)
         # a hung worker may ignore SIGTERM (or be stopped)
-        return Alarm("hang", failures, kill=signal.SIGKILL, culprit=culprit.global_rank, blocked=blocked)
+        return Alarm("hang", failures, kill=signal.SIGKILL, culprit=culprit.global_rank, blocked=blocked,
+                     quiet_seconds=max(quiet.values()))
 
     def _dump_everywhere(self, hung: list[int], by_lr: Mapping, likely: int, quiet: Mapping[int, float],
                          log_root: str | None, now: float) -> tuple[dict, str | None]:

@@ -96,7 +96,6 @@ class GroupMonitor:
             SignalException: from the agent's signal handler, during the wait.
         """
         self.alarm = None
-        timeout = self._wait_s()
         while True:
             codes = procs.poll()
             job = self._job.read()
@@ -109,6 +108,7 @@ class GroupMonitor:
             verdict = self._judge(codes, job, group.round)
             if verdict is not Verdict.RUNNING:
                 return verdict
+            timeout = self._wait_s()  # each look: a watch may start or stop polling (progress, snapshots)
             procs.wait(timeout if self._errors_loaded or timeout is not None else self._interval)
             if not self._errors_loaded:
                 # needed at the next failure: load it now that the workers are up, not on the restart's clock
@@ -162,9 +162,11 @@ class GroupMonitor:
                 or self._rdzv.job_channel().keeps_job_state)
 
     def _wait_s(self) -> float | None:
-        """Seconds between looks: ``interval``, or a watchdog's shorter one; None when nothing :meth:`polls`."""
+        """Seconds until the next look: ``interval``, or a watchdog's shorter one, when something :meth:`polls`;
+        else the soonest ``look_within`` of a watchdog; None when nothing asks for a look."""
         if not self.polls():
-            return None
+            within = [w.look_within for w in self._watchdogs if getattr(w, "look_within", None) is not None]
+            return min(within) if within else None
         return min([self._interval, *(w.interval for w in self._watchdogs if w.interval)])
 
     def _raise(self, alarm: Alarm, procs: WorkerProcesses) -> bool:
@@ -180,7 +182,8 @@ class GroupMonitor:
         if alarm.kill is not None and local_ranks:
             procs.notify(alarm.kill, local_ranks)
         if alarm.failures:
-            self._events.hang(alarm.failures, alarm.culprit, stuck=alarm.kind == "stuck")
+            self._events.hang(alarm.failures, alarm.culprit, stuck=alarm.kind == "stuck",
+                              quiet_seconds=alarm.quiet_seconds)
         self.alarm = alarm
         return True
 

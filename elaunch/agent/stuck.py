@@ -95,7 +95,8 @@ class UninterruptibleWatch:
                     timestamp=time.time(), hostname=self.hostname,
                     detail=(f"stuck in uninterruptible sleep (D state) for {stuck[w.local_rank]:.1f} s "
                             f"(>= {ENV}={self.timeout:g} s): the job ends without restarts, as under torchrun"))
-        return Alarm("stuck", failures, restart=False, exit_codes_after_stop=True)
+        return Alarm("stuck", failures, restart=False, exit_codes_after_stop=True,
+                     quiet_seconds=max(stuck.values()))
 
     def stuck(self, pids: Mapping[int, int]) -> dict[int, float]:
         """Return local rank -> seconds in D for the workers stuck now (empty: none).

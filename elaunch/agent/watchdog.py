@@ -67,6 +67,9 @@ class Alarm:
             as torch's file timer does.
         fails: False: after the signals the watch goes on, and a worker that dies of
             one is judged by its exit like any other (torch's file timer).
+        quiet_seconds: how long the failed workers had made no progress (a hang) or sat
+            in D state (stuck) at the verdict, seconds; the ``hang`` event's
+            ``quiet_seconds`` (the goodput ledger's hung time). None: unknown.
     """
 
     kind: str
@@ -78,6 +81,7 @@ class Alarm:
     exit_codes_after_stop: bool = False
     signals: Mapping[int, int] = dataclasses.field(default_factory=dict)
     fails: bool = True
+    quiet_seconds: float | None = None
 
     def reported(self, final: Mapping[int, int | None]) -> dict[int, ProcessFailure]:
         """The failures to report, given local rank -> exit code after the group's stop."""
@@ -106,6 +110,9 @@ class Watchdog(Protocol):
             child exits (the monitor then looks every ``--monitor-interval``).
         interval: the most seconds between two looks when shorter than
             ``--monitor-interval``, or None.
+        look_within: optional (absent: None): when nothing polls, the most seconds until
+            the monitor's next look, for a watch that wants a look now and then but not
+            every ``--monitor-interval`` (the progress watch waiting for ``training``).
     """
 
     polls: bool

@@ -40,10 +40,12 @@ def test_crash_and_restart_events_in_order(tmp_path):
     events = _events(logs)
     _check_schema(events)
     assert [e["kind"] for e in events] == [
-        "rendezvous_join", "rendezvous_complete", "workers_started", "worker_exited", "worker_exited", "restart",
-        "rendezvous_join", "rendezvous_complete", "workers_started", "worker_exited", "worker_exited",
-        "job_succeeded"]
-    assert [e["round"] for e in events] == [-1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+        "rendezvous_join", "rendezvous_complete", "workers_started", "training", "worker_exited", "worker_exited",
+        "restart", "rendezvous_join", "rendezvous_complete", "workers_started", "training", "worker_exited",
+        "worker_exited", "job_succeeded"]
+    assert [e["round"] for e in events] == [-1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert [e["step"] for e in events if e["kind"] in ("training", "restart", "worker_exited")] == [None] * 7
+    events = [e for e in events if e["kind"] != "training"]  # the demo gives no steps: no caught_up either
     assert len({e["node"] for e in events}) == 1
     first = events[2]
     assert first["ranks"] == [0, 1] and first["local_ranks"] == [0, 1]
