@@ -2,8 +2,8 @@
 
 Workers call ``elaunch.progress()`` each step; it bumps a counter in a file the
 agent's progress watch (``agent.progress_watch``) creates per local rank
-(``procs.progress_files``). :class:`HangWatchdog` reads the counters at each poll (no system call), the pure verdict
-``decide.hung_ranks`` names the ranks that went quiet, and the Python stacks of
+(``procs.progress_files``). :class:`HangWatchdog` reads the counters at each poll
+(no system call), the pure verdict ``decide.hung_ranks`` names the ranks that went quiet, and the Python stacks of
 every worker are dumped with py-spy (or the faulthandler fallback, ``procs.stacks``)
 into the log directory: on a hang here, and when another node (or ``elaunch
 status``) asks through the rendezvous. A hang comes back as an
