@@ -36,7 +36,7 @@ from elaunch.procs.progress_files import ProgressFiles, ProgressWatch
 log = logging.getLogger("elaunch.agent")
 
 #: The most seconds between two looks while waiting for ``training`` without a step to catch up to.
-MAX_LOOK = 2.0
+MAX_LOOK = 5.0
 
 
 class ProgressWatchdog:

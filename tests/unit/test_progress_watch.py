@@ -53,10 +53,10 @@ def test_training_waits_for_every_rank_backing_off_then_nothing_is_polled(pw):
     assert pw.look_within is None and not pw.polls  # no workers yet
     pw.new_attempt(0)
     looks = []
-    for _ in range(6):
+    for _ in range(8):
         looks.append(pw.look_within)
         pw.poll(watched())
-    assert looks == [0.1, 0.2, 0.4, 0.8, 1.6, MAX_LOOK]
+    assert looks == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2, MAX_LOOK, MAX_LOOK])
     report(pw, 0, at=1000.0)
     pw.poll(watched())
     assert pw.ev.got == []
