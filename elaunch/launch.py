@@ -146,7 +146,8 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         rendezvous said this node is not needed (torch's graceful exit).
 
     Raises:
-        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError).
+        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError), or
+            ``--metrics-port`` cannot be bound (checked before the rendezvous or any process starts).
         RendezvousConfigError: a backend rejected its configuration (a ValueError).
         RendezvousError: the rendezvous failed.
         SignalException: a handled signal (``--signals-to-handle``) stopped the job;
@@ -160,8 +161,23 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
     # torchrun instantiates its LogsSpecs before the rendezvous too
     specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
                             config.local_ranks_filter)
+    metrics = None
+    if config.metrics_port is not None:  # the module imports prometheus_client: only when asked
+        from elaunch.agent.metrics import start_metrics
+
+        metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet
+    try:
+        return _run_agent(config, specs, base_env, fork_target, own_process, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()  # the port closes with the agent's run
+
+
+def _run_agent(config: LaunchConfig, specs, base_env: dict[str, str], fork_target: Callable[[int], int] | None,
+               own_process: bool, metrics) -> RunResult | None:
+    """:func:`run_job` from the rendezvous handler on (arguments as it has them; ``metrics``: serving, or None)."""
     handler = create_handler(rendezvous_parameters(config))
-    agent = _build_agent(config, handler, specs, base_env, fork_target)
+    agent = _build_agent(config, handler, specs, base_env, fork_target, metrics)
     if own_process:
         freeze_startup_heap()
     try:
@@ -196,7 +212,7 @@ def _warn_about(config: LaunchConfig) -> None:
 
 
 def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
-                 fork_target: Callable[[int], int] | None) -> ElasticAgent:
+                 fork_target: Callable[[int], int] | None, metrics=None) -> ElasticAgent:
     """The node's ElasticAgent for ``config`` (arguments as :func:`run_job` has them)."""
     return ElasticAgent(
         build_spec(config),
@@ -219,6 +235,7 @@ def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
         config,
         base_env=base_env,
         fork_target=fork_target,
+        metrics=metrics,
     )
 
 

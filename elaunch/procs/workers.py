@@ -164,6 +164,14 @@ class WorkerProcesses:
         self._unreported()
         return dict(self._codes)
 
+    def seen_codes(self) -> dict[int, int | None]:
+        """Local rank -> exit code as of the last :meth:`poll` (None: running then); no system call, no reaping.
+
+        For a reader in another thread (``--metrics-port``'s scrape): :meth:`poll` reaps the
+        workers, which stays the agent's main thread's job.
+        """
+        return dict(self._codes)
+
     def exit_times(self) -> dict[int, float]:
         """Return local rank -> ``time.time()`` when its exit was first seen (exited ranks only)."""
         self._refresh()
