@@ -167,3 +167,14 @@ def test_ledger_of_sums_nodes_for_the_job_goodput():
     assert out["goodput"] == pytest.approx(12 / 26)
     per = ledgers(mixed)
     assert set(per) == {"a", "b"} and per["b"].goodput(99) == pytest.approx(2 / 13)
+
+
+def test_the_ledger_loads_without_the_agent():
+    import subprocess
+    import sys
+
+    code = ("import sys, elaunch.agent.ledger, elaunch.timeline.model\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('elaunch.agent.', 'elaunch.rendezvous', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['elaunch.agent.ledger']"  # status and timeline read it: the agent stays unloaded
