@@ -105,6 +105,17 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2_before_anything_starts(tmp
     assert not (tmp_path / "ran").exists() and not (tmp_path / "logs").exists()
 
 
+def test_a_local_addr_not_of_this_host_is_one_line_and_exit_2(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    proc = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--metrics-port=0",
+                           "--local-addr=192.0.2.1", str(script)], capture_output=True, text=True,
+                          env=launcher_env(), timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["elaunch: error: --metrics-port=0: cannot listen on 192.0.2.1:0: Cannot assign requested address"]
+
+
 IN_PROCESS = """
 import logging, socket, sys
 from elaunch import run as R
