@@ -45,10 +45,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from elaunch.agent.ledger import CATEGORIES, Ledger
+from elaunch.agent.progress_sampler import ProgressSampler
 
 log = logging.getLogger("elaunch.agent")
 
-__all__ = ["BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "ProgressSampler", "Snapshot",
+__all__ = ["BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "Snapshot",
            "serve_metrics", "start_metrics"]
 
 #: The labels of every metric (per-rank gauges add ``local_rank``).
@@ -69,9 +70,6 @@ _COUNTERS = (
     ("hangs", "elaunch_hang_verdicts", "Hang verdicts on this node (--hang-timeout, or workers stuck in "
      "uninterruptible sleep)"),
 )
-#: Seconds between the progress sampler's looks at the counters: the most ``elaunch_progress_age_seconds``
-#: can read short (``elaunch.progress()`` writes no time; a look costs no system call).
-SAMPLE_EVERY = 1.0
 #: Where the server listens without ``--local-addr``: every IPv4 interface.
 ALL_INTERFACES = "0.0.0.0"
 
@@ -329,72 +327,6 @@ class AgentMetrics:
         if server is not None:
             server.shutdown()
             server.server_close()
-            self._thread.join(timeout=5.0)
-
-
-class ProgressSampler:
-    """Per local rank: how long since its ``elaunch.progress()`` counter last changed, and its last step.
-
-    ``elaunch.progress()`` writes no time (it costs one add and no system call), so a call is
-    dated when the agent sees the counter move: a daemon thread reads the mapped counters every
-    :data:`SAMPLE_EVERY` seconds (no system call), and each scrape reads them once more. The age
-    a scrape reports is thus at most ``SAMPLE_EVERY`` seconds short of the true one, never long:
-    a rank that stopped calling shows its quiet time. A counter at 0 (no call since the group
-    started: the files are zeroed for each group) has no age.
-
-    Args:
-        files: returns the node's ``ProgressFiles`` (``read()``, ``steps()``), or None.
-        every: seconds between the thread's looks.
-        clock: monotonic seconds (injectable for tests).
-    """
-
-    def __init__(self, files: Callable[[], Any], every: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._files, self._every, self._clock = files, SAMPLE_EVERY if every is None else every, clock
-        self._lock = threading.Lock()
-        self._seen: dict[int, tuple[int, float]] = {}  # local rank -> (counter, when it was first seen at it)
-        self._steps: dict[int, int | None] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def sample(self) -> None:
-        """Read the counters and steps once; a counter seen at a new value is dated now."""
-        files = self._files()
-        if files is None:
-            return
-        try:
-            counters, steps = files.read(), files.steps()
-        except (ValueError, RuntimeError):  # the files are being closed under us: the run ends
-            return
-        now = self._clock()
-        with self._lock:
-            for lr, value in counters.items():
-                seen = self._seen.get(lr)
-                if seen is None or seen[0] != value:
-                    self._seen[lr] = (value, now)
-            self._steps = steps
-
-    def table(self) -> dict[int, tuple[float | None, int | None]]:
-        """Local rank -> ``(seconds since its counter last moved or None before a call, last step or None)``."""
-        self.sample()
-        now = self._clock()
-        with self._lock:
-            return {lr: (now - at if value > 0 else None, self._steps.get(lr))
-                    for lr, (value, at) in sorted(self._seen.items())}
-
-    def start(self) -> None:
-        """Start the sampling thread (a daemon: it never holds the agent's exit)."""
-        self._thread = threading.Thread(target=self._run, name="elaunch-progress-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            self.sample()
-
-    def close(self) -> None:
-        """Stop the thread. Idempotent."""
-        self._stop.set()
-        if self._thread is not None:
             self._thread.join(timeout=5.0)
 
 

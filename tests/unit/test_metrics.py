@@ -153,7 +153,7 @@ def test_the_exposition_parses_with_the_names_and_types_of_the_contract():
 
 def test_progress_sampler_dates_each_counter_move_and_reports_steps(tmp_path):
     from elaunch.procs.progress_files import ProgressFiles
-    from elaunch.agent.metrics import ProgressSampler
+    from elaunch.agent.progress_sampler import ProgressSampler
 
     words = {}  # what a worker's elaunch.progress() writes: the counter, and the step + 1 at offset 16
     now = [10.0]
