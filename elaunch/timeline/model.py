@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from elaunch.agent.ledger import CATEGORIES, ledger_end, ledgers
+
 #: The file each agent writes in its run's log directory (``elaunch.agent.events.EVENTS_FILE``).
 EVENTS_FILE = "events.jsonl"
 
@@ -35,6 +37,18 @@ SPANS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Goodput ledger category -> (legend label, colour): productive green, lost time in greys and warm colours.
+LEDGER: dict[str, tuple[str, str]] = {
+    "productive": ("productive", "#2ca02c"),
+    "rendezvous": ("lost: rendezvous", "#969696"),
+    "starting": ("lost: starting", "#fdd0a2"),
+    "restoring": ("lost: restoring (redoing lost steps)", "#fd8d3c"),
+    "hung": ("lost: hung", "#e377c2"),
+    "stopped": ("lost: stopped", "#525252"),
+}
+assert tuple(LEDGER) == CATEGORIES
+
+
 class TimelineError(ValueError):
     """Bad input to ``elaunch timeline``: the message names the path."""
 
@@ -48,6 +62,8 @@ class Lane:
         spans: (kind, start, end, label, row); row -1 is the lane's round band, n >= 0 local rank n.
         marks: (kind, time, label, row); row as for spans (a failure sits on its worker's row).
         rows: number of worker rows (the largest local rank + 1).
+        ledger: the goodput ledger as (category, start, end) runs (:mod:`elaunch.agent.ledger`).
+        seconds: the ledger's seconds per category; goodput: productive / total (None: no time).
     """
 
     node: str
@@ -55,15 +71,22 @@ class Lane:
     spans: list[tuple[str, float, float, str, int]] = field(default_factory=list)
     marks: list[tuple[str, float, str, int]] = field(default_factory=list)
     rows: int = 0
+    ledger: list[tuple[str, float, float]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    goodput: float | None = None
 
 
 @dataclass
 class Timeline:
-    """Lanes (ordered by each node's first event) over ``[0, end]`` seconds after ``t0`` (epoch seconds)."""
+    """Lanes (ordered by each node's first event) over ``[0, end]`` seconds after ``t0`` (epoch seconds).
+
+    ``goodput``: the job's, sum of productive seconds over sum of seconds of every lane (None: no time).
+    """
 
     lanes: list[Lane]
     t0: float
     end: float
+    goodput: float | None = None
 
 
 def find_event_files(paths: list[str]) -> list[str]:
@@ -121,7 +144,16 @@ def build(events: list[dict]) -> Timeline:
     for e in sorted(events, key=lambda e: e["time"]):
         by_node.setdefault(str(e.get("node", "?")), []).append(e)
     lanes = [_lane(node, evs, t0) for node, evs in by_node.items()]
-    return Timeline(lanes=lanes, t0=t0, end=max(end, 1e-3))
+    folded = ledgers(events)  # each node's events in the order written (the ledger's input), not sorted
+    for lane in lanes:
+        led = folded.get(lane.node)
+        if led is not None:
+            until = ledger_end(led, None)
+            lane.ledger = [(cat, a - t0, b - t0) for a, b, cat in led.segments(until)]
+            lane.seconds, lane.goodput = led.seconds(until), led.goodput(until)
+    total = sum(sum(lane.seconds.values()) for lane in lanes)
+    productive = sum(lane.seconds.get("productive", 0.0) for lane in lanes)
+    return Timeline(lanes=lanes, t0=t0, end=max(end, 1e-3), goodput=productive / total if total > 0 else None)
 
 
 def _lane(node: str, events: list[dict], t0: float) -> Lane:

@@ -1,7 +1,8 @@
 """A :class:`~elaunch.timeline.model.Timeline` as a self-contained SVG (or an HTML page holding it).
 
 Written by hand (no matplotlib needed): one lane per node with its round band on
-top and one row per local rank below, marks over the round band, a time axis in
+top, its goodput ledger band below it (productive time green, lost time in other
+colours), one row per local rank below, marks over the round band, a time axis in
 seconds and a legend. Every span and mark carries a ``<title>`` (a tooltip in a browser).
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 import datetime
 from html import escape
 
-from .model import MARKS, SPANS, Timeline, nice_ticks
+from .model import LEDGER, MARKS, SPANS, Timeline, nice_ticks
 
 WIDTH = 1100  #: pixels
 LEFT, RIGHT, TOP = 210, 30, 50  #: margins, pixels
 BAND, ROW, GAP = 18, 9, 16  #: round band, worker row, space between lanes (pixels)
+LEDGER_BAND = 7  #: the goodput ledger's band under the round band (pixels)
+ROWS_AT = BAND + 2 + LEDGER_BAND + 2  #: where the worker rows start below a lane's top (pixels)
 
 
 def _shape(shape: str, x: float, y: float, color: str, r: float = 6.0) -> str:
@@ -46,12 +49,19 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
     out: list[str] = []
     y = TOP
     for lane in tl.lanes:
-        height = BAND + max(lane.rows, 1) * (ROW + 2) + 4
+        height = ROWS_AT + max(lane.rows, 1) * (ROW + 2) + 4
         out.append(f'<rect x="0" y="{y - 4}" width="{WIDTH}" height="{height + 8}" fill="#fafafa"/>')
         out.append(f'<text x="8" y="{y + 13}" font-weight="bold">{escape(lane.host)}</text>')
         out.append(f'<text x="8" y="{y + 27}" font-size="9" fill="#555">{escape(lane.node[:34])}</text>')
+        if lane.goodput is not None:
+            out.append(f'<text x="8" y="{y + 40}" font-size="10" fill="{LEDGER["productive"][1]}">'
+                       f'goodput {lane.goodput:.1%}</text>')
+        for cat, start, end in lane.ledger:
+            tip = f"{LEDGER[cat][0]} {start:.2f}-{end:.2f} s ({end - start:.2f} s)"
+            out.append(f'<rect x="{x(start):.1f}" y="{y + BAND + 2}" width="{max((end - start) * scale, 0.5):.1f}" '
+                       f'height="{LEDGER_BAND}" fill="{LEDGER[cat][1]}"><title>{escape(tip)}</title></rect>')
         for kind, start, end, label, row in lane.spans:
-            top, h = (y, BAND) if row < 0 else (y + BAND + 2 + row * (ROW + 2), ROW)
+            top, h = (y, BAND) if row < 0 else (y + ROWS_AT + row * (ROW + 2), ROW)
             color = SPANS[kind][1]
             if kind == "round" and label[1:].isdigit() and int(label[1:]) % 2:
                 color = "#9ecae1"
@@ -63,7 +73,7 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
                 out.append(f'<text x="{x(start) + 3:.1f}" y="{top + 13}" font-size="10">{escape(label)}</text>')
         for kind, t, label, row in lane.marks:
             _, color, shape = MARKS[kind]
-            my = y + BAND / 2 if row < 0 else y + BAND + 2 + row * (ROW + 2) + ROW / 2
+            my = y + BAND / 2 if row < 0 else y + ROWS_AT + row * (ROW + 2) + ROW / 2
             out.append(f'<g><title>{escape(f"{label} at {t:.2f} s")}</title>'
                        f'{_shape(shape, x(t), my, color, 6.0 if row < 0 else 4.5)}</g>')
         y += height + GAP
@@ -78,6 +88,7 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
     # the legend: spans, then marks, in columns
     y += 50
     items = [("span", label, color, "") for label, color in SPANS.values()]
+    items += [("span", f"ledger: {label}", color, "") for label, color in LEDGER.values()]
     items += [("mark", label, color, shape) for label, color, shape in MARKS.values()]
     for i, (what, label, color, shape) in enumerate(items):
         lx, ly = 20 + (i % 4) * 270, y + (i // 4) * 20
@@ -87,7 +98,8 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
             out.append(_shape(shape, lx + 11, ly - 4, color))
         out.append(f'<text x="{lx + 30}" y="{ly}" font-size="11">{escape(label)}</text>')
     height = y + ((len(items) + 3) // 4) * 20 + 10
-    heading = title or f"elaunch timeline: {len(tl.lanes)} node(s), {tl.end:.1f} s"
+    heading = title or (f"elaunch timeline: {len(tl.lanes)} node(s), {tl.end:.1f} s"
+                        + (f", goodput {tl.goodput:.1%}" if tl.goodput is not None else ""))
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
             f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">\n'
             f'<rect width="100%" height="100%" fill="#fff"/>\n'

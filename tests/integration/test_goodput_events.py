@@ -7,12 +7,15 @@ exits 3 at step 12, the restarted workers resume from step 5 and run to step 30.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from elaunch.agent.ledger import ledger_of, ledgers
-from tests.helpers import SCRIPTS, run
+from elaunch.timeline.model import LEDGER
+from tests.helpers import SCRIPTS, launcher_env, run
 
 STEPS = str(SCRIPTS / "step_demo.py")
 DEMO = str(SCRIPTS / "event_demo.py")
@@ -51,6 +54,14 @@ def test_crash_and_restart_give_training_and_caught_up_with_the_steps(tmp_path):
     assert 0 < out["goodput"] < 1
     assert sum(s.values()) == pytest.approx(events[-1]["time"] - events[0]["time"])
     assert list(ledgers(events)) == [events[0]["node"]]
+    # elaunch timeline draws it: the restoring run in its own colour, the goodput by the lane
+    svg = tmp_path / "t.svg"
+    t = subprocess.run([sys.executable, "-m", "elaunch", "timeline", str(tmp_path), "-o", str(svg)],
+                       capture_output=True, text=True, env=launcher_env(), timeout=120)
+    assert t.returncode == 0, t.stderr
+    text = svg.read_text()
+    assert f'fill="{LEDGER["restoring"][1]}"><title>lost: restoring' in text
+    assert f"goodput {out['goodput']:.1%}" in text
 
 
 def test_no_steps_no_caught_up_and_restoring_stays_zero(tmp_path):
