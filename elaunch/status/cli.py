@@ -48,7 +48,7 @@ def _opt(*decls: str, **attrs: Any):
 def command(rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: dict, as_json: bool,
             stacks: bool, stacks_timeout: float) -> int:
     """Show a running (or finished) job's rendezvous without joining it."""
-    from elaunch.status import read, report
+    from elaunch.status import goodput, read, report
 
     if rdzv_backend not in read.BACKENDS:
         raise ConfigError(f"--rdzv-backend={rdzv_backend}: elaunch status reads {', '.join(read.BACKENDS)} "
@@ -61,6 +61,7 @@ def command(rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: dict
         doc = report.build(snap.state, snap.agents, backend=rdzv_backend, endpoint=reader.endpoint,
                            run_id=reader.run_id, now=snap.read_at, dead_after=reader.settings.dead_after,
                            checkpoints=snap.checkpoints)
+        goodput.add_goodput(doc)  # from each node's events.jsonl where it can be read here
         status = 0
         answer = None
         if stacks:

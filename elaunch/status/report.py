@@ -138,6 +138,27 @@ def _checkpoint_cells(c: Mapping | None) -> list[str]:
             f"{held / 2**20:.1f} MiB" if held is not None else "-"]
 
 
+def _share(g: Mapping | None) -> str:
+    """A ``goodput`` entry's goodput as a percentage, or ``-``."""
+    return "-" if not g or g.get("goodput") is None else f"{g['goodput']:.1%}"
+
+
+def goodput_line(report: Mapping) -> str | None:
+    """The job's goodput line (None: the report has no goodput): the share, productive of all node-seconds, the lost
+    time by category, and how many nodes' event logs were read."""
+    g = report.get("goodput")
+    if g is None:
+        return None
+    nodes = len(report["nodes"])
+    if not g.get("nodes_read"):
+        return (f"goodput: unknown (no node's events.jsonl is readable here; run elaunch status on a node's host "
+                f"or where the log directories are shared)") if nodes else None
+    s = g["seconds"]
+    lost = ", ".join(f"{k} {v:.1f} s" for k, v in s.items() if k != "productive" and v > 0)
+    return (f"goodput: {_share(g)} (productive {s['productive']:.1f} s of {sum(s.values()):.1f} node-seconds"
+            + (f"; lost: {lost}" if lost else "") + f"; event logs of {g['nodes_read']} of {nodes} node(s))")
+
+
 def _ranks_text(ranks: list[int]) -> str:
     if not ranks:
         return "-"
@@ -167,6 +188,10 @@ def table(report: Mapping) -> str:
             header += ["STEP", "STEP AGE", "SNAPSHOTS"]
             for row, n in zip(rows, nodes):
                 row += _checkpoint_cells(n.get("checkpoint"))
+        if any(n.get("goodput") for n in nodes):  # where a node's event log could be read
+            header.append("GOODPUT")
+            for row, n in zip(rows, nodes):
+                row.append(_share(n.get("goodput")))
         lines += ["", *_rows(header, rows)]
     else:
         lines += ["", "no nodes in this round"]
@@ -185,6 +210,9 @@ def table(report: Mapping) -> str:
     else:
         differ = f" (agents disagree: --max-restarts {', '.join(map(str, r['budgets']))})" if len(r["budgets"]) > 1 else ""
         lines.append(f"restarts used: {r['used']} of {r['max']}{differ}")
+    line = goodput_line(report)
+    if line is not None:
+        lines.append(line)
     f = report["failure"]
     if f is None:
         lines.append("last failure: none")
