@@ -1,7 +1,9 @@
 """elaunch: a drop-in replacement for torchrun, the PyTorch elastic launcher.
 
 :func:`progress` is the one worker-side call: training scripts call it once per step
-so the agent can tell a hung rank from a slow one. It is loaded on first access
+(``progress()``, or ``progress(step=n)`` to also say which step) so the agent can tell
+a hung rank from a slow one, and training time from start-up and from steps redone
+after a restart (the goodput ledger). It is loaded on first access
 (``elaunch.progress`` or ``from elaunch import progress``), so ``import elaunch``
 imports nothing else; loading it imports only the stdlib-only
 :mod:`elaunch._worker_progress` (no torch).
