@@ -14,8 +14,11 @@ agent's node directory. Messages from the agent, one per packet:
 
 Between agents, the connecting side sends requests, each a JSON line answered by one:
 
-* ``{"op": "put", "rank", "step", "seq", "time", "size"}`` -> ``{"go": bool}`` (false:
-  this node has that snapshot or a newer one of that rank, or no room). After a go:
+* ``{"op": "put", "rank", "step", "seq", "time", "size", "replicated"}`` -> ``{"go": bool}``
+  (false: this node has that snapshot or a newer one of that rank, or no room; or the
+  snapshot is of replicated state and this node's own workers saved that step or a newer
+  one of it, now or within :data:`OWN_GRACE` seconds: any rank's snapshot of replicated
+  state serves any rank, so this node can already serve that step itself). After a go:
   ``size`` bytes of the slot file and one mark byte, ``=`` (its seq did not change
   during the read) or ``x`` (a write began: discard) -> ``{"ok": bool}``. The bytes go
   to ``replicas/.r<rank>.tmp-<pid>-<n>`` (0600), renamed to ``replicas/r<rank>`` when
@@ -57,7 +60,10 @@ CHUNK = 4 << 20  #: bytes received per read into the new file's mapping
 IO_TIMEOUT = 30.0  #: seconds one blocking read or write on a connection may wait for its peer
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
 MAX_LINE = 4096  #: bytes of a request or answer line, at most
-COUNTERS = ("sent", "skipped", "torn", "received", "refused", "discarded", "served")
+#: seconds a peer's offer of replicated state waits for this node's own workers to commit that step
+#: (DDP ranks save the same step within milliseconds of each other): the copy is then not needed
+OWN_GRACE = 0.5
+COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served")
 
 
 class Stats:
@@ -196,6 +202,10 @@ class Server:
     def _put(self, conn: socket.socket, rfile, req: dict) -> None:
         rank, step, seq, stamp, size = (int(req["rank"]), int(req["step"]), int(req["seq"]), float(req["time"]),
                                         int(req["size"]))
+        if req.get("replicated") and self._own_has(step):
+            self.stats.add("own")
+            send_json(conn, {"go": False})
+            return
         final = os.path.join(self.replicas, f"r{rank}")
         have, room = slotfile.read_info(final), os.statvfs(self.replicas)
         if (have is not None and (have.step, have.time) >= (step, stamp)) or room.f_bavail * room.f_frsize < size:
@@ -222,6 +232,18 @@ class Server:
         finally:
             _unlink(tmp)  # gone already when it was renamed
         send_json(conn, {"ok": ok})
+
+    def _own_has(self, step: int) -> bool:
+        """Whether this node's own ``slots/`` hold replicated state of ``step`` or newer, waiting up to
+        :data:`OWN_GRACE` seconds for a save of it that is about to commit."""
+        deadline = time.monotonic() + OWN_GRACE
+        while True:
+            own = [info.step for info in to_send(self.slots).values() if info.replicated]
+            if own and max(own) >= step:
+                return True
+            if (own and max(own) < step - 1) or time.monotonic() >= deadline:
+                return False  # more than a step behind (or the grace is over): no save of it is under way
+            time.sleep(SCAN / 5)
 
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
         try:
@@ -320,7 +342,7 @@ class Link:
                 tried = True
                 key = (seen.path, info.seq, info.step, info.time)
                 send_json(sock, {"op": "put", "rank": info.rank, "step": info.step, "seq": info.seq,
-                                 "time": info.time, "size": info.size})
+                                 "time": info.time, "size": info.size, "replicated": info.replicated})
                 if not read_json(rfile)["go"]:
                     self.sent[rank] = key  # it has this one or a newer one
                     self.stats.add("skipped")

@@ -147,10 +147,13 @@ def _listens_on(pid: int, port: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("state", ["sharded", "replicated"])
 @pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
-def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, tmp_path):
-    """Two agents save step 2 and replicate it to each other; one is killed (kill -9) and a fresh node takes
-    its place: its rank restores step 2 fetched from the survivor's memory, the survivor's from its own."""
+def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, state, tmp_path):
+    """Two agents save step 2; of sharded state each keeps the other's copy (a replica). One is killed (kill -9)
+    and a fresh node takes its place: its rank restores step 2 fetched from the survivor's memory (the replica;
+    of replicated state, the survivor's own snapshot: no replica was sent, the survivor had saved that step),
+    the survivor's rank from its own."""
     _backend, ep = endpoint
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
@@ -163,6 +166,7 @@ def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, 
                                  f"--rdzv-endpoint={ep}", "--rdzv-id=ckpt-peer",
                                  "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--local-addr=127.0.0.1",
                                  f"--log-dir={tmp_path / name}", WORKER, str(out), "3", "--wait-for", str(stop),
+                                 *(["--sharded"] if state == "sharded" else []),
                                  env=launcher_env(), stdout=subprocess.DEVNULL, stderr=err)
 
     def stderr() -> str:
@@ -175,9 +179,9 @@ def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, 
         wait_for(lambda: all((out / f"saved_{r}_2").exists() for r in (0, 1)), 120, what="both ranks' step 2")
         first = reports(out)
         shms = {r: first[f"{r}_0"]["env"]["ELAUNCH_CHECKPOINT_SHM"] for r in (0, 1)}
-        # each node keeps the other's snapshot: the ring of two
-        wait_for(lambda: os.path.exists(f"{shms[0]}/replicas/r1") and os.path.exists(f"{shms[1]}/replicas/r0"),
-                 60, what="the replicas")
+        replicas = (f"{shms[0]}/replicas/r1", f"{shms[1]}/replicas/r0")
+        if state == "sharded":  # each node keeps the other's snapshot: the ring of two
+            wait_for(lambda: all(os.path.exists(p) for p in replicas), 60, what="the replicas")
         port = int(ep.rpartition(":")[2])
         victim = next(n for n in ("B", "A") if not _listens_on(agents[n].pid, port))  # the store stays up
         survivor = "A" if victim == "B" else "B"

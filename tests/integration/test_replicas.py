@@ -136,6 +136,26 @@ def test_of_replicated_state_one_copy_goes_out_per_node(node):
     assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r4", "r6"]
 
 
+def test_replicated_state_is_not_copied_to_a_node_whose_own_workers_saved_that_step(node):
+    """DDP: b's own ranks saved the step a offers (or commit it within the grace): b can serve it already,
+    so nothing is sent; a step b lacks is still sent, and sharded state always is."""
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    write_slot(slotfile.slot_paths(b_dir, 0)[0], 3, b"same" * 1000, rank=1, replicated=True)
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, b"same" * 1000, rank=0, replicated=True)
+    a.set_ring([("127.0.0.1", b.port)])
+    wait_for(lambda: counted(b, "own"), DEADLINE, what="b declining step 3 as its own")
+    write_slot(slotfile.slot_paths(a_dir, 0)[1], 4, b"same" * 1000, rank=0, replicated=True)
+    write_slot(slotfile.slot_paths(b_dir, 0)[1], 4, b"same" * 1000, rank=1, replicated=True)  # within the grace
+    wait_for(lambda: counted(b, "own", 2), DEADLINE, what="b declining step 4 as its own")
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 9, b"same" * 1000, rank=0, replicated=True)  # b stays at 4
+    wait_for(lambda: replica_step(b_dir, 0) == 9, DEADLINE, what="step 9's replica on b")
+    write_slot(slotfile.slot_paths(a_dir, 1)[0], 4, os.urandom(1 << 16), rank=7)  # sharded: b has no rank 7
+    wait_for(lambda: replica_step(b_dir, 7) == 4, DEADLINE, what="r7 on b")
+    assert b.stats()["own"] == 2 and b.stats()["received"] == 2
+    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0", "r7"]
+
+
 def test_each_successor_of_the_ring_gets_a_copy_until_the_ring_leaves_it_out(node):
     a_dir, a = node("a")
     b_dir, b = node("b")
