@@ -88,6 +88,29 @@ def test_a_rendezvous_that_can_change_is_polled_every_interval(run_one):
     assert rdzv.reads >= 3  # ~10 at 0.1 s over the worker's 1 s; 3 leaves room for a loaded machine
 
 
+def test_the_progress_watch_looks_until_training_then_lets_a_standalone_monitor_sleep(run_one, tmp_path):
+    import json
+
+    from elaunch.agent.progress_watch import ProgressWatchdog
+
+    rdzv = CountingStandalone()
+    events = AgentEvents(str(tmp_path / "events.jsonl"), "n", "host", 0)
+    progress = ProgressWatchdog(range(1), events, monitor_interval=0.1)
+    hangs = HangWatchdog(0.0, range(1), rdzv, "host", progress=progress)
+    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), events, interval=0.1, watchdogs=[progress, hangs])
+    try:
+        progress.new_attempt(0)
+        code = "import elaunch, time; time.sleep(0.3); elaunch.progress(step=4); time.sleep(3)"
+        assert run_one(monitor, 0, argv=[sys.executable, "-c", code], env=progress.env(0)) is Verdict.SUCCEEDED
+        kinds = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert [(e["kind"], e["step"]) for e in kinds] == [("training", 4)]
+        # backing off 0.1, 0.2, 0.4 ... s until training, then nothing until the exit: polling every
+        # 0.1 s over the worker's ~3.5 s would be ~35 reads
+        assert rdzv.reads <= 10
+    finally:
+        progress.close()
+
+
 @pytest.mark.parametrize("hang_timeout, stuck, polls", [(0.0, False, False), (5.0, False, True), (0.0, True, True)])
 def test_what_makes_the_monitor_poll(hang_timeout, stuck, polls):
     rdzv = CountingStandalone()
