@@ -27,7 +27,8 @@ def render_png(tl: Timeline, path: str, title: str | None = None) -> None:
 
     lanes = tl.lanes[::-1]  # drawn bottom up: the first lane ends on top, as in the SVG
     heights = [1.5 + max(lane.rows, 1) * 0.6 for lane in lanes]  # round band 1.0, ledger band 0.4, rows
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * sum(heights) + 1.8))
+    fig_height = 1.6 + 0.45 * sum(heights) + 1.4  # inches; the legend takes the bottom 1.4
+    fig, ax = plt.subplots(figsize=(12, fig_height))
     y, ticks, labels = 0.0, [], []
     for lane, height in zip(lanes, heights):
         top = y + height  # the round band is on top, the ledger band under it, local rank 0 below
@@ -64,6 +65,6 @@ def render_png(tl: Timeline, path: str, title: str | None = None) -> None:
     handles += [Line2D([], [], marker=_MARKERS[shape], color=color, linestyle="none", label=label)
                 for label, color, shape in MARKS.values()]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.26, 1, 1))
+    fig.tight_layout(rect=(0, 1.4 / fig_height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
