@@ -2,7 +2,8 @@
 
 Prints nanoseconds per call with ``ELAUNCH_PROGRESS_FILE`` set (a real progress
 file from :class:`elaunch.procs.progress_files.ProgressFiles`, so the stacks handler is
-registered too) and unset, next to an empty Python function call for scale. Each
+registered too), set and called with ``step=i``, and unset, next to an empty Python
+function call for scale. Each
 mode runs in a fresh child process (``progress()`` settles its mode on the first
 call), best of ``--repeats`` loops of ``--calls`` calls.
 
@@ -28,7 +29,7 @@ STRACE_CALLS = 100_000
 def _child(mode: str, calls: int, repeats: int) -> None:
     """Time ``calls`` calls; print the best ns/call. ``mode`` "empty" times a no-op function."""
     if mode == "empty":
-        def fn() -> None:
+        def fn(step=None) -> None:
             pass
     else:
         from elaunch import progress as fn
@@ -36,8 +37,12 @@ def _child(mode: str, calls: int, repeats: int) -> None:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
+        if mode == "step":  # progress(step=i): the step's store too (the loop's own cost is in every mode)
+            for i in range(calls):
+                fn(step=i)
+        else:
+            for _ in range(calls):
+                fn()
         best = min(best, (time.perf_counter_ns() - t0) / calls)
     print(f"{best:.1f}")
 
@@ -52,7 +57,7 @@ def _just_call(calls: int) -> None:
 
 def _child_env(mode: str, files) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELAUNCH_")}
-    if mode == "set":
+    if mode in ("set", "step"):
         env.update(files.env(0))
     return env
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1_000_000, help="calls per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per mode (best is shown)")
-    parser.add_argument("--child", choices=("set", "unset", "empty"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("set", "step", "unset", "empty"), help=argparse.SUPPRESS)
     parser.add_argument("--just-call", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.just_call is not None:
@@ -93,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     me = [sys.executable, "-m", "benchmarks.progress_cost"]
     with ProgressFiles([0]) as files:
         print(f"progress() cost, best of {args.repeats} x {args.calls:,} calls, one process per mode")
-        for mode, label in (("set", "ELAUNCH_PROGRESS_FILE set"), ("unset", "ELAUNCH_PROGRESS_FILE unset"),
-                            ("empty", "empty function (for scale)")):
+        for mode, label in (("set", "ELAUNCH_PROGRESS_FILE set"), ("step", "set, progress(step=i)"),
+                            ("unset", "ELAUNCH_PROGRESS_FILE unset"), ("empty", "empty function (for scale)")):
             ns = _run([*me, "--child", mode, "--calls", str(args.calls), "--repeats", str(args.repeats)],
                       _child_env(mode, files))
             print(f"  {label:30s} {ns:>8s} ns/call")
