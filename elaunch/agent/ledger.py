@@ -135,7 +135,7 @@ class Ledger:
         event) for a ``now`` at or after the latest event (an earlier one counts the time up
         to the latest transition whole).
         """
-        out = dict(self._totals)
+        out = {k: max(v, 0.0) for k, v in self._totals.items()}  # a hang's relabelling may leave -1e-16
         if self.state is not None and self.end is None and now > self._since:
             out[self.state] += now - self._since
         return out
