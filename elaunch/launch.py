@@ -98,15 +98,20 @@ def entrypoint_name(cmd: tuple[str, ...]) -> str:
     return os.path.basename(rest[0]) if rest else "worker"
 
 
+#: ``--rdzv-conf`` keys the agent reads itself (``LaunchConfig`` fields), not the rendezvous backend:
+#: they are not passed on, so no backend warns that it ignores them.
+AGENT_RDZV_KEYS = frozenset({"node_check_slow_factor"})
+
+
 def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
-    """Return the RendezvousParameters a LaunchConfig describes."""
+    """Return the RendezvousParameters a LaunchConfig describes (without :data:`AGENT_RDZV_KEYS`)."""
     return RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
         run_id=config.run_id,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
-        config=dict(config.rdzv_configs),
+        config={k: v for k, v in config.rdzv_configs.items() if k not in AGENT_RDZV_KEYS},
         local_addr=config.local_addr,
         role=config.role,
         local_world_size=config.nproc_per_node,

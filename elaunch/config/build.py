@@ -188,6 +188,24 @@ def _checkpoint_dir(path: str | None) -> str | None:
     return full
 
 
+def _slow_factor(conf: Mapping[str, str]) -> float:
+    """The ``--rdzv-conf`` key ``node_check_slow_factor`` (a number > 1; 2 when not given).
+
+    Checked whether or not ``--node-check`` is on: a bad value is bad input either way.
+
+    Raises:
+        ConfigError: not a number > 1; the message names the key and value.
+    """
+    from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR, parse_slow_factor
+
+    if conf.get("node_check_slow_factor") is None:
+        return DEFAULT_SLOW_FACTOR
+    try:
+        return parse_slow_factor(conf["node_check_slow_factor"])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchConfig, list[str]]:
     """Resolve ``options`` into a LaunchConfig; return it with the warnings to log.
 
@@ -236,6 +254,7 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         warm_start_modules=warm,
         checkpoint_replicas=replicas_for(o.checkpoint_replicas, o.nnodes[1]),
         checkpoint_dir=_checkpoint_dir(o.checkpoint_dir),
+        node_check_slow_factor=_slow_factor(o.rdzv_conf),
     )
     # every other option is a field of the same name, as it is
     same = {f.name: getattr(o, f.name) for f in fields(LaunchConfig) if f.name in OPTIONS and f.name not in resolved}

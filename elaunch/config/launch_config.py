@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR
 from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
 
 #: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
@@ -49,6 +50,10 @@ class LaunchConfig:
         hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
             made one) before it counts as hung, stacks dumped, a failure of its rank;
             0.0 is off (``--hang-timeout``, elaunch only), >= 0.
+        node_check: ``--node-check`` (elaunch only): check the nodes after each round forms, before
+            the workers start (``elaunch.agent.node_check``).
+        node_check_slow_factor: the ``--rdzv-conf`` key ``node_check_slow_factor``, a number > 1
+            (default 2): a node's check time above this many times the median is slow.
         metrics_port: the TCP port this agent serves its Prometheus ``/metrics`` on (``--metrics-port``,
             elaunch only), 0-65535 (0: a free port, logged); None: no metrics server.
         event_log_handler: torch event handler name (``--event-log-handler``).
@@ -98,6 +103,8 @@ class LaunchConfig:
     signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")
     forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
     hang_timeout: float = default_of("hang_timeout")
+    node_check: bool = False
+    node_check_slow_factor: float = DEFAULT_SLOW_FACTOR
     metrics_port: int | None = None
     event_log_handler: str = default_of("event_log_handler")
     logs_specs: str | None = None

@@ -200,6 +200,11 @@ _ROWS = (
     Option("hang_timeout", WORKERS, "A worker that called elaunch.progress() at least once and then not for SECONDS "
            "is hung: its stacks are dumped and it counts as that rank's failure. 0 turns this off (elaunch only).",
            "0", "SECONDS", _seconds(True), "seconds", argtype=float, elaunch_only=True),
+    Option("node_check", WORKERS, "After each round forms and before the workers start, time a compute probe on "
+           "every node and an all-reduce between pairs of nodes (docs/node-check.md); a node slower than "
+           "node_check_slow_factor (an --rdzv-conf key, default 2) x the median, or whose check fails, is named, and "
+           "sits out when the --rdzv-conf key exclude_after is given (c10d and etcd; elaunch only).", False,
+           elaunch_only=True),
     Option("virtual_local_rank", WORKERS, "Give every worker LOCAL_RANK=0 and restrict CUDA_VISIBLE_DEVICES to its "
            "own GPU.", False, torch="virtual_local_rank"),
     Option("numa_binding", WORKERS, "Bind workers to CPUs near their GPU.", None, "|".join(NUMA_MODES),
