@@ -352,10 +352,10 @@ def bench_overhead(cfg: BenchConfig) -> Recorder:
 
 
 def idle_window(cfg: BenchConfig, which: str, log: Path, extra: tuple[str, ...] = (), tick=None,
-                before_exit=None, before_exit_seconds: float = 0.0) -> dict[str, float]:
+                before_exit=None, before_exit_seconds: float = 0.0, window: float | None = None) -> dict[str, float]:
     """Measure launcher ``which`` (with ``extra`` flags) idling over two sleeping workers.
 
-    The window lasts ``cfg.overhead_seconds`` and starts after the start-up burst (see
+    The window lasts ``window`` seconds (default ``cfg.overhead_seconds``) and starts after the start-up burst (see
     :func:`bench_overhead`). ``tick()``, when given, is called every 0.25 s inside the
     window (from this process: its own CPU is not counted). ``before_exit()``, when given,
     runs after the window while the workers still sleep (``before_exit_seconds`` more at
@@ -368,7 +368,7 @@ def idle_window(cfg: BenchConfig, which: str, log: Path, extra: tuple[str, ...] 
     Raises:
         DidNotComplete: the workers did not start within 90 s or exit within 60 s.
     """
-    window = cfg.overhead_seconds
+    window = cfg.overhead_seconds if window is None else window
     settle = 0.5 if cfg.quick else 1.0
     settle_max = 2.0 if cfg.quick else 8.0
     proc = start(which, ["--standalone", "--nproc-per-node=2", *extra, SLEEPER,
