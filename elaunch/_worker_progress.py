@@ -14,6 +14,21 @@ The file's words (native-endian ``uint64``):
 * offset 24: when the first call was made, microseconds since the epoch (0: not yet).
   Written once, before the counter first moves: the agent dates the node's
   ``training`` event from it, however seldom it looks.
+* offset 32: the stamp request: the agent writes 1 to ask for a stamp; the next
+  call answers it and writes 0.
+* offset 40: the stamped call's step (the last step given, or the call counter
+  when no call gave one).
+* offset 48: the stamped call's time, nanoseconds since the epoch (``time.time_ns()``).
+
+  The stamp is the straggler watch's input (:mod:`elaunch.agent.stragglers`): every
+  agent asks at the same wall-clock instants, so the ranks stamp the same (or the
+  next) step, and the watch compares when they did. A clock read costs more than the
+  rest of a call (about 20 ns on bare metal, 200 ns in a VM whose TSC reads trap), so
+  a call reads the clock only when asked, a few times a second, not once per step.
+  The worker writes the step and the time before it clears the request, so an agent
+  that sees the request cleared reads that call's pair (x86-64's stores are not
+  reordered; elsewhere a rare stale pair is off by one step in one sample, which the
+  watch's averages absorb).
 
 Stdlib only, nothing imported at module level beyond ``os``: ``import elaunch`` stays
 cheap and never imports torch. ``mmap``, ``atexit``, ``faulthandler`` and ``warnings``
@@ -51,11 +66,12 @@ PROGRESS_FILE_ENV = "ELAUNCH_PROGRESS_FILE"
 STACKS_FILE_ENV = "ELAUNCH_STACKS_FILE"
 #: Number of the signal that makes the worker dump its stacks into the stacks file.
 STACKS_SIGNAL_ENV = "ELAUNCH_STACKS_SIGNAL"
-#: Bytes of the progress file that this module maps: four uint64 words (the counter,
-#: the exit mark, the step + 1, the first call's time in microseconds; module docstring).
-MAPPED_BYTES = 32
+#: Bytes of the progress file that this module maps: seven uint64 words (the counter,
+#: the exit mark, the step + 1, the first call's time in microseconds, the stamp request,
+#: the stamped step, the stamped time in nanoseconds; module docstring).
+MAPPED_BYTES = 56
 #: Word indexes in the mapped file.
-COUNTER, EXIT_MARK, STEP, FIRST_CALL_US = 0, 1, 2, 3
+COUNTER, EXIT_MARK, STEP, FIRST_CALL_US, STAMP_ASK, STAMP_STEP, STAMP_NS = 0, 1, 2, 3, 4, 5, 6
 #: Prefix of the line written to the stacks file when the signal handler is registered:
 #: ``elaunch-stacks pid=<pid> signal=<signum>``. The agent sends the signal only to a pid
 #: named on such a line, since the default action of a real-time signal is to terminate.
@@ -84,12 +100,14 @@ def progress(step: int | None = None) -> None:
     writes its time, and, when ``$ELAUNCH_STACKS_FILE`` and ``$ELAUNCH_STACKS_SIGNAL``
     are set, registers ``faulthandler`` on that signal so the agent can ask for this
     process's Python stacks without ptrace. Each later call increments the counter
-    at offset 0 of the file and, with a step, stores it at offset 16.
+    at offset 0 of the file, with a step stores it at offset 16, and, when the agent
+    asked for a stamp (offset 32), stores the step and the call's time (offsets 40, 48).
 
     Cost: the first call a few system calls (open, fstat, mmap, close, and for the
     stacks file open, write, rt_sigaction); every later call none, about the cost of
-    a global lookup and an integer add, one more store with a step (see
-    ``python -m benchmarks.progress_cost``).
+    a global lookup, an integer add and a load, one more store with a step, and a clock
+    read (vDSO, no system call) only for the few calls a second the agent asks to stamp
+    (see ``python -m benchmarks.progress_cost``).
 
     The first call also registers the exit mark (module docstring): once this
     process exits, the agent no longer judges the rank's quiet as a hang.
@@ -100,7 +118,7 @@ def progress(step: int | None = None) -> None:
             is mapped: without ``$ELAUNCH_PROGRESS_FILE`` the call checks nothing.
 
     Never raises otherwise: a file that cannot be opened or mapped (missing, shorter
-    than 32 bytes, not writable) or a bad signal number issues one
+    than 56 bytes, not writable) or a bad signal number issues one
     ``RuntimeWarning`` and disables that part.
     """
     counter = _counter
@@ -113,6 +131,8 @@ def progress(step: int | None = None) -> None:
                 counter[2] = step + 1 if step >= 0 else -1
             except (TypeError, ValueError):
                 _bad_step(step)
+        if counter[4]:  # STAMP_ASK (inline: no constant lookup)
+            _stamp(counter)
     elif not _initialised:
         _initialise(step)
 
@@ -123,6 +143,15 @@ def _store_step(words: memoryview, step: int) -> None:
         words[STEP] = step + 1 if step >= 0 else -1
     except (TypeError, ValueError):
         _bad_step(step)
+
+
+def _stamp(words: memoryview) -> None:
+    """Answer the agent's stamp request: the step (or the counter), the time, then clear the request."""
+    from time import time_ns  # a few times a second: the import's dictionary lookups do not count
+
+    words[STAMP_STEP] = words[STEP] - 1 if words[STEP] else words[COUNTER]
+    words[STAMP_NS] = time_ns()
+    words[STAMP_ASK] = 0
 
 
 def _bad_step(step: object) -> None:
@@ -155,6 +184,8 @@ def _initialise(step: int | None) -> None:
     atexit.register(_mark_exit, counter, os.getpid())
     if step is not None:
         _store_step(counter, step)  # a bad step raises, once the file is set up
+    if counter[STAMP_ASK]:
+        _stamp(counter)
 
 
 def _mark_exit(words: memoryview, pid: int) -> None:
@@ -167,11 +198,11 @@ def _mark_exit(words: memoryview, pid: int) -> None:
 
 
 def _map_counter(path: str) -> memoryview:
-    """Map the first 32 bytes of ``path`` read-write, shared; return a ``"Q"`` view of 4 words.
+    """Map the first 56 bytes of ``path`` read-write, shared; return a ``"Q"`` view of 7 words.
 
     Raises:
         OSError: the file cannot be opened or mapped.
-        ValueError: the file is shorter than 32 bytes.
+        ValueError: the file is shorter than 56 bytes.
     """
     import mmap
 

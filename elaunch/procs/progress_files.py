@@ -29,6 +29,9 @@ from .._worker_progress import (
     PROGRESS_FILE_ENV,
     STACKS_FILE_ENV,
     STACKS_SIGNAL_ENV,
+    STAMP_ASK,
+    STAMP_NS,
+    STAMP_STEP,
     STEP,
 )
 
@@ -50,7 +53,8 @@ STACKS_SIGNAL: int = signal.SIGRTMIN + 3
 #: Size of each progress file in bytes: the uint64 counter at offset 0, the exit mark
 #: (the worker's pid once its interpreter exits) at offset 8, the last step + 1 at
 #: offset 16, the first call's time (microseconds since the epoch) at offset 24, the
-#: rest zero (room for later fields without changing the file's size).
+#: stamp request, step and time (nanoseconds since the epoch) at offsets 32, 40 and 48,
+#: the rest zero (room for later fields without changing the file's size).
 FILE_BYTES = 64
 #: Where private directories go when /dev/shm is usable (a tmpfs: no disk writes).
 _SHM = "/dev/shm"
@@ -82,7 +86,8 @@ class ProgressFiles:
         OSError: the directory or a file cannot be created.
 
     Cost: creating writes one 64-byte file and one empty file per rank and maps each
-    progress file once; :meth:`read` makes no system call. Use as a context manager or
+    progress file once; :meth:`read` makes no system call. The mapping is writable for
+    one word only: the stamp request (:meth:`ask_stamps`). Use as a context manager or
     call :meth:`close`; the directory is removed on close.
     """
 
@@ -102,8 +107,8 @@ class ProgressFiles:
                 with open(self.progress_file(rank), "wb") as f:
                     f.write(bytes(FILE_BYTES))
                 open(self.stacks_file(rank), "wb").close()
-                with open(self.progress_file(rank), "rb") as f:
-                    m = mmap.mmap(f.fileno(), MAPPED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+                with open(self.progress_file(rank), "r+b") as f:  # writable: the stamp request
+                    m = mmap.mmap(f.fileno(), MAPPED_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self._maps[rank] = m
                 self._views[rank] = memoryview(m).cast("Q")
         except BaseException:
@@ -187,8 +192,29 @@ class ProgressFiles:
         """
         return {rank: view[FIRST_CALL_US] / 1e6 for rank, view in self._views.items() if view[FIRST_CALL_US]}
 
+    def ask_stamps(self) -> None:
+        """Ask every rank's worker to stamp its next ``progress()`` call (step and time).
+
+        One store per rank, no system call; a request not yet answered stays. See
+        :meth:`stamps` and the module docstring of :mod:`elaunch._worker_progress`.
+        Does nothing after :meth:`close`.
+        """
+        for view in self._views.values():
+            view[STAMP_ASK] = 1
+
+    def stamps(self) -> dict[int, tuple[int, int]]:
+        """Local rank -> ``(step, ns)`` of the call that answered its last :meth:`ask_stamps`.
+
+        The step is the last one given to ``progress(step=)`` by then, or the call counter
+        when no call gave one; ``ns`` the call's time, nanoseconds since the epoch. Ranks
+        whose request is still pending (no call since it), or that never stamped, are left
+        out. No system call; ``{}`` after :meth:`close`.
+        """
+        return {rank: (view[STAMP_STEP], view[STAMP_NS]) for rank, view in self._views.items()
+                if view[STAMP_NS] and not view[STAMP_ASK]}
+
     def reset(self) -> None:
-        """Zero every counter, exit mark, step and first-call time, empty every stacks file, for a new set of workers.
+        """Zero every counter, exit mark, step, first-call time and stamp, empty every stacks file, for a new set of workers.
 
         Call only when no worker of the previous set is alive (they would keep
         counting into the same files), and before starting the next set: the stacks

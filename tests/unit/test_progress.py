@@ -85,7 +85,7 @@ def test_registers_stack_handler_and_names_its_pid(files):
 
 @pytest.mark.parametrize(
     "content, expected",
-    [(b"\0" * 12, "is 12 bytes, needs at least 32"), (None, "No such file")],
+    [(b"\0" * 12, "is 12 bytes, needs at least 56"), (None, "No such file")],
     ids=["too-short", "missing"],
 )
 def test_unusable_file_warns_once_and_never_raises(tmp_path, content, expected):
@@ -285,6 +285,51 @@ def test_step_is_stored_with_the_first_call_time(files):
     assert list(first) == [0] and before - 1 <= first[0] <= time.time()
     files.reset()
     assert files.steps() == {0: None, 1: None} and files.first_calls() == {}
+
+
+def test_stamp_answers_the_agents_request_with_the_next_calls_step_and_time(files):
+    """A call stamps (step, time in ns) only when the agent asked: the straggler watch's input."""
+    import time
+
+    script = """
+        import sys, time, elaunch
+        elaunch.progress(step=3)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the agent asks now
+        time.sleep(0.2)
+        print(time.time_ns(), flush=True)
+        elaunch.progress(step=4)
+        elaunch.progress(step=5)  # a second call does not restamp
+        sys.stdin.readline()
+        for _ in range(3): elaunch.progress()  # no step given: the last step given is stamped
+        """
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ELAUNCH_")}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env={**base, **files.env(0)},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert files.stamps() == {}  # never asked
+        files.ask_stamps()
+        assert files.stamps() == {}  # asked, not yet answered
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        before = int(proc.stdout.readline())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    stamps = files.stamps()
+    assert list(stamps) == [0] and stamps[0][0] == 4
+    assert before <= stamps[0][1] <= before + 0.1e9 and stamps[0][1] <= time.time_ns()
+    files.ask_stamps()
+    assert files.stamps() == {}  # rank 0 exited: its request stays pending
+    out = _python("import elaunch\nfor _ in range(5): elaunch.progress()\n", files.env(1))
+    assert out.returncode == 0, out.stderr
+    assert files.stamps() == {1: (1, files.stamps()[1][1])}  # the first call answered it: the counter was 1
+    files.reset()
+    assert files.stamps() == {}
 
 
 def test_step_zero_is_a_step(files):
