@@ -34,7 +34,7 @@ RDZV_CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_ali
 #: here the faults are injected at random, not a bad node's, so no node is excluded.
 ELAUNCH_CONF = "exclude_after=0"
 #: Modules elaunch's warm spares import in advance (what the example imports that costs).
-WARM_MODULES = "torch,numpy,sklearn.datasets,sklearn.model_selection,sklearn.preprocessing"
+WARM_MODULES = "torch,torch._dynamo,numpy,sklearn.datasets,sklearn.model_selection,sklearn.preprocessing"
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class Cluster:
         args = [f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.store_host.addr}:{STORE_PORT}", f"--rdzv-id={self.run_id}",
                 f"--rdzv-conf={conf}",
-                f"--local-addr={host.addr}", "--max-restarts=100"]
+                f"--local-addr={host.addr}", "--max-restarts=100", f"--log-dir={self.workdir / 'logs'}"]
         if self.launcher == "elaunch" and self.warm:
             args += ["--warm-start", f"--warm-start-modules={WARM_MODULES}"]
         argv = launcher_cmd(self.launcher, *args, WORKER, str(self.counters), *self.example_args)

@@ -44,12 +44,12 @@ def main() -> None:
     state, write = counter(directory)
     real = example.progress_function()
 
-    def progress() -> None:
+    def progress(*args, **kwargs) -> None:  # the example may pass step=...
         state["n"] += 1
         if state["n"] == 1:
             state["first"] = time.time()
         write()
-        real()
+        real(*args, **kwargs)
 
     example.progress_function = lambda: progress
     sys.argv = [str(EXAMPLE), *argv]
