@@ -1,0 +1,202 @@
+"""Stragglers, decided: which ranks report their steps late, window after window (pure functions).
+
+In a synchronous job every rank runs at the pace of the slowest: their step *times*
+are the same, so comparing them names nobody. What differs is *when* in the step a
+rank gets through its own work: after the step's last collective (an all-reduce, a
+barrier) releases every rank at once, a slow rank reaches its next
+``elaunch.progress()`` call later than the others. So the watch compares when the
+ranks report the same step.
+
+The input: at sample instants shared by every node (multiples of ``window / samples``
+seconds of wall-clock time), each agent asks its workers to stamp their next call
+(:meth:`elaunch.procs.progress_files.ProgressFiles.ask_stamps`): a ``(step, time)``
+per rank per instant. At one instant the ranks stamp the same step, or the next one
+(those already past it when asked): the time of a rank's stamp is brought back to
+the earliest step stamped at that instant by the window's median step time. A rank's
+*lateness* at that instant is its time minus the median of the other ranks' times;
+its lateness in a window is the mean over the window's instants, as a fraction of
+the median step time. The mean makes zero-mean noise (±20 % jitter per step on every
+rank) fade with the number of instants, while a rank that is late at every step
+keeps its lateness.
+
+A rank whose lateness exceeds ``factor`` in ``windows`` windows in a row is a
+straggler; it stays one until a window in which it is not late (or without enough
+samples of it).
+
+What this sees, and what it does not: only the work between the step's last
+collective and the rank's ``progress()`` call. A rank slow in every part of its step
+(a CPU-capped or throttled host, a slow accelerator whose kernels run after the
+all-reduce) shows; work done entirely *before* the collective (e.g. an extra forward
+pass in a DDP loop, whose all-reduce sits in ``backward()``) makes the others wait
+inside the collective and leaves no trace in when anyone reports. Calling
+``progress(step=)`` after the optimizer step (the common place) sees the optimizer
+step, logging and anything else done before it; see docs/fault-tolerance.md.
+
+Clocks: the times are wall-clock times of different hosts; a host whose clock is off
+by a fraction of a step time shifts its ranks' lateness by that much (NTP keeps hosts
+within milliseconds; steps of a few hundred milliseconds or more are fine).
+
+Stdlib only; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: Default seconds per window (the ``straggler_window`` rdzv-conf key).
+DEFAULT_WINDOW = 10.0
+#: Default lateness, as a fraction of the step time, above which a window counts against a rank
+#: (``straggler_factor``): the rank's own work after the step's last collective takes a quarter
+#: of a step longer than the other ranks'.
+DEFAULT_FACTOR = 0.25
+#: Default windows in a row above the factor that name a straggler (``straggler_windows``).
+DEFAULT_WINDOWS = 2
+#: Sample instants per window: the stamps asked for per window.
+SAMPLES_PER_WINDOW = 20
+#: The fewest instants at which a rank must be stamped in a window to be judged in it.
+MIN_INSTANTS = 5
+#: Instants at which the stamped steps differ by more than this are skipped: the ranks do not
+#: number their steps alike (a counter on one, a step on another), or one is stopped.
+MAX_STEP_SPREAD = 2
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One rank's stamp at one sample instant.
+
+    Attributes:
+        instant: the sample instant's index (wall-clock seconds // the sample period).
+        step: the stamped call's step (or call counter).
+        time: the stamped call's time, seconds since the epoch.
+    """
+
+    instant: int
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class WindowLateness:
+    """What one window's samples say.
+
+    Attributes:
+        step_time: the median seconds per step over the window, None when no rank stamped two
+            different steps (no verdict is possible).
+        lateness: global rank -> mean lateness, as a fraction of ``step_time``, for the ranks
+            stamped at :data:`MIN_INSTANTS` usable instants or more.
+        instants: the instants used.
+    """
+
+    step_time: float | None
+    lateness: dict[int, float] = field(default_factory=dict)
+    instants: int = 0
+
+
+def step_time(samples: Mapping[int, Sequence[Sample]]) -> float | None:
+    """The median seconds per step between each rank's consecutive samples of different steps; None: none."""
+    rates = []
+    for rank_samples in samples.values():
+        ordered = sorted(rank_samples, key=lambda s: s.instant)
+        for a, b in zip(ordered, ordered[1:]):
+            if b.step > a.step and b.time > a.time:
+                rates.append((b.time - a.time) / (b.step - a.step))
+    return statistics.median(rates) if rates else None
+
+
+def window_lateness(samples: Mapping[int, Sequence[Sample]], min_instants: int = MIN_INSTANTS) -> WindowLateness:
+    """Each rank's mean lateness over one window, as a fraction of the median step time.
+
+    Args:
+        samples: global rank -> its samples in the window (any order; at most one per instant).
+        min_instants: the fewest usable instants a rank needs to be judged.
+
+    Returns:
+        The window's :class:`WindowLateness`; ranks with too few instants are left out of
+        ``lateness``, and so is everything when ``step_time`` is None or fewer than two
+        ranks were stamped at any instant.
+    """
+    per_step = step_time(samples)
+    if per_step is None or per_step <= 0:
+        return WindowLateness(None)
+    by_instant: dict[int, dict[int, Sample]] = {}
+    for rank, rank_samples in samples.items():
+        for s in rank_samples:
+            by_instant.setdefault(s.instant, {})[rank] = s
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    used = 0
+    for stamped in by_instant.values():
+        if len(stamped) < 2:
+            continue
+        first = min(s.step for s in stamped.values())
+        if max(s.step for s in stamped.values()) - first > MAX_STEP_SPREAD:
+            continue
+        used += 1
+        # each rank's time brought back to the earliest step stamped at this instant
+        at_first = {rank: s.time - (s.step - first) * per_step for rank, s in stamped.items()}
+        for rank, t in at_first.items():
+            others = [u for r, u in at_first.items() if r != rank]
+            sums[rank] = sums.get(rank, 0.0) + t - statistics.median(others)
+            counts[rank] = counts.get(rank, 0) + 1
+    lateness = {rank: sums[rank] / counts[rank] / per_step for rank in sorted(sums) if counts[rank] >= min_instants}
+    return WindowLateness(per_step, lateness, used)
+
+
+@dataclass(frozen=True)
+class StragglerState:
+    """The decision carried from window to window.
+
+    Attributes:
+        streaks: global rank -> windows in a row (up to the latest) in which its lateness exceeded the factor.
+        named: the ranks named stragglers now.
+    """
+
+    streaks: Mapping[int, int] = field(default_factory=dict)
+    named: frozenset[int] = frozenset()
+
+
+def judge(state: StragglerState, window: WindowLateness, factor: float = DEFAULT_FACTOR,
+          windows: int = DEFAULT_WINDOWS) -> StragglerState:
+    """The state after one more window.
+
+    A rank late by more than ``factor`` (a fraction of the step time) extends its streak;
+    any other rank, or one not judged in this window, starts again from 0. A rank whose
+    streak reaches ``windows`` is named; a named rank stays named while its streak lasts.
+
+    Args:
+        state: the state after the previous window (``StragglerState()`` at the start of a round).
+        window: this window's :func:`window_lateness`.
+        factor: lateness threshold, a fraction of the step time (> 0).
+        windows: windows in a row that name a rank (>= 1).
+    """
+    streaks = {rank: state.streaks.get(rank, 0) + 1 for rank, late in window.lateness.items() if late > factor}
+    named = frozenset(rank for rank, n in streaks.items() if n >= windows)
+    return StragglerState(streaks, named)
+
+
+def samples_from_doc(doc: Mapping, base: float) -> dict[int, list[Sample]]:
+    """The samples of one node's exchanged document (:func:`doc_of`), times back to seconds since the epoch.
+
+    Malformed entries are skipped (a document is another node's: never trusted to raise).
+    """
+    out: dict[int, list[Sample]] = {}
+    ranks = doc.get("ranks") if isinstance(doc, Mapping) else None
+    if not isinstance(ranks, Mapping):
+        return out
+    for rank, rows in ranks.items():
+        try:
+            out[int(rank)] = [Sample(int(i), int(k), base + float(t)) for i, k, t in rows]
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def doc_of(samples: Mapping[int, Iterable[Sample]], base: float) -> dict:
+    """This node's document for a window's exchange: global rank -> ``[instant, step, time - base]`` rows.
+
+    ``base`` (the window's start, seconds since the epoch) keeps the times short (microseconds kept).
+    """
+    return {"ranks": {str(rank): [[s.instant, s.step, round(s.time - base, 6)] for s in rows]
+                      for rank, rows in samples.items()}}
