@@ -23,6 +23,7 @@ from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, with_root
 from elaunch.agent.hang_watchdog import HangWatchdog
+from elaunch.agent.node_check import NodeCheck, node_check_for
 from elaunch.agent.progress_watch import ProgressWatchdog, open_progress_watch
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.job import JobView, local_record
@@ -131,6 +132,7 @@ class ElasticAgent:
         self._events = AgentEvents(None, "", self._hostname, self._job.max_restarts)  # run() opens the real one
         # in-memory checkpoints: the node directory, each round's restore, the persister and replica service
         self._keeper = CheckpointKeeper.for_launch(config, env_opts.run_id, rdzv.job_channel)
+        self._node_check: NodeCheck | None = None  # --node-check; made in run() (its child needs the reaper)
 
     @property
     def log_root(self) -> str | None:
@@ -166,6 +168,7 @@ class ElasticAgent:
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
         self._watchdogs.append(self._keeper)
+        self._node_check = node_check_for(self._config, self._rdzv.job_channel, self._events, self._launcher.reaper)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
                                      self._watchdogs)
         try:
@@ -186,6 +189,8 @@ class ElasticAgent:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._keeper.close()  # before the helpers and the reaper go: it awaits a persist, then removes its dir
+            if self._node_check is not None:
+                self._node_check.close()
             self._launcher.close()
             for watchdog in self._watchdogs:
                 watchdog.close()
@@ -248,8 +253,12 @@ class ElasticAgent:
     def _join(self) -> RendezvousInfo:
         """Join the next round; log the last counted restart once it formed; take the job's count from it."""
         self._events.rendezvous_joining()
+        if self._node_check is not None:
+            self._node_check.prepare()  # its child imports torch while the rendezvous runs
         info = self._rdzv.next_rendezvous()
         self._events.rendezvous_complete(info, self._rdzv.job_channel().round_members)
+        if self._node_check is not None:
+            self._node_check.run(info)  # before the workers start: names the faulty nodes
         if self._announce is not None:
             # every node of the failed round recorded its report before this round formed:
             # the root cause read now is the job's final one, the same on every node

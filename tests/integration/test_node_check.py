@@ -1,0 +1,75 @@
+"""``--node-check`` with real agents (issue 26): the check runs between the rendezvous and the workers.
+
+Two ``elaunch`` agents on loopback meet (c10d, whose store node A's agent hosts, and
+etcd-v3, where node 0's check child hosts the check's store itself); each starts its
+check child as it joins, the children time the compute probe and a gloo all-reduce
+between the two nodes over the round's workers' store, the agents exchange the results
+through the job channel and record the same verdicts: the ``node_check`` event comes
+before ``workers_started`` in both event logs, and names no node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.helpers import finish_agents, kill_tree, port_open, start_agent
+
+pytestmark = pytest.mark.slow
+
+WORKER = "import os, sys\nopen(os.path.join(sys.argv[1], 'ran-' + os.environ['RANK']), 'w').close()\n"
+
+
+def _events(log_dir: Path) -> list[dict]:
+    [path] = list(log_dir.rglob("events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path):
+    backend, ep = endpoint
+    (tmp_path / "w.py").write_text(WORKER)
+    conf = "last_call_timeout=1,join_timeout=60" + ("" if backend == "c10d" else ",read_timeout=20")
+    agents = []
+    try:
+        for who in ("a", "b"):
+            agents.append(start_agent(backend, ep, str(tmp_path / "w.py"), str(tmp_path),
+                                      rdzv_id=f"nc-{tmp_path.name}", conf=conf,
+                                      extra=("--node-check", f"--log-dir={tmp_path / who}")))
+            if backend == "c10d" and who == "a":
+                wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="A hosting the store")
+    except BaseException:
+        for a in agents:
+            kill_tree(a.pid)
+        raise
+    results = finish_agents(agents, timeout=120)
+    assert [r[0] for r in results] == [0, 0], results
+    assert sorted(p.name for p in tmp_path.glob("ran-*")) == ["ran-0", "ran-1"]
+    reports = []
+    for who in ("a", "b"):
+        events = _events(tmp_path / who)
+        kinds = [e["kind"] for e in events]
+        assert kinds.index("rendezvous_complete") < kinds.index("node_check") < kinds.index("workers_started"), kinds
+        [check] = [e for e in events if e["kind"] == "node_check"]
+        assert check["faulty"] == [] and check["sitting_out"] == []
+        assert len(check["nodes"]) == 2 and {n["verdict"] for n in check["nodes"].values()} == {"ok"}
+        assert {n["group_rank"] for n in check["nodes"].values()} == {0, 1}
+        assert all(n["compute"] > 0 and n["best_pair"] > 0 for n in check["nodes"].values())
+        [[pairing, a, b, t]] = check["pairs"]
+        assert (pairing, a, b) == (1, 0, 1) and t > 0
+        assert check["seconds"] < 60
+        reports.append({k: check[k] for k in ("round", "pairs", "nodes", "pair_median", "compute_median")})
+    assert reports[0] == reports[1]  # the same verdicts, figures and all, on both nodes
+
+
+def test_a_single_node_job_is_not_checked(tmp_path):
+    (tmp_path / "w.py").write_text(WORKER)
+    res = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--node-check", f"--log-dir={tmp_path / 'l'}",
+                          str(tmp_path / "w.py"), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "node_check" not in {e["kind"] for e in _events(tmp_path / "l")}
