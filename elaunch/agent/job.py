@@ -182,6 +182,20 @@ class JobView:
             "%g s (rdzv conf exclude_after=%d, exclude_cooldown=%g), the other %d node(s) go on",
             job.exclude_after, job.exclude_cooldown, job.exclude_after, job.exclude_cooldown, job.others,
         )
+        return self._sit_out(job)
+
+    def sit_out(self, why: str) -> RunResult | None:
+        """Sit out ``exclude_cooldown`` seconds now, for ``why`` (the node check's verdict), as a blamed node does.
+
+        Returns and raises as :meth:`sit_out_if_blamed`.
+        """
+        job = self.read()
+        log.warning("%s; sitting out the next rounds for %g s (rdzv conf exclude_cooldown), the other node(s) go on",
+                    why, job.exclude_cooldown)
+        return self._sit_out(job)
+
+    def _sit_out(self, job: JobState) -> RunResult | None:
+        """Leave the round, watch the job for ``job.exclude_cooldown`` s, then rejoin (see :meth:`sit_out_if_blamed`)."""
         try:
             self._channel.sit_out()
         except RendezvousError as exc:
