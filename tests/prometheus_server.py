@@ -8,7 +8,9 @@ given, and is stopped and reaped by :meth:`PrometheusServer.stop` (call it in a
 ``finally``/fixture teardown).
 
 For a network-namespace host pass ``host`` (an address of that host) and ``cmd_prefix``
-(e.g. ``["ip", "netns", "exec", "h1"]``).
+(e.g. ``["ip", "netns", "exec", "h1"]``): the server runs there, and every HTTP request
+to it is made from there too (a short Python process under the same prefix), since the
+namespace's address is not reachable from the caller's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -35,6 +38,15 @@ def prometheus_binary() -> str | None:
 def promtool_binary() -> str | None:
     """Return the path of ``promtool`` (shipped with the ``prometheus`` package), or None."""
     return shutil.which("promtool") or ("/usr/bin/promtool" if os.access("/usr/bin/promtool", os.X_OK) else None)
+
+
+#: Run under a host's ``cmd_prefix``: GET argv[1], write the body (also of an HTTP error) to stdout.
+_FETCH = ("import sys, urllib.error, urllib.request\n"
+          "try:\n"
+          "    body = urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])).read()\n"
+          "except urllib.error.HTTPError as e:\n"
+          "    body = e.read()\n"
+          "sys.stdout.buffer.write(body)\n")
 
 
 class PrometheusError(RuntimeError):
@@ -110,7 +122,8 @@ class PrometheusServer:
         assert self.proc is None, "already started"
         self.base_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
-            self.port = free_ports(self.host, 1)[0]
+            # a fresh network namespace has every port free: pick one free here
+            self.port = free_ports("127.0.0.1" if self.cmd_prefix else self.host, 1)[0]
         self._write_config()
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT,
@@ -123,14 +136,33 @@ class PrometheusServer:
         return self
 
     def ready(self) -> bool:
-        """True when the process runs and ``GET /-/ready`` answers 200."""
+        """True when the process runs and ``GET /-/ready`` answers that it is ready (200; 503 before)."""
         if self.proc is None or self.proc.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1.0) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
+            return b"is Ready" in self._get("/-/ready", timeout=1.0)  # 503 "Service Unavailable" before
+        except (OSError, urllib.error.URLError, subprocess.SubprocessError):
             return False
+
+    def _get(self, path: str, timeout: float = 5.0) -> bytes:
+        """GET ``path``: the body (an HTTP error's too: the API's errors are JSON with 400/422).
+
+        Raises:
+            OSError / urllib.error.URLError: no answer; subprocess.TimeoutExpired: the fetch
+                under ``cmd_prefix`` hung.
+        """
+        url = f"{self.url}{path}"
+        if self.cmd_prefix:
+            r = subprocess.run([*self.cmd_prefix, sys.executable, "-c", _FETCH, url, str(timeout)],
+                               capture_output=True, timeout=timeout + 10)
+            if r.returncode != 0:
+                raise OSError(f"GET {url} from {' '.join(self.cmd_prefix)}: {r.stderr.decode(errors='replace')[-300:]}")
+            return r.stdout
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            return e.read()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until :meth:`ready`.
@@ -174,11 +206,7 @@ class PrometheusServer:
             OSError / urllib.error.URLError: the server did not answer.
         """
         query = urllib.parse.urlencode({k: str(v) for k, v in params.items()})
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=5.0) as resp:
-                body = json.loads(resp.read())
-        except urllib.error.HTTPError as e:  # 400/422 carry the error as JSON
-            body = json.loads(e.read() or b"{}")
+        body = json.loads(self._get(f"/api/v1/{path}?{query}") or b"{}")
         if body.get("status") != "success":
             raise PrometheusError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]

@@ -87,6 +87,20 @@ def _matches_ledger(prom: PrometheusServer, instance: str, events: list[dict]) -
     return goodput, ts
 
 
+def _wait_value(prom: PrometheusServer, expr: str, expected: float, what: str, more=lambda: "") -> None:
+    """Wait (15 s) until ``expr`` has the single value ``expected``; else fail with what Prometheus had."""
+    last: list = []
+
+    def ok() -> bool:
+        last[:] = prom.query(expr)
+        return len(last) == 1 and last[0]["value"] == expected
+    try:
+        wait_for(ok, 15, interval=0.2, what=what)
+    except AssertionError as e:
+        targets = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in prom.active_targets()]
+        raise AssertionError(f"{e}: {expr} = {last}\ntargets: {targets}\n{more()}") from None
+
+
 def _promtool_check(port: int) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         body = resp.read()
@@ -127,11 +141,14 @@ def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prome
         def restarted(i: int) -> bool:
             ev = _events(logs[i])
             return bool(_kinds(ev, "restart", cause="failure")) and len(_kinds(ev, "training")) >= 2
-        wait_for(lambda: (restarted(0) and restarted(1)) or not alive(), 90, what="the restart after the crash")
+        try:
+            wait_for(lambda: (restarted(0) and restarted(1)) or not alive(), 90, what="the restart after the crash")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{[_events(d) for d in logs]}\n{stderr()}") from None
         assert alive(), stderr()
         for inst in instances:
-            wait_for(lambda: prom.value(f'elaunch_restarts_total{{instance="{inst}", cause="failure"}}') == 1, 15,
-                     what=f"Prometheus: one failure restart on {inst}")
+            _wait_value(prom, f'elaunch_restarts_total{{instance="{inst}", cause="failure"}}', 1,
+                        f"Prometheus: one failure restart on {inst}", stderr)
         for port in ports:
             _promtool_check(port)
 
@@ -144,13 +161,16 @@ def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prome
             ev = _events(logs[0])
             changes = [e for e in ev if e["kind"] == "membership_change" and lost in (e.get("left") or ())]
             return bool(changes) and any(e["kind"] == "training" and e["time"] > changes[-1]["time"] for e in ev)
-        wait_for(lambda: reformed() or agents[0].poll() is not None, 60, what="the survivor training alone")
+        try:
+            wait_for(lambda: reformed() or agents[0].poll() is not None, 60, what="the survivor training alone")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{_events(logs[0])}\n{stderr()}") from None
         assert agents[0].poll() is None, stderr()
         survivor = instances[0]
-        wait_for(lambda: prom.value(f'elaunch_node_losses_total{{instance="{survivor}"}}') == 1, 15,
-                 what="Prometheus: one node loss on the survivor")
+        _wait_value(prom, f'elaunch_node_losses_total{{instance="{survivor}"}}', 1,
+                    "Prometheus: one node loss on the survivor", stderr)
         assert prom.value(f'elaunch_restarts_total{{instance="{survivor}", cause="failure"}}') == 1
-        wait_for(lambda: prom.value(f'up{{instance="{instances[1]}"}}') == 0, 15, what="the lost agent's target down")
+        _wait_value(prom, f'up{{instance="{instances[1]}"}}', 0, "the lost agent's target down")
 
         goodput, _ts = _matches_ledger(prom, survivor, _events(logs[0]))
         assert 0 < goodput < 1

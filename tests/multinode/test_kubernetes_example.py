@@ -23,6 +23,10 @@ What stands in for the cluster:
 * a volume is a directory per pod: its mount path in argv and env is replaced by
   that directory (``kube.with_volumes``; etcd's ``--data-dir``).
 
+The c10d Job's pods are scraped while they train by a real Prometheus in a host of
+its own, at the addresses and port their ``prometheus.io/*`` annotations name (the
+targets are written from the annotations; Kubernetes service discovery is not run).
+
 Not run: an image build, a cluster, the kubelet (restart policy, grace period,
 resources, probes), the Job controller (backoff, pod failure policy, replacement).
 """
@@ -40,10 +44,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.helpers import launcher_env
 from tests.multinode import kube, netns
 from tests.multinode.conftest import etcd_unavailable_reason, no_processes_in
+from tests.prometheus_server import PrometheusServer, ensure_prometheus
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -122,11 +127,50 @@ def _hosts(net: netns.Network, n: int) -> list[netns.Host]:
     return [net.add_host() for _ in range(n)]
 
 
-def _run_job(job_pods: list[tuple[netns.Host, kube.Pod]], tmp: Path, others=()) -> None:
+class Scraper:
+    """A Prometheus in a host of its own, scraping each pod where the Job's pod annotations say.
+
+    This is what an annotation-based Prometheus configuration (``prometheus.io/scrape``,
+    ``/port``, ``/path``; the kubernetes-pods job) would scrape; Kubernetes service
+    discovery itself is not run, the targets are written from the same annotations.
+    """
+
+    def __init__(self, net: netns.Network, job: dict, pods: list[kube.Pod], tmp: Path) -> None:
+        meta = job["spec"]["template"]["metadata"].get("annotations", {})
+        assert meta.get("prometheus.io/scrape") == "true", "the Job's pods are not marked for scraping"
+        self.targets = [f"{p.ip}:{meta['prometheus.io/port']}" for p in pods]
+        self.host = net.add_host()
+        self.host.service = True
+        self.server = PrometheusServer(tmp / "prometheus", self.targets, host=self.host.addr,
+                                       cmd_prefix=self.host.cmd([]))
+        self.server.start()
+
+    def check(self, runs: list[PodRun]) -> None:
+        """While the pods train: every agent's /metrics was scraped, each in one round of all the pods."""
+        seen: list = []
+
+        def done() -> bool:
+            if any(r.proc.poll() is not None for r in runs):
+                raise AssertionError("a pod exited before Prometheus scraped every agent\n"
+                                     + "\n".join(r.logs() for r in runs))
+            seen[:] = self.server.query("elaunch_rendezvous_rounds_total")
+            return sorted(s["metric"]["instance"] for s in seen if s["value"] == 1) == sorted(self.targets)
+        try:
+            wait_for(done, 60, interval=0.5, what=f"Prometheus scraping {self.targets}")
+        except AssertionError as e:
+            targets = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in self.server.active_targets()]
+            raise AssertionError(f"{e}\nrounds: {seen}\ntargets: {targets}\n{self.server.log_tail()}") from None
+        sizes = self.server.query("elaunch_workers")
+        assert {s["metric"]["instance"] for s in sizes} == set(self.targets), sizes
+
+
+def _run_job(job_pods: list[tuple[netns.Host, kube.Pod]], tmp: Path, others=(), scraper: Scraper | None = None) -> None:
     """Start the job's pods, wait for all to exit 0; check the training's result on rank 0's pod."""
     runs = [PodRun(h, p, tmp) for h, p in job_pods]
     started = time.monotonic()
     try:
+        if scraper is not None:
+            scraper.check(runs)
         codes = [r.wait(max(1.0, JOB_TIMEOUT - (time.monotonic() - started))) for r in runs]
         logs = "\n".join(r.logs() for r in [*runs, *others])
         assert codes == [0] * len(runs), logs
@@ -161,8 +205,14 @@ def test_c10d_manifest_trains_on_two_pods(net, tmp_path):
     assert "digits-0.digits" in records  # the name PET_RDZV_ENDPOINT uses is one the cluster publishes
     for h in hosts:
         h.set_hosts(records)
-    _run_job(list(zip(hosts, pods)), tmp_path)
-    no_processes_in(hosts)
+    if ensure_prometheus() is None:
+        pytest.skip("prometheus is not installed and scripts/install-prometheus.sh could not install it")
+    scraper = Scraper(net, job, pods, tmp_path)  # before the pods: its first scrape comes ~5 s after it starts
+    try:
+        _run_job(list(zip(hosts, pods)), tmp_path, scraper=scraper)
+    finally:
+        scraper.server.stop()
+    no_processes_in([*hosts, scraper.host])
 
 
 def test_etcd_v3_manifest_trains_on_two_pods(net, tmp_path):
