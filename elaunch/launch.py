@@ -100,7 +100,8 @@ def entrypoint_name(cmd: tuple[str, ...]) -> str:
 
 #: ``--rdzv-conf`` keys the agent reads itself (``LaunchConfig`` fields), not the rendezvous backend:
 #: they are not passed on, so no backend warns that it ignores them.
-AGENT_RDZV_KEYS = frozenset({"node_check_slow_factor"})
+AGENT_RDZV_KEYS = frozenset({"node_check_slow_factor", "straggler_window", "straggler_factor", "straggler_windows",
+                             "straggler_exclude"})
 
 
 def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:

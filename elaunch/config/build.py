@@ -206,6 +206,20 @@ def _slow_factor(conf: Mapping[str, str]) -> float:
         raise ConfigError(str(exc)) from None
 
 
+def _stragglers(conf: Mapping[str, str]):
+    """The straggler watch's ``--rdzv-conf`` keys (``StragglerSettings.from_conf``), checked whatever the backend.
+
+    Raises:
+        ConfigError: a bad value; the message names the key and value.
+    """
+    from elaunch.agent.stragglers import StragglerSettings
+
+    try:
+        return StragglerSettings.from_conf(conf)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchConfig, list[str]]:
     """Resolve ``options`` into a LaunchConfig; return it with the warnings to log.
 
@@ -255,6 +269,7 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         checkpoint_replicas=replicas_for(o.checkpoint_replicas, o.nnodes[1]),
         checkpoint_dir=_checkpoint_dir(o.checkpoint_dir),
         node_check_slow_factor=_slow_factor(o.rdzv_conf),
+        stragglers=_stragglers(o.rdzv_conf),
     )
     # every other option is a field of the same name, as it is
     same = {f.name: getattr(o, f.name) for f in fields(LaunchConfig) if f.name in OPTIONS and f.name not in resolved}

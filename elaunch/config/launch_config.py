@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR
+from elaunch.agent.stragglers import StragglerSettings
 from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
 
 #: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
@@ -54,6 +55,9 @@ class LaunchConfig:
             the workers start (``elaunch.agent.node_check``).
         node_check_slow_factor: the ``--rdzv-conf`` key ``node_check_slow_factor``, a number > 1
             (default 2): a node's check time above this many times the median is slow.
+        stragglers: the straggler watch's ``--rdzv-conf`` keys ``straggler_window`` (seconds, 0: off),
+            ``straggler_factor``, ``straggler_windows``, ``straggler_exclude`` (elaunch only;
+            ``elaunch.agent.stragglers.StragglerSettings``).
         metrics_port: the TCP port this agent serves its Prometheus ``/metrics`` on (``--metrics-port``,
             elaunch only), 0-65535 (0: a free port, logged); None: no metrics server.
         event_log_handler: torch event handler name (``--event-log-handler``).
@@ -105,6 +109,7 @@ class LaunchConfig:
     hang_timeout: float = default_of("hang_timeout")
     node_check: bool = False
     node_check_slow_factor: float = DEFAULT_SLOW_FACTOR
+    stragglers: StragglerSettings = StragglerSettings()
     metrics_port: int | None = None
     event_log_handler: str = default_of("event_log_handler")
     logs_specs: str | None = None

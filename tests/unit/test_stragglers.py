@@ -148,3 +148,30 @@ def test_lateness_values_and_the_exchanged_document_round_trip():
     assert window_lateness(back).lateness == pytest.approx(late.lateness, abs=1e-4)
     assert samples_from_doc({"ranks": {"x": [[1, 2, 3]], "4": "bad"}}, base) == {}
     assert samples_from_doc({"nothing": 1}, base) == {}
+
+
+def test_settings_from_rdzv_conf():
+    from elaunch.agent.stragglers import StragglerSettings
+
+    assert StragglerSettings.from_conf({}) == StragglerSettings(10.0, 0.25, 2, False)
+    got = StragglerSettings.from_conf({"straggler_window": "3", "straggler_factor": "0.5", "straggler_windows": "3",
+                                       "straggler_exclude": "1", "other": "x"})
+    assert got == StragglerSettings(3.0, 0.5, 3, True) and got.on
+    assert not StragglerSettings.from_conf({"straggler_window": "0"}).on
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("straggler_window", "-1", "--rdzv-conf straggler_window=-1: must be a number >= 0"),
+    ("straggler_window", "ten", "--rdzv-conf straggler_window=ten: must be a number >= 0"),
+    ("straggler_factor", "0", "--rdzv-conf straggler_factor=0: must be a number > 0"),
+    ("straggler_factor", "nan", "--rdzv-conf straggler_factor=nan: must be a number > 0"),
+    ("straggler_windows", "0", "--rdzv-conf straggler_windows=0: must be an integer >= 1"),
+    ("straggler_windows", "1.5", "--rdzv-conf straggler_windows=1.5: must be an integer >= 1"),
+    ("straggler_exclude", "yes", "--rdzv-conf straggler_exclude=yes: must be 0 or 1"),
+])
+def test_bad_settings_name_the_key_and_value(key, value, message):
+    from elaunch.agent.stragglers import StragglerSettings
+
+    with pytest.raises(ValueError) as info:
+        StragglerSettings.from_conf({key: value})
+    assert str(info.value).startswith(message)
