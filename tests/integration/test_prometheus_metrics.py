@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -64,26 +65,35 @@ def _ledger_at(events: list[dict], t: float) -> dict:
     return ledger_of([e for e in events if e["time"] <= t], now=t)
 
 
-def _matches_ledger(prom: PrometheusServer, instance: str, events: list[dict]) -> tuple[float, float]:
+def _matches_ledger(prom: PrometheusServer, instance: str, log_dir: Path) -> tuple[float, float]:
     """Goodput and ledger seconds as Prometheus has them, against the event log's ledger at the sample's time.
+
+    The sample used is one scraped after this call began, and the events are read after
+    the queries: every event the agent had folded when it was scraped is in the file by
+    then. (A ``training`` line is written with the time of the first ``progress()``, which
+    can be before it is written: a sample scraped in between would differ from the file.)
 
     Returns:
         (goodput, sample timestamp).
     """
     sel = f'{{instance="{instance}"}}'
+    begun = time.time()
+    wait_for(lambda: (prom.value(f"timestamp(elaunch_goodput_ratio{sel})") or 0) > begun + 0.05, 15,
+             interval=0.2, what="a scrape after the check began")
     at = prom.value("time()")  # one evaluation time for every query below
     goodput = prom.value(f"elaunch_goodput_ratio{sel}", at)
     ts = prom.value(f"timestamp(elaunch_goodput_ratio{sel})", at)
-    assert goodput is not None and ts is not None, prom.query(f"{{__name__=~'elaunch_.*'}}", at)
+    shown = {cat: prom.value(f'elaunch_ledger_seconds_total{{instance="{instance}", category="{cat}"}}', at)
+             for cat in CATEGORIES}
+    events = _events(log_dir)
     ledger = _ledger_at(events, ts)
     # what the ledger moves in one scrape interval either side of the sample: the tolerance
     before, after = _ledger_at(events, ts - INTERVAL), _ledger_at(events, ts + INTERVAL)
     slack = max(abs(after["goodput"] - ledger["goodput"]), abs(before["goodput"] - ledger["goodput"]))
     assert abs(goodput - ledger["goodput"]) <= slack + 1e-6, (goodput, ledger, slack)
     for cat in CATEGORIES:
-        shown = prom.value(f'elaunch_ledger_seconds_total{{instance="{instance}", category="{cat}"}}', at)
-        assert shown is not None, cat
-        assert abs(shown - ledger["seconds"][cat]) <= INTERVAL + 0.05, (cat, shown, ledger)
+        assert shown[cat] is not None, cat
+        assert abs(shown[cat] - ledger["seconds"][cat]) <= INTERVAL + 0.05, (cat, shown, ledger)
     return goodput, ts
 
 
@@ -172,7 +182,7 @@ def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prome
         assert prom.value(f'elaunch_restarts_total{{instance="{survivor}", cause="failure"}}') == 1
         _wait_value(prom, f'up{{instance="{instances[1]}"}}', 0, "the lost agent's target down")
 
-        goodput, _ts = _matches_ledger(prom, survivor, _events(logs[0]))
+        goodput, _ts = _matches_ledger(prom, survivor, logs[0])
         assert 0 < goodput < 1
         _promtool_check(ports[0])
 
