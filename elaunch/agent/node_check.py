@@ -158,10 +158,11 @@ class NodeCheck:
             log.info("node check of round %d: %d nodes ok in %.2f s (median all-reduce %s s, compute %s s)",
                      report.round, len(report.nodes), seconds, fields["pair_median"], fields["compute_median"])
         mine = report.nodes.get(me)
-        if mine is not None:
+        if mine is not None:  # for elaunch status: this node's verdict, and the faulty nodes (alike on every node)
             channel.publish_node_record("node_check", {
-                "round": report.round, "verdict": mine.verdict, "reasons": list(mine.reasons),
-                "faulty": report.faulty, "at": time.time(), "sits_out": me in out})
+                "round": report.round, "at": time.time(), "verdict": mine.verdict, "reasons": list(mine.reasons),
+                "faulty": {n: {k: fields["nodes"][n][k] for k in ("verdict", "reasons", "addr")} | {"sits_out": n in out}
+                           for n in report.faulty}})
 
     def close(self) -> None:
         """Stop a child still waiting (idempotent)."""

@@ -171,12 +171,15 @@ class Snapshot:
         read_at: seconds since the epoch of the read.
         checkpoints: node id -> its ``checkpoint`` record (the in-memory checkpoints' newest step, its
             time, bytes held: ``elaunch.agent.checkpoints``), where one was published.
+        node_checks: node id -> its ``node_check`` record (``--node-check``'s last verdicts:
+            ``elaunch.agent.node_check``), where one was published.
     """
 
     state: RendezvousState
     agents: dict[str, dict]
     read_at: float
     checkpoints: dict[str, dict] = field(default_factory=dict)
+    node_checks: dict[str, dict] = field(default_factory=dict)
 
 
 def _decode_docs(raw: dict[str, bytes]) -> dict[str, dict]:
@@ -213,9 +216,10 @@ def snapshot(reader: Reader) -> Snapshot:
                               f"or the job's state expired?)")
         agents = _decode_docs(reader.backend.get_node_keys("agent", _nodes(state)))
         checkpoints = _decode_docs(reader.backend.get_node_keys("checkpoint", sorted(state.participants)))
+        node_checks = _decode_docs(reader.backend.get_node_keys("node_check", _nodes(state)))
     except RendezvousError as exc:
         raise StatusError(_first_line(exc)) from exc
-    return Snapshot(state, agents, read_at, checkpoints)
+    return Snapshot(state, agents, read_at, checkpoints, node_checks)
 
 
 @dataclass

@@ -73,7 +73,8 @@ def _checkpoint(record: Mapping | None, now: float) -> dict | None:
 
 
 def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str, endpoint: str, run_id: str,
-          now: float, dead_after: float, checkpoints: Mapping[str, Mapping] | None = None) -> dict:
+          now: float, dead_after: float, checkpoints: Mapping[str, Mapping] | None = None,
+          node_checks: Mapping[str, Mapping] | None = None) -> dict:
     """Return the report object (the ``--json`` output) of one read.
 
     Args:
@@ -81,8 +82,10 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
         now: when the state was read, seconds since the epoch.
         dead_after: seconds without a heartbeat after which a node counts as dead.
         checkpoints: node id -> ``checkpoint`` record published by that node's agent (in-memory checkpoints).
+        node_checks: node id -> ``node_check`` record published by that node's agent (``--node-check``).
     """
     checkpoints = checkpoints or {}
+    node_checks = {n: r for n, r in (node_checks or {}).items() if isinstance(r, Mapping)}
     nodes = []
     for node, group_rank in sorted(state.participants.items(), key=lambda kv: (kv[1], kv[0])):
         addr, role, size = state.node_infos.get(node, _NO_INFO)
@@ -97,6 +100,7 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
             "heartbeat_age": age, "dead": age is not None and age > dead_after,
             "log_dir": agent.get("log_dir") if agent else None,
             "checkpoint": _checkpoint(checkpoints.get(node), now),
+            "node_check": _node_check(node_checks.get(node)),
         })
     waiting = []
     for node in sorted(state.wait_list | state.redundancy_list):
@@ -114,7 +118,40 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
         "nodes": nodes, "waiting": waiting,
         "restarts": {"used": state.restarts, "max": min(budgets) if budgets else None, "budgets": budgets},
         "failure": state.failure, "job_failed": state.job_failed,
+        "node_check": _last_check(node_checks),
     }
+
+
+def _node_check(record: Mapping | None) -> dict | None:
+    """A node's last ``--node-check`` verdict from its ``node_check`` record: ``round``, ``verdict``, ``reasons``."""
+    if record is None or not isinstance(record.get("round"), int):
+        return None
+    return {"round": record["round"], "verdict": str(record.get("verdict")), "reasons": list(record.get("reasons") or ())}
+
+
+def _last_check(records: Mapping[str, Mapping]) -> dict | None:
+    """The newest check's faulty nodes (every node's record of a round lists them alike): ``round``, ``faulty``
+    (node id -> ``verdict``, ``reasons``, ``addr``, ``sits_out``); None when no node published one."""
+    rounds = [r for r in records.values() if isinstance(r.get("round"), int)]
+    if not rounds:
+        return None
+    last = max(rounds, key=lambda r: r["round"])
+    faulty = last.get("faulty") if isinstance(last.get("faulty"), Mapping) else {}
+    return {"round": last["round"], "faulty": dict(faulty)}
+
+
+def node_check_lines(report: Mapping) -> list[str]:
+    """The ``node check`` lines of the table: the last check's round, then one line per faulty node."""
+    c = report.get("node_check")
+    if c is None:
+        return []
+    if not c["faulty"]:
+        return [f"node check (round {c['round']}): every node ok"]
+    lines = [f"node check (round {c['round']}): {len(c['faulty'])} node(s) named"]
+    for node, f in sorted(c["faulty"].items()):
+        lines.append(f"  {f.get('addr') or node} ({node}): {f.get('verdict')}: {'; '.join(f.get('reasons') or ())}"
+                     + (" (sits out)" if f.get("sits_out") else ""))
+    return lines
 
 
 def _when(at: float | None) -> str:
@@ -188,6 +225,10 @@ def table(report: Mapping) -> str:
             header += ["STEP", "STEP AGE", "SNAPSHOTS"]
             for row, n in zip(rows, nodes):
                 row += _checkpoint_cells(n.get("checkpoint"))
+        if any(n.get("node_check") for n in nodes):  # --node-check: each node's last verdict
+            header.append("CHECK")
+            for row, n in zip(rows, nodes):
+                row.append(n["node_check"]["verdict"] if n.get("node_check") else "-")
         if any(n.get("goodput") for n in nodes):  # where a node's event log could be read
             header.append("GOODPUT")
             for row, n in zip(rows, nodes):
@@ -213,6 +254,7 @@ def table(report: Mapping) -> str:
     line = goodput_line(report)
     if line is not None:
         lines.append(line)
+    lines += node_check_lines(report)
     f = report["failure"]
     if f is None:
         lines.append("last failure: none")

@@ -5,7 +5,8 @@ etcd-v3, where node 0's check child hosts the check's store itself); each starts
 check child as it joins, the children time the compute probe and a gloo all-reduce
 between the two nodes over the round's workers' store, the agents exchange the results
 through the job channel and record the same verdicts: the ``node_check`` event comes
-before ``workers_started`` in both event logs, and names no node.
+before ``workers_started`` in both event logs, and names no node; ``elaunch status``
+shows each node's verdict (CHECK) and the check's line.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.helpers import finish_agents, kill_tree, port_open, start_agent
+from tests.status_job import status
 
 pytestmark = pytest.mark.slow
 
-WORKER = "import os, sys\nopen(os.path.join(sys.argv[1], 'ran-' + os.environ['RANK']), 'w').close()\n"
+#: Notes its rank, then waits for the test's ``release`` file (``elaunch status`` is read meanwhile).
+WORKER = ("import os, sys, time\nopen(os.path.join(sys.argv[1], 'ran-' + os.environ['RANK']), 'w').close()\n"
+          "while not os.path.exists(os.path.join(sys.argv[1], 'release')):\n    time.sleep(0.05)\n")
 
 
 def _events(log_dir: Path) -> list[dict]:
@@ -43,6 +47,18 @@ def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path)
                                       extra=("--node-check", f"--log-dir={tmp_path / who}")))
             if backend == "c10d" and who == "a":
                 wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="A hosting the store")
+    except BaseException:
+        for a in agents:
+            kill_tree(a.pid)
+        raise
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("ran-*"))) == 2, 90, what="both workers running")
+        table = status(f"--rdzv-backend={backend}", f"--rdzv-endpoint={ep}", f"--rdzv-id=nc-{tmp_path.name}")
+        assert table.returncode == 0, table.stderr
+        header = next(line for line in table.stdout.splitlines() if line.startswith("NODE"))
+        assert "CHECK" in header.split(), table.stdout
+        assert "node check (round 0): every node ok" in table.stdout
+        (tmp_path / "release").touch()
     except BaseException:
         for a in agents:
             kill_tree(a.pid)
@@ -69,6 +85,7 @@ def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path)
 
 def test_a_single_node_job_is_not_checked(tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
+    (tmp_path / "release").touch()
     res = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--node-check", f"--log-dir={tmp_path / 'l'}",
                           str(tmp_path / "w.py"), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

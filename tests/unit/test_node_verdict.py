@@ -1,4 +1,5 @@
-"""The node check's pure decisions as tables: the two pairing rounds, the verdicts, who sits out.
+"""The node check's pure decisions as tables: the two pairing rounds, the verdicts, who sits out, and the
+status report's CHECK column and node check lines.
 
 No processes: ``elaunch.agent.node_verdict`` is pure.
 """
@@ -169,3 +170,30 @@ def test_parse_slow_factor_rejects(value, why):
         parse_slow_factor(value)
     assert str(err.value).startswith(f"--rdzv-conf node_check_slow_factor={value}: ") and why in str(err.value)
     assert math.isfinite(2.0)
+
+
+def test_status_shows_each_nodes_check_and_names_the_faulty():
+    from elaunch.rendezvous.api import NodeInfo
+    from elaunch.rendezvous.dynamic.state import RendezvousState
+    from elaunch.status import report
+
+    s = RendezvousState(round=2, complete=True, participants={"a_1_0": 0, "b_2_0": 1})
+    for n in s.participants:
+        s.node_infos[n] = NodeInfo(f"10.0.0.{1 + s.participants[n]}", "default", 1)
+    faulty = {"c_3_0": {"verdict": SLOW, "reasons": ["best all-reduce 0.4 s > 2 x median 0.01 s"],
+                        "addr": "10.0.0.3", "sits_out": True}}
+    checks = {"a_1_0": {"round": 1, "verdict": OK, "reasons": [], "faulty": faulty},
+              "b_2_0": {"round": 1, "verdict": OK, "reasons": [], "faulty": faulty}}
+    doc = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=10.0, dead_after=15.0,
+                       node_checks=checks)
+    assert [n["node_check"]["verdict"] for n in doc["nodes"]] == [OK, OK]
+    assert doc["node_check"] == {"round": 1, "faulty": faulty}
+    text = report.table(doc)
+    assert "CHECK" in text.splitlines()[3]
+    assert "node check (round 1): 1 node(s) named" in text
+    assert "  10.0.0.3 (c_3_0): slow: best all-reduce 0.4 s > 2 x median 0.01 s (sits out)" in text
+    healthy = report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=10.0, dead_after=15.0,
+                           node_checks={"a_1_0": {"round": 2, "verdict": OK, "reasons": [], "faulty": {}}})
+    assert "node check (round 2): every node ok" in report.table(healthy)
+    plain = report.table(report.build(s, {}, backend="c10d", endpoint="h:1", run_id="j", now=10.0, dead_after=15.0))
+    assert "CHECK" not in plain and "node check" not in plain  # without --node-check: as before
