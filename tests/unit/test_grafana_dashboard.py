@@ -1,8 +1,9 @@
 """The Grafana dashboard (examples/grafana/elaunch-dashboard.json) asks only for what the agents serve.
 
 Every PromQL expression in it (panel targets and template variables) may name only
-the metrics and labels of docs/metrics.md's list (the issue 25 contract), a
-histogram only through its ``_bucket``/``_sum``/``_count`` series; each expression
+the metrics and labels of the issue 25 list, a histogram only through its
+``_bucket``/``_sum``/``_count`` series, and that list must be exactly what an agent's
+collector (``elaunch.agent.metrics``) exports once every metric has a value; each expression
 must parse (``promtool check rules``, Grafana's ``$__range``-style variables
 replaced by what Grafana sends); and the panels must be a dashboard Grafana loads:
 unique ids, all on the 24-column grid without overlapping, every query on the
@@ -16,7 +17,10 @@ import re
 import subprocess
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from elaunch.agent.metrics import AgentMetrics, Snapshot
 from tests.conftest import REPO
 from tests.prometheus_server import promtool_binary
 
@@ -117,6 +121,32 @@ def test_every_query_names_only_the_metrics_and_labels_the_agents_serve():
     # the issue's four: goodput, restarts, round durations, progress age per rank
     assert {"elaunch_goodput_ratio", "elaunch_ledger_seconds_total", "elaunch_restarts_total",
             "elaunch_rendezvous_duration_seconds_bucket", "elaunch_progress_age_seconds"} <= used
+
+
+def exported() -> tuple[set[str], set[str]]:
+    """Series and label names an agent's ``/metrics`` has once every metric has a value.
+
+    The real collector (``elaunch.agent.metrics.AgentMetrics``) fed a round, a started group
+    with progress, and a snapshot; no server: the text is what ``/metrics`` serves.
+    """
+    m = AgentMetrics("job", "n1", "trainer", clock=lambda: 20.0, progress=lambda: {0: (0.5, 7), 1: (0.4, 7)},
+                     snapshot=lambda: Snapshot(step=6, time=18.0, persisted_time=15.0))
+    base = {"node": "n1", "host": "h", "round": 0}
+    for e in ({"time": 1.0, "kind": "rendezvous_join"}, {"time": 2.0, "kind": "rendezvous_complete", "seconds": 1.0},
+              {"time": 3.0, "kind": "workers_started", "local_ranks": [0, 1]}, {"time": 4.0, "kind": "training"}):
+        m.observe({**base, **e})
+    series, labels = set(), set()
+    for fam in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for sample in fam.samples:
+            series.add(sample.name)
+            labels.update(sample.labels)
+    return series - {s for s in series if s.endswith("_created")}, labels
+
+
+def test_the_list_is_what_an_agent_exports():
+    series, labels = exported()
+    assert series == SERIES
+    assert labels | {"instance", "job"} == LABELS
 
 
 def test_every_query_parses(tmp_path):
