@@ -134,18 +134,15 @@ def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prome
         return all(a.poll() is None for a in agents)
 
     try:
-        for i in (0, 1):
+        for i in (0, 1):  # started together: the first round's last call (3 s) waits for the second
             with open(errs[i], "w") as err:
                 agents.append(start(
                     "elaunch", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-id=prom-job",
-                    "--rdzv-conf=last_call_timeout=1,join_timeout=60", "--local-addr=127.0.0.1",
+                    "--rdzv-conf=last_call_timeout=3,join_timeout=60", "--local-addr=127.0.0.1",
                     "--monitor-interval=0.1", "--max-restarts=3", f"--metrics-port={ports[i]}",
                     f"--log-dir={logs[i]}", WORKER, str(tmp_path), str(CRASH_AT), str(RESUME_AT),
                     stdout=subprocess.DEVNULL, stderr=err))
-            if i == 0:  # agent 0 hosts the store: it is the survivor
-                wait_for(lambda: _listens_on(agents[0].pid, rdzv_port) or agents[0].poll() is not None, 60,
-                         what="agent 0 hosting the c10d store")
 
         # the crash: a counted restart on both nodes, and both groups training again
         def restarted(i: int) -> bool:
@@ -162,32 +159,35 @@ def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prome
         for port in ports:
             _promtool_check(port)
 
-        # the node loss: agent 1 and its workers SIGKILLed; agent 0 goes on alone
-        lost = _events(logs[1])[0]["node"]
-        kill_tree(agents[1].pid)
-        agents[1].wait(10)
+        # the node loss: the agent not hosting the c10d store SIGKILLed with its workers; the other goes on alone
+        s = next((i for i in (0, 1) if _listens_on(agents[i].pid, rdzv_port)), None)
+        assert s is not None, "neither agent hosts the c10d store"
+        v = 1 - s
+        lost = _events(logs[v])[0]["node"]
+        kill_tree(agents[v].pid)
+        agents[v].wait(10)
 
         def reformed() -> bool:
-            ev = _events(logs[0])
+            ev = _events(logs[s])
             changes = [e for e in ev if e["kind"] == "membership_change" and lost in (e.get("left") or ())]
             return bool(changes) and any(e["kind"] == "training" and e["time"] > changes[-1]["time"] for e in ev)
         try:
-            wait_for(lambda: reformed() or agents[0].poll() is not None, 60, what="the survivor training alone")
+            wait_for(lambda: reformed() or agents[s].poll() is not None, 60, what="the survivor training alone")
         except AssertionError as e:
-            raise AssertionError(f"{e}\n{_events(logs[0])}\n{stderr()}") from None
-        assert agents[0].poll() is None, stderr()
-        survivor = instances[0]
+            raise AssertionError(f"{e}\n{_events(logs[s])}\n{stderr()}") from None
+        assert agents[s].poll() is None, stderr()
+        survivor = instances[s]
         _wait_value(prom, f'elaunch_node_losses_total{{instance="{survivor}"}}', 1,
                     "Prometheus: one node loss on the survivor", stderr)
         assert prom.value(f'elaunch_restarts_total{{instance="{survivor}", cause="failure"}}') == 1
-        _wait_value(prom, f'up{{instance="{instances[1]}"}}', 0, "the lost agent's target down")
+        _wait_value(prom, f'up{{instance="{instances[v]}"}}', 0, "the lost agent's target down")
 
-        goodput, _ts = _matches_ledger(prom, survivor, logs[0])
+        goodput, _ts = _matches_ledger(prom, survivor, logs[s])
         assert 0 < goodput < 1
-        _promtool_check(ports[0])
+        _promtool_check(ports[s])
 
         (tmp_path / "stop").touch()
-        assert agents[0].wait(timeout=60) == 0, stderr()
+        assert agents[s].wait(timeout=60) == 0, stderr()
     finally:
         for a in agents:
             kill_tree(a.pid)
