@@ -47,8 +47,11 @@ epoch) unless ``--no-disk-checkpoint``; a snapshot, when there is one, is newer.
 ``--state-mib MIB`` adds a frozen parameter so the state is about MIB MiB (the
 goodput benchmark's large model); the training and its result are otherwise the same.
 
-Hang detection: ``elaunch.progress()`` is called every step when elaunch is
-importable (a no-op otherwise, and under torchrun).
+Hang detection and the goodput ledger: ``elaunch.progress(step=...)`` is called
+every step with the job's step count since the start (the same on every attempt),
+when elaunch is importable (a no-op otherwise, and under torchrun); after a
+restart, the time until the job is back at the step it had reached counts as
+restoring (docs/metrics.md).
 
 Fault injection: ``--crash-rank R --crash-epoch E`` makes rank R raise at the
 start of epoch E on the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``).
@@ -252,7 +255,7 @@ def progress_function():
     try:
         from elaunch import progress
     except ImportError:
-        return lambda: None
+        return lambda step=None: None
     return progress
 
 
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         # sum of losses, number of samples; rank 0 carries the resumed part of the epoch
         total = (partial.to(device) if first and rank == 0 else torch.zeros(2)).to(device)
         for step in range(first, len(batches)):
-            progress()
+            progress(step=(epoch - 1) * len(batches) + step)  # steps since the start: same on every attempt
             if crash_at == (rank, epoch, step):
                 raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} step {step} "
                                    f"on attempt {restart} (--crash-at)")
