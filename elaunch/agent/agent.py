@@ -162,6 +162,7 @@ class ElasticAgent:
             self._config.hang_timeout, range(self._spec.local_world_size), self._rdzv, self._hostname,
             progress=self._progress)) if w is not None]
         self._watchdogs[:0] = self._file_timer()
+        self._watchdogs += self._straggler_watch()
         if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
             self._metrics.watch(self._events, node, snapshot=self._keeper.snapshot_facts,
                                 progress_files=lambda: self._progress.files if self._progress else None,
@@ -207,6 +208,17 @@ class ElasticAgent:
         self._keeper.ask_persist("notice")
         self._events.notice(sig)
         log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
+
+    def _straggler_watch(self) -> list[Watchdog]:
+        """The straggler watch (``elaunch.agent.straggler_watch``), unless ``straggler_window=0`` or no progress files."""
+        settings = getattr(self._config, "stragglers", None)
+        if settings is None or not settings.on or self._progress is None:
+            return []
+        from elaunch.agent.straggler_watch import StragglerWatch
+
+        progress = self._progress
+        return [StragglerWatch(settings, lambda: progress.files, self._rdzv.job_channel, self._events,
+                               self._hostname)]
 
     def _file_timer(self) -> list[Watchdog]:
         """torch's hang guard: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``, a watchdog serving ``FileTimerClient`` scopes.

@@ -10,18 +10,18 @@ ranks report the same step.
 The input: at sample instants shared by every node (multiples of ``window / samples``
 seconds of wall-clock time), each agent asks its workers to stamp their next call
 (:meth:`elaunch.procs.progress_files.ProgressFiles.ask_stamps`): a ``(step, time)``
-per rank per instant. At one instant the ranks stamp the same step, or the next one
-(those already past it when asked): the time of a rank's stamp is brought back to
-the earliest step stamped at that instant by the window's median step time. A rank's
-*lateness* at that instant is its time minus the median of the other ranks' times;
-its lateness in a window is the mean over the window's instants, as a fraction of
-the median step time. The mean makes zero-mean noise (±20 % jitter per step on every
-rank) fade with the number of instants, while a rank that is late at every step
-keeps its lateness.
+per rank per answered request. Asked at the same instant, the ranks stamp the same
+step or a neighbouring one. For each step a rank stamped, the other ranks' times of
+that step are their stamps of it, or of the nearest step they stamped (within
+:data:`MAX_STEP_SPREAD`) moved by the window's median step time. The rank's
+*lateness* at that step is its time minus the median of the others'; its lateness in
+a window is the mean over the steps it stamped, as a fraction of the median step
+time. The mean makes zero-mean noise (±20 % jitter per step on every rank) fade with
+the number of steps, while a rank that is late at every step keeps its lateness.
 
 A rank whose lateness exceeds ``factor`` in ``windows`` windows in a row is a
-straggler; it stays one until a window in which it is not late (or without enough
-samples of it).
+straggler; it stays one until a window in which it is not late. A window without
+enough stamps of a rank (:data:`MIN_STEPS`) neither extends nor ends its streak.
 
 What this sees, and what it does not: only the work between the step's last
 collective and the rank's ``progress()`` call. A rank slow in every part of its step
@@ -56,8 +56,9 @@ DEFAULT_FACTOR = 0.25
 DEFAULT_WINDOWS = 2
 #: Sample instants per window: the stamps asked for per window.
 SAMPLES_PER_WINDOW = 20
-#: The fewest instants at which a rank must be stamped in a window to be judged in it.
-MIN_INSTANTS = 5
+#: The fewest steps a rank must have stamped in a window to be judged in it (steps longer than a
+#: third of the window are never judged: raise ``straggler_window``).
+MIN_STEPS = 3
 #: Instants at which the stamped steps differ by more than this are skipped: the ranks do not
 #: number their steps alike (a counter on one, a step on another), or one is stopped.
 MAX_STEP_SPREAD = 2
@@ -157,13 +158,13 @@ class WindowLateness:
         step_time: the median seconds per step over the window, None when no rank stamped two
             different steps (no verdict is possible).
         lateness: global rank -> mean lateness, as a fraction of ``step_time``, for the ranks
-            stamped at :data:`MIN_INSTANTS` usable instants or more.
-        instants: the instants used.
+            with :data:`MIN_STEPS` compared steps or more.
+        steps: how many different steps were compared.
     """
 
     step_time: float | None
     lateness: dict[int, float] = field(default_factory=dict)
-    instants: int = 0
+    steps: int = 0
 
 
 def step_time(samples: Mapping[int, Sequence[Sample]]) -> float | None:
@@ -177,43 +178,70 @@ def step_time(samples: Mapping[int, Sequence[Sample]]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def window_lateness(samples: Mapping[int, Sequence[Sample]], min_instants: int = MIN_INSTANTS) -> WindowLateness:
+def in_step(samples: Mapping[int, Sequence[Sample]]) -> bool:
+    """True when the ranks ran in step over the window: between its first and last shared instants,
+    every rank advanced by the same number of steps, give or take :data:`MAX_STEP_SPREAD`.
+
+    A synchronous job's ranks do (each step waits for every rank); ranks that run apart (no
+    collective between them, or a rank stopped) do not, and their lateness means nothing.
+    """
+    common = None
+    for rows in samples.values():
+        instants = {s.instant for s in rows}
+        common = instants if common is None else common & instants
+    if not common or len(common) < 2:
+        return True  # nothing to compare: the per-instant rule alone decides
+    first, last = min(common), max(common)
+    advances = []
+    for rows in samples.values():
+        at = {s.instant: s.step for s in rows}
+        advances.append(at[last] - at[first])
+    return max(advances) - min(advances) <= MAX_STEP_SPREAD
+
+
+def window_lateness(samples: Mapping[int, Sequence[Sample]], min_steps: int = MIN_STEPS) -> WindowLateness:
     """Each rank's mean lateness over one window, as a fraction of the median step time.
 
     Args:
         samples: global rank -> its samples in the window (any order; at most one per instant).
-        min_instants: the fewest usable instants a rank needs to be judged.
+        min_steps: the fewest compared steps a rank needs to be judged.
 
     Returns:
-        The window's :class:`WindowLateness`; ranks with too few instants are left out of
-        ``lateness``, and so is everything when ``step_time`` is None or fewer than two
-        ranks were stamped at any instant.
+        The window's :class:`WindowLateness`; ranks with too few steps compared are left out of
+        ``lateness``, and so is everything when ``step_time`` is None, fewer than two
+        ranks were stamped at any instant, or the ranks did not run in step (:func:`in_step`).
     """
     per_step = step_time(samples)
     if per_step is None or per_step <= 0:
         return WindowLateness(None)
-    by_instant: dict[int, dict[int, Sample]] = {}
-    for rank, rank_samples in samples.items():
-        for s in rank_samples:
-            by_instant.setdefault(s.instant, {})[rank] = s
+    if not in_step(samples):
+        return WindowLateness(per_step)
+    stamped = {rank: {s.step: s.time for s in rows} for rank, rows in samples.items() if rows}
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
-    used = 0
-    for stamped in by_instant.values():
-        if len(stamped) < 2:
-            continue
-        first = min(s.step for s in stamped.values())
-        if max(s.step for s in stamped.values()) - first > MAX_STEP_SPREAD:
-            continue
-        used += 1
-        # each rank's time brought back to the earliest step stamped at this instant
-        at_first = {rank: s.time - (s.step - first) * per_step for rank, s in stamped.items()}
-        for rank, t in at_first.items():
-            others = [u for r, u in at_first.items() if r != rank]
+    used: set[int] = set()
+    for rank, steps in stamped.items():
+        for step, t in steps.items():
+            others = [u for u in (_time_at(stamped[o], step, per_step) for o in stamped if o != rank) if u is not None]
+            if not others:
+                continue
+            used.add(step)
             sums[rank] = sums.get(rank, 0.0) + t - statistics.median(others)
             counts[rank] = counts.get(rank, 0) + 1
-    lateness = {rank: sums[rank] / counts[rank] / per_step for rank in sorted(sums) if counts[rank] >= min_instants}
-    return WindowLateness(per_step, lateness, used)
+    lateness = {rank: sums[rank] / counts[rank] / per_step for rank in sorted(sums) if counts[rank] >= min_steps}
+    return WindowLateness(per_step, lateness, len(used))
+
+
+def _time_at(steps: Mapping[int, float], step: int, per_step: float) -> float | None:
+    """When a rank reached ``step``: its stamp of that step, else of the nearest one within
+    :data:`MAX_STEP_SPREAD` moved by ``per_step`` seconds a step; None: no stamp near enough."""
+    if step in steps:
+        return steps[step]
+    near = [k for k in steps if abs(k - step) <= MAX_STEP_SPREAD]
+    if not near:
+        return None
+    k = min(near, key=lambda k: (abs(k - step), k))
+    return steps[k] + (step - k) * per_step
 
 
 @dataclass(frozen=True)
@@ -234,8 +262,10 @@ def judge(state: StragglerState, window: WindowLateness, factor: float = DEFAULT
     """The state after one more window.
 
     A rank late by more than ``factor`` (a fraction of the step time) extends its streak;
-    any other rank, or one not judged in this window, starts again from 0. A rank whose
-    streak reaches ``windows`` is named; a named rank stays named while its streak lasts.
+    a rank judged and not that late starts again from 0; a rank not judged in this window
+    (too few stamps, or a window in which nobody reported a new step) keeps its streak as
+    it was. A rank whose streak reaches ``windows`` is named; a named rank stays named
+    while its streak lasts (a new attempt starts from ``StragglerState()``).
 
     Args:
         state: the state after the previous window (``StragglerState()`` at the start of a round).
@@ -243,7 +273,8 @@ def judge(state: StragglerState, window: WindowLateness, factor: float = DEFAULT
         factor: lateness threshold, a fraction of the step time (> 0).
         windows: windows in a row that name a rank (>= 1).
     """
-    streaks = {rank: state.streaks.get(rank, 0) + 1 for rank, late in window.lateness.items() if late > factor}
+    streaks = {rank: n for rank, n in state.streaks.items() if rank not in window.lateness}
+    streaks.update({rank: state.streaks.get(rank, 0) + 1 for rank, late in window.lateness.items() if late > factor})
     named = frozenset(rank for rank, n in streaks.items() if n >= windows)
     return StragglerState(streaks, named)
 

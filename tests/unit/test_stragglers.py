@@ -46,16 +46,18 @@ def simulate(ranks: int, seconds: float, work, seed: int = 0, pre: float = 0.0):
 
 
 def stamps(calls, window: int, step_offset: dict[int, int] | None = None):
-    """Rank -> the window's samples: at each instant, the first call after it."""
+    """Rank -> the window's samples, as the watch takes them: asked at every instant, a request is answered
+    by the rank's next call and tagged with the last instant before that call (a pending request is asked
+    again, and the call answers the newer one)."""
     out = {}
+    lo, hi = window * SAMPLES_PER_WINDOW, (window + 1) * SAMPLES_PER_WINDOW
     for r, times in calls.items():
-        rows, k = [], 0
-        for i in range(window * SAMPLES_PER_WINDOW, (window + 1) * SAMPLES_PER_WINDOW):
-            s = T0 + i * PERIOD
-            while k < len(times) and times[k] <= s:
-                k += 1
-            if k < len(times):
-                rows.append(Sample(i, k + (step_offset or {}).get(r, 0), times[k]))
+        rows, prev = [], float("-inf")
+        for k, t in enumerate(times):
+            last_instant = int((t - T0) // PERIOD)
+            if T0 + last_instant * PERIOD > prev and lo <= last_instant < hi:  # an instant passed since the last call
+                rows.append(Sample(last_instant, k + (step_offset or {}).get(r, 0), t))
+            prev = t
         out[r] = rows
     return out
 
@@ -125,14 +127,15 @@ def test_work_before_the_collective_is_invisible():
 def test_steps_numbered_apart_are_skipped_and_too_few_samples_are_not_judged():
     calls = simulate(3, 3 * WINDOW, slow(2, 3.0))
     assert run(calls, 3, step_offset={2: 1000}) == [[], [], []]  # rank 2 numbers its steps 1000 ahead
-    late = window_lateness({r: s[:4] for r, s in stamps(calls, 0).items()})
+    late = window_lateness({r: s[:2] for r, s in stamps(calls, 0).items()})
     assert late.lateness == {} and late.step_time is not None
 
 
 def test_no_steps_no_verdict():
     still = {r: [Sample(i, 7, T0 + r * 0.01) for i in range(20)] for r in range(3)}
     assert window_lateness(still).step_time is None
-    assert judge(StragglerState({1: 3}, frozenset({1})), window_lateness(still)) == StragglerState({}, frozenset())
+    kept = StragglerState({1: 3}, frozenset({1}))  # no new step (a pause, the job's end): no evidence either way
+    assert judge(kept, window_lateness(still)) == kept
 
 
 def test_lateness_values_and_the_exchanged_document_round_trip():
@@ -175,3 +178,19 @@ def test_bad_settings_name_the_key_and_value(key, value, message):
     with pytest.raises(ValueError) as info:
         StragglerSettings.from_conf({key: value})
     assert str(info.value).startswith(message)
+
+
+def test_ranks_that_do_not_run_in_step_are_not_judged():
+    """No collective between the ranks: each at its own pace (one at half the others'); nobody is named."""
+    calls = {r: [T0 + (k + 1) * (0.2 if r == 1 else 0.1) for k in range(400)] for r in range(3)}
+    assert run(calls, 3) == [[], [], []]
+    assert window_lateness(stamps(calls, 1)).lateness == {}
+
+
+def test_a_window_without_enough_stamps_keeps_the_streak():
+    late = lambda x: __import__("elaunch.agent.stragglers", fromlist=["WindowLateness"]).WindowLateness(0.2, x)  # noqa: E731
+    state = StragglerState()
+    for window, named in [({0: 0.0, 1: 0.6}, []), ({0: 0.0}, []), ({0: 0.0, 1: 0.6}, [1]), ({0: 0.0}, [1]),
+                          ({0: 0.0, 1: 0.1}, [])]:
+        state = judge(state, late(window))
+        assert sorted(state.named) == named, (window, state)
