@@ -27,7 +27,7 @@ write to files under ``$PROMETHEUS_MULTIPROC_DIR`` when a user's job sets it, an
 each takes a lock of its own.
 
 Threads: :meth:`AgentMetrics.observe` runs in the thread that emits (the agent's
-main thread); a scrape runs in the HTTP server's thread. One lock guards the
+main thread; the straggler watch's thread for ``straggler``); a scrape runs in the HTTP server's thread. One lock guards the
 figures between them. ``notice`` events, the only ones a signal handler emits,
 are not looked at (no metric counts them), so the lock is never taken from a handler.
 """
@@ -132,6 +132,7 @@ class AgentMetrics:
         self._counts = {"rounds": 0, "changes": 0, "losses": 0, "hangs": 0}
         self._round_buckets = [0] * len(BUCKETS)  # rounds that took at most BUCKETS[i] seconds
         self._round_seconds = 0.0
+        self._stragglers: dict[int, int] = {}  # global rank -> 1 named, 0 cleared, this node's last group
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_ScrapeTime(self))
 
@@ -168,6 +169,7 @@ class AgentMetrics:
         ``elaunch_membership_changes_total``, and its ``left`` nodes into
         ``elaunch_node_losses_total``; ``hang`` -> ``elaunch_hang_verdicts_total``;
         ``workers_started`` / ``worker_exited`` -> the group's states (``elaunch_workers``);
+        ``straggler`` -> ``elaunch_straggler{rank}`` (1 named, 0 cleared; a new group starts empty);
         every event but ``notice`` -> the ledger.
         """
         kind = event.get("kind")
@@ -191,6 +193,10 @@ class AgentMetrics:
                 self._counts["hangs"] += 1
             elif kind == "workers_started":
                 self._group = dict.fromkeys(event.get("local_ranks") or (), "running")
+                self._stragglers = {}
+            elif kind == "straggler":
+                self._stragglers.update(dict.fromkeys(event.get("cleared") or (), 0))
+                self._stragglers.update(dict.fromkeys(event.get("stragglers") or (), 1))
             elif kind == "worker_exited" and event.get("local_rank") in self._group:
                 self._group[event["local_rank"]] = _exit_state(event.get("exitcode"), bool(event.get("stopped")))
             self._ledger.observe(dict(event))
@@ -200,6 +206,7 @@ class AgentMetrics:
         with self._lock:
             restarts, counts = dict(self._restarts), dict(self._counts)
             buckets, total = list(self._round_buckets), self._round_seconds
+            stragglers = dict(self._stragglers)
         fam = CounterMetricFamily("elaunch_restarts", "Worker-group restarts on this node, by the restart event's "
                                   "cause (failure: counted against --max-restarts; membership, node_lost: not)",
                                   labels=[*keys, "cause"])
@@ -213,6 +220,12 @@ class AgentMetrics:
                                      "round to its completion, on this node", labels=keys)
         hist.add_metric(values, [(_le(b), n) for b, n in zip(BUCKETS, buckets)], total)
         out.append(hist)
+        if stragglers:  # once the straggler watch named a rank of this node's group
+            fam = GaugeMetricFamily("elaunch_straggler", "1 while the straggler watch names the global rank a "
+                                    "straggler (it reports its steps late), 0 once cleared", labels=[*keys, "rank"])
+            for rank, named in sorted(stragglers.items()):
+                fam.add_metric([*values, str(rank)], named)
+            out.append(fam)
         return out
 
     # -- scrape time -------------------------------------------------------------------------------------------

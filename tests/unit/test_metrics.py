@@ -140,8 +140,9 @@ def test_the_exposition_parses_with_the_names_and_types_of_the_contract():
     for e in JOB:
         m.observe(e)
     m.observe(ev(31, "restart", cause="failure"))
+    m.observe(ev(32, "straggler", named=[{"rank": 1}], cleared=[], stragglers=[1]))
     types = {f.name: f.type for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
-    assert types == {
+    assert types == {"elaunch_straggler": "gauge",
         "elaunch_restarts": "counter", "elaunch_rendezvous_rounds": "counter",
         "elaunch_rendezvous_duration_seconds": "histogram", "elaunch_membership_changes": "counter",
         "elaunch_node_losses": "counter", "elaunch_hang_verdicts": "counter", "elaunch_workers": "gauge",
@@ -205,3 +206,14 @@ def test_keeper_snapshot_facts_newest_slot_and_the_persisted_steps_commit(tmp_pa
         assert k.snapshot_facts().persisted_time == max(infos[3, 0], infos[3, 1])
     finally:
         k.close()
+
+
+def test_straggler_gauge_follows_the_events_and_a_new_group_clears_it():
+    m = metrics()
+    assert value(m, "elaunch_straggler", rank="3") is None  # no family before a straggler event
+    m.observe(ev(1, "straggler", named=[{"rank": 3}], cleared=[], stragglers=[3]))
+    assert value(m, "elaunch_straggler", rank="3") == 1
+    m.observe(ev(2, "straggler", named=[{"rank": 5}], cleared=[3], stragglers=[5]))
+    assert (value(m, "elaunch_straggler", rank="3"), value(m, "elaunch_straggler", rank="5")) == (0, 1)
+    m.observe(ev(3, "workers_started", attempt=1, ranks=[0], local_ranks=[0], pids=[5], master="m:1"))
+    assert value(m, "elaunch_straggler", rank="5") is None
