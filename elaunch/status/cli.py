@@ -60,7 +60,7 @@ def command(rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: dict
         snap = read.snapshot(reader)
         doc = report.build(snap.state, snap.agents, backend=rdzv_backend, endpoint=reader.endpoint,
                            run_id=reader.run_id, now=snap.read_at, dead_after=reader.settings.dead_after,
-                           checkpoints=snap.checkpoints, node_checks=snap.node_checks)
+                           checkpoints=snap.checkpoints, node_checks=snap.node_checks, stragglers=snap.stragglers)
         goodput.add_goodput(doc)  # from each node's events.jsonl where it can be read here
         status = 0
         answer = None

@@ -173,6 +173,8 @@ class Snapshot:
             time, bytes held: ``elaunch.agent.checkpoints``), where one was published.
         node_checks: node id -> its ``node_check`` record (``--node-check``'s last verdicts:
             ``elaunch.agent.node_check``), where one was published.
+        stragglers: node id -> its ``straggler`` record (the straggler watch's named ranks:
+            ``elaunch.agent.straggler_watch``), where one was published.
     """
 
     state: RendezvousState
@@ -180,6 +182,7 @@ class Snapshot:
     read_at: float
     checkpoints: dict[str, dict] = field(default_factory=dict)
     node_checks: dict[str, dict] = field(default_factory=dict)
+    stragglers: dict[str, dict] = field(default_factory=dict)
 
 
 def _decode_docs(raw: dict[str, bytes]) -> dict[str, dict]:
@@ -217,9 +220,10 @@ def snapshot(reader: Reader) -> Snapshot:
         agents = _decode_docs(reader.backend.get_node_keys("agent", _nodes(state)))
         checkpoints = _decode_docs(reader.backend.get_node_keys("checkpoint", sorted(state.participants)))
         node_checks = _decode_docs(reader.backend.get_node_keys("node_check", _nodes(state)))
+        stragglers = _decode_docs(reader.backend.get_node_keys("straggler", sorted(state.participants)))
     except RendezvousError as exc:
         raise StatusError(_first_line(exc)) from exc
-    return Snapshot(state, agents, read_at, checkpoints, node_checks)
+    return Snapshot(state, agents, read_at, checkpoints, node_checks, stragglers)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _checkpoint(record: Mapping | None, now: float) -> dict | None:
 
 def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str, endpoint: str, run_id: str,
           now: float, dead_after: float, checkpoints: Mapping[str, Mapping] | None = None,
-          node_checks: Mapping[str, Mapping] | None = None) -> dict:
+          node_checks: Mapping[str, Mapping] | None = None, stragglers: Mapping[str, Mapping] | None = None) -> dict:
     """Return the report object (the ``--json`` output) of one read.
 
     Args:
@@ -83,6 +83,7 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
         dead_after: seconds without a heartbeat after which a node counts as dead.
         checkpoints: node id -> ``checkpoint`` record published by that node's agent (in-memory checkpoints).
         node_checks: node id -> ``node_check`` record published by that node's agent (``--node-check``).
+        stragglers: node id -> ``straggler`` record published by that node's agent (the straggler watch).
     """
     checkpoints = checkpoints or {}
     node_checks = {n: r for n, r in (node_checks or {}).items() if isinstance(r, Mapping)}
@@ -119,7 +120,40 @@ def build(state: RendezvousState, agents: Mapping[str, Mapping], *, backend: str
         "restarts": {"used": state.restarts, "max": min(budgets) if budgets else None, "budgets": budgets},
         "failure": state.failure, "job_failed": state.job_failed,
         "node_check": _last_check(node_checks),
+        "stragglers": _stragglers(stragglers or {}, state.round),
     }
+
+
+def _stragglers(records: Mapping[str, Mapping], round: int) -> dict | None:
+    """The newest ``straggler`` record of the current round (every node's names the same ranks): ``at``,
+    ``stragglers`` (global ranks), ``named`` (rank -> ``node``, ``host``, ``lateness``), ``step_time``; None: none."""
+    mine = [r for r in records.values() if isinstance(r, Mapping) and r.get("round") == round
+            and isinstance(r.get("at"), (int, float))]
+    if not mine:
+        return None
+    last = max(mine, key=lambda r: r["at"])
+    named = last.get("named") if isinstance(last.get("named"), Mapping) else {}
+    return {"at": last["at"], "stragglers": list(last.get("stragglers") or ()), "named": dict(named),
+            "step_time": last.get("step_time")}
+
+
+def straggler_lines(report: Mapping) -> list[str]:
+    """The ``stragglers`` line(s) of the table: none named (after one was), or one line per named rank."""
+    s = report.get("stragglers")
+    if s is None:
+        return []
+    if not s["stragglers"]:
+        return [f"stragglers: none (the last named one recovered at {_when(s['at'])})"]
+    lines = [f"stragglers: {len(s['stragglers'])} rank(s) named at {_when(s['at'])}"]
+    for rank in s["stragglers"]:
+        n = s["named"].get(str(rank), {})
+        step = s.get("step_time")
+        late = n.get("lateness")
+        how = f"late by {late:.2f} of a step" if isinstance(late, (int, float)) else "late"
+        if isinstance(late, (int, float)) and isinstance(step, (int, float)):
+            how += f" ({late * step:.3g} s of {step:.3g} s)"
+        lines.append(f"  rank {rank} on {n.get('host', '?')} (node {n.get('node', '?')}): {how}")
+    return lines
 
 
 def _node_check(record: Mapping | None) -> dict | None:
@@ -255,6 +289,7 @@ def table(report: Mapping) -> str:
     if line is not None:
         lines.append(line)
     lines += node_check_lines(report)
+    lines += straggler_lines(report)
     f = report["failure"]
     if f is None:
         lines.append("last failure: none")
