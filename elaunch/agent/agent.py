@@ -249,9 +249,11 @@ class ElasticAgent:
                 return self._job.failed_elsewhere(exc.failure)
             if self._node_check is not None:  # before the workers start: name the faulty nodes
                 out = self._node_check.run(info)[1]
-                if out:
-                    result = self._sit_out_checked(info, out)
+                if out:  # exclude_after given: the faulty sit out, the others re-form without them
+                    result = self._node_check.sit_out_or_reform(info, out, self._job)
                     if result is not None:
+                        # OUT -> SUCCEEDED/FAILED: the job ended while this node sat out
+                        self._launcher.no_more_attempts()
                         return result
                     continue
             try:
@@ -314,24 +316,6 @@ class ElasticAgent:
             # STOPPED -> SUCCEEDED/FAILED: the job ended while this node sat out
             self._launcher.no_more_attempts()
         return ended
-
-    def _sit_out_checked(self, info: RendezvousInfo, out: list[str]) -> RunResult | None:
-        """The node check named ``out`` (node ids) to sit out: sit out if this node is one, else re-form without them.
-
-        Returns:
-            None to join the next round; the run's result when the job ended while this node sat out.
-        """
-        if self._rdzv.job_channel().node_id in out:
-            # CHECKED -> OUT: this node failed the node check; it sits out as a blamed node does
-            ended = self._job.sit_out(f"this node failed the node check of round {info.round}")
-            if ended is not None:
-                self._launcher.no_more_attempts()
-            return ended
-        # CHECKED -> JOINING: the others re-form without the faulty node(s), uncounted
-        log.warning("re-forming the round without %s (failed the node check; rdzv conf exclude_after is set)",
-                    ", ".join(out))
-        self._events.restart(False, self._job.restarts, "node_check")
-        return None
 
     def _rejoin(self, stopped: Stopped) -> None:
         """HEALTHY -> STOPPED: re-form the group, not counted: membership changed, or a member node is gone."""

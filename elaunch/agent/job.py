@@ -195,7 +195,7 @@ class JobView:
         return self._sit_out(job)
 
     def _sit_out(self, job: JobState) -> RunResult | None:
-        """Leave the round, watch the job for ``job.exclude_cooldown`` s, then rejoin (see :meth:`sit_out_if_blamed`)."""
+        """Leave the round, watch the job ``job.exclude_cooldown`` s, then rejoin (see :meth:`sit_out_if_blamed`)."""
         try:
             self._channel.sit_out()
         except RendezvousError as exc:

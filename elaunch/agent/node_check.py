@@ -161,8 +161,32 @@ class NodeCheck:
         if mine is not None:  # for elaunch status: this node's verdict, and the faulty nodes (alike on every node)
             channel.publish_node_record("node_check", {
                 "round": report.round, "at": time.time(), "verdict": mine.verdict, "reasons": list(mine.reasons),
-                "faulty": {n: {k: fields["nodes"][n][k] for k in ("verdict", "reasons", "addr")} | {"sits_out": n in out}
-                           for n in report.faulty}})
+                "faulty": {n: {**{k: fields["nodes"][n][k] for k in ("verdict", "reasons", "addr")},
+                               "sits_out": n in out} for n in report.faulty}})
+
+    def sit_out_or_reform(self, info, out: list[str], job) -> object | None:
+        """Apply :meth:`run`'s ``out``: this node sits out if it is one of them, else the round re-forms without them.
+
+        Args:
+            info: the checked round (``RendezvousInfo``).
+            out: the node ids that sit out (non-empty).
+            job: the agent's ``JobView`` (``JobView.sit_out``: the bad-node exclusion's cooldown and watch).
+
+        Returns:
+            None: join the next round (after the cooldown, for a node that sat out); or the run's
+            ``RunResult`` when the job ended while this node sat out.
+
+        Raises:
+            RendezvousClosedError: as ``JobView.sit_out``.
+        """
+        if self._channel().node_id in out:
+            # CHECKED -> OUT: this node failed the node check; it sits out as a blamed node does
+            return job.sit_out(f"this node failed the node check of round {info.round}")
+        # CHECKED -> JOINING: the others re-form without the faulty node(s), uncounted
+        log.warning("re-forming the round without %s (failed the node check; rdzv conf exclude_after is set)",
+                    ", ".join(out))
+        self._events.restart(False, job.restarts, "node_check")
+        return None
 
     def close(self) -> None:
         """Stop a child still waiting (idempotent)."""

@@ -6,7 +6,8 @@ waits for the round's facts, one JSON message on FD: ``round``, ``rank`` and ``w
 group's), ``store`` (``[host, port]`` of the round's workers' store), ``host_store``
 (this child hosts that store for the check: backends whose workers' rank 0 hosts it,
 etcd), ``addr`` (this node's address, for the all-reduce's sockets), ``device``
-(``"auto"``: nccl on the node's first GPU when torch sees one, else gloo; ``"cpu"``: gloo), ``budget`` (seconds the whole check may take).
+(``"auto"``: nccl on the node's first GPU when torch sees one, else gloo; ``"cpu"``: gloo),
+``budget`` (seconds the whole check may take).
 
 Then (the agent imports no torch):
 

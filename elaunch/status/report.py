@@ -160,7 +160,8 @@ def _node_check(record: Mapping | None) -> dict | None:
     """A node's last ``--node-check`` verdict from its ``node_check`` record: ``round``, ``verdict``, ``reasons``."""
     if record is None or not isinstance(record.get("round"), int):
         return None
-    return {"round": record["round"], "verdict": str(record.get("verdict")), "reasons": list(record.get("reasons") or ())}
+    return {"round": record["round"], "verdict": str(record.get("verdict")),
+            "reasons": list(record.get("reasons") or ())}
 
 
 def _last_check(records: Mapping[str, Mapping]) -> dict | None:

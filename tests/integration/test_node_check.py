@@ -86,7 +86,43 @@ def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path)
 def test_a_single_node_job_is_not_checked(tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
     (tmp_path / "release").touch()
-    res = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--node-check", f"--log-dir={tmp_path / 'l'}",
+    res = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--node-check",
+                          f"--log-dir={tmp_path / 'l'}",
                           str(tmp_path / "w.py"), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "node_check" not in {e["kind"] for e in _events(tmp_path / "l")}
+
+
+def test_a_check_that_fails_names_its_node_failed_and_leaves_no_child(tmp_path):
+    """A real check child whose store cannot be reached (nothing listens): its node is ``failed``, named alike."""
+    import psutil
+
+    from elaunch.agent.events import EventLog
+    from elaunch.agent.node_check import NodeCheck
+    from elaunch.rendezvous.api import NodeInfo, RendezvousInfo
+    from elaunch.rendezvous.job_channel import InMemoryJobChannel
+    from tests.helpers import free_port
+
+    channel = InMemoryJobChannel("n0")
+    channel.peer_docs["node_check"] = {"n1": {"group_rank": 1, "compute": 0.05, "pairs": [[1, 0, 1, None]],
+                                              "error": None, "seconds": 3.0}}
+    events = EventLog(None, "n0", "h")
+    seen: list[dict] = []
+    events.add_observer(seen.append)
+    check = NodeCheck(2.0, True, 1, lambda: channel, events, budget=3.0)
+    check.prepare()
+    pid = check._child.pid
+    info = RendezvousInfo(round=4, rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(),
+                          use_agent_store=True, nodes=(NodeInfo("127.0.0.1"), NodeInfo("127.0.0.1")))
+    try:
+        report, out = check.run(info)
+    finally:
+        check.close()
+    assert report.nodes["n0"].verdict == "failed" and report.nodes["n1"].verdict == "ok"
+    assert report.nodes["n0"].reasons[0].startswith("check failed: "), report.nodes["n0"].reasons
+    assert out == ["n0"]  # exclusion on, and n1 alone still makes MIN (1)
+    [event] = [e for e in seen if e["kind"] == "node_check"]
+    assert event["round"] == 4 and event["faulty"] == ["n0"] and event["sitting_out"] == ["n0"]
+    assert channel.records["node_check"]["verdict"] == "failed"
+    assert channel.exchanged[0][2]["group_rank"] == 0 and channel.exchanged[0][2]["error"]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
