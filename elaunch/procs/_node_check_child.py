@@ -44,8 +44,10 @@ import time
 #: The compute probe: PROBE_REPS runs of PROBE_MATMULS products of N x N float32 matrices, N by device
 #: (one CPU thread: about 40 ms a run on one core of 2024; a GPU's run is about as long).
 PROBE_N, PROBE_MATMULS, PROBE_REPS = {"cpu": 256, "cuda": 2048}, 64, 5
-#: Bytes each all-reduce sums (float32): at 50 Mbit/s about 0.35 s each way, on a healthy link milliseconds.
-BUFFER_BYTES = 2 << 20
+#: Bytes each all-reduce sums (float32), by device. gloo: 2 MiB, about 0.35 s each way at 50 Mbit/s, a few
+#: milliseconds on a healthy link (a link must fall below about 1 Gbit/s to cost the verdict's 20 ms noise floor).
+#: NCCL: 256 MiB, about 10 ms at 400 Gbit/s, so a GPU node's link at a quarter of its rate costs tens of ms.
+BUFFER_BYTES = {"cpu": 2 << 20, "cuda": 256 << 20}
 #: Timed all-reduces per pair at most, and the seconds after which no more are started (at least one is).
 TIMED_OPS, TIMED_SECONDS = 3, 1.0
 #: Seconds one all-reduce (and forming its group of two) may take before the pair counts as failed.
@@ -78,7 +80,7 @@ class _Pairs:
     def __init__(self, torch, dist, store, rank: int, addr: str, device: str) -> None:
         self.torch, self.dist, self.store, self.rank, self.device = torch, dist, store, rank, device
         self._addr = addr
-        self.buf = torch.ones(BUFFER_BYTES // 4, device=device)
+        self.buf = torch.ones(BUFFER_BYTES[device] // 4, device=device)
 
     def _group(self, prefix: str, me: int):
         dist = self.dist
