@@ -218,7 +218,7 @@ class ElasticAgent:
 
         progress = self._progress
         return [StragglerWatch(settings, lambda: progress.files, self._rdzv.job_channel, self._events,
-                               self._hostname)]
+                               self._hostname, min_nodes=self._config.min_nodes)]
 
     def _file_timer(self) -> list[Watchdog]:
         """torch's hang guard: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``, a watchdog serving ``FileTimerClient`` scopes.
@@ -290,6 +290,13 @@ class ElasticAgent:
         """Watch the group until it stops; stop the rest of it; decide what follows (the job's budget)."""
         verdict = self._monitor.watch(self._procs, group, self._attempt_logs, self.log_root)
         stopped = Stopped(verdict, info, group)
+        alarm = self._monitor.alarm
+        if alarm is not None and alarm.kind == "straggler":
+            # HEALTHY -> OUT: this node's ranks were named stragglers (straggler_exclude=1): no failure, no restart
+            # counted; the node sits out (in _rejoin) and the others re-form without it
+            self._stop_workers(signal.SIGTERM)
+            stopped.verdict, stopped.step, stopped.sits_out = Verdict.MEMBERSHIP_CHANGE, Step.REJOIN, alarm.why
+            return stopped
         if verdict is not Verdict.SUCCEEDED:
             # which workers failed is fixed now; their error files are read once the rest
             # are stopped, so a restart does not wait for that
@@ -317,9 +324,20 @@ class ElasticAgent:
             self._launcher.no_more_attempts()
         return ended
 
-    def _rejoin(self, stopped: Stopped) -> None:
-        """HEALTHY -> STOPPED: re-form the group, not counted: membership changed, or a member node is gone."""
+    def _rejoin(self, stopped: Stopped) -> RunResult | None:
+        """HEALTHY -> STOPPED: re-form the group, not counted: membership changed, or a member node is gone.
+
+        A node whose ranks were named stragglers (``stopped.sits_out``) sits out first, as a blamed node does;
+        the run's result when the job ended meanwhile.
+        """
         stopped.group.state = WorkerState.STOPPED
+        if stopped.sits_out is not None:
+            self._events.restart(False, self._job.restarts, "straggler")
+            ended = self._job.sit_out(stopped.sits_out)
+            if ended is not None:
+                # OUT -> SUCCEEDED/FAILED: the job ended while this node sat out
+                self._launcher.no_more_attempts()
+            return ended
         if stopped.verdict is Verdict.MEMBERSHIP_CHANGE:
             self._reform_event()
             return

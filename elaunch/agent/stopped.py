@@ -35,6 +35,8 @@ class Stopped:
         fixable: False for a failure no restart fixes.
         step: what follows (``decide.next_step`` on the job's budget).
         root: the job's root cause of a counted failure, or of a job failed elsewhere.
+        sits_out: why this node leaves the job for the exclusion's cooldown (its ranks were named
+            stragglers with ``straggler_exclude=1``), or None.
     """
 
     verdict: Verdict
@@ -46,6 +48,7 @@ class Stopped:
     fixable: bool = True
     step: Step | None = None
     root: FailureRecord | None = None
+    sits_out: str | None = None
 
     def observe_failure(self, alarm: Alarm | None, codes: Mapping[int, int | None], times: Mapping[int, float],
                         final: Mapping[int, int | None], logs: AttemptLogs, hostname: str) -> None:

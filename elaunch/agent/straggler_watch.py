@@ -14,7 +14,11 @@ the same wall-clock instants on every node whatever the monitor is doing:
   small JSON document per node per window), so every node judges the same samples;
 - it logs a straggler named (WARNING) or cleared, writes the ``straggler`` event
   (docs/events.md; ``elaunch_straggler{rank}`` on ``--metrics-port`` follows it) and
-  publishes a ``straggler`` node record for ``elaunch status``.
+  publishes a ``straggler`` node record for ``elaunch status``;
+- with ``straggler_exclude=1``, when a rank of this node is named and the other nodes
+  still make ``--nnodes``' MIN, its next look by the monitor raises a ``straggler``
+  alarm: the agent stops the workers and sits out as a blamed node does (the existing
+  exclusion and its ``exclude_cooldown``), and the others re-form without it.
 
 Only while a group runs and the monitor has shown it the group (its first look of an
 attempt); a new attempt starts the judgement afresh (the ranks may differ). Stdlib only.
@@ -56,6 +60,8 @@ class StragglerWatch:
         channel: returns the rendezvous' job channel (``exchange``, ``publish_node_record``, ``node_id``).
         events: the node's event log (``emit``).
         hostname: this host's name (in the exchanged documents, for the log lines).
+        min_nodes: ``--nnodes``' MIN: a straggler's node sits out (``straggler_exclude``) only when the
+            others still make it.
         clock: seconds since the epoch (injectable for tests).
 
     Attributes:
@@ -67,8 +73,10 @@ class StragglerWatch:
     interval = None
 
     def __init__(self, settings: StragglerSettings, files: Callable[[], Any], channel: Callable[[], Any], events,
-                 hostname: str, clock: Callable[[], float] = time.time) -> None:
+                 hostname: str, min_nodes: int = 1, clock: Callable[[], float] = time.time) -> None:
         self._settings = settings
+        self._min_nodes = min_nodes
+        self._leave: str | None = None  # why this node sits out, for the monitor's next look (straggler_exclude)
         self._files, self._channel, self._events, self._host, self._clock = files, channel, events, hostname, clock
         self._period = settings.window / SAMPLES_PER_WINDOW
         self._lock = threading.Lock()
@@ -89,6 +97,7 @@ class StragglerWatch:
         with self._lock:
             self._ranks, self._round, self._samples, self._asked = {}, round, {}, None
             self.state = StragglerState()
+            self._leave = None
 
     def poll(self, watched: Watched) -> Alarm | None:
         """Learn the running group's ranks (the first look of an attempt); start the thread once. Never an alarm."""
@@ -100,6 +109,11 @@ class StragglerWatch:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elaunch-straggler-watch", daemon=True)
             self._thread.start()
+        with self._lock:
+            leave, self._leave = self._leave, None
+        if leave is not None:
+            # HEALTHY -> OUT: this node's rank(s) named stragglers, straggler_exclude=1 (agent: sits out)
+            return Alarm("straggler", {}, restart=True, fails=True, why=leave)
         return None
 
     def close(self) -> None:
@@ -172,6 +186,25 @@ class StragglerWatch:
             self.state = after = judge(before, lateness, self._settings.factor, self._settings.windows)
         if after.named != before.named:
             self._tell(window, before, after, lateness, where, channel)
+            if self._settings.exclude and after.named - before.named:
+                self._exclude(after, where, len(docs), channel.node_id)
+
+    def _exclude(self, after: StragglerState, where: dict, nodes: int, me: str | None) -> None:
+        """``straggler_exclude=1``: have this node sit out when a rank of its own is named and MIN still holds.
+
+        Every node judges alike; only a named rank's node acts, the others re-form without it.
+        """
+        named_nodes = {where[g][0] for g in after.named if g in where}
+        mine = sorted(g for g in after.named if where.get(g, ("",))[0] == me)
+        if not mine:
+            return
+        if nodes - len(named_nodes) < self._min_nodes:
+            log.warning("straggler: rank(s) %s of this node stay: without the straggler node(s) %d node(s) would "
+                        "be left, fewer than --nnodes' MIN %d", mine, nodes - len(named_nodes), self._min_nodes)
+            return
+        with self._lock:
+            self._leave = (f"rank(s) {', '.join(map(str, mine))} of this node were named stragglers "
+                           "(rdzv conf straggler_exclude=1)")
 
     def _tell(self, window: int, before: StragglerState, after: StragglerState, lateness, where, channel) -> None:
         """Log, write the ``straggler`` event and publish the ``straggler`` record: the named set changed."""

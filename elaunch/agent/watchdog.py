@@ -51,8 +51,8 @@ class Alarm:
     """What a watchdog found: running workers failed (the group fails), or processes to signal.
 
     Attributes:
-        kind: ``"hang"``, ``"stuck"`` (the event log's ``hang`` event, ``stuck=``) or
-            ``"file_timer"``.
+        kind: ``"hang"``, ``"stuck"`` (the event log's ``hang`` event, ``stuck=``),
+            ``"file_timer"`` or ``"straggler"`` (the agent sits out: ``straggler_exclude``).
         failures: global rank -> the failure to report; empty when the exit codes and
             error files tell (a quiet rank that wrote its error file is failing, not hung).
         kill: the signal the named workers get at once, before the group is stopped
@@ -70,6 +70,8 @@ class Alarm:
         quiet_seconds: how long the failed workers had made no progress (a hang) or sat
             in D state (stuck) at the verdict, seconds; the ``hang`` event's
             ``quiet_seconds`` (the goodput ledger's hung time). None: unknown.
+        why: for ``kind="straggler"`` (no failure: this node sits out, ``straggler_exclude``),
+            the reason logged.
     """
 
     kind: str
@@ -82,6 +84,7 @@ class Alarm:
     signals: Mapping[int, int] = dataclasses.field(default_factory=dict)
     fails: bool = True
     quiet_seconds: float | None = None
+    why: str = ""
 
     def reported(self, final: Mapping[int, int | None]) -> dict[int, ProcessFailure]:
         """The failures to report, given local rank -> exit code after the group's stop."""

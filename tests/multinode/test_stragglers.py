@@ -70,13 +70,13 @@ def _straggler_events(logs: Path) -> list[dict]:
     return out
 
 
-def _start(net, agents, tmp_path, mode: str, base: str):
+def _start(net, agents, tmp_path, mode: str, base: str, nnodes: str = "3", conf: str = "", extra=()):
     hosts = [net.add_host() for _ in range(3)]
     ep = f"{hosts[0].addr}:{STORE_PORT}"
     started = []
     for h in hosts:
-        argv = agent_args(h, ep, nnodes="3", nproc=1, conf=f"straggler_window={WINDOW:g}",
-                          extra=("--log-dir", str(tmp_path / f"logs{h.index}")))
+        argv = agent_args(h, ep, nnodes=nnodes, nproc=1, conf=f"straggler_window={WINDOW:g}{conf}",
+                          extra=("--log-dir", str(tmp_path / f"logs{h.index}"), *extra))
         started.append(agents(h, argv + [WORKER, str(tmp_path), mode, base], f"a{h.index}"))
     def training():
         for a in started:
@@ -134,3 +134,34 @@ def test_jitter_of_20_percent_is_never_named(net, agents, tmp_path):
         assert _straggler_events(tmp_path / f"logs{h.index}") == []
     for a in started:
         assert "straggler" not in a.stderr, a.describe()
+
+
+def test_with_straggler_exclude_the_capped_host_sits_out_and_the_others_go_on(net, agents, tmp_path):
+    hosts, started = _start(net, agents, tmp_path, "cpu", "0.02", nnodes="2:3",
+                            conf=",straggler_exclude=1,exclude_cooldown=600", extra=("--max-restarts=3",))
+    assert (tmp_path / "world_3").exists()
+    slow = hosts[2]
+    cap = CpuCap(0.1)
+    try:
+        cap.add(int((tmp_path / f"pid_{slow.addr}_0").read_text()))
+        for a in started:
+            assert a.proc.poll() is None, a.describe()
+        wait_for(lambda: (tmp_path / "world_2").exists(), 60, interval=0.2, what="the job to go on in a world of 2")
+        (tmp_path / "stop").touch()
+        codes = [a.wait(60) for a in started]  # the node sitting out ends with the job
+    finally:
+        cap.close()
+    assert codes == [0, 0, 0], "\n".join(a.describe() for a in started)
+    assert "sitting out the next rounds" in started[2].stderr, started[2].describe()
+    assert "were named stragglers (rdzv conf straggler_exclude=1)" in started[2].stderr
+    for h in hosts:  # every node: the straggler named, then a re-form without it, never a counted restart
+        events = [json.loads(line) for path in (tmp_path / f"logs{h.index}").glob("*/events.jsonl")
+                  for line in path.read_text().splitlines()]
+        kinds = [e["kind"] for e in events]
+        assert "straggler" in kinds, kinds
+        assert not any(e.get("counted") for e in events if e["kind"] == "restart"), events
+        if h is slow:
+            assert [e["cause"] for e in events if e["kind"] == "restart"] == ["straggler"], events
+        else:
+            assert kinds.count("rendezvous_complete") >= 2, kinds
+    no_processes_in(hosts)

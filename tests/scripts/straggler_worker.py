@@ -2,8 +2,8 @@
 
 argv[1]: output directory (shared by every host); argv[2]: ``cpu`` (busy for argv[3] seconds of
 this process's CPU time per step: a CPU cap slows it) or ``jitter`` (sleeps argv[3] x a random
-0.8-1.2 per step). Every worker writes its pid to ``pid_<MN_HOST>_<LOCAL_RANK>``; rank 0 appends
-each step number to nothing, but once the group made its first step writes ``training``. When
+0.8-1.2 per step). Every worker writes its pid to ``pid_<MN_HOST>_<LOCAL_RANK>``; once the group
+made its first step, rank 0 writes ``training`` and ``world_<WORLD_SIZE>``. When
 ``<out>/stop`` exists (rank 0 looks; the flag is all-reduced, so every rank sees it in the same
 step) all ranks exit 0.
 """
@@ -37,6 +37,7 @@ while True:
         time.sleep(base * rng.uniform(0.8, 1.2))
     elaunch.progress(step=step)
     if rank == 0 and step == 0:
+        open(os.path.join(out, f"world_{dist.get_world_size()}"), "w").close()
         open(os.path.join(out, "training"), "w").close()
     step += 1
 dist.destroy_process_group()
