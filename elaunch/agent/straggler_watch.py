@@ -21,7 +21,9 @@ the same wall-clock instants on every node whatever the monitor is doing:
   exclusion and its ``exclude_cooldown``), and the others re-form without it.
 
 Only while a group runs and the monitor has shown it the group (its first look of an
-attempt); a new attempt starts the judgement afresh (the ranks may differ). Stdlib only.
+attempt); a new attempt starts the judgement afresh (the ranks may differ). Until a rank
+of the group calls ``elaunch.progress()`` the thread wakes once a window (for the
+exchange, so that the nodes stay in step), not at every instant. Stdlib only.
 """
 
 from __future__ import annotations
@@ -129,12 +131,25 @@ class StragglerWatch:
         while True:
             now = self._clock()
             instant = math.floor(now / self._period) + 1
+            if not self._training():  # nothing to sample: wake at the window's end only (its exchange)
+                instant = -(-instant // SAMPLES_PER_WINDOW) * SAMPLES_PER_WINDOW
             if self._stop.wait(max(0.0, instant * self._period - now)):
                 return
             try:
                 self.tick(instant)
             except Exception:  # never the agent's end: the watch goes quiet for this instant
                 log.exception("straggler watch: instant %d failed", instant)
+
+    def _training(self) -> bool:
+        """True once the running group is known and one of its ranks called ``elaunch.progress()``."""
+        with self._lock:
+            if not self._ranks:
+                return False
+        files = self._files()
+        try:
+            return files is not None and bool(files.first_calls())
+        except (ValueError, RuntimeError):
+            return False
 
     def tick(self, instant: int) -> None:
         """One sample instant: take the stamps of the last request, ask again; at a window's start, judge the last one."""
