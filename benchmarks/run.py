@@ -20,16 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import failures, link_cut, metrics_cost, node_check, rdzv_scale, report, scenarios
+from benchmarks import failures, link_cut, metrics_cost, node_check, rdzv_scale, report, scenarios, stragglers
 from benchmarks.common import REPO, log_line
 
 SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
-             "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort", "node_check")
+             "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort", "node_check", "straggler")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
 #: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
 #: scenario needs many runs to say anything (a rate), ~30 s even at one repeat; the node check's
-#: 2 + 3 host jobs cost ~40 s a repeat (tests/multinode/test_node_check_hosts.py covers it).
-NOT_QUICK = ("job_abort_etcd", "exit_abort", "node_check")
+#: 2 + 3 host jobs cost ~40 s a repeat (tests/multinode/test_node_check_hosts.py covers it); the straggler
+#: scenario's two 3-host jobs ~90 s a repeat (tests/multinode/test_stragglers.py covers it).
+NOT_QUICK = ("job_abort_etcd", "exit_abort", "node_check", "straggler")
 
 
 def _machine() -> str:
@@ -178,6 +179,10 @@ def run(a: argparse.Namespace) -> dict:
                 nc_recs, nc_notes = node_check.bench_node_check(cfg)
                 recs += nc_recs
                 notes += nc_notes
+            elif name == "straggler":
+                st_recs, st_notes = stragglers.bench_straggler(cfg)
+                recs += st_recs
+                notes += st_notes
     cmd = "python -m benchmarks.run" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:]))
     return {
         "meta": {
