@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -112,6 +113,8 @@ def test_a_cpu_capped_host_is_named_within_three_windows(net, agents, tmp_path):
             return events if all(e and e[0]["stragglers"] for e in events) else None
 
         events = wait_for(named_everywhere, 3 * WINDOW + 5, interval=0.2, what="every node to name the straggler")
+        status = hosts[0].run([sys.executable, "-m", "elaunch.status", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint={hosts[0].addr}:{STORE_PORT}", "--rdzv-id=job"], timeout=60)
         _stop(tmp_path, started, hosts)
     finally:
         cap.close()
@@ -123,6 +126,8 @@ def test_a_cpu_capped_host_is_named_within_three_windows(net, agents, tmp_path):
         assert first["time"] - capped_at <= 3 * WINDOW + 1.0, (first["time"] - capped_at, first)
     for a in started:
         assert f"straggler: rank {env['RANK']} on" in a.stderr, a.describe()
+    assert status.returncode == 0, status.stderr
+    assert "stragglers: 1 rank(s) named" in status.stdout and f"  rank {env['RANK']} on " in status.stdout, status.stdout
 
 
 def test_jitter_of_20_percent_is_never_named(net, agents, tmp_path):
