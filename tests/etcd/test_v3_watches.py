@@ -238,3 +238,21 @@ def test_v3_handler_starts_its_watch_opener_with_the_agent_and_ends_it(etcd_v3, 
     h.shutdown()
     openers[0].join(10)
     assert not openers[0].is_alive()
+
+
+def test_v3_a_call_whose_client_another_thread_closed_retries_on_a_new_one(etcd_v3, v3):
+    """Thread A reads with the client while thread B, which saw the endpoint fail, closes it: A's RPC on the
+    closed channel raises grpc's ValueError, which is not an error of the endpoint; A reconnects and reads
+    (an agent cut off from etcd died of that ValueError's traceback instead of 'rendezvous failed')."""
+    kv, _backend, base, _creates = v3
+    kv.put_many([(f"{base}/k", b"v")])
+    used = []
+
+    def read(client):
+        used.append(client)
+        if len(used) == 1:
+            kv._drop_client(kv._current)  # what B does, between A's _client() and A's RPC
+        return client.get(f"{base}/k")[0]
+
+    assert kv.call("reading k", read) == b"v"
+    assert len(used) == 2 and used[0] is not used[1]

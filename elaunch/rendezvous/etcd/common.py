@@ -246,6 +246,11 @@ class FailoverKV(EtcdKV):
             except Exception:  # noqa: BLE001 - closing a broken client is best effort
                 pass
 
+    def _dropped(self, index: int, client: Any) -> bool:
+        """Whether ``client`` is no longer endpoint ``index``'s client (:meth:`_drop_client` closed it)."""
+        with self._lock:
+            return self._clients.get(index) is not client
+
     def _describe(self, exc: BaseException) -> str:
         """One line naming a client error for messages (subclasses translate their client's errors)."""
         return first_line(exc)
@@ -264,12 +269,17 @@ class FailoverKV(EtcdKV):
         while True:
             index = self._current
             host, port = self.conf.endpoints[index]
+            client = self._client()
             try:
-                return fn(self._client())
+                return fn(client)
             except RendezvousError:
                 raise
             except Exception as exc:  # noqa: BLE001 - sorted by _classify, re-raised if foreign
                 kind = self._classify(exc)
+                if kind is None and self._dropped(index, client):
+                    # another thread closed this client while fn used it (it saw the endpoint fail):
+                    # grpc then raises ValueError("Cannot invoke RPC on closed channel!"); use a new one
+                    kind = "reconnect"
                 where = f"{self.backend} rendezvous: etcd at {host}:{port}"
                 if kind is None:
                     raise
