@@ -33,7 +33,7 @@ REQUIRED = [
     ("rdzv_scale.seconds_4", LAUNCHERS), ("rdzv_scale.ops_4", LAUNCHERS),
     ("rdzv_scale.restart_seconds_4", LAUNCHERS), ("rdzv_scale.restart_ops_4", LAUNCHERS),
     ("overhead.cpu_per_min", LAUNCHERS), ("overhead.rss", LAUNCHERS),
-    ("overhead_metrics.cpu_per_min", LAUNCHERS),
+    ("overhead_metrics.cpu_per_min", LAUNCHERS), ("overhead_metrics.cpu_per_min_15s", LAUNCHERS),
     ("overhead_metrics.scrape_p50", ("elaunch",)), ("overhead_metrics.scrape_p99", ("elaunch",)),
     ("job_abort.last_agent", ("elaunch",)), ("job_abort.first_agent", LAUNCHERS),
     ("hang.total", ("elaunch",)), ("hang.overhead", ("elaunch",)), ("hang.stacks", LAUNCHERS),
