@@ -2,8 +2,9 @@
 
 :func:`progress` is the one worker-side call: training scripts call it once per step
 (``progress()``, or ``progress(step=n)`` to also say which step) so the agent can tell
-a hung rank from a slow one, and training time from start-up and from steps redone
-after a restart (the goodput ledger). It is loaded on first access
+a hung rank from a slow one, training time from start-up and from steps redone
+after a restart (the goodput ledger), and a rank that reports its steps later than the
+others (a straggler: call it after the optimizer step). It is loaded on first access
 (``elaunch.progress`` or ``from elaunch import progress``), so ``import elaunch``
 imports nothing else; loading it imports only the stdlib-only
 :mod:`elaunch._worker_progress` (no torch).
