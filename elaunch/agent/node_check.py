@@ -12,10 +12,10 @@ the ``node_check`` event (docs/events.md), and its ``node_check`` record, which
 ``elaunch status`` shows. Whether it sits out is :func:`~elaunch.agent.node_verdict.sitting_out`'s
 answer, applied by the agent.
 
-**Time budget.** The child has :data:`CHECK_BUDGET` seconds from the round's facts to
-its result (an all-reduce that does not finish in ``OP_TIMEOUT`` counts as failed);
-the agent waits :data:`IMPORT_GRACE` more for a child still importing torch, then
-names its node failed. A healthy check takes well under a second once torch is
+**Time budget.** The children wait up to :data:`IMPORT_GRACE` seconds for each other
+(one may still import torch), then each has :data:`CHECK_BUDGET` seconds for the check
+(an all-reduce that does not finish in ``OP_TIMEOUT`` counts as failed); the agent waits
+``IMPORT_GRACE + CHECK_BUDGET`` seconds for its child's result, then names its node failed. A healthy check takes well under a second once torch is
 imported (it runs in parallel on all nodes: the same for 2 or 8 nodes); the exchange
 then waits up to :data:`EXCHANGE_TIMEOUT` seconds for a late node (twice that at most).
 
@@ -39,9 +39,10 @@ from elaunch.procs.helper_process import HelperProcess
 
 log = logging.getLogger("elaunch.agent")
 
-#: Seconds the check child has from the round's facts to its result (its all-reduces, its barriers).
+#: Seconds the check child has once every node's child is there (its probe, all-reduces, the last barrier).
 CHECK_BUDGET = 20.0
-#: Seconds more the agent waits for a child that was still importing torch when the round formed.
+#: Seconds the children wait for each other (one may still import torch when the round formed); the agent
+#: waits this much more than CHECK_BUDGET for its child's result.
 IMPORT_GRACE = 30.0
 #: Seconds the agents wait for each other's results (``JobChannel.exchange``; at most twice this).
 EXCHANGE_TIMEOUT = 10.0
@@ -125,7 +126,7 @@ class NodeCheck:
             facts = {"round": info.round, "rank": info.rank, "world_size": info.world_size,
                      "store": [info.master_addr, info.master_port], "host_store": not info.use_agent_store
                      and info.rank == 0, "addr": info.nodes[info.rank].addr if info.nodes else info.master_addr,
-                     "device": self._device, "budget": self._budget}
+                     "device": self._device, "budget": self._budget, "ready_wait": self._grace}
             child.chan.send(json.dumps(facts).encode())
             ready, _, _ = select.select([child.chan], [], [], self._budget + self._grace)
             raw = child.chan.recv(1 << 16) if ready else b""
@@ -146,6 +147,7 @@ class NodeCheck:
         for node, entry in fields["nodes"].items():
             entry["addr"] = docs.get(node, {}).get("addr")
             entry["check_seconds"] = _num(docs.get(node, {}).get("seconds"))
+            entry["waited_seconds"] = _num(docs.get(node, {}).get("waited"))
         del fields["round"]
         self._events.emit("node_check", round=report.round, seconds=round(seconds, 3), sitting_out=out, **fields)
         me = channel.node_id

@@ -7,14 +7,16 @@ group's), ``store`` (``[host, port]`` of the round's workers' store), ``host_sto
 (this child hosts that store for the check: backends whose workers' rank 0 hosts it,
 etcd), ``addr`` (this node's address, for the all-reduce's sockets), ``device``
 (``"auto"``: nccl on the node's first GPU when torch sees one, else gloo; ``"cpu"``: gloo),
-``budget`` (seconds the whole check may take).
+``budget`` (seconds the check may take once every node's child is there), ``ready_wait``
+(seconds to wait for the others' children, which may still import torch: the agent's
+``IMPORT_GRACE``).
 
 Then (the agent imports no torch):
 
-1. waits for every node's child at a barrier in the store (so the slow start of
-   one interpreter is not taken for a slow link);
-2. times the compute probe: the fastest of :data:`PROBE_REPS` runs of
-   :data:`PROBE_MATMULS` matmuls of :data:`PROBE_N` x :data:`PROBE_N` float32 matrices;
+1. waits for every node's child at a barrier in the store, up to ``ready_wait`` seconds
+   (so the slow start of one interpreter is not taken for a slow link);
+2. times the compute probe: :data:`PROBE_MATMULS` matmuls in a row of :data:`PROBE_N` x
+   :data:`PROBE_N` float32 matrices (one stretch, so a CPU quota shows);
 3. pairing round 1 (``node_verdict.first_pairs``): one all-reduce group of two
    (``ProcessGroupGloo``/``ProcessGroupNCCL`` on a ``PrefixStore`` of the store) per
    pair, a first all-reduce of :data:`BUFFER_BYTES` to connect, then timed ones (the
@@ -26,8 +28,8 @@ Then (the agent imports no torch):
 5. pairing round 2 as round 1.
 
 It sends one JSON document on FD and exits 0: ``{"compute": seconds, "pairs":
-[[pairing round, a, b, seconds or null], ...], "error": null or text, "seconds":
-the check's own seconds}``. A failed all-reduce (its partner gone, a timeout of
+[[pairing round, a, b, seconds or null], ...], "error": null or text, "waited":
+seconds at the first barrier, "seconds": the check's own seconds after it}``. A failed all-reduce (its partner gone, a timeout of
 :data:`OP_TIMEOUT`) is a null time, not an error: the verdict tells which end was
 at fault. An error is what stopped this node's check itself.
 """
@@ -41,9 +43,10 @@ import statistics
 import sys
 import time
 
-#: The compute probe: PROBE_REPS runs of PROBE_MATMULS products of N x N float32 matrices, N by device
-#: (one CPU thread: about 40 ms a run on one core of 2024; a GPU's run is about as long).
-PROBE_N, PROBE_MATMULS, PROBE_REPS = {"cpu": 256, "cuda": 2048}, 64, 5
+#: The compute probe: PROBE_MATMULS products of N x N float32 matrices in a row, N by device, after PROBE_WARMUP
+#: untimed ones (one CPU thread: about 0.13 s on one core of 2024; a GPU's is about as long). Timed as one
+#: stretch longer than a CFS period (100 ms), so a CPU quota shows: the fastest of short runs hid a 25 % cap.
+PROBE_N, PROBE_MATMULS, PROBE_WARMUP = {"cpu": 256, "cuda": 2048}, 320, 16
 #: Bytes each all-reduce sums (float32), by device. gloo: 2 MiB, about 0.35 s each way at 50 Mbit/s, a few
 #: milliseconds on a healthy link (a link must fall below about 1 Gbit/s to cost the verdict's 20 ms noise floor).
 #: NCCL: 256 MiB, about 10 ms at 400 Gbit/s, so a GPU node's link at a quarter of its rate costs tens of ms.
@@ -59,19 +62,22 @@ def _deadline_left(deadline: float, floor: float = 0.1) -> float:
 
 
 def _probe(torch, device: str) -> float:
-    """Seconds of the fastest of PROBE_REPS runs of the matmul loop."""
+    """Seconds of PROBE_MATMULS matmuls in a row (after PROBE_WARMUP untimed ones)."""
     n = PROBE_N[device]
     a = torch.rand(n, n, device=device)
     b = torch.rand(n, n, device=device)
-    best = float("inf")
-    for _ in range(PROBE_REPS):
-        t = time.perf_counter()
-        for _ in range(PROBE_MATMULS):
+
+    def run(count: int):
+        nonlocal a
+        for _ in range(count):
             a = torch.mm(a, b).clamp_(-1, 1)
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    run(PROBE_WARMUP)
+    t = time.perf_counter()
+    run(PROBE_MATMULS)
+    return time.perf_counter() - t
 
 
 class _Pairs:
@@ -162,24 +168,27 @@ def check(torch, dist, args: dict) -> dict:
     from elaunch.agent.node_verdict import first_pairs
 
     started = time.monotonic()
-    deadline = started + float(args["budget"])
+    budget, ready_wait = float(args["budget"]), float(args.get("ready_wait", 30.0))
     torch.set_num_threads(1)
     rank, n = int(args["rank"]), int(args["world_size"])
     device = "cuda" if args.get("device", "auto") == "auto" and torch.cuda.is_available() else "cpu"
     host, port = args["store"]
-    timeout = datetime.timedelta(seconds=_deadline_left(deadline))
+    timeout = datetime.timedelta(seconds=ready_wait + budget)
     base = dist.TCPStore(host, int(port), is_master=bool(args.get("host_store")), timeout=timeout,
                          wait_for_workers=False, multi_tenant=True)
     store = dist.PrefixStore(f"elaunch/node_check/{args['round']}", base)
-    _barrier(store, "ready", n, started + float(args["budget"]) / 2)
-    doc: dict = {"compute": _probe(torch, device), "pairs": [], "error": None}
+    # the others' children may still import torch: wait for them as long as their agents would
+    _barrier(store, "ready", n, started + ready_wait)
+    checked = time.monotonic()
+    deadline = checked + budget
+    doc: dict = {"compute": _probe(torch, device), "pairs": [], "error": None, "waited": checked - started}
     pairs = _Pairs(torch, dist, store, rank, args["addr"], device)
     r1 = pairs.run(1, first_pairs(n))
     doc["pairs"] += [[1, a, b, t] for (a, b), t in r1.items()]
     r2 = pairs.run(2, _second_round(store, rank, n, r1, deadline))
     doc["pairs"] += [[2, a, b, t] for (a, b), t in r2.items()]
     _barrier(store, "done", n, deadline)  # node 0 may host the store: leave together
-    doc["seconds"] = time.monotonic() - started
+    doc["seconds"] = time.monotonic() - checked
     return doc
 
 

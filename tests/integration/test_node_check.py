@@ -109,7 +109,7 @@ def test_a_check_that_fails_names_its_node_failed_and_leaves_no_child(tmp_path):
     events = EventLog(None, "n0", "h")
     seen: list[dict] = []
     events.add_observer(seen.append)
-    check = NodeCheck(2.0, True, 1, lambda: channel, events, budget=3.0)
+    check = NodeCheck(2.0, True, 1, lambda: channel, events, budget=3.0, grace=2.0)
     check.prepare()
     pid = check._child.pid
     info = RendezvousInfo(round=4, rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(),
