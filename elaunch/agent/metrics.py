@@ -27,7 +27,8 @@ write to files under ``$PROMETHEUS_MULTIPROC_DIR`` when a user's job sets it, an
 each takes a lock of its own.
 
 Threads: :meth:`AgentMetrics.observe` runs in the thread that emits (the agent's
-main thread; the straggler watch's thread for ``straggler``); a scrape runs in the HTTP server's thread. One lock guards the
+main thread; the straggler watch's thread for ``straggler``); a scrape runs in the
+HTTP server's thread. One lock guards the
 figures between them. ``notice`` events, the only ones a signal handler emits,
 are not looked at (no metric counts them), so the lock is never taken from a handler.
 """

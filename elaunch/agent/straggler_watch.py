@@ -152,7 +152,7 @@ class StragglerWatch:
             return False
 
     def tick(self, instant: int) -> None:
-        """One sample instant: take the stamps of the last request, ask again; at a window's start, judge the last one."""
+        """One sample instant: take the last request's stamps, ask again; at a window's start, judge the last one."""
         with self._lock:
             ranks, group_round = dict(self._ranks), self._round
         files = self._files() if ranks else None
@@ -191,8 +191,9 @@ class StragglerWatch:
                 for g, rows in samples_from_doc(d, base).items():
                     samples[g], where[g] = rows, (node, str(d.get("host")))
         lateness = window_lateness(samples)
-        log.debug("straggler window %d (round %d): %d node(s), samples %s, %d steps compared, step time %s s, lateness %s",
-                  window, group_round, len(docs), {g: len(r) for g, r in samples.items()}, lateness.steps, lateness.step_time,
+        log.debug("straggler window %d (round %d): %d node(s), samples %s, %d steps compared, step time %s s, "
+                  "lateness %s", window, group_round, len(docs), {g: len(r) for g, r in samples.items()},
+                  lateness.steps, lateness.step_time,
                   {g: round(x, 3) for g, x in lateness.lateness.items()})
         with self._lock:
             if self._round != group_round:

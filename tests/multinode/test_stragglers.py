@@ -127,7 +127,8 @@ def test_a_cpu_capped_host_is_named_within_three_windows(net, agents, tmp_path):
     for a in started:
         assert f"straggler: rank {env['RANK']} on" in a.stderr, a.describe()
     assert status.returncode == 0, status.stderr
-    assert "stragglers: 1 rank(s) named" in status.stdout and f"  rank {env['RANK']} on " in status.stdout, status.stdout
+    assert "stragglers: 1 rank(s) named" in status.stdout, status.stdout
+    assert f"  rank {env['RANK']} on " in status.stdout, status.stdout
 
 
 def test_jitter_of_20_percent_is_never_named(net, agents, tmp_path):

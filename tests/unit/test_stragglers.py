@@ -188,9 +188,10 @@ def test_ranks_that_do_not_run_in_step_are_not_judged():
 
 
 def test_a_window_without_enough_stamps_keeps_the_streak():
-    late = lambda x: __import__("elaunch.agent.stragglers", fromlist=["WindowLateness"]).WindowLateness(0.2, x)  # noqa: E731
+    from elaunch.agent.stragglers import WindowLateness
+
     state = StragglerState()
     for window, named in [({0: 0.0, 1: 0.6}, []), ({0: 0.0}, []), ({0: 0.0, 1: 0.6}, [1]), ({0: 0.0}, [1]),
                           ({0: 0.0, 1: 0.1}, [])]:
-        state = judge(state, late(window))
+        state = judge(state, WindowLateness(0.2, window))
         assert sorted(state.named) == named, (window, state)
