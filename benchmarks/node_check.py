@@ -8,8 +8,8 @@ repeat is a fresh network and job. From each node's event log:
   verdicts on that node (the slowest node's): what the check delays the workers by.
   It includes any wait for the check child still importing torch (the child starts as
   the agent joins, so the rendezvous hides part of that import);
-* **the check itself**: the check child's own seconds from the round's facts to its
-  result (the probe, two pairing rounds of all-reduces and the barriers), the slowest node's;
+* **the check itself**: the check child's own seconds once every node's child was there
+  (the probe, two pairing rounds of all-reduces, the last barrier), the slowest node's;
 * **share of the round**: duration / (``rendezvous_join`` -> ``workers_started``) on
   the same node, in percent.
 
