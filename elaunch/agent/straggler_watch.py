@@ -51,6 +51,8 @@ log = logging.getLogger("elaunch.agent")
 
 #: The most seconds a window's exchange waits for the other nodes' documents (it waits at most twice this).
 MAX_EXCHANGE_WAIT = 2.0
+#: The most seconds :meth:`StragglerWatch.close` waits for the thread.
+CLOSE_WAIT = 0.2
 
 
 class StragglerWatch:
@@ -119,11 +121,13 @@ class StragglerWatch:
         return None
 
     def close(self) -> None:
-        """Stop the thread (it ends within one window's exchange). Idempotent."""
+        """Stop the thread. Idempotent. Waits at most :data:`CLOSE_WAIT` seconds: an exchange in flight
+        (waiting for nodes that already left) ends on its own within ``2 * MAX_EXCHANGE_WAIT`` seconds,
+        and the thread is a daemon, so the agent's exit never waits for it."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout=2 * MAX_EXCHANGE_WAIT + 1)
+            thread.join(timeout=CLOSE_WAIT)
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
@@ -138,6 +142,8 @@ class StragglerWatch:
             try:
                 self.tick(instant)
             except Exception:  # never the agent's end: the watch goes quiet for this instant
+                if self._stop.is_set():
+                    return  # closed under it (the files, the rendezvous): the run is over
                 log.exception("straggler watch: instant %d failed", instant)
 
     def _training(self) -> bool:
