@@ -15,10 +15,8 @@ agent's node directory. Messages from the agent, one per packet:
 Between agents, the connecting side sends requests, each a JSON line answered by one:
 
 * ``{"op": "put", "rank", "step", "seq", "time", "size", "replicated"}`` -> ``{"go": bool}``
-  (false: this node has that snapshot or a newer one of that rank, or no room; or the
-  snapshot is of replicated state and this node's own workers saved that step or a newer
-  one of it, now or within :data:`OWN_GRACE` seconds: any rank's snapshot of replicated
-  state serves any rank, so this node can already serve that step itself). After a go:
+  (false: this node has that snapshot or a newer one of that rank, or no room, or, of
+  replicated state, its own ranks saved that step or a newer one: see :meth:`Server._own_has`). After a go:
   ``size`` bytes of the slot file and one mark byte, ``=`` (its seq did not change
   during the read) or ``x`` (a write began: discard) -> ``{"ok": bool}``. The bytes go
   to ``replicas/.r<rank>.tmp-<pid>-<n>`` (0600), renamed to ``replicas/r<rank>`` when
@@ -60,9 +58,7 @@ CHUNK = 4 << 20  #: bytes received per read into the new file's mapping
 IO_TIMEOUT = 30.0  #: seconds one blocking read or write on a connection may wait for its peer
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
 MAX_LINE = 4096  #: bytes of a request or answer line, at most
-#: seconds a peer's offer of replicated state waits for this node's own workers to commit that step
-#: (DDP ranks save the same step within milliseconds of each other): the copy is then not needed
-OWN_GRACE = 0.5
+OWN_GRACE = 0.5  #: seconds an offer of replicated state waits for this node's ranks to commit that step
 COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served")
 
 
@@ -163,7 +159,7 @@ class Server:
     """Serves peers' PUTs and GETs on the agent's listening socket, one thread per connection."""
 
     def __init__(self, node_dir: str, stats: Stats) -> None:
-        self.slots = os.path.join(node_dir, "slots")
+        self.node_dir = node_dir
         self.replicas = os.path.join(node_dir, "replicas")
         self.stats = stats
         self._lock = threading.Lock()  # one rename decision at a time
@@ -235,10 +231,11 @@ class Server:
 
     def _own_has(self, step: int) -> bool:
         """Whether this node's own ``slots/`` hold replicated state of ``step`` or newer, waiting up to
-        :data:`OWN_GRACE` seconds for a save of it that is about to commit."""
+        :data:`OWN_GRACE` seconds for a save of it that is about to commit. Any rank's snapshot of replicated
+        state serves any rank: this node can serve that step itself, and a copy would be redundant."""
         deadline = time.monotonic() + OWN_GRACE
         while True:
-            own = [info.step for info in to_send(self.slots).values() if info.replicated]
+            own = [info.step for info in slotfile.inventory(self.node_dir, ("slots",)) if info.replicated]
             if own and max(own) >= step:
                 return True
             if (own and max(own) < step - 1) or time.monotonic() >= deadline:
@@ -246,11 +243,8 @@ class Server:
             time.sleep(SCAN / 5)
 
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
-        try:
-            slots = sorted(os.path.join(self.slots, n) for n in os.listdir(self.slots) if not n.startswith("."))
-        except OSError:
-            slots = []
-        for path in [os.path.join(self.replicas, f"r{rank}"), *slots]:
+        held = slotfile.inventory(self.node_dir, ("slots",))
+        for path in [os.path.join(self.replicas, f"r{rank}"), *(i.path for i in held if i.rank == rank)]:
             opened = open_info(path)
             if opened is None:
                 continue
@@ -266,22 +260,16 @@ class Server:
         send_json(conn, {"size": 0})
 
 
-def to_send(slots: str) -> dict[int, "slotfile.SlotInfo"]:
+def to_send(node_dir: str) -> dict[int, "slotfile.SlotInfo"]:
     """This node's newest committed snapshot of each global rank in ``slots/``, one for replicated state.
 
     Replicated state (``slotfile.REPLICATED``: DDP) is the same on every rank and any
     rank's snapshot serves any rank, so of the ranks whose newest snapshot is
     replicated only the lowest is sent (a node of 8 ranks sends one copy, not 8).
     """
-    try:
-        names = os.listdir(slots)
-    except OSError:
-        return {}
     by_rank: dict[int, list] = {}
-    for name in names:
-        info = None if name.startswith(".") else slotfile.read_info(os.path.join(slots, name))
-        if info is not None:
-            by_rank.setdefault(info.rank, []).append(info)
+    for info in slotfile.inventory(node_dir, ("slots",)):
+        by_rank.setdefault(info.rank, []).append(info)
     newest = {rank: slotfile.newest(infos) for rank, infos in by_rank.items()}
     shared = sorted(rank for rank, info in newest.items() if info.replicated)
     return {rank: info for rank, info in newest.items() if not info.replicated or rank == shared[0]}
@@ -291,7 +279,7 @@ class Link:
     """One successor: a thread that keeps one connection to it and sends it this node's new snapshots."""
 
     def __init__(self, node_dir: str, peer: tuple[str, int], stats: Stats) -> None:
-        self.peer, self.slots, self.stats = peer, os.path.join(node_dir, "slots"), stats
+        self.peer, self.node_dir, self.stats = peer, node_dir, stats
         self.sent: dict[int, tuple] = {}  # rank -> (path, seq, step, time) of the snapshot it has
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -331,7 +319,7 @@ class Link:
     def _send_changed(self, sock: socket.socket, rfile) -> bool:
         """Send each rank's newest snapshot the peer was not sent yet; True if any was tried."""
         tried = False
-        for rank, seen in to_send(self.slots).items():
+        for rank, seen in to_send(self.node_dir).items():
             if self.sent.get(rank) == (seen.path, seen.seq, seen.step, seen.time):
                 continue
             opened = open_info(seen.path)
