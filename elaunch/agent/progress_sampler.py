@@ -1,6 +1,6 @@
 """The progress gauges' source for ``--metrics-port``: when each local rank's ``elaunch.progress()`` counter last moved.
 
-``elaunch.progress()`` writes no time (it costs one add and no system call), so the
+``elaunch.progress()`` writes no time per call (it costs one add and no system call), so the
 agent dates a call when it sees the counter move. The agent's own progress watch
 (:mod:`elaunch.agent.progress_watch`) stops looking once its events are written, to
 keep an idle agent asleep; the metrics need a look all along, so with
@@ -23,7 +23,7 @@ SAMPLE_EVERY = 1.0
 class ProgressSampler:
     """Per local rank: how long since its ``elaunch.progress()`` counter last changed, and its last step.
 
-    ``elaunch.progress()`` writes no time (it costs one add and no system call), so a call is
+    ``elaunch.progress()`` writes no time per call (it costs one add and no system call), so a call is
     dated when the agent sees the counter move: a daemon thread reads the mapped counters every
     :data:`SAMPLE_EVERY` seconds (no system call), and each scrape reads them once more. The age
     a scrape reports is thus at most ``SAMPLE_EVERY`` seconds short of the true one, never long:
