@@ -24,8 +24,17 @@ from tests.status_job import status
 
 pytestmark = pytest.mark.slow
 
-#: Notes its rank, then waits for the test's ``release`` file (``elaunch status`` is read meanwhile).
-WORKER = ("import os, sys, time\nopen(os.path.join(sys.argv[1], 'ran-' + os.environ['RANK']), 'w').close()\n"
+#: All-reduces once over the round's store (which the check used before it, on etcd hosting it at the same
+#: port), notes its rank, then waits for the test's ``release`` file (``elaunch status`` is read meanwhile).
+WORKER = ("import os, sys, time\n"
+          "if os.environ['WORLD_SIZE'] != '1':\n"
+          "    import torch, torch.distributed as dist\n"
+          "    dist.init_process_group('gloo')\n"
+          "    t = torch.ones(1)\n"
+          "    dist.all_reduce(t)\n"
+          "    assert t.item() == 2.0\n"
+          "    dist.destroy_process_group()\n"
+          "open(os.path.join(sys.argv[1], 'ran-' + os.environ['RANK']), 'w').close()\n"
           "while not os.path.exists(os.path.join(sys.argv[1], 'release')):\n    time.sleep(0.05)\n")
 
 
