@@ -135,3 +135,26 @@ def test_a_check_that_fails_names_its_node_failed_and_leaves_no_child(tmp_path):
     assert channel.records["node_check"]["verdict"] == "failed"
     assert channel.exchanged[0][2]["group_rank"] == 0 and channel.exchanged[0][2]["error"]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_check_child_that_dies_names_its_node_failed(tmp_path):
+    """The check child exits before it reports (here: it crashes at once): its node is ``failed``, only named."""
+    from elaunch.agent.events import EventLog
+    from elaunch.agent.node_check import NodeCheck
+    from elaunch.rendezvous.api import NodeInfo, RendezvousInfo
+    from elaunch.rendezvous.job_channel import InMemoryJobChannel
+
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nsys.exit(7)\n")
+    channel = InMemoryJobChannel("n0")
+    channel.peer_docs["node_check"] = {"n1": {"group_rank": 1, "compute": 0.05, "pairs": [], "error": None}}
+    check = NodeCheck(2.0, False, 1, lambda: channel, EventLog(None, "n0", "h"), script=str(crash))
+    check.prepare()
+    info = RendezvousInfo(round=1, rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,
+                          use_agent_store=True, nodes=(NodeInfo("127.0.0.1"), NodeInfo("127.0.0.1")))
+    try:
+        report, out = check.run(info)
+    finally:
+        check.close()
+    assert report.nodes["n0"].verdict == "failed" and out == []  # exclusion off: only named
+    assert report.nodes["n0"].reasons[0].startswith("check failed: "), report.nodes["n0"].reasons
