@@ -269,14 +269,15 @@ class FailoverKV(EtcdKV):
         while True:
             index = self._current
             host, port = self.conf.endpoints[index]
-            client = self._client()
+            client = None
             try:
+                client = self._client()  # may fail too (pyetcd authenticates as it connects)
                 return fn(client)
             except RendezvousError:
                 raise
             except Exception as exc:  # noqa: BLE001 - sorted by _classify, re-raised if foreign
                 kind = self._classify(exc)
-                if kind is None and self._dropped(index, client):
+                if kind is None and client is not None and self._dropped(index, client):
                     # another thread closed this client while fn used it (it saw the endpoint fail):
                     # grpc then raises ValueError("Cannot invoke RPC on closed channel!"); use a new one
                     kind = "reconnect"
