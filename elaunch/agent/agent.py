@@ -22,17 +22,16 @@ from elaunch.agent.checkpoints import CheckpointKeeper
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, with_root
-from elaunch.agent.hang_watchdog import HangWatchdog
 from elaunch.agent.node_check import NodeCheck, node_check_for
-from elaunch.agent.progress_watch import ProgressWatchdog, open_progress_watch
+from elaunch.agent.progress_watch import ProgressWatchdog
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.stopped import Stopped, unstartable
 from elaunch.agent.watchdog import Watchdog
+from elaunch.agent.watchdogs import open_watchdogs
 from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
-from elaunch.agent.stuck import UninterruptibleWatch, timeout_from_env
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
 from elaunch.rendezvous.api import (
     FailureRecord,
@@ -123,9 +122,7 @@ class ElasticAgent:
         self._attempt_logs: AttemptLogs | None = None
         self._job = JobView(rdzv, config.max_restarts, config.monitor_interval)  # owns the restart budget
         self._announce: tuple[int, FailureRecord] | None = None  # a restart to log once the next round formed
-        stuck_after = timeout_from_env(self._base_env)
-        # the D-state watch; run() adds the file timer's and the hang watchdog (they create files)
-        self._watchdogs: list[Watchdog] = [UninterruptibleWatch(stuck_after, hostname=self._hostname)] if stuck_after else []
+        self._watchdogs: list[Watchdog] = []  # made in run() (some create files): agent.watchdogs
         self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
         self._progress: ProgressWatchdog | None = None  # made in run(): the progress files, read for events
         self._echo = event_echo(config.event_log_handler)
@@ -156,13 +153,8 @@ class ElasticAgent:
         self._events = AgentEvents(os.path.join(root, EVENTS_FILE) if root and root != os.devnull else None,
                                    node, self._hostname, self._job.max_restarts, self._echo)
         # the progress files exist whenever workers run (training/caught_up events); hang verdicts need --hang-timeout
-        self._progress = open_progress_watch(range(self._spec.local_world_size), self._events,
-                                             self._config.monitor_interval, self._config.hang_timeout)
-        self._watchdogs += [w for w in (self._progress, HangWatchdog(
-            self._config.hang_timeout, range(self._spec.local_world_size), self._rdzv, self._hostname,
-            progress=self._progress)) if w is not None]
-        self._watchdogs[:0] = self._file_timer()
-        self._watchdogs += self._straggler_watch()
+        self._progress, self._watchdogs = open_watchdogs(self._config, self._spec.local_world_size, self._rdzv,
+                                                         self._events, self._hostname, self._base_env)
         if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
             self._metrics.watch(self._events, node, snapshot=self._keeper.snapshot_facts,
                                 progress_files=lambda: self._progress.files if self._progress else None,
@@ -208,30 +200,6 @@ class ElasticAgent:
         self._keeper.ask_persist("notice")
         self._events.notice(sig)
         log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
-
-    def _straggler_watch(self) -> list[Watchdog]:
-        """The straggler watch (``elaunch.agent.straggler_watch``), unless ``straggler_window=0`` or no progress files."""
-        settings = getattr(self._config, "stragglers", None)
-        if settings is None or not settings.on or self._progress is None:
-            return []
-        from elaunch.agent.straggler_watch import StragglerWatch
-
-        progress = self._progress
-        return [StragglerWatch(settings, lambda: progress.files, self._rdzv.job_channel, self._events,
-                               self._hostname, min_nodes=self._config.min_nodes)]
-
-    def _file_timer(self) -> list[Watchdog]:
-        """torch's hang guard: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``, a watchdog serving ``FileTimerClient`` scopes.
-
-        Its ``env`` gives the workers the FIFO's path; without it a set
-        ``TORCHELASTIC_TIMER_FILE`` reaches them with the rest of the environment, as under torch.
-        """
-        if "TORCHELASTIC_ENABLE_FILE_TIMER" not in self._base_env:
-            return []  # the usual case: not even the module is loaded
-        from elaunch.agent.file_timer import FileTimerWatchdog, file_timer_env
-
-        enabled, path = file_timer_env(self._base_env)
-        return [FileTimerWatchdog(path)] if enabled else []
 
     def _invoke_run(self) -> RunResult:
         """The agent's loop: join a round, start the workers, watch them, decide the step, act on it.

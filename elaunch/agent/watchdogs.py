@@ -1,0 +1,63 @@
+"""The agent's watchdogs for one run, in the order the monitor polls them.
+
+torch's file timer (``TORCHELASTIC_ENABLE_FILE_TIMER``), stuck (D-state) workers
+(``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``), the progress files' watch (the
+``training``/``caught_up`` events; always), hangs (``--hang-timeout``) and stragglers
+(the ``straggler_*`` rdzv-conf keys): each is a :class:`~elaunch.agent.watchdog.Watchdog`
+that the monitor polls and that returns failures. The agent adds its checkpoint keeper
+after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from elaunch.agent.hang_watchdog import HangWatchdog
+from elaunch.agent.progress_watch import ProgressWatchdog, open_progress_watch
+from elaunch.agent.stuck import UninterruptibleWatch, timeout_from_env
+from elaunch.agent.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from elaunch.config import LaunchConfig
+    from elaunch.rendezvous.api import RendezvousHandler
+
+
+def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "RendezvousHandler", events,
+                   hostname: str, base_env: Mapping[str, str]) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
+    """Create this run's watchdogs (some create files: call once the log directory exists).
+
+    Returns:
+        ``(progress, watchdogs)``: the progress files' watch (None when the files could not be
+        made and ``--hang-timeout`` is off), and every watchdog in polling order.
+
+    Raises:
+        OSError: the progress files cannot be made while ``--hang-timeout`` is on, or torch's
+            file timer's FIFO cannot be created.
+    """
+    local_ranks = range(local_world_size)
+    stuck_after = timeout_from_env(base_env)
+    progress = open_progress_watch(local_ranks, events, config.monitor_interval, config.hang_timeout)
+    hang = HangWatchdog(config.hang_timeout, local_ranks, rdzv, hostname, progress=progress)
+    stuck = [UninterruptibleWatch(stuck_after, hostname=hostname)] if stuck_after else []
+    watchdogs = [*_file_timer(base_env), *stuck, *([progress] if progress is not None else []), hang]
+    if config.stragglers.on and progress is not None:
+        from elaunch.agent.straggler_watch import StragglerWatch
+
+        watchdogs.append(StragglerWatch(config.stragglers, lambda: progress.files, rdzv.job_channel, events,
+                                        hostname, min_nodes=config.min_nodes))
+    return progress, watchdogs
+
+
+def _file_timer(base_env: Mapping[str, str]) -> list[Watchdog]:
+    """torch's hang guard: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``, a watchdog serving ``FileTimerClient`` scopes.
+
+    Its ``env`` gives the workers the FIFO's path; without it a set
+    ``TORCHELASTIC_TIMER_FILE`` reaches them with the rest of the environment, as under torch.
+    """
+    if "TORCHELASTIC_ENABLE_FILE_TIMER" not in base_env:
+        return []  # the usual case: not even the module is loaded
+    from elaunch.agent.file_timer import FileTimerWatchdog, file_timer_env
+
+    enabled, path = file_timer_env(base_env)
+    return [FileTimerWatchdog(path)] if enabled else []
