@@ -73,8 +73,7 @@ class ElasticAgent:
         config: the launch's options; the agent applies ``max_restarts`` (the job's
             budget, see :class:`~elaunch.agent.job.JobView`), ``monitor_interval``
             (seconds), ``shutdown_timeout`` (seconds between the stop signal and SIGKILL
-            when stopping workers), ``hang_timeout`` (seconds without
-            ``elaunch.progress()`` after a first call that make a worker hung; 0 = off),
+            when stopping workers), the watchdogs' options (:mod:`elaunch.agent.watchdogs`),
             ``warm_start_modules`` (``--warm-start``: one spare interpreter per local
             rank with these imported runs the next attempt's workers; None: cold, as
             torchrun) and ``event_log_handler`` (where a copy of each event of
@@ -154,7 +153,8 @@ class ElasticAgent:
                                    node, self._hostname, self._job.max_restarts, self._echo)
         # the progress files exist whenever workers run (training/caught_up events); hang verdicts need --hang-timeout
         self._progress, self._watchdogs = open_watchdogs(self._config, self._spec.local_world_size, self._rdzv,
-                                                         self._events, self._hostname, self._base_env)
+                                                         self._events, self._hostname, self._base_env,
+                                                         self._config.monitor_interval)
         if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
             self._metrics.watch(self._events, node, snapshot=self._keeper.snapshot_facts,
                                 progress_files=lambda: self._progress.files if self._progress else None,

@@ -45,7 +45,7 @@ class ProgressWatchdog:
     Args:
         local_ranks: this node's local ranks.
         events: the node's event log (an ``AgentEvents``), or None to write no events.
-        monitor_interval: ``--monitor-interval``, seconds: the first wait for ``training``, and the
+        interval: ``--monitor-interval``, seconds: the first wait for ``training``, and the
             look while catching up.
         clock: monotonic seconds (injectable for tests).
 
@@ -64,19 +64,19 @@ class ProgressWatchdog:
 
     interval = None
 
-    def __init__(self, local_ranks: Iterable[int], events=None, monitor_interval: float = 0.1,
+    def __init__(self, local_ranks: Iterable[int], events=None, interval: float = 0.1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.files = ProgressFiles(local_ranks)
         self.watch = ProgressWatch()
         self._events = events
-        self._monitor_interval = monitor_interval
+        self._interval = interval
         self._clock = clock
         self._high: int | None = None  # the highest step this node reached, over every attempt so far
         self._target: int | None = None  # the step to catch up to in this attempt (None: not behind)
         self._group_high: int | None = None  # the highest step seen in this attempt
         self._training = False  # this attempt's ``training`` is written
         self._running = False  # an attempt's workers were started and not yet stopped
-        self._wait = monitor_interval
+        self._wait = interval
 
     @property
     def polls(self) -> bool:
@@ -86,7 +86,7 @@ class ProgressWatchdog:
     def look_within(self) -> float | None:
         if not self._running or self._training:
             return None
-        return self._monitor_interval if self._target is not None else self._wait
+        return self._interval if self._target is not None else self._wait
 
     def env(self, local_rank: int) -> dict[str, str]:
         """``ELAUNCH_PROGRESS_FILE`` (and the stacks file and signal) of ``local_rank``'s worker."""
@@ -100,7 +100,7 @@ class ProgressWatchdog:
         self._group_high = None
         self._training = False
         self._running = True
-        self._wait = self._monitor_interval
+        self._wait = self._interval
 
     def poll(self, watched: Watched) -> Alarm | None:
         """Read the files; write ``training`` / ``caught_up`` when due. Never an alarm."""
@@ -149,17 +149,17 @@ class ProgressWatchdog:
         self.files.close()
 
 
-def open_progress_watch(local_ranks: Iterable[int], events, monitor_interval: float,
-                        hang_timeout: float) -> ProgressWatchdog | None:
+def open_progress_watch(local_ranks: Iterable[int], events, interval: float,
+                        required: bool) -> ProgressWatchdog | None:
     """The agent's progress watch; None (one warning) when its files cannot be made and no hang watch needs them.
 
     Raises:
-        OSError: the files cannot be made and ``hang_timeout > 0`` (hangs could not be seen).
+        OSError: the files cannot be made and ``required`` (hang detection is on: hangs could not be seen).
     """
     try:
-        return ProgressWatchdog(local_ranks, events, monitor_interval)
+        return ProgressWatchdog(local_ranks, events, interval)
     except OSError as exc:
-        if hang_timeout > 0:
+        if required:
             raise
         log.warning("no progress files (%s): no training/caught_up events, the goodput ledger counts no "
                     "starting or restoring time", exc)

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 
 
 def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "RendezvousHandler", events,
-                   hostname: str, base_env: Mapping[str, str]) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
+                   hostname: str, base_env: Mapping[str, str],
+                   interval: float) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
     """Create this run's watchdogs (some create files: call once the log directory exists).
+
+    ``interval`` is the monitor's (``--monitor-interval``, seconds).
 
     Returns:
         ``(progress, watchdogs)``: the progress files' watch (None when the files could not be
@@ -37,7 +40,7 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
     """
     local_ranks = range(local_world_size)
     stuck_after = timeout_from_env(base_env)
-    progress = open_progress_watch(local_ranks, events, config.monitor_interval, config.hang_timeout)
+    progress = open_progress_watch(local_ranks, events, interval, required=config.hang_timeout > 0)
     hang = HangWatchdog(config.hang_timeout, local_ranks, rdzv, hostname, progress=progress)
     stuck = [UninterruptibleWatch(stuck_after, hostname=hostname)] if stuck_after else []
     watchdogs = [*_file_timer(base_env), *stuck, *([progress] if progress is not None else []), hang]

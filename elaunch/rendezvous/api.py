@@ -260,7 +260,7 @@ class RendezvousHandler(abc.ABC):
     def num_nodes_waiting(self) -> int:
         """Return how many nodes wait to join the next round (0 for static).
 
-        A running agent polls this every ``monitor_interval`` seconds and, when it is
+        A running agent polls this every ``--monitor-interval`` seconds and, when it is
         positive, restarts its group without counting a restart (membership change).
         """
 

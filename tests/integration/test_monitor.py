@@ -95,7 +95,7 @@ def test_the_progress_watch_looks_until_training_then_lets_a_standalone_monitor_
 
     rdzv = CountingStandalone()
     events = AgentEvents(str(tmp_path / "events.jsonl"), "n", "host", 0)
-    progress = ProgressWatchdog(range(1), events, monitor_interval=0.1)
+    progress = ProgressWatchdog(range(1), events, interval=0.1)
     hangs = HangWatchdog(0.0, range(1), rdzv, "host", progress=progress)
     monitor = GroupMonitor(rdzv, JobView(rdzv, 0), events, interval=0.1, watchdogs=[progress, hangs])
     try:

@@ -43,7 +43,7 @@ def report(pw, rank, step=None, at=None):
 @pytest.fixture
 def pw():
     ev = Events()
-    w = ProgressWatchdog(range(2), ev, monitor_interval=0.1)
+    w = ProgressWatchdog(range(2), ev, interval=0.1)
     w.ev = ev
     yield w
     w.close()
