@@ -224,7 +224,7 @@ def goodput_line(report: Mapping) -> str | None:
     nodes = len(report["nodes"])
     if not g.get("nodes_read"):
         return (f"goodput: unknown (no node's events.jsonl is readable here; run elaunch status on a node's host "
-                f"or where the log directories are shared)") if nodes else None
+                "or where the log directories are shared)") if nodes else None
     s = g["seconds"]
     lost = ", ".join(f"{k} {v:.1f} s" for k, v in s.items() if k != "productive" and v > 0)
     return (f"goodput: {_share(g)} (productive {s['productive']:.1f} s of {sum(s.values()):.1f} node-seconds"
