@@ -223,7 +223,7 @@ def goodput_line(report: Mapping) -> str | None:
         return None
     nodes = len(report["nodes"])
     if not g.get("nodes_read"):
-        return (f"goodput: unknown (no node's events.jsonl is readable here; run elaunch status on a node's host "
+        return ("goodput: unknown (no node's events.jsonl is readable here; run elaunch status on a node's host "
                 "or where the log directories are shared)") if nodes else None
     s = g["seconds"]
     lost = ", ".join(f"{k} {v:.1f} s" for k, v in s.items() if k != "productive" and v > 0)
