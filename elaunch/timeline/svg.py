@@ -42,11 +42,21 @@ def _shape(shape: str, x: float, y: float, color: str, r: float = 6.0) -> str:
 def render_svg(tl: Timeline, title: str | None = None) -> str:
     """Return the SVG document (a string) drawing ``tl``."""
     scale = (WIDTH - LEFT - RIGHT) / tl.end
-
-    def x(t: float) -> float:
-        return LEFT + t * scale
-
     out: list[str] = []
+    y = _lanes(tl, scale, out)
+    _axis(tl, scale, y, out)
+    height = _legend(y + 50, out)
+    heading = title or (f"elaunch timeline: {len(tl.lanes)} node(s), {tl.end:.1f} s"
+                        + (f", goodput {tl.goodput:.1%}" if tl.goodput is not None else ""))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">\n'
+            f'<rect width="100%" height="100%" fill="#fff"/>\n'
+            f'<text x="{WIDTH / 2}" y="24" font-size="15" text-anchor="middle">{escape(heading)}</text>\n'
+            + "\n".join(out) + "\n</svg>\n")
+
+
+def _lanes(tl: Timeline, scale: float, out: list[str]) -> float:
+    """Append one lane per node (name, goodput, ledger band, spans, marks); return the y below them."""
     y = TOP
     for lane in tl.lanes:
         height = ROWS_AT + max(lane.rows, 1) * (ROW + 2) + 4
@@ -58,35 +68,43 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
                        f'goodput {lane.goodput:.1%}</text>')
         for cat, start, end in lane.ledger:
             tip = f"{LEDGER[cat][0]} {start:.2f}-{end:.2f} s ({end - start:.2f} s)"
-            out.append(f'<rect x="{x(start):.1f}" y="{y + BAND + 2}" width="{max((end - start) * scale, 0.5):.1f}" '
-                       f'height="{LEDGER_BAND}" fill="{LEDGER[cat][1]}"><title>{escape(tip)}</title></rect>')
+            out.append(f'<rect x="{LEFT + start * scale:.1f}" y="{y + BAND + 2}" '
+                       f'width="{max((end - start) * scale, 0.5):.1f}" height="{LEDGER_BAND}" '
+                       f'fill="{LEDGER[cat][1]}"><title>{escape(tip)}</title></rect>')
         for kind, start, end, label, row in lane.spans:
             top, h = (y, BAND) if row < 0 else (y + ROWS_AT + row * (ROW + 2), ROW)
             color = SPANS[kind][1]
             if kind == "round" and label[1:].isdigit() and int(label[1:]) % 2:
                 color = "#9ecae1"
-            w = max((end - start) * scale, 1.0)
+            x, w = LEFT + start * scale, max((end - start) * scale, 1.0)
             tip = f"{SPANS[kind][0]} {label} {start:.2f}-{end:.2f} s"
-            out.append(f'<rect x="{x(start):.1f}" y="{top}" width="{w:.1f}" height="{h}" fill="{color}" '
+            out.append(f'<rect x="{x:.1f}" y="{top}" width="{w:.1f}" height="{h}" fill="{color}" '
                        f'stroke="#fff" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
             if kind == "round" and w > 22:
-                out.append(f'<text x="{x(start) + 3:.1f}" y="{top + 13}" font-size="10">{escape(label)}</text>')
+                out.append(f'<text x="{x + 3:.1f}" y="{top + 13}" font-size="10">{escape(label)}</text>')
         for kind, t, label, row in lane.marks:
             _, color, shape = MARKS[kind]
             my = y + BAND / 2 if row < 0 else y + ROWS_AT + row * (ROW + 2) + ROW / 2
             out.append(f'<g><title>{escape(f"{label} at {t:.2f} s")}</title>'
-                       f'{_shape(shape, x(t), my, color, 6.0 if row < 0 else 4.5)}</g>')
+                       f'{_shape(shape, LEFT + t * scale, my, color, 6.0 if row < 0 else 4.5)}</g>')
         y += height + GAP
-    # the time axis
+    return y
+
+
+def _axis(tl: Timeline, scale: float, y: float, out: list[str]) -> None:
+    """Append the time axis at ``y``: the line, a grid line and label per tick, the unit."""
     out.append(f'<line x1="{LEFT}" y1="{y}" x2="{WIDTH - RIGHT}" y2="{y}" stroke="#000"/>')
     for tick in nice_ticks(tl.end):
-        out.append(f'<line x1="{x(tick):.1f}" y1="{TOP - 6}" x2="{x(tick):.1f}" y2="{y + 4}" stroke="#000" '
+        x = LEFT + tick * scale
+        out.append(f'<line x1="{x:.1f}" y1="{TOP - 6}" x2="{x:.1f}" y2="{y + 4}" stroke="#000" '
                    f'stroke-opacity="0.12"/>')
-        out.append(f'<text x="{x(tick):.1f}" y="{y + 16}" font-size="10" text-anchor="middle">{tick:g}</text>')
+        out.append(f'<text x="{x:.1f}" y="{y + 16}" font-size="10" text-anchor="middle">{tick:g}</text>')
     out.append(f'<text x="{(LEFT + WIDTH - RIGHT) / 2}" y="{y + 32}" text-anchor="middle">seconds since '
                f'{escape(_when(tl.t0))}</text>')
-    # the legend: spans, then marks, in columns
-    y += 50
+
+
+def _legend(y: float, out: list[str]) -> float:
+    """Append the legend from ``y`` (spans, ledger categories, then marks, in 4 columns); return the height."""
     items = [("span", label, color, "") for label, color in SPANS.values()]
     items += [("span", f"ledger: {label}", color, "") for label, color in LEDGER.values()]
     items += [("mark", label, color, shape) for label, color, shape in MARKS.values()]
@@ -97,14 +115,7 @@ def render_svg(tl: Timeline, title: str | None = None) -> str:
         else:
             out.append(_shape(shape, lx + 11, ly - 4, color))
         out.append(f'<text x="{lx + 30}" y="{ly}" font-size="11">{escape(label)}</text>')
-    height = y + ((len(items) + 3) // 4) * 20 + 10
-    heading = title or (f"elaunch timeline: {len(tl.lanes)} node(s), {tl.end:.1f} s"
-                        + (f", goodput {tl.goodput:.1%}" if tl.goodput is not None else ""))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">\n'
-            f'<rect width="100%" height="100%" fill="#fff"/>\n'
-            f'<text x="{WIDTH / 2}" y="24" font-size="15" text-anchor="middle">{escape(heading)}</text>\n'
-            + "\n".join(out) + "\n</svg>\n")
+    return y + ((len(items) + 3) // 4) * 20 + 10
 
 
 def render_html(tl: Timeline, title: str | None = None) -> str:
