@@ -36,7 +36,6 @@ are not looked at (no metric counts them), so the lock is never taken from a han
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -50,8 +49,7 @@ from elaunch.agent.progress_sampler import ProgressSampler
 
 log = logging.getLogger("elaunch.agent")
 
-__all__ = ["BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "Snapshot",
-           "serve_metrics", "start_metrics"]
+__all__ = ["ALL_INTERFACES", "BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "Snapshot"]
 
 #: The labels of every metric (per-rank gauges add ``local_rank``).
 LABELS = ("run_id", "node", "role")
@@ -368,41 +366,3 @@ def _exit_state(code: int | None, stopped: bool) -> str:
     if code is None:
         return "running"
     return "succeeded" if code == 0 else "failed"
-
-
-def start_metrics(config) -> AgentMetrics | None:
-    """The metrics of a launch (``LaunchConfig``: ``metrics_port``, ``local_addr``, ``run_id``, ``role``), serving.
-
-    Called before the rendezvous handler, the log directory or any helper exists: a port that
-    cannot be bound is bad input, and nothing has to be undone. The URL is logged at WARNING
-    (shown by default), with the port actually bound (``--metrics-port=0``).
-
-    Returns:
-        The serving :class:`AgentMetrics` (the agent calls :meth:`AgentMetrics.watch`; the caller
-        :meth:`AgentMetrics.close`), or None without ``--metrics-port``.
-
-    Raises:
-        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).
-    """
-    if config.metrics_port is None:
-        return None
-    metrics = AgentMetrics(config.run_id, None, config.role)
-    serve_metrics(metrics, config.metrics_port, config.local_addr)
-    return metrics
-
-
-def serve_metrics(metrics: AgentMetrics, port: int, addr: str | None) -> None:
-    """Start ``metrics``' server for ``--metrics-port`` and log its URL (WARNING: shown by default).
-
-    Raises:
-        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's): bad input.
-    """
-    from elaunch.config.errors import ConfigError
-
-    try:
-        host, bound = metrics.serve(port, addr)
-    except OSError as exc:
-        where = f"{addr or ALL_INTERFACES}:{port}"
-        raise ConfigError(f"--metrics-port={port}: cannot listen on {where}: {exc.strerror or exc}") from None
-    shown = socket.gethostname() if host == ALL_INTERFACES else (f"[{host}]" if ":" in host else host)
-    log.warning("metrics on http://%s:%d/metrics%s", shown, bound, " (every interface)" if host == ALL_INTERFACES else "")
