@@ -33,6 +33,10 @@ the same step, whichever rank received the signal):
   failed worker and, with restarts left, the new group resumes from that step).
   A rank that reaches no step boundary within ``--stop-grace`` seconds (default
   10; e.g. blocked in a collective with a dead or hung peer) dies of SIGTERM then.
+  A rank that is already failing (an exception left the training loop, e.g. a
+  peer died mid all-reduce) has nothing left to save: a SIGTERM received before
+  or during its exit ends it at once, as it would a script without a handler,
+  instead of waiting for the interpreter's teardown (seconds with a large model).
 
 In-memory snapshots (``elaunch.checkpoint``). Under elaunch every rank also saves
 its state with ``ckpt.save`` after every step (``--snapshot-every``): a copy into the
@@ -242,6 +246,18 @@ class Notices:
             self._timer.daemon = True
             self._timer.start()
 
+    def failing(self) -> None:
+        """This rank is failing: a stop ends it now, with SIGTERM's default action.
+
+        Called as an exception leaves the training loop. A SIGTERM already received
+        ends the process here; a later one no longer waits for a step boundary that
+        will not come (nor for the interpreter's teardown: freeing a large model and
+        torch's exit handlers take seconds).
+        """
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if STOP_CODE in self._codes or self._timer is not None:
+            die_of_sigterm()
+
     def take(self) -> int:
         """Return the highest code received since the last call (0 for none) and forget them."""
         n = len(self._codes)
@@ -280,16 +296,31 @@ class Ballast(nn.Module):
 
     def __init__(self, mib: int) -> None:
         super().__init__()
-        n = mib * 2**20 // 4
-        self.weight = nn.Parameter(torch.arange(n, dtype=torch.float32).remainder_(9973), requires_grad=False)
+        # uninitialized until reset_parameters(): a restore overwrites it anyway, and filling
+        # 256 MiB took a restarted worker a third of its way to the first step
+        self.weight = nn.Parameter(torch.empty(mib * 2**20 // 4), requires_grad=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The initial value (uses no random numbers: the order of initialization keeps the seed's)."""
+        torch.arange(self.weight.numel(), dtype=torch.float32, out=self.weight).remainder_(9973)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 
 def make_model(hidden: int, state_mib: int = 0) -> nn.Module:
+    """The classifier; with ``state_mib`` a :class:`Ballast` first, left uninitialized
+    (call :func:`init_ballast` unless a checkpoint or snapshot is restored into it)."""
     layers = [nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)]
     return nn.Sequential(*([Ballast(state_mib)] if state_mib else []), *layers)
+
+
+def init_ballast(model: nn.Module) -> None:
+    """Give the model's Ballast (if any) its initial value."""
+    for m in model.modules():
+        if isinstance(m, Ballast):
+            m.reset_parameters()
 
 
 def snapshots():
@@ -357,6 +388,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     notices = Notices(args.stop_grace)
     notices.install()  # before anything slow: a notice during start-up is acted on at step 0
+    try:
+        train(args, notices)
+    except BaseException:
+        notices.failing()
+        raise
+
+
+def train(args: argparse.Namespace, notices: Notices) -> None:
+    """Join the group, restore the newest state, train ``args.epochs`` epochs."""
     progress = progress_function()
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -388,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     # position: `done_epochs` epochs complete, then `done_steps` steps of the next one;
     # `partial` is the all-reduced (loss sum, samples) of those steps, for the epoch line
     done_epochs, done_steps, partial = 0, 0, torch.zeros(2)
+    if state is None:
+        init_ballast(model)  # nothing restored into it
     if state is not None:
         if list(state["model"]) != list(own) or any(state["model"][k] is not t for k, t in own.items()):
             model.load_state_dict(state["model"])  # not restored in place (a disk checkpoint)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import threading
 
 import psutil
@@ -186,3 +187,38 @@ def test_sigterm_to_a_worker_saves_stops_and_the_restart_resumes_from_that_step(
     resume = f"at epoch {saved[1]} step {saved[2]}" if saved[2] != "0" else f"after epoch {int(saved[1]) - 1}"
     assert re.search(rf"^resumed from .* {resume}$", out, re.M), out
     assert final_digest(tmp_path / "final.json") == reference_digest
+
+
+_FAILING = """
+import atexit, os, signal, sys, time
+sys.path.insert(0, {examples!r})
+from ddp_digits import Notices
+notices = Notices(stop_grace=60.0)
+notices.install()
+if {stop_first}:
+    os.kill(os.getpid(), signal.SIGTERM)  # a stop arrives first: noted for the next step boundary
+    time.sleep(0.01)
+atexit.register(lambda: (print("tearing down", flush=True), time.sleep(60)))  # a slow teardown
+try:
+    raise RuntimeError("a peer died in the all-reduce")
+except BaseException:
+    notices.failing()
+    raise
+"""
+
+
+@pytest.mark.parametrize("stop_first", [False, True])
+def test_a_failing_rank_dies_of_a_stop_at_once(stop_first):
+    """A rank whose training loop raised has nothing left to save: a SIGTERM received before the failure
+    ends it at the failure, one received during its (slow) teardown ends it then; never after
+    --stop-grace or the teardown."""
+    proc = subprocess.Popen([sys.executable, "-c", _FAILING.format(examples=str(EXAMPLES), stop_first=stop_first)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if not stop_first:
+            assert proc.stdout.readline() == "tearing down\n", proc.stderr.read()
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        kill_tree(proc.pid)
+        proc.communicate()
