@@ -39,7 +39,7 @@ from elaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousJobFailedError,
 )
-from elaunch.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState, signal_name
+from elaunch.spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState, signal_name
 
 if TYPE_CHECKING:
     from elaunch.config import LaunchConfig
@@ -208,6 +208,7 @@ class ElasticAgent:
         ``decide.next_step``); each action returns the run's result, or None to go round again.
         """
         attempt = 0
+        self._prewarm()
         while True:
             try:
                 info = self._join()
@@ -383,14 +384,9 @@ class ElasticAgent:
             opts = dataclasses.replace(opts, use_agent_store=info.use_agent_store)
         logs = self._launcher.attempt_logs(attempt, spec.local_world_size)
         self._keeper.prepare(info, workers, spec.local_world_size)  # the round's restore: its env, below
-        cmds, envs, prefixes = {}, {}, {}
-        for w in workers:
-            lr = w.local_rank
-            cmds[lr] = spec.worker_cmd(lr)
-            envs[lr] = worker_env(self._base_env, w, group, self._job.restarts, logs.error_file[lr], opts)
-            for watchdog in self._watchdogs:
-                envs[lr].update(watchdog.env(lr))
-            prefixes[lr] = line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, lr)
+        cmds, envs = self._worker_cmds(workers, group, logs.error_file, opts)
+        prefixes = {w.local_rank: line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, w.local_rank)
+                    for w in workers}
         for watchdog in self._watchdogs:
             watchdog.new_attempt(info.round)
         may_follow = self._job.left > 0 or self._rdzv.can_reform
@@ -409,6 +405,32 @@ class ElasticAgent:
                  info.world_size, workers[0].global_rank, workers[-1].global_rank, workers[0].world_size,
                  group.master_addr, group.master_port)
         return group
+
+    def _worker_cmds(self, workers: list[Worker], group: WorkerGroup, error_files: Mapping[int, str],
+                     opts: EnvOptions) -> tuple[dict[int, list[str]], dict[int, dict[str, str]]]:
+        """Each local rank's argv and full environment (torchrun's variables, the watchdogs')."""
+        cmds, envs = {}, {}
+        for w in workers:
+            lr = w.local_rank
+            cmds[lr] = self._spec.worker_cmd(lr)
+            envs[lr] = worker_env(self._base_env, w, group, self._job.restarts, error_files.get(lr, ""), opts)
+            for watchdog in self._watchdogs:
+                envs[lr].update(watchdog.env(lr))
+        return cmds, envs
+
+    def _prewarm(self) -> None:
+        """With ``--warm-start``, start the first attempt's spares now, before the first round.
+
+        Their imports then overlap the rendezvous (and, for a node that replaces a lost
+        one, the others' wait for it) instead of following it. Only the variables a round
+        sets (``warm.ROUND_KEYS``) are unknown yet; they are handed over with the worker.
+        """
+        spec = self._spec
+        lws = spec.local_world_size
+        workers = [Worker(local_rank=lr) for lr in range(lws)]
+        group = WorkerGroup(spec=spec, workers=workers)
+        cmds, envs = self._worker_cmds(workers, group, {}, self._env_opts)
+        self._launcher.prewarm(0, cmds, envs)
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
         procs = self._procs

@@ -220,8 +220,13 @@ class CheckpointKeeper:
             return planner.Plan(None)
 
     def env(self, local_rank: int) -> dict[str, str]:
-        """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker this round ({} when off)."""
-        return dict(self._env.get(local_rank, {}))
+        """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker this round ({} when off).
+
+        Before the first round (warm spares started early): the directory only.
+        """
+        if local_rank in self._env or self.node_dir is None:
+            return dict(self._env.get(local_rank, {}))
+        return {ENV_SHM: self.node_dir.path}
 
     def new_attempt(self, round: int) -> None:
         """Nothing: :meth:`prepare` did the round's work."""

@@ -1,4 +1,4 @@
-"""A warm spare's main program: ``python -u <this file> <fd> <sys.path[0]> <modules>``.
+"""A warm spare's main program: ``python -u <this file> <fd> <sys.path[0]> <modules> [<nice>]``.
 
 Started by ``elaunch.procs.warm`` while a worker group runs. It puts the cold
 worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
@@ -7,7 +7,8 @@ worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
 there at normal priority took seconds of CPU from the new group's own start (3 test
 hosts on 2 cores: about 3 s of CPU per spare). At nice 19 the import runs on idle CPU
 only; the main thread, which later runs the worker, keeps its priority (Linux nice is
-per thread, and an unprivileged process could never raise it back). A handoff waits for
+per thread, and an unprivileged process could never raise it back). The spares of a
+node's first attempt start before any group runs and import at ``<nice>`` 0. A handoff waits for
 the import to finish: by then the group the spare replaces has stopped. The agent writes one handoff and
 closes the pipe; the handoff is NUL-separated, file-system-encoded strings:
 
@@ -27,7 +28,7 @@ import _thread
 import os
 import sys
 
-#: nice value of the importing thread: the lowest priority an unprivileged thread can take
+#: default nice value of the importing thread: the lowest priority an unprivileged thread can take
 IMPORT_NICE = 19
 
 
@@ -80,11 +81,12 @@ def _run_module(name, args):
     runpy._run_module_as_main(name, True)
 
 
-def _import_all(names, done):
-    """Import ``names`` at nice :data:`IMPORT_NICE` (this thread only), then release ``done``."""
+def _import_all(names, done, nice=IMPORT_NICE):
+    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), then release ``done``."""
     try:
         try:
-            os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), IMPORT_NICE)  # Linux: a thread id
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), nice)  # Linux: a thread id
         except OSError:
             pass
         for name in names:
@@ -98,11 +100,12 @@ def _import_all(names, done):
 
 def main():
     fd, path0, modules = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    nice = int(sys.argv[4]) if len(sys.argv) > 4 else IMPORT_NICE
     if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
         sys.path[0] = path0  # what the cold worker has while it imports
     done = _thread.allocate_lock()
     done.acquire()
-    _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done))
+    _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done, nice))
     data = _read_all(fd)
     done.acquire()  # the imports finished (an empty handoff too: no import left half-done at exit)
     if not data:

@@ -157,6 +157,15 @@ class WorkerLauncher:
             pool.prepare(attempt + 1, self._run_dir().attempt(attempt + 1, local_world_size), cmds, envs)
         return procs
 
+    def prewarm(self, attempt: int, cmds: dict[int, list[str]], envs: dict[int, dict[str, str]]) -> None:
+        """Start ``attempt``'s spares before its round forms (warm start only).
+
+        No group runs on this node yet, so they import at normal priority. ``envs``
+        may lack what a round sets (``warm.ROUND_KEYS``): the handoff brings it.
+        """
+        if self.pool.enabled and self._fork_target is None:
+            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0)
+
     def serve_store(self, host: str, port: int) -> int:
         """Host this round's workers' store at ``host:port`` (0: a free port); return the port.
 

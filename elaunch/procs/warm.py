@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._warm_child import IMPORT_NICE
 from .helper_process import end
 from .spawn import popen_worker
 
@@ -159,7 +160,8 @@ class WarmPool:
         return self._logs if self._attempt == attempt and self._spares else None
 
     def prepare(
-        self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]]
+        self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]],
+        nice: int = IMPORT_NICE,
     ) -> int:
         """Start one spare per local rank for ``attempt``, replacing any earlier ones.
 
@@ -168,6 +170,8 @@ class WarmPool:
             logs: that attempt's destinations (``RunLogDir.attempt``); spares write there.
             cmds, envs: the current attempt's argv and environment per local rank; the
                 spares get ``spawn_env(env)``.
+            nice: the nice value of the spares' importing thread: :data:`IMPORT_NICE`
+                (idle CPU only) while a group runs, 0 before the first one.
 
         Returns:
             The number of spares started (0 when the workers cannot be warmed).
@@ -191,7 +195,7 @@ class WarmPool:
                     fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
                 except (ImportError, OSError):
                     pass
-                argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules)]
+                argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
                 proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
             except OSError as exc:
                 os.close(wfd)
@@ -217,8 +221,11 @@ class WarmPool:
         spare = self._spares.pop(local_rank, None)
         if spare is None:
             return None
-        if spare.cmd != list(cmd) or spare.env != spawn_env(env):
-            log.info("local rank %d: argv or environment changed since the spare started; starting cold", local_rank)
+        now = spawn_env(env)
+        if spare.cmd != list(cmd) or spare.env != now:
+            changed = sorted(k for k in spare.env.keys() | now.keys() if spare.env.get(k) != now.get(k))
+            log.info("local rank %d: %s changed since the spare started; starting cold", local_rank,
+                     "argv" if spare.cmd != list(cmd) else f"environment ({', '.join(changed)})")
             self._kill(spare)
             return None
         data = encode_handoff(spare.target, list(cmd), env)

@@ -15,25 +15,41 @@ from tests.helpers import SCRIPTS, alive, kill_tree, launcher_env, run, start
 WARM = ("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--warm-start", "--warm-start-modules=json")
 #: Values that differ between any two attempts, warm or cold.
 PER_ATTEMPT = {"MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"}
+#: Values that differ between two runs of the same job.
+PER_RUN = {"TORCHELASTIC_RUN_ID", "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_PROGRESS_FILE", "ELAUNCH_STACKS_FILE"}
 
 
-def _probes(out, rank):
-    cold = json.loads((out / f"probe_{rank}_0.json").read_text())
-    warm = json.loads((out / f"probe_{rank}_1.json").read_text())
-    return cold, warm
+def _probe(out, rank, attempt):
+    return json.loads((out / f"probe_{rank}_{attempt}.json").read_text())
+
+
+def _warm_and_cold(where, target: tuple[str, ...], args: tuple[str, ...] = (), warm_args: tuple[str, ...] = WARM[-2:],
+                   env=None, cwd=None) -> tuple:
+    """Run the probe job (``target`` OUT ``args``) cold (no --warm-start) and warm, OUT under ``where``;
+    return the two output directories."""
+    outs = []
+    for name, extra in (("cold", ()), ("warm", warm_args)):
+        out = where / name
+        out.mkdir()
+        r = run("elaunch", *WARM[:-2], *extra, *target, str(out), *args, cwd=cwd or where, env=env)
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    return tuple(outs)
 
 
 def _assert_same(cold: dict, warm: dict) -> None:
+    """``warm`` (a spare's worker) saw what ``cold`` (a cold worker of another run) saw."""
     for key in set(cold) | set(warm):
-        if key in ("env", "pid", "cmdline"):
+        if key in ("env", "pid", "cmdline", "argv", "orig_argv"):
             continue
         assert cold[key] == warm[key], (key, cold[key], warm[key])
+    assert [a.replace("/cold", "/warm") for a in cold["argv"]] == warm["argv"]
     assert not any(a.endswith("_warm_child.py") for a in cold["cmdline"]), cold["cmdline"]
     assert any(a.endswith("_warm_child.py") for a in warm["cmdline"]), warm["cmdline"]  # really a spare
     ce, we = cold["env"], warm["env"]
     assert set(ce) == set(we), (set(ce) ^ set(we))
     differ = {k for k in ce if ce[k] != we[k]}
-    assert differ <= PER_ATTEMPT, {k: (ce[k], we[k]) for k in differ}
+    assert differ <= PER_ATTEMPT | PER_RUN, {k: (ce[k], we[k]) for k in differ}
 
 
 def _warm_pids(agent_pid: int) -> set[int]:
@@ -51,36 +67,35 @@ def _warm_pids(agent_pid: int) -> set[int]:
     return out
 
 
-def test_restarted_script_sees_what_a_cold_one_sees(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    r = run("elaunch", *WARM, str(SCRIPTS / "warm_probe.py"), str(out), "x y", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_first_and_restarted_scripts_see_what_a_cold_one_sees(tmp_path):
+    """Both attempts run in spares (the first attempt's started before the round formed)."""
+    cold_out, out = _warm_and_cold(tmp_path, (str(SCRIPTS / "warm_probe.py"),), ("x y",))
     for rank in (0, 1):
-        cold, warm = _probes(out, rank)
-        _assert_same(cold, warm)
-        assert warm["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
-        assert warm["argv"] == [str(SCRIPTS / "warm_probe.py"), str(out), "x y"]
-        assert warm["path0"] == str(SCRIPTS) and warm["name"] == "__main__" and warm["main_is_me"]
+        for attempt in (0, 1):
+            cold, warm = _probe(cold_out, rank, attempt), _probe(out, rank, attempt)
+            _assert_same(cold, warm)
+            assert warm["env"]["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+            assert warm["argv"] == [str(SCRIPTS / "warm_probe.py"), str(out), "x y"]
+            assert warm["path0"] == str(SCRIPTS) and warm["name"] == "__main__" and warm["main_is_me"]
 
 
-def test_spares_import_at_the_lowest_priority_and_workers_run_at_the_agents(tmp_path):
-    """A spare imports in a nice-19 thread (idle CPU only, beside the group it serves next); the worker it
-    becomes runs its script at the agent's priority, as a cold worker does."""
-    out, nice = tmp_path / "out", tmp_path / "nice"
-    out.mkdir()
+def test_spares_import_at_the_lowest_priority_beside_a_group_and_workers_run_at_the_agents(tmp_path):
+    """A spare started while a group runs imports in a nice-19 thread (idle CPU only, beside the group it
+    serves next); the first attempt's, started before any group, imports at the agent's priority. The
+    worker a spare becomes runs its script at the agent's priority, as a cold worker does."""
+    nice = tmp_path / "nice"
     nice.mkdir()
     env = {**launcher_env(), "WARM_NICE_OUT": str(nice)}
-    r = run("elaunch", *WARM[:-1], "--warm-start-modules=json,warm_nice_probe", str(SCRIPTS / "warm_probe.py"),
-            str(out), cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr
+    cold_out, out = _warm_and_cold(tmp_path, (str(SCRIPTS / "warm_probe.py"),),
+                                   warm_args=("--warm-start", "--warm-start-modules=json,warm_nice_probe"), env=env)
     imports = {p.name: p.read_text() for p in nice.iterdir()}
-    warm_pids = {str(json.loads((out / f"probe_{rank}_1.json").read_text())["pid"]) for rank in (0, 1)}
-    assert warm_pids <= set(imports), (warm_pids, imports)  # the workers of attempt 1 were these spares
-    assert {imports[p] for p in warm_pids} == {"19"}, imports
-    for rank in (0, 1):
-        cold, warm = _probes(out, rank)
-        assert cold["nice"] == warm["nice"] == os.getpriority(os.PRIO_PROCESS, 0), (cold["nice"], warm["nice"])
+    agent_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for attempt, want in ((0, agent_nice), (1, 19)):
+        pids = {str(_probe(out, rank, attempt)["pid"]) for rank in (0, 1)}
+        assert pids <= set(imports), (attempt, pids, imports)  # the workers of the attempt were these spares
+        assert {imports[p] for p in pids} == {str(want)}, (attempt, imports)
+        for rank in (0, 1):
+            assert _probe(out, rank, attempt)["nice"] == _probe(cold_out, rank, attempt)["nice"] == agent_nice
 
 
 def test_module_mode_relative_path_and_symlink(tmp_path):
@@ -90,33 +105,36 @@ def test_module_mode_relative_path_and_symlink(tmp_path):
     (tmp_path / "pkg" / "probe.py").write_text((SCRIPTS / "warm_probe.py").read_text())
     (tmp_path / "link.py").symlink_to(tmp_path / "pkg" / "probe.py")
     for name, args in (("module", ("-m", "pkg.probe")), ("symlink", ("link.py",))):
-        out = tmp_path / name
-        out.mkdir()
-        r = run("elaunch", *WARM, *args, str(out), cwd=tmp_path)
-        assert r.returncode == 0, r.stderr
+        (tmp_path / name).mkdir()
+        cold_out, out = _warm_and_cold(tmp_path / name, args, cwd=tmp_path)
         for rank in (0, 1):
-            _assert_same(*_probes(out, rank))
-    cold, _ = _probes(tmp_path / "module", 0)
+            for attempt in (0, 1):
+                _assert_same(_probe(cold_out, rank, attempt), _probe(out, rank, attempt))
+    cold = _probe(tmp_path / "module" / "cold", 0, 0)
     assert cold["path0"] == str(tmp_path) and cold["spec"] == "pkg.probe"
-    cold, _ = _probes(tmp_path / "symlink", 0)
+    cold = _probe(tmp_path / "symlink" / "cold", 0, 0)
     assert cold["path0"] == str(tmp_path / "pkg") and cold["argv"][0] == "link.py"
 
 
 def test_uncaught_exception_reads_as_in_a_cold_worker(tmp_path):
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    one = ("--standalone", "--nproc-per-node=1", "--max-restarts=1", "--warm-start", "--warm-start-modules=json")
-    r = run("elaunch", *one, f"--log-dir={logs}", "--redirects=2", str(SCRIPTS / "warm_probe.py"), str(out),
-            "--raise", cwd=tmp_path)
-    assert r.returncode == 1
-    (run_dir,) = logs.iterdir()
-    for rank in (0,):
-        cold = (run_dir / "attempt_0" / str(rank) / "stderr.log").read_text()
-        warm = (run_dir / "attempt_1" / str(rank) / "stderr.log").read_text()
-        assert "ValueError: probe failure on purpose" in warm
-        assert warm == cold
-    assert not (run_dir / "attempt_2").exists()  # no spares prepared once no restart is left
-    assert json.loads((out / "probe_0_1.json").read_text())["pid"] != json.loads((out / "probe_0_0.json").read_text())["pid"]
+    one = ("--standalone", "--nproc-per-node=1", "--max-restarts=1", "--redirects=2")
+    runs = {}
+    for name, extra in (("cold", ()), ("warm", ("--warm-start", "--warm-start-modules=json"))):
+        out, logs = tmp_path / name, tmp_path / f"{name}-logs"
+        out.mkdir()
+        r = run("elaunch", *one, *extra, f"--log-dir={logs}", str(SCRIPTS / "warm_probe.py"), str(out), "--raise",
+                cwd=tmp_path)
+        assert r.returncode == 1
+        (runs[name],) = logs.iterdir()
+    cold = (runs["cold"] / "attempt_0" / "0" / "stderr.log").read_text()
+    assert "ValueError: probe failure on purpose" in cold
+    for attempt in (0, 1):
+        warm = (runs["warm"] / f"attempt_{attempt}" / "0" / "stderr.log").read_text()
+        assert warm == cold.replace("/cold", "/warm")
+    assert not (runs["warm"] / "attempt_2").exists()  # no spares prepared once no restart is left
+    warm_out = tmp_path / "warm"
+    assert _probe(warm_out, 0, 1)["pid"] != _probe(warm_out, 0, 0)["pid"]
+    assert any(a.endswith("_warm_child.py") for a in _probe(warm_out, 0, 0)["cmdline"])  # a spare's, too
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
