@@ -10,7 +10,6 @@ watch, decide, act, with one small method per action.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -30,16 +29,16 @@ from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.stopped import Stopped, unstartable
 from elaunch.agent.watchdog import Watchdog
 from elaunch.agent.watchdogs import open_watchdogs
-from elaunch.agent.env import EnvOptions, worker_env
-from elaunch.agent.ranks import assign_ranks
-from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses, line_prefix
+from elaunch.agent.env import EnvOptions
+from elaunch.agent.group_start import GroupStarter
+from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
 from elaunch.rendezvous.api import (
     FailureRecord,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousJobFailedError,
 )
-from elaunch.spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState, signal_name
+from elaunch.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState, signal_name
 
 if TYPE_CHECKING:
     from elaunch.config import LaunchConfig
@@ -123,6 +122,7 @@ class ElasticAgent:
         self._announce: tuple[int, FailureRecord] | None = None  # a restart to log once the next round formed
         self._watchdogs: list[Watchdog] = []  # made in run() (some create files): agent.watchdogs
         self._monitor: GroupMonitor | None = None  # made in run(), with the watchdogs and the event log
+        self._starter: GroupStarter | None = None  # made in run(), with the watchdogs: makes and starts each group
         self._progress: ProgressWatchdog | None = None  # made in run(): the progress files, read for events
         self._echo = event_echo(config.event_log_handler)
         self._events = AgentEvents(None, "", self._hostname, self._job.max_restarts)  # run() opens the real one
@@ -161,6 +161,8 @@ class ElasticAgent:
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
         self._watchdogs.append(self._keeper)
+        self._starter = GroupStarter(self._spec, self._launcher, self._env_opts, self._base_env,
+                                     self._logs.line_prefix_template, self._watchdogs)
         self._node_check = node_check_for(self._config, self._rdzv.job_channel, self._events, self._launcher.reaper)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
                                      self._watchdogs)
@@ -208,7 +210,7 @@ class ElasticAgent:
         ``decide.next_step``); each action returns the run's result, or None to go round again.
         """
         attempt = 0
-        self._prewarm()
+        self._starter.prewarm(self._job.restarts)  # --warm-start: the first attempt's spares, before any round
         while True:
             try:
                 info = self._join()
@@ -219,10 +221,8 @@ class ElasticAgent:
             if self._node_check is not None:  # before the workers start: name the faulty nodes
                 out = self._node_check.run(info)[1]
                 if out:  # exclude_after given: the faulty sit out, the others re-form without them
-                    result = self._node_check.sit_out_or_reform(info, out, self._job)
+                    result = self._sat_out(self._node_check.sit_out_or_reform(info, out, self._job))
                     if result is not None:
-                        # OUT -> SUCCEEDED/FAILED: the job ended while this node sat out
-                        self._launcher.no_more_attempts()
                         return result
                     continue
             try:
@@ -247,11 +247,9 @@ class ElasticAgent:
             self._node_check.prepare()  # its child imports torch while the rendezvous runs
         info = self._rdzv.next_rendezvous()
         self._events.rendezvous_complete(info, self._rdzv.job_channel().round_members)
-        if self._announce is not None:
-            # every node of the failed round recorded its report before this round formed:
-            # the root cause read now is the job's final one, the same on every node
-            self._announce_restart(*self._announce)
-            self._announce = None
+        # a restart not logged yet: every node of the failed round recorded its report before this
+        # round formed, so the root cause read now is the job's final one, the same on every node
+        self._announce_restart()
         self._job.joined(info.restart_count)
         return info
 
@@ -285,13 +283,8 @@ class ElasticAgent:
         stopped.group.state = WorkerState.STOPPED
         self._announce = (stopped.info.round, stopped.root)
         if not self._job.state.node:  # no job state: this agent alone knows the root cause
-            self._announce_restart(*self._announce)
-            self._announce = None
-        ended = self._job.sit_out_if_blamed()
-        if ended is not None:
-            # STOPPED -> SUCCEEDED/FAILED: the job ended while this node sat out
-            self._launcher.no_more_attempts()
-        return ended
+            self._announce_restart()
+        return self._sat_out(self._job.sit_out_if_blamed())
 
     def _rejoin(self, stopped: Stopped) -> RunResult | None:
         """HEALTHY -> STOPPED: re-form the group, not counted: membership changed, or a member node is gone.
@@ -302,11 +295,7 @@ class ElasticAgent:
         stopped.group.state = WorkerState.STOPPED
         if stopped.sits_out is not None:
             self._events.restart(False, self._job.restarts, "straggler")
-            ended = self._job.sit_out(stopped.sits_out)
-            if ended is not None:
-                # OUT -> SUCCEEDED/FAILED: the job ended while this node sat out
-                self._launcher.no_more_attempts()
-            return ended
+            return self._sat_out(self._job.sit_out(stopped.sits_out))
         if stopped.verdict is Verdict.MEMBERSHIP_CHANGE:
             self._reform_event()
             return
@@ -318,6 +307,12 @@ class ElasticAgent:
             len(lost), describe_exits(stopped.codes), ", ".join(lost),
         )
         self._events.restart(False, self._job.restarts, "node_lost", stopped.record)
+
+    def _sat_out(self, ended: RunResult | None) -> RunResult | None:
+        """OUT -> SUCCEEDED/FAILED: ``ended``, the run's result when the job ended while this node sat out; or None."""
+        if ended is not None:
+            self._launcher.no_more_attempts()
+        return ended
 
     def _finish_failed(self, stopped: Stopped) -> RunResult:
         """HEALTHY -> FAILED: the job failed on another node (it published the root cause), or no restart is left."""
@@ -351,8 +346,11 @@ class ElasticAgent:
         else:
             self._events.restart(False, self._job.restarts, "membership")
 
-    def _announce_restart(self, round: int, root: FailureRecord) -> None:
-        """Log a counted restart with the job's root cause of ``round`` (as the rendezvous has it now)."""
+    def _announce_restart(self) -> None:
+        """Log the restart not yet logged (if any) with its round's root cause as the rendezvous has it now."""
+        if self._announce is None:
+            return
+        (round, root), self._announce = self._announce, None
         final = self._job.root_of(round)
         root = final if final is not None else root
         restarts = self._job.restarts
@@ -372,65 +370,21 @@ class ElasticAgent:
                          restarts=self._job.restarts, root_rank=root.rank)
 
     def _start_workers(self, info: RendezvousInfo, attempt: int) -> WorkerGroup:
-        spec = self._spec
-        workers = assign_ranks(info.nodes, info.rank, info.world_size, spec.role, spec.local_world_size)
-        master_addr, master_port = info.master_addr, info.master_port
-        if info.host_store:  # as torchrun's agent: every worker is a client of a store this agent hosts
-            master_port = self._launcher.serve_store(master_addr, master_port)
-        group = WorkerGroup(spec=spec, workers=workers, round=info.round, group_rank=info.rank,
-                            group_world_size=info.world_size, master_addr=master_addr, master_port=master_port)
-        opts = self._env_opts
-        if opts.use_agent_store != info.use_agent_store:
-            opts = dataclasses.replace(opts, use_agent_store=info.use_agent_store)
-        logs = self._launcher.attempt_logs(attempt, spec.local_world_size)
-        self._keeper.prepare(info, workers, spec.local_world_size)  # the round's restore: its env, below
-        cmds, envs = self._worker_cmds(workers, group, logs.error_file, opts)
-        prefixes = {w.local_rank: line_prefix(self._logs.line_prefix_template, spec.role, w.global_rank, w.local_rank)
-                    for w in workers}
-        for watchdog in self._watchdogs:
-            watchdog.new_attempt(info.round)
+        """INIT -> HEALTHY: start this node's workers of the round ``info``; say so (event, agent record)."""
+        group = self._starter.group(info)
+        logs = self._launcher.attempt_logs(attempt, self._spec.local_world_size)
+        self._keeper.prepare(info, group.workers, self._spec.local_world_size)  # the round's restore: its env
         may_follow = self._job.left > 0 or self._rdzv.can_reform
-        self._procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=may_follow)
+        self._procs = self._starter.start(group, attempt, logs, self._job.restarts, info.use_agent_store, may_follow)
         self._attempt_logs = logs
-        for w in workers:
-            w.pid = self._procs.pids[w.local_rank]
+        workers = group.workers
         self._events.workers_started(attempt, workers, self._procs.pids, f"{group.master_addr}:{group.master_port}")
-        # INIT -> HEALTHY: workers started
         group.state = WorkerState.HEALTHY
         self._group = group
         record = agent_record(info.round, [w.global_rank for w in workers], self._job.max_restarts,
-                              self._job.restarts, spec.role, self._hostname, self.log_root)
+                              self._job.restarts, self._spec.role, self._hostname, self.log_root)
         publish(self._rdzv.job_channel(), "agent", record)
-        log.info("round %d: node %d/%d started ranks %d-%d of %d (master %s:%s)", info.round, info.rank,
-                 info.world_size, workers[0].global_rank, workers[-1].global_rank, workers[0].world_size,
-                 group.master_addr, group.master_port)
         return group
-
-    def _worker_cmds(self, workers: list[Worker], group: WorkerGroup, error_files: Mapping[int, str],
-                     opts: EnvOptions) -> tuple[dict[int, list[str]], dict[int, dict[str, str]]]:
-        """Each local rank's argv and full environment (torchrun's variables, the watchdogs')."""
-        cmds, envs = {}, {}
-        for w in workers:
-            lr = w.local_rank
-            cmds[lr] = self._spec.worker_cmd(lr)
-            envs[lr] = worker_env(self._base_env, w, group, self._job.restarts, error_files.get(lr, ""), opts)
-            for watchdog in self._watchdogs:
-                envs[lr].update(watchdog.env(lr))
-        return cmds, envs
-
-    def _prewarm(self) -> None:
-        """With ``--warm-start``, start the first attempt's spares now, before the first round.
-
-        Their imports then overlap the rendezvous (and, for a node that replaces a lost
-        one, the others' wait for it) instead of following it. Only the variables a round
-        sets (``warm.ROUND_KEYS``) are unknown yet; they are handed over with the worker.
-        """
-        spec = self._spec
-        lws = spec.local_world_size
-        workers = [Worker(local_rank=lr) for lr in range(lws)]
-        group = WorkerGroup(spec=spec, workers=workers)
-        cmds, envs = self._worker_cmds(workers, group, {}, self._env_opts)
-        self._launcher.prewarm(0, cmds, envs)
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
         procs = self._procs
