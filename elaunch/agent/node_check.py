@@ -74,6 +74,8 @@ class NodeCheck:
         self._script = script
         self._child: HelperProcess | None = None
         self._warned = False
+        #: the node ids of the last round checked: a round of the same nodes is not checked again
+        self._checked: frozenset = frozenset()
 
     def prepare(self) -> None:
         """Start the child (it imports torch meanwhile), unless one waits already; before joining a round.
@@ -95,8 +97,9 @@ class NodeCheck:
         """Check the nodes of the round ``info`` (``RendezvousInfo``) formed; name the faulty ones.
 
         Returns:
-            (the report, or None when no check ran: one node, or no job state;
-            the node ids that sit out, the same on every node).
+            (the report, or None when no check ran: one node, no job state, or the
+            nodes of the last checked round again; the node ids that sit out, the
+            same on every node).
         """
         channel = self._channel()
         if not channel.keeps_job_state:
@@ -107,6 +110,13 @@ class NodeCheck:
             return None, []
         if info.world_size < 2:
             self.close()  # one node: nothing to compare
+            return None, []
+        nodes = frozenset(channel.round_members)
+        if nodes and nodes == self._checked:
+            # a restart of the same nodes (a worker failed): they passed, or were named, already. Every node
+            # of this round was in the checked one and decides alike; a new node makes every node check.
+            # The child started for this round waits for the next check.
+            log.info("node check: round %d has the nodes of the last checked round; not checked again", info.round)
             return None, []
         started = time.monotonic()
         doc = self._check(info)
@@ -119,6 +129,7 @@ class NodeCheck:
         report = judge(info.round, members, docs, self._factor)
         out = sitting_out(report, self._exclude, self._min_nodes)
         self._tell(report, docs, out, time.monotonic() - started, channel)
+        self._checked = nodes
         return report, out
 
     def _check(self, info) -> dict:

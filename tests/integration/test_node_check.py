@@ -92,6 +92,44 @@ def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path)
     assert reports[0] == reports[1]  # the same verdicts, figures and all, on both nodes
 
 
+def test_a_restart_of_the_same_nodes_is_not_checked_again(tmp_path):
+    """A worker fails once: the round that restarts the same two nodes starts its workers without a second
+    check (the nodes passed it already); only the first round has a ``node_check`` event."""
+    from tests.helpers import free_port
+
+    # attempt 0: rank 1 fails after an all-reduce, so rank 0's barrier fails too (neither node succeeds alone)
+    worker = ("import os, sys, torch, torch.distributed as dist\n"
+              "dist.init_process_group('gloo')\n"
+              "dist.all_reduce(torch.ones(1))\n"
+              "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+              "    os._exit(1)\n"
+              "dist.barrier()\n"
+              "dist.destroy_process_group()\n")
+    (tmp_path / "w.py").write_text(worker)
+    ep = f"127.0.0.1:{free_port()}"
+    agents = []
+    try:
+        for who in ("a", "b"):
+            agents.append(start_agent("c10d", ep, str(tmp_path / "w.py"), rdzv_id=f"nr-{tmp_path.name}",
+                                      conf="last_call_timeout=1,join_timeout=60",
+                                      extra=("--node-check", "--max-restarts=1", f"--log-dir={tmp_path / who}")))
+            if who == "a":
+                wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="A hosting the store")
+    except BaseException:
+        for a in agents:
+            kill_tree(a.pid)
+        raise
+    results = finish_agents(agents, timeout=180)
+    assert [r[0] for r in results] == [0, 0], results
+    for who in ("a", "b"):
+        events = _events(tmp_path / who)
+        kinds = [e["kind"] for e in events]
+        assert kinds.count("workers_started") == 2, kinds
+        checks = [e for e in events if e["kind"] == "node_check"]
+        assert [c["round"] for c in checks] == [0], checks
+        assert kinds.index("node_check") < kinds.index("workers_started")
+
+
 def test_a_single_node_job_is_not_checked(tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
     (tmp_path / "release").touch()
