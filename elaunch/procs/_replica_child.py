@@ -5,37 +5,21 @@
 agent's node directory. Messages from the agent, one per packet:
 
 * ``listen`` with a descriptor attached: the TCP socket the agent listens on; peers'
-  connections are served from it, one thread each.
+  connections are served from it (:class:`Server`), one thread each.
 * ``ring [[HOST, PORT], ...]`` (JSON): this round's successors. One thread per
-  successor keeps one connection to it and sends it this node's newest committed
-  snapshot of each rank when it changed (:func:`to_send`); ``ring []`` stops sending.
+  successor (:class:`Link`) keeps one connection to it and sends it this node's newest
+  committed snapshot of each rank when it changed (:func:`to_send`); ``ring []`` stops sending.
 * ``stats``: answered by one JSON packet of counters (:data:`COUNTERS`).
 * end of file (the agent closed its end, or died): exit.
 
-Between agents, the connecting side sends requests, each a JSON line answered by one:
-
-* ``{"op": "put", "rank", "step", "seq", "time", "size", "replicated"}`` -> ``{"go": bool}``
-  (false: this node has that snapshot or a newer one of that rank, or no room, or, of
-  replicated state, its own ranks saved that step or a newer one: see :meth:`Server._own_has`). After a go:
-  ``size`` bytes of the slot file and one mark byte, ``=`` (its seq did not change
-  during the read) or ``x`` (a write began: discard) -> ``{"ok": bool}``. The bytes go
-  to ``replicas/.r<rank>.tmp-<pid>-<n>`` (0600), renamed to ``replicas/r<rank>`` when
-  marked ``=``, parsed by ``slotfile.read_info`` as announced, and not older than the
-  replica there (the newest step wins).
-* ``{"op": "get", "rank", "step"}`` -> ``{"size": N}``, N bytes and the mark, from
-  ``replicas/r<rank>`` or a local slot of that rank and step; or ``{"size": 0}``.
-
-Bytes leave a file by ``sendfile`` (no copy in Python; a file truncated under it ends
-the send short, where a mapping would fault) and land in a mapping of the new file
-whose pages were reserved (``posix_fallocate``: a full ``/dev/shm`` is ENOSPC, not a
-SIGBUS). Stdlib only (no torch); the agent's ``fetch`` imports the wire functions.
+Between agents the requests and answers are ``replica_wire``'s (its docstring has the
+format). Stdlib only (no torch, none of elaunch's imports when run as a script).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import socket
 import sys
@@ -43,21 +27,19 @@ import threading
 import time
 
 if __package__:
-    from ..checkpoint import slotfile
-else:  # run as a script: load the sibling package's slot-file module by path, without elaunch's imports
+    from . import replica_wire as wire
+else:  # run as a script: load the sibling module by path (whatever PYTHONSAFEPATH says), without elaunch's imports
     import importlib.util
-    _spec = importlib.util.spec_from_file_location("_elaunch_slotfile", os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "slotfile.py"))
-    slotfile = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(slotfile)
+    _spec = importlib.util.spec_from_file_location(
+        "_elaunch_replica_wire", os.path.join(os.path.dirname(os.path.abspath(__file__)), "replica_wire.py"))
+    wire = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(wire)
 
+slotfile = wire.slotfile  # loaded by path when run as a script
 log = logging.getLogger("elaunch.procs.replica_service")
 
 SCAN = 0.05  #: seconds between looks at the slots' headers
-CHUNK = 4 << 20  #: bytes received per read into the new file's mapping
-IO_TIMEOUT = 30.0  #: seconds one blocking read or write on a connection may wait for its peer
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
-MAX_LINE = 4096  #: bytes of a request or answer line, at most
 OWN_GRACE = 0.5  #: seconds an offer of replicated state waits for this node's ranks to commit that step
 COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served")
 
@@ -71,88 +53,6 @@ class Stats:
     def add(self, name: str) -> None:
         with self.lock:
             self.counts[name] += 1
-
-
-def tune(sock: socket.socket) -> socket.socket:
-    """Set TCP_NODELAY and keepalive on a connection (buffers: the kernel's autotuning)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    return sock
-
-
-def send_json(sock: socket.socket, obj: dict) -> None:
-    sock.sendall(json.dumps(obj).encode("ascii") + b"\n")
-
-
-def read_json(rfile) -> dict:
-    """One JSON line from ``rfile`` (a binary buffered reader). Raises ConnectionError at end of file."""
-    line = rfile.readline(MAX_LINE)
-    if not line.endswith(b"\n"):
-        raise ConnectionError("connection closed" if not line else "request line too long")
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError(f"not a JSON object: {line[:80]!r}")
-    return obj
-
-
-def receive_file(rfile, path: str, size: int, deadline: float | None = None, sock=None) -> bytes:
-    """Receive ``size`` bytes and the mark byte into a new file ``path`` (0600); return the mark.
-
-    Raises:
-        OSError: no such file can be made (ENOSPC: ``/dev/shm`` is full), the peer closed early
-            (ConnectionError), or ``deadline`` (``time.monotonic()``) passed (TimeoutError).
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)  # pages reserved: a full /dev/shm fails here, not as a SIGBUS below
-        with mmap.mmap(fd, size) as buf:
-            view, got = memoryview(buf), 0
-            try:
-                while got < size:
-                    if deadline is not None:  # the socket's timeout is per call: the whole receipt has one
-                        if deadline <= time.monotonic():
-                            raise TimeoutError("timed out receiving a snapshot")
-                        sock.settimeout(deadline - time.monotonic())
-                    n = rfile.readinto(view[got:got + CHUNK])
-                    if not n:
-                        raise ConnectionError(f"connection closed after {got} of {size} bytes")
-                    got += n
-            finally:
-                view.release()
-    finally:
-        os.close(fd)
-    mark = rfile.read(1)
-    if not mark:
-        raise ConnectionError("connection closed before the end mark")
-    return mark
-
-
-def open_info(path: str) -> tuple[int, "slotfile.SlotInfo"] | None:
-    """``(fd, info)``: ``path`` opened and parsed through the descriptor (one file's, whatever renames), or None."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    info = slotfile.read_info(f"/proc/self/fd/{fd}")
-    if info is None:
-        os.close(fd)
-        return None
-    return fd, info
-
-
-def send_file(sock: socket.socket, fd: int, info: "slotfile.SlotInfo") -> bool:
-    """Send the snapshot's bytes from ``fd``, then its mark; True if it was still whole (mark ``=``).
-
-    Raises:
-        OSError: the connection failed, or the file ended early (ConnectionError).
-    """
-    with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-        sent = sock.sendfile(f, 0, info.size)
-    if sent != info.size:
-        raise ConnectionError(f"{info.path}: sent {sent} of {info.size} bytes (the file shrank)")
-    whole = slotfile.seq_of(os.pread(fd, 16, 0)) == info.seq
-    sock.sendall(b"=" if whole else b"x")
-    return whole
 
 
 class Server:
@@ -179,13 +79,13 @@ class Server:
             threading.Thread(target=self._connection, args=(conn,), name="peer", daemon=True).start()
 
     def _connection(self, conn: socket.socket) -> None:
-        tune(conn)
+        wire.tune(conn)
         try:
             with conn, conn.makefile("rb") as rfile:
                 while True:
                     conn.settimeout(None)  # a peer's connection idles between its saves
-                    req = read_json(rfile)
-                    conn.settimeout(IO_TIMEOUT)
+                    req = wire.read_json(rfile)
+                    conn.settimeout(wire.IO_TIMEOUT)
                     if req.get("op") == "put":
                         self._put(conn, rfile, req)
                     elif req.get("op") == "get":
@@ -200,20 +100,20 @@ class Server:
                                         int(req["size"]))
         if req.get("replicated") and self._own_has(step):
             self.stats.add("own")
-            send_json(conn, {"go": False})
+            wire.send_json(conn, {"go": False})
             return
         final = os.path.join(self.replicas, f"r{rank}")
         have, room = slotfile.read_info(final), os.statvfs(self.replicas)
         if (have is not None and (have.step, have.time) >= (step, stamp)) or room.f_bavail * room.f_frsize < size:
             self.stats.add("refused")
-            send_json(conn, {"go": False})
+            wire.send_json(conn, {"go": False})
             return
-        send_json(conn, {"go": True})
+        wire.send_json(conn, {"go": True})
         with self._lock:
             self._n += 1
             tmp = os.path.join(self.replicas, f".r{rank}.tmp-{os.getpid()}-{self._n}")
         try:
-            mark = receive_file(rfile, tmp, size)
+            mark = wire.receive_file(rfile, tmp, size)
             info = slotfile.read_info(tmp)
             ok = mark == b"=" and info is not None and (info.rank, info.step, info.seq, info.size) == (
                 rank, step, seq, size)
@@ -227,7 +127,7 @@ class Server:
                     self.stats.add("discarded")
         finally:
             _unlink(tmp)  # gone already when it was renamed
-        send_json(conn, {"ok": ok})
+        wire.send_json(conn, {"ok": ok})
 
     def _own_has(self, step: int) -> bool:
         """Whether this node's own ``slots/`` hold replicated state of ``step`` or newer, waiting up to
@@ -245,19 +145,19 @@ class Server:
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
         held = slotfile.inventory(self.node_dir, ("slots",))
         for path in [os.path.join(self.replicas, f"r{rank}"), *(i.path for i in held if i.rank == rank)]:
-            opened = open_info(path)
+            opened = wire.open_info(path)
             if opened is None:
                 continue
             fd, info = opened
             try:
                 if info.rank == rank and info.step == step:
-                    send_json(conn, {"size": info.size})
-                    send_file(conn, fd, info)
+                    wire.send_json(conn, {"size": info.size})
+                    wire.send_file(conn, fd, info)
                     self.stats.add("served")
                     return
             finally:
                 os.close(fd)
-        send_json(conn, {"size": 0})
+        wire.send_json(conn, {"size": 0})
 
 
 def to_send(node_dir: str) -> dict[int, "slotfile.SlotInfo"]:
@@ -297,7 +197,7 @@ class Link:
         backoff, warned = BACKOFF[0], False
         while not self._stop.is_set():
             try:
-                with tune(socket.create_connection(self.peer, timeout=IO_TIMEOUT)) as sock:
+                with wire.tune(socket.create_connection(self.peer, timeout=wire.IO_TIMEOUT)) as sock:
                     self._sock = sock
                     if self._stop.is_set():
                         return
@@ -322,21 +222,21 @@ class Link:
         for rank, seen in to_send(self.node_dir).items():
             if self.sent.get(rank) == (seen.path, seen.seq, seen.step, seen.time):
                 continue
-            opened = open_info(seen.path)
+            opened = wire.open_info(seen.path)
             if opened is None:
                 continue  # a write began since the scan: look again
             fd, info = opened
             try:
                 tried = True
                 key = (seen.path, info.seq, info.step, info.time)
-                send_json(sock, {"op": "put", "rank": info.rank, "step": info.step, "seq": info.seq,
+                wire.send_json(sock, {"op": "put", "rank": info.rank, "step": info.step, "seq": info.seq,
                                  "time": info.time, "size": info.size, "replicated": info.replicated})
-                if not read_json(rfile)["go"]:
+                if not wire.read_json(rfile)["go"]:
                     self.sent[rank] = key  # it has this one or a newer one
                     self.stats.add("skipped")
                     continue
-                whole = send_file(sock, fd, info)
-                if read_json(rfile)["ok"] and whole:
+                whole = wire.send_file(sock, fd, info)
+                if wire.read_json(rfile)["ok"] and whole:
                     self.sent[rank] = key
                     self.stats.add("sent")
                 else:

@@ -9,8 +9,8 @@ replaces a lost one fetches its ranks' snapshots from a peer at the round's star
 (:func:`fetch`), without touching disk. No torchrun counterpart: torch keeps no
 snapshots.
 
-The work is done by one helper child (``_replica_child.py``; the wire format is in
-its docstring), a :class:`~elaunch.procs.helper_process.HelperProcess`: the agent
+The work is done by one helper child (``_replica_child.py``; the wire format is
+``replica_wire.py``'s), a :class:`~elaunch.procs.helper_process.HelperProcess`: the agent
 binds the TCP socket on its address and hands it to the child, which serves peers'
 copies and fetches on it, and sends this node's snapshots to the successors the
 agent names with :meth:`ReplicaService.set_ring`. Because the agent keeps the
@@ -36,7 +36,7 @@ import socket
 import time
 
 from ..checkpoint import slotfile
-from . import _replica_child as wire
+from . import replica_wire as wire
 from .helper_process import HelperProcess
 
 log = logging.getLogger(__name__)
