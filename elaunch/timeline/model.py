@@ -26,6 +26,8 @@ MARKS: dict[str, tuple[str, str, str]] = {
     "job_failed": ("job failed", "#7f0000", "star"),
     "job_succeeded": ("job succeeded", "#2ca02c", "star"),
     "not_needed": ("node not needed", "#7f7f7f", "circle"),
+    "node_ok": ("node check: every node ok", "#17becf", "square"),
+    "node_faulty": ("node check: a node named", "#8c564b", "square"),
 }
 #: Span kind -> (legend label, colour).
 SPANS: dict[str, tuple[str, str]] = {
@@ -223,8 +225,19 @@ def _job_failed(e: dict, t: float) -> tuple[str, float, str]:
     return "job_failed", t, f"job failed: {why}" if why else "job failed"
 
 
+def _node_check(e: dict, t: float) -> tuple[str, float, str]:
+    faulty, out = e.get("faulty") or [], e.get("sitting_out") or []
+    took = f" in {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else ""
+    if not faulty:
+        return "node_ok", t, f"node check{took}: every node ok"
+    named = ", ".join(f"{n} ({(e.get('nodes') or {}).get(n, {}).get('verdict', '?')}"
+                      f"{', sits out' if n in out else ''})" for n in faulty)
+    return "node_faulty", t, f"node check{took}: {named}"
+
+
 _MARKERS = {
     "restart": _restart,
+    "node_check": _node_check,
     "membership_change": _membership,
     "hang": lambda e, t: ("hang", t, f"{'stuck (D state)' if e.get('stuck') else 'hang'}: ranks "
                                      f"{', '.join(map(str, e.get('ranks', ())))}"),

@@ -86,6 +86,19 @@ def test_model_spans_and_marks():
     assert tl.lanes[1].spans == [("rendezvous", 2, 2, "", -1)]  # still joining at its last event
 
 
+def test_model_marks_the_node_check():
+    tl = build([
+        _e(10, "rendezvous_join", round=-1), _e(11, "rendezvous_complete"),
+        _e(12.5, "node_check", seconds=1.5, faulty=[], sitting_out=[], nodes={"n": {"verdict": "ok"}}),
+        _e(13, "rendezvous_join"), _e(14, "rendezvous_complete", round=1),
+        _e(16, "node_check", round=1, seconds=2.0, faulty=["m"], sitting_out=["m"],
+           nodes={"n": {"verdict": "ok"}, "m": {"verdict": "slow"}}),
+    ])
+    marks = [m for m in tl.lanes[0].marks]
+    assert marks == [("node_ok", 2.5, "node check in 1.5 s: every node ok", -1),
+                     ("node_faulty", 6, "node check in 2.0 s: m (slow, sits out)", -1)]
+
+
 def test_nice_ticks():
     assert nice_ticks(16.0) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
     assert nice_ticks(0.7)[:3] == [0, 0.1, 0.2]
