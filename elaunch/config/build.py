@@ -2,9 +2,9 @@
 
 Stdlib only: torch is imported lazily, and only by ``elaunch.config.nproc`` when
 ``--nproc-per-node`` is ``gpu``, ``xpu`` or ``auto``. This is the one place where
-the launcher reads the environment (``OMP_NUM_THREADS``, ``PYTHON_EXEC``,
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``,
-``PATH``); the mapping is passed in explicitly so tests need no monkeypatching.
+the launcher reads the environment (``OMP_NUM_THREADS``, ``PYTHON_EXEC``, the option
+table's torch fallbacks such as ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
+``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, ``PATH``); the mapping is passed in explicitly so tests need no monkeypatching.
 
 Mirrors ``torch.distributed.run.config_from_args`` and ``run`` (standalone and
 single-node static rewriting, static endpoint defaults, worker argv).
@@ -22,20 +22,12 @@ from typing import NamedTuple
 from elaunch.config.errors import ConfigError
 from elaunch.config.launch_config import STANDALONE_ENDPOINT, LaunchConfig
 from elaunch.config.nproc import resolve_nproc
-from elaunch.config.options import (
-    DEFAULT_FORWARD_SIGNALS,
-    DEFAULT_MASTER_PORT,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    OPTIONS,
-    LaunchOptions,
-    default_of,
-    replicas_for,
-)
+from elaunch.config.options import DEFAULT_MASTER_PORT, OPTIONS, LaunchOptions, replicas_for
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.api import RendezvousConfigError
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
 
-__all__ = ["build_config", "env_shutdown_timeout", "resolve", "signal_sets"]
+__all__ = ["build_config", "resolve"]
 
 logger = logging.getLogger("elaunch.config")
 
@@ -59,53 +51,6 @@ def _check_endpoint(backend: str, endpoint: str, label: str = "--rdzv-endpoint")
         return parse_endpoint(endpoint, label=label)
     except RendezvousConfigError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def env_shutdown_timeout(environ: Mapping[str, str]) -> float:
-    """Seconds of ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in ``environ``, or 30 when unset or empty.
-
-    Raises:
-        ConfigError: not a number, or negative.
-    """
-    raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_SHUTDOWN_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}: expected seconds (a number)") from None
-    if not value >= 0:
-        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}: must be >= 0 seconds")
-    return value
-
-
-def signal_sets(
-    handle: tuple[str, ...] | None, forward: tuple[str, ...] | None
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Resolve ``(signals_to_handle, forward_signals)``; a signal is a stop or a notice, not both.
-
-    The one place the default of ``--forward-signals`` is resolved (the command,
-    ``elaunch.run`` and ``elaunch.launcher`` all come here).
-
-    Args:
-        handle: ``--signals-to-handle`` names, None for the default.
-        forward: ``--forward-signals`` names, None when not given: then the default
-            leaves out what ``handle`` names (``--signals-to-handle SIGUSR1`` keeps
-            working as under torchrun).
-
-    Raises:
-        ConfigError: an explicit ``--forward-signals`` names a signal also handled.
-    """
-    handle = default_of("signals_to_handle") if handle is None else tuple(handle)
-    if forward is None:
-        return handle, tuple(s for s in DEFAULT_FORWARD_SIGNALS if s not in handle)
-    for name in forward:
-        if name in handle:
-            raise ConfigError(
-                f"--forward-signals={','.join(forward)}: {name} is also in --signals-to-handle="
-                f"{','.join(handle)}; a signal either stops the workers or is forwarded as a notice"
-            )
-    return handle, tuple(forward)
 
 
 class _Rendezvous(NamedTuple):  # not a dataclass: half a millisecond less at every start
@@ -246,10 +191,12 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         raise ConfigError(f"--event-log-handler={o.event_log_handler}: not a torch event handler "
                           f"(one of {', '.join(EVENT_LOG_HANDLERS)})")
     nproc = resolve_nproc(o.nproc_per_node)
-    handle, forward = signal_sets(o.signals_to_handle, o.forward_signals)
     cmd = build_cmd(o.training_script, o.training_script_args, module=o.module, no_python=o.no_python,
                     run_path=o.run_path, environ=environ)
     warm, warm_notes = warm_start_modules(o.warm_start, o.warm_start_modules, o.no_python and not o.run_path)
+    # an option not given takes its row's torch variable, as torch's LaunchConfig ($TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+    from_env = {row.dest: row.from_environ(environ) for row in OPTIONS.values()
+                if row.env_fallback and getattr(o, row.dest) is None}
     resolved = dict(
         min_nodes=o.nnodes[0],
         max_nodes=o.nnodes[1],
@@ -258,9 +205,7 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         rdzv_backend=rdzv.backend,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
-        shutdown_timeout=env_shutdown_timeout(environ) if o.shutdown_timeout is None else o.shutdown_timeout,
-        signals_to_handle=handle,
-        forward_signals=forward,
+        **from_env,
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         # launch() logs the warning
         omp_num_threads=1 if nproc > 1 and "OMP_NUM_THREADS" not in environ else None,

@@ -13,6 +13,7 @@ from typing import Any
 
 from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR
 from elaunch.agent.stragglers import StragglerSettings
+from elaunch.config.errors import ConfigError
 from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
 
 #: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
@@ -45,9 +46,10 @@ class LaunchConfig:
         signals_to_handle: signal names the agent forwards to workers before stopping
             them and exiting 128 + signum (``"SIGTERM"``, ...).
         forward_signals: signal names the agent forwards to every worker's process
-            group while it keeps running (``--forward-signals``, elaunch only; default
-            ``("SIGUSR1", "SIGUSR2")`` minus any in ``signals_to_handle``); disjoint
-            from ``signals_to_handle``.
+            group while it keeps running (``--forward-signals``, elaunch only); disjoint
+            from ``signals_to_handle``. None (the default) is resolved on construction to
+            ``("SIGUSR1", "SIGUSR2")`` minus any in ``signals_to_handle`` (``--signals-to-handle
+            SIGUSR1`` keeps working as under torchrun).
         hang_timeout: seconds after a worker's last ``elaunch.progress()`` call (once it
             made one) before it counts as hung, stacks dumped, a failure of its rank;
             0.0 is off (``--hang-timeout``, elaunch only), >= 0.
@@ -105,7 +107,7 @@ class LaunchConfig:
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")
-    forward_signals: tuple[str, ...] = DEFAULT_FORWARD_SIGNALS
+    forward_signals: tuple[str, ...] | None = None
     hang_timeout: float = default_of("hang_timeout")
     node_check: bool = False
     node_check_slow_factor: float = DEFAULT_SLOW_FACTOR
@@ -127,3 +129,25 @@ class LaunchConfig:
     checkpoint_persist_interval: float = default_of("checkpoint_persist_interval")
     checkpoint_timeout: float = default_of("checkpoint_timeout")
     checkpoint_exchange_timeout: float = default_of("checkpoint_exchange_timeout")
+
+    def __post_init__(self) -> None:
+        """Resolve ``forward_signals`` against ``signals_to_handle``: a signal is a stop or a notice, not both.
+
+        The one place the default of ``--forward-signals`` is resolved (the command,
+        ``elaunch.run`` and ``elaunch.launcher`` all make a LaunchConfig).
+
+        Raises:
+            ConfigError: an explicit ``forward_signals`` names a signal also in ``signals_to_handle``.
+        """
+        handle = default_of("signals_to_handle") if self.signals_to_handle is None else tuple(self.signals_to_handle)
+        forward = self.forward_signals
+        if forward is None:
+            forward = tuple(s for s in DEFAULT_FORWARD_SIGNALS if s not in handle)
+        for name in forward:
+            if name in handle:
+                raise ConfigError(
+                    f"--forward-signals={','.join(forward)}: {name} is also in --signals-to-handle="
+                    f"{','.join(handle)}; a signal either stops the workers or is forwarded as a notice"
+                )
+        object.__setattr__(self, "signals_to_handle", handle)
+        object.__setattr__(self, "forward_signals", tuple(forward))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, make_dataclass
 from functools import partial
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from elaunch.config import values as V
@@ -26,6 +27,8 @@ __all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_MASTER_PORT", "DEFAULT_PERSIST_IN
 
 #: Seconds between SIGTERM and SIGKILL when neither the flag nor ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+#: torch's variable for the seconds between SIGTERM and SIGKILL (its ``LaunchConfig.shutdown_timeout`` default).
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: ``--master-port`` default for the static rendezvous, as torchrun.
 DEFAULT_MASTER_PORT = 29500
 #: ``--start-method`` values (kept for parity: elaunch's exec'd workers ignore it).
@@ -85,6 +88,9 @@ class Option:
         choices: the values argparse accepts, or None for any.
         torch: the field of torch's ``launcher.api.LaunchConfig`` it sets, or None.
         elaunch_only: elaunch's own (no torchrun abbreviation expands to it).
+        env_fallback: a torch environment variable giving the value when neither the flag nor
+            its ``PET_*`` variable does (``default`` is then None), or None; see :meth:`from_environ`.
+        fallback: the typed value when ``env_fallback`` is unset or empty.
     """
 
     dest: str
@@ -100,6 +106,8 @@ class Option:
     choices: tuple[str, ...] | None = None
     torch: str | None = None
     elaunch_only: bool = False
+    env_fallback: str | None = None
+    fallback: Any = None
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -127,6 +135,19 @@ class Option:
         if self.parse is None or self.default is None:
             return self.default
         return self.parse(self.default, self.long)
+
+    def from_environ(self, environ: Mapping[str, str]) -> Any:
+        """The value of the option when it was not given: ``$env_fallback`` in ``environ``, parsed
+        by ``parse`` (its errors name the variable), or ``fallback`` when the variable is unset or empty.
+
+        Raises:
+            ConfigError: the variable's value is one ``parse`` rejects (e.g.
+                ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon: expected seconds (a number)``).
+        """
+        raw = environ.get(self.env_fallback) if self.env_fallback else None
+        if raw is None or raw.strip() == "":
+            return self.fallback
+        return self.parse(raw, self.env_fallback)
 
 
 def parse_replicas(text: Any, label: str = "--checkpoint-replicas") -> int | str:
@@ -189,8 +210,9 @@ _ROWS = (
            "torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES), "MOD,...",
            V.parse_comma_list, argtype=comma_list, elaunch_only=True),
     Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
-           f"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
-           "seconds", argtype=float, torch="shutdown_timeout"),
+           f"${SHUTDOWN_TIMEOUT_ENV} or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
+           "seconds", argtype=float, torch="shutdown_timeout", env_fallback=SHUTDOWN_TIMEOUT_ENV,
+           fallback=DEFAULT_SHUTDOWN_TIMEOUT),
     Option("signals_to_handle", WORKERS, "Signals the agent catches and forwards to the workers before stopping "
            "them.", ",".join(DEFAULT_SIGNALS), "SIG,...", V.parse_signals, torch="signals_to_handle"),
     Option("forward_signals", WORKERS, "Signals the agent forwards to every worker's process group while it keeps "
@@ -270,9 +292,10 @@ class _Checked:
 
     ``training_script`` (None is rejected by ``build_config``) and its
     ``training_script_args``, then one attribute per row of :data:`OPTIONS`. A
-    value of None takes the row's typed default (:meth:`Option.value`; None for
-    ``shutdown_timeout``, ``forward_signals`` and ``master_port``, which
-    ``build_config`` resolves); so does ``""`` for a free-text option (``rdzv_id``,
+    value of None takes the row's typed default (:meth:`Option.value`; None for an
+    option resolved later: from its row's ``env_fallback`` or other options by
+    ``build_config`` (``shutdown_timeout``, ``master_port``), or by the ``LaunchConfig``
+    (``forward_signals``)); so does ``""`` for a free-text option (``rdzv_id``,
     ``role``, ``master_addr``, ``log_dir``, ...), as an empty ``PET_*`` variable
     counts as unset. Text forms are parsed by the row's parser (``nnodes="1:4"``
     gives ``(1, 4)``, ``rdzv_conf="a=1"`` a dict), typed values checked, so an

@@ -50,7 +50,7 @@ from typing import Any
 
 from elaunch.config import OPTIONS
 from elaunch.config import LaunchConfig as _RunConfig
-from elaunch.config.options import DEFAULT_SHUTDOWN_TIMEOUT, default_of
+from elaunch.config.options import default_of
 from elaunch.config.values import parse_int, parse_nnodes, parse_signals
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
@@ -152,8 +152,9 @@ class LaunchConfig:
                 from torch._utils_internal import get_default_numa_options
 
                 self.numa_options = get_default_numa_options()
-        if self.shutdown_timeout is None:
-            self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", f"{DEFAULT_SHUTDOWN_TIMEOUT:g}"))
+        if self.shutdown_timeout is None:  # the option's torch variable, read as torch does (an int)
+            row = OPTIONS["shutdown_timeout"]
+            self.shutdown_timeout = int(os.environ.get(row.env_fallback, f"{row.fallback:g}"))
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 
@@ -226,8 +227,6 @@ def _check(config: LaunchConfig) -> None:
 
 def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     """elaunch's own launch configuration for ``config`` running ``cmd``."""
-    from elaunch.config.build import signal_sets
-
     _check(config)
     specs = config.logs_specs
     if config.metrics_cfg:
@@ -235,7 +234,6 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     rdzv_configs = {k: v if isinstance(v, str) else str(v) for k, v in config.rdzv_configs.items()
                     if not (k == "timeout" and getattr(config, "_default_timeout", False)
                             and v == DEFAULT_RDZV_TIMEOUT)}
-    handle, forward = signal_sets(parse_signals(config.signals_to_handle, "signals_to_handle", allow_empty=True), None)
     numa = config.numa_options
     ranks_filter = getattr(specs, "_local_ranks_filter", None)
     return _RunConfig(
@@ -256,8 +254,7 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
         local_ranks_filter=frozenset(ranks_filter) if ranks_filter else None,
         local_addr=config.local_addr,
         shutdown_timeout=float(config.shutdown_timeout or 0),
-        signals_to_handle=handle,
-        forward_signals=forward,
+        signals_to_handle=parse_signals(config.signals_to_handle, "signals_to_handle", allow_empty=True),
         event_log_handler=config.event_log_handler,
         virtual_local_rank=config.virtual_local_rank,
         numa_binding=None if numa is None else str(getattr(getattr(numa, "affinity_mode", None), "value", numa)),

@@ -126,6 +126,15 @@ def test_signal_sets(script, handle, forward, expected):
     assert c.hang_timeout == 12.5
 
 
+def test_launch_config_resolves_its_own_signal_sets():
+    """Made directly (not through build_config), a LaunchConfig still keeps stops and notices apart."""
+    assert LaunchConfig().forward_signals == ("SIGUSR1", "SIGUSR2")
+    assert LaunchConfig(signals_to_handle=("SIGTERM", "SIGUSR1")).forward_signals == ("SIGUSR2",)
+    assert LaunchConfig(forward_signals=()).forward_signals == ()
+    with pytest.raises(ConfigError, match="--forward-signals=SIGINT: SIGINT is also in --signals-to-handle"):
+        LaunchConfig(forward_signals=("SIGINT",))
+
+
 def test_missing_script_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="missing the training script"):
         build_config(LaunchOptions(), {})
@@ -169,6 +178,16 @@ def test_shutdown_timeout_flag_env_default(script):
     assert cfg(script, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}, shutdown_timeout=2.5).shutdown_timeout == 2.5
     with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon"):
         cfg(script, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"})
+
+
+def test_an_option_row_reads_its_torch_fallback():
+    row = C.OPTIONS["shutdown_timeout"]
+    assert (row.env_fallback, row.default) == ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    assert row.from_environ({}) == row.from_environ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": " "}) == 30.0
+    assert row.from_environ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}) == 0.0
+    with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT=-1: must be >= 0 seconds"):
+        row.from_environ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "-1"})
+    assert C.OPTIONS["hang_timeout"].from_environ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) is None  # none of its own
 
 
 def test_log_line_prefix_template(script):
