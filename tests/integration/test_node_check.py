@@ -43,23 +43,30 @@ def _events(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
-def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path):
-    backend, ep = endpoint
-    (tmp_path / "w.py").write_text(WORKER)
-    conf = "last_call_timeout=1,join_timeout=60" + ("" if backend == "c10d" else ",read_timeout=20")
+def _two_agents(backend: str, ep: str, tmp_path: Path, script: tuple[str, ...], rdzv_id: str, conf: str,
+                extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """Start agents a and b with ``--node-check`` (logs in ``tmp_path/a`` and ``/b``); on c10d, a hosts the store."""
     agents = []
     try:
         for who in ("a", "b"):
-            agents.append(start_agent(backend, ep, str(tmp_path / "w.py"), str(tmp_path),
-                                      rdzv_id=f"nc-{tmp_path.name}", conf=conf,
-                                      extra=("--node-check", f"--log-dir={tmp_path / who}")))
+            agents.append(start_agent(backend, ep, *script, rdzv_id=rdzv_id, conf=conf,
+                                      extra=("--node-check", *extra, f"--log-dir={tmp_path / who}")))
             if backend == "c10d" and who == "a":
                 wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="A hosting the store")
     except BaseException:
         for a in agents:
             kill_tree(a.pid)
         raise
+    return agents
+
+
+@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+def test_two_agents_check_the_nodes_before_the_workers_start(endpoint, tmp_path):
+    backend, ep = endpoint
+    (tmp_path / "w.py").write_text(WORKER)
+    conf = "last_call_timeout=1,join_timeout=60" + ("" if backend == "c10d" else ",read_timeout=20")
+    agents = _two_agents(backend, ep, tmp_path, (str(tmp_path / "w.py"), str(tmp_path)), f"nc-{tmp_path.name}",
+                         conf)
     try:
         wait_for(lambda: len(list(tmp_path.glob("ran-*"))) == 2, 90, what="both workers running")
         table = status(f"--rdzv-backend={backend}", f"--rdzv-endpoint={ep}", f"--rdzv-id=nc-{tmp_path.name}")
@@ -106,19 +113,8 @@ def test_a_restart_of_the_same_nodes_is_not_checked_again(tmp_path):
               "dist.barrier()\n"
               "dist.destroy_process_group()\n")
     (tmp_path / "w.py").write_text(worker)
-    ep = f"127.0.0.1:{free_port()}"
-    agents = []
-    try:
-        for who in ("a", "b"):
-            agents.append(start_agent("c10d", ep, str(tmp_path / "w.py"), rdzv_id=f"nr-{tmp_path.name}",
-                                      conf="last_call_timeout=1,join_timeout=60",
-                                      extra=("--node-check", "--max-restarts=1", f"--log-dir={tmp_path / who}")))
-            if who == "a":
-                wait_for(lambda: port_open(int(ep.rsplit(":", 1)[1])), 60, what="A hosting the store")
-    except BaseException:
-        for a in agents:
-            kill_tree(a.pid)
-        raise
+    agents = _two_agents("c10d", f"127.0.0.1:{free_port()}", tmp_path, (str(tmp_path / "w.py"),),
+                         f"nr-{tmp_path.name}", "last_call_timeout=1,join_timeout=60", ("--max-restarts=1",))
     results = finish_agents(agents, timeout=180)
     assert [r[0] for r in results] == [0, 0], results
     for who in ("a", "b"):
