@@ -261,7 +261,7 @@ def _make_etcd_handlers(impl: str, endpoint: str, n: int, count: int, run_id: st
     local = threading.local()
     if impl == "elaunch":
         import elaunch.rendezvous.etcd.v3 as ev3
-        from elaunch.rendezvous.api import RendezvousParameters
+        from elaunch.rendezvous.contract import RendezvousParameters
         from elaunch.rendezvous.registry import create_handler
 
         real_init, real_make_client = ev3.EtcdV3KV.__init__, ev3.EtcdV3KV._make_client
@@ -372,7 +372,7 @@ def _make_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, ti
 
     if impl == "elaunch":
         import elaunch.rendezvous.c10d as c10d
-        from elaunch.rendezvous.api import RendezvousParameters
+        from elaunch.rendezvous.contract import RendezvousParameters
         from elaunch.rendezvous.registry import create_handler
 
         c10d.TCPStore = wrap(c10d.TCPStore)

@@ -23,7 +23,7 @@ from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
 from elaunch.procs.deferral import raise_or_defer
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     RendezvousConfigError,
     RendezvousError,
     RendezvousGracefulExitError,

@@ -10,7 +10,7 @@ signatures, return shapes and exceptions::
 Exceptions (torch's classes, or subclasses of them):
 
 * ``ValueError`` for bad configuration (``elaunch.config.errors.ConfigError`` and
-  ``elaunch.rendezvous.api.RendezvousConfigError`` are ValueErrors), e.g.
+  ``elaunch.rendezvous.contract.RendezvousConfigError`` are ValueErrors), e.g.
   ``--no-python`` with ``--module`` or ``--nproc-per-node=unknown``;
 * ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` (a
   subclass whose ``get_first_failure()`` is elaunch's root cause and whose
@@ -276,7 +276,7 @@ def run(args: Any) -> None:
             workers failed (after ``--max-restarts`` restarts).
         torch.distributed.elastic.multiprocessing.api.SignalException: a handled
             signal stopped the job; ``sigval`` is the ``signal.Signals`` received.
-        elaunch.rendezvous.api.RendezvousError: the rendezvous failed.
+        elaunch.rendezvous.contract.RendezvousError: the rendezvous failed.
     """
     from elaunch.agent import SignalException as ElaunchSignalException
     from elaunch.errors.as_torch import child_failed_error, signal_exception

@@ -7,7 +7,7 @@ Run from the repository root::
 Prints, each with its target and whether it is met:
 
 * the modules under ``elaunch/`` naming each of a few options (target: at most 4 each);
-* ``RendezvousHandler``'s public methods in ``elaunch/rendezvous/api.py`` (target: at most 10);
+* ``RendezvousHandler``'s public methods in ``elaunch/rendezvous/contract.py`` (target: at most 10);
 * functions over 60 lines and modules over 400 lines (target: none);
 * modules with the same file name (``__init__.py`` and ``__main__.py`` aside; target: none);
 * the package's total lines.
@@ -49,7 +49,7 @@ def _option_files(modules: dict[str, str]) -> None:
 
 
 def _handler_methods() -> None:
-    tree = ast.parse((PACKAGE / "rendezvous" / "api.py").read_text())
+    tree = ast.parse((PACKAGE / "rendezvous" / "contract.py").read_text())
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RendezvousHandler"), None)
     methods = [] if cls is None else [
         n.name for n in cls.body

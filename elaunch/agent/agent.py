@@ -32,7 +32,7 @@ from elaunch.agent.watchdogs import open_watchdogs
 from elaunch.agent.env import EnvOptions
 from elaunch.agent.group_start import GroupStarter
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     FailureRecord,
     RendezvousHandler,
     RendezvousInfo,

@@ -2,7 +2,7 @@
 
 :func:`collect_failures` reads what the failed workers left (error files, stderr
 tails). The rest are pure conversions: a local :class:`~elaunch.spec.ProcessFailure`
-becomes the :class:`~elaunch.rendezvous.api.FailureRecord` that every agent of the
+becomes the :class:`~elaunch.rendezvous.contract.FailureRecord` that every agent of the
 job reads, and a record published by another node becomes a ``ProcessFailure``
 marked ``remote`` for this node's failure summary. Stdlib only.
 """
@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 
-from elaunch.rendezvous.api import FailureRecord
+from elaunch.rendezvous.contract import FailureRecord
 from elaunch.spec import ProcessFailure, signal_name
 
 

@@ -18,7 +18,7 @@ from elaunch.agent.env import EnvOptions, worker_env
 from elaunch.agent.ranks import assign_ranks
 from elaunch.agent.watchdog import Watchdog
 from elaunch.procs import AttemptLogs, WorkerLauncher, WorkerProcesses, line_prefix
-from elaunch.rendezvous.api import RendezvousInfo
+from elaunch.rendezvous.contract import RendezvousInfo
 from elaunch.spec import Worker, WorkerGroup, WorkerSpec
 
 log = logging.getLogger("elaunch.agent")

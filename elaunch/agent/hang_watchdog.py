@@ -24,7 +24,7 @@ from elaunch.agent.decide import exit_grace, hang_suspects, hung_ranks, order_hu
 from elaunch.agent.published import publish, stacks_record
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.procs import _proctree
-from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError, RendezvousHandler
+from elaunch.rendezvous.contract import FailureRecord, JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import ProcessFailure
 
 log = logging.getLogger("elaunch.agent")

@@ -17,7 +17,7 @@ import time
 
 from elaunch.agent.decide import Step, Verdict, next_step, sits_out
 from elaunch.agent.failures import from_record, to_record
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     FailureRecord,
     JobState,
     RendezvousClosedError,

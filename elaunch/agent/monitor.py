@@ -31,7 +31,7 @@ from elaunch.agent.failures import describe_exits
 from elaunch.agent.job import JobView
 from elaunch.agent.watchdog import Alarm, Watchdog, Watched, send_signals
 from elaunch.procs import AttemptLogs, WorkerProcesses
-from elaunch.rendezvous.api import JobState, RendezvousError, RendezvousHandler
+from elaunch.rendezvous.contract import JobState, RendezvousError, RendezvousHandler
 from elaunch.spec import WorkerGroup
 
 log = logging.getLogger("elaunch.agent")

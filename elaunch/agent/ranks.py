@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.spec import Worker
 
 

@@ -17,7 +17,7 @@ from elaunch.agent.failures import collect_failures
 from elaunch.agent.job import local_record
 from elaunch.agent.watchdog import Alarm
 from elaunch.procs import AttemptLogs
-from elaunch.rendezvous.api import FailureRecord, RendezvousInfo
+from elaunch.rendezvous.contract import FailureRecord, RendezvousInfo
 from elaunch.spec import ProcessFailure, WorkerGroup
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from elaunch.rendezvous.api import JobState
+from elaunch.rendezvous.contract import JobState
 from elaunch.spec import ProcessFailure, WorkerGroup
 
 log = logging.getLogger("elaunch.agent")

@@ -20,7 +20,7 @@ from elaunch.agent.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from elaunch.config import LaunchConfig
-    from elaunch.rendezvous.api import RendezvousHandler
+    from elaunch.rendezvous.contract import RendezvousHandler
 
 
 def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "RendezvousHandler", events,

@@ -28,7 +28,7 @@ from elaunch.cli import params as P
 from elaunch.config import EXIT_USAGE, OPTIONS, ConfigError, LaunchConfig, LaunchOptions, build_config
 from elaunch.config.options import GROUPS, Option
 from elaunch.log import setup_logging
-from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.contract import RendezvousConfigError
 
 __all__ = ["main", "parse_config", "run_argv"]
 

@@ -24,7 +24,7 @@ from elaunch.config.launch_config import STANDALONE_ENDPOINT, LaunchConfig
 from elaunch.config.nproc import resolve_nproc
 from elaunch.config.options import DEFAULT_MASTER_PORT, OPTIONS, LaunchOptions, replicas_for
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
-from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.contract import RendezvousConfigError
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
 
 __all__ = ["build_config", "resolve"]

@@ -338,7 +338,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
 
     Raises:
         ValueError: a bad configuration (names the value), also from a rendezvous
-            backend (``elaunch.rendezvous.api.RendezvousConfigError``).
+            backend (``elaunch.rendezvous.contract.RendezvousConfigError``).
         TypeError: ``entrypoint`` is neither a function nor a str, or a program's
             argument is not a str.
         pickle.PicklingError, AttributeError: ``spawn``/``forkserver`` with a
@@ -349,7 +349,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
             ``format_msg()`` elaunch's failure summary.
         torch.distributed.elastic.multiprocessing.api.SignalException: a handled
             signal stopped the job (the workers were stopped first).
-        elaunch.rendezvous.api.RendezvousError: the rendezvous failed.
+        elaunch.rendezvous.contract.RendezvousError: the rendezvous failed.
     """
     from elaunch.agent import SignalException
     from elaunch.errors.as_torch import child_failed_error, signal_exception

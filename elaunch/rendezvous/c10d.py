@@ -30,7 +30,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from torch.distributed import FileStore, TCPStore  # noqa: E402
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousConfigError,
     RendezvousParameters,

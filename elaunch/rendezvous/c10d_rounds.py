@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.distributed import PrefixStore, TCPStore
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.c10d_store import _GRACE, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.handler import RoundStoreFactory, RoundStores

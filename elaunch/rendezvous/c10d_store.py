@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from elaunch.rendezvous.api import RendezvousConnectionError
+from elaunch.rendezvous.contract import RendezvousConnectionError
 
 #: The end of every store error message: where the store lives, and what to check.
 _WHERE_THE_STORE_IS = ("(the store lives in the agent whose address matches the endpoint: "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.contract import RendezvousConfigError
 
 __all__ = ["parse_endpoint", "parse_endpoints"]
 

@@ -1,6 +1,6 @@
 """The job channel: the job's facts beside the rendezvous (an elaunch addition; torch has none).
 
-A rendezvous handler forms rounds (``api.RendezvousHandler``, torch's contract).
+A rendezvous handler forms rounds (``contract.RendezvousHandler``, torch's contract).
 What one agent learns that the whole job must act on -- a failure and its root
 cause, the job's verdict, the acknowledgements of it, stack-dump requests, the
 running round's lost and new members, the per-node records ``elaunch status``

@@ -1,6 +1,6 @@
 """The job-wide records of the rendezvous contract: a published failure and the job's shared facts.
 
-Re-exported by ``elaunch.rendezvous.api`` (import them from there); kept in a
+Re-exported by ``elaunch.rendezvous.contract`` (import them from there); kept in a
 module of their own so the contract module holds the handler interface.
 Stdlib only.
 """

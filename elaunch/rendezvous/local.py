@@ -6,7 +6,7 @@ Stdlib only. Such a handler never has nodes waiting, counts rounds by calls to
 
 from __future__ import annotations
 
-from elaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
+from elaunch.rendezvous.contract import RendezvousClosedError, RendezvousHandler
 
 
 class LocalRendezvous(RendezvousHandler):

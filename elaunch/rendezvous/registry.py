@@ -16,7 +16,7 @@ import importlib
 import logging
 from typing import Any, Callable
 
-from elaunch.rendezvous.api import RendezvousConfigError, RendezvousHandler, RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousHandler, RendezvousParameters
 
 Factory = Callable[[RendezvousParameters], RendezvousHandler]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 
 from elaunch.rendezvous.local import LocalRendezvous
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousConnectionError,
     RendezvousInfo,

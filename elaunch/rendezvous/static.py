@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from elaunch.rendezvous.endpoint import parse_endpoint
 from elaunch.rendezvous.local import LocalRendezvous
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousConfigError,
     RendezvousInfo,

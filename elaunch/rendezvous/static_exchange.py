@@ -28,7 +28,7 @@ import selectors
 import socket
 import time
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousConfigError,
     RendezvousConnectionError,

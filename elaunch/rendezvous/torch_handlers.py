@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import api as tapi
 from torch.distributed.elastic.utils import store as store_util
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousClosedError,
     RendezvousConfigError,

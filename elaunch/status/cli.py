@@ -20,7 +20,7 @@ import click
 from elaunch.cli import PetOption
 from elaunch.cli import params as P
 from elaunch.config import EXIT_USAGE, ConfigError
-from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.contract import RendezvousConfigError
 
 #: Default seconds ``--stacks`` waits for the agents' answers (a dump takes up to ~20 s per node).
 STACKS_TIMEOUT = 30.0

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elaunch.rendezvous.api import RendezvousError, RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousError, RendezvousParameters
 from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 # the one import of the state reader (it may move with the executor: change this line only)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elaunch.rendezvous import registry
-from elaunch.rendezvous.api import RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousParameters
 from tests.etcd_server import EtcdCluster, etcd_binary, make_tls, start_cluster
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous import registry
-from elaunch.rendezvous.api import RendezvousClosedError, RendezvousConfigError, RendezvousConnectionError
+from elaunch.rendezvous.contract import RendezvousClosedError, RendezvousConfigError, RendezvousConnectionError
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import REPO, wait_for
 from tests.etcd.conftest import make_params
@@ -152,7 +152,7 @@ def test_missing_client_names_the_extra(tmp_path):
     blocker.write_text("raise ImportError('blocked for the test')\n")
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(1, %r)\n"
             "from elaunch.rendezvous import registry\n"
-            "from elaunch.rendezvous.api import RendezvousParameters, RendezvousConfigError\n"
+            "from elaunch.rendezvous.contract import RendezvousParameters, RendezvousConfigError\n"
             "try:\n"
             "    registry.create_handler(RendezvousParameters('etcd-v3', '127.0.0.1:1', 'j', 1, 1))\n"
             "except RendezvousConfigError as e:\n"

@@ -16,7 +16,7 @@ from torch.distributed import TCPStore  # noqa: E402
 
 from elaunch.rendezvous import registry  # noqa: E402
 from elaunch.rendezvous.c10d import C10dBackend  # noqa: E402
-from elaunch.rendezvous.api import NodeInfo, RendezvousTimeoutError  # noqa: E402
+from elaunch.rendezvous.contract import NodeInfo, RendezvousTimeoutError  # noqa: E402
 from elaunch.rendezvous.c10d_store import BoundedStore  # noqa: E402
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402

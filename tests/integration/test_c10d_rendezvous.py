@@ -18,7 +18,7 @@ import pytest
 torch_dist = pytest.importorskip("torch.distributed")
 
 from elaunch.rendezvous import registry  # noqa: E402
-from elaunch.rendezvous.api import (  # noqa: E402
+from elaunch.rendezvous.contract import (  # noqa: E402
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -187,7 +187,7 @@ def test_endpoint_port_zero_when_hosting(rdzv):
 AGENT = textwrap.dedent("""
     import json, sys
     from elaunch.rendezvous import registry
-    from elaunch.rendezvous.api import RendezvousParameters
+    from elaunch.rendezvous.contract import RendezvousParameters
     port = int(sys.argv[1])
     h = registry.create_handler(RendezvousParameters(
         "c10d", f"127.0.0.1:{port}", "procs", 2, 2, local_addr="127.0.0.1",
@@ -247,7 +247,7 @@ def test_a_stalled_store_host_is_a_connection_error_not_a_hang(tmp_path):
 
     from torch.distributed import FileStore, TCPStore
 
-    from elaunch.rendezvous.api import RendezvousConnectionError
+    from elaunch.rendezvous.contract import RendezvousConnectionError
     from elaunch.rendezvous.c10d_store import BoundedStore
 
     with _store_server() as (server, port):
@@ -274,7 +274,7 @@ def test_calls_behind_an_abandoned_one_fail_at_once_until_it_returns():
     # once it returns (the server wakes), calls go through again.
     from torch.distributed import PrefixStore, TCPStore
 
-    from elaunch.rendezvous.api import RendezvousConnectionError
+    from elaunch.rendezvous.contract import RendezvousConnectionError
     from elaunch.rendezvous.c10d_store import BoundedStore, StoreLine
 
     with _store_server() as (server, port):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous import registry
-from elaunch.rendezvous.api import RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousParameters
 
 BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
 CONF = {"poll_interval": "0.05", "join_timeout": "30", "read_timeout": "10", "last_call_timeout": "0.3"}

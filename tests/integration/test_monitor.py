@@ -20,7 +20,7 @@ from elaunch.agent.hang_watchdog import HangWatchdog
 from elaunch.agent.job import JobView
 from elaunch.agent.monitor import GroupMonitor
 from elaunch.procs import LogsSpec, RunLogDir, WorkerProcesses, spawn, start_reaper
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.standalone import StandaloneRendezvous
 from elaunch.spec import Worker, WorkerGroup, WorkerSpec
 from tests.conftest import SCRIPTS

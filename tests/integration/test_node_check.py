@@ -142,7 +142,7 @@ def test_a_check_that_fails_names_its_node_failed_and_leaves_no_child(tmp_path):
 
     from elaunch.agent.events import EventLog
     from elaunch.agent.node_check import NodeCheck
-    from elaunch.rendezvous.api import NodeInfo, RendezvousInfo
+    from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
     from elaunch.rendezvous.job_channel import InMemoryJobChannel
     from tests.helpers import free_port
 
@@ -175,7 +175,7 @@ def test_a_check_child_that_dies_names_its_node_failed(tmp_path):
     """The check child exits before it reports (here: it crashes at once): its node is ``failed``, only named."""
     from elaunch.agent.events import EventLog
     from elaunch.agent.node_check import NodeCheck
-    from elaunch.rendezvous.api import NodeInfo, RendezvousInfo
+    from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
     from elaunch.rendezvous.job_channel import InMemoryJobChannel
 
     crash = tmp_path / "crash.py"

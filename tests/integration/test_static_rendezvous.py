@@ -19,7 +19,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 
 from elaunch.procs.store_host import StoreHost  # noqa: E402
 from elaunch.rendezvous import registry  # noqa: E402
-from elaunch.rendezvous.api import RendezvousParameters  # noqa: E402
+from elaunch.rendezvous.contract import RendezvousParameters  # noqa: E402
 from tests.helpers import SCRIPTS, free_port, kill_tree, start  # noqa: E402
 
 #: The worker variables torchrun sets from its rank assignment.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.handler import RoundStores, RoundStoreFactory
 from elaunch.rendezvous.dynamic.state import JoinIntent

@@ -3,7 +3,7 @@
 import pytest
 
 from elaunch.agent import EnvOptions, Step, Verdict, assign_ranks, judge, next_step, worker_env
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.spec import Worker, WorkerGroup, WorkerSpec
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from elaunch.rendezvous.api import RendezvousConfigError
+from elaunch.rendezvous.contract import RendezvousConfigError
 from elaunch.rendezvous.endpoint import parse_endpoint, parse_endpoints
 
 # ---- the command line's form: brackets around IPv6, port 1-65535 ----

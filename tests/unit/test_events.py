@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from elaunch.agent.events import EventLog, came_and_left, event_echo, failure_fields
-from elaunch.rendezvous.api import FailureRecord
+from elaunch.rendezvous.contract import FailureRecord
 from elaunch.timeline.model import build, nice_ticks
 
 

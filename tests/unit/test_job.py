@@ -15,7 +15,7 @@ from elaunch.agent.decide import (EXIT_GRACE_MIN, Step, Verdict, exit_grace, han
                                   next_step, sits_out)
 from elaunch.agent.failures import from_record, to_record, with_root
 from elaunch.errors.summary import failure_text, format_failure_summary
-from elaunch.rendezvous.api import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
+from elaunch.rendezvous.contract import MAX_FAILURE_MESSAGE, FailureRecord, JobState, RendezvousStateError
 from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -677,7 +677,7 @@ def test_failure_text(failure, text):
 
 def test_a_long_hung_stack_keeps_its_hung_header_when_published():
     from elaunch.agent.failures import from_record
-    from elaunch.rendezvous.api import FailureRecord
+    from elaunch.rendezvous.contract import FailureRecord
     from elaunch.errors import format_failure_summary
 
     text = "HUNG: no progress for 3.0 s\nstacks (py-spy):\n" + "\n".join(f"  frame {i} (x.py:{i})" for i in range(400))

@@ -173,7 +173,7 @@ def test_parse_slow_factor_rejects(value, why):
 
 
 def test_status_shows_each_nodes_check_and_names_the_faulty():
-    from elaunch.rendezvous.api import NodeInfo
+    from elaunch.rendezvous.contract import NodeInfo
     from elaunch.rendezvous.dynamic.state import RendezvousState
     from elaunch.status import report
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError
+from elaunch.rendezvous.contract import NodeInfo, RendezvousClosedError
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step, decide_exit, decide_join
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler

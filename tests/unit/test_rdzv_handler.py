@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     FailureRecord,
     NodeInfo,
     RendezvousClosedError,

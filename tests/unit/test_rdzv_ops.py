@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.dynamic import liveness, merge, ops
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings

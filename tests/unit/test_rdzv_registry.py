@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from elaunch.rendezvous import registry
-from elaunch.rendezvous.api import NodeInfo, RendezvousClosedError, RendezvousConfigError, RendezvousParameters
+from elaunch.rendezvous.contract import NodeInfo, RendezvousClosedError, RendezvousConfigError, RendezvousParameters
 
 
 def params(backend, endpoint="", min_nodes=1, max_nodes=1, **conf):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousParameters
 from elaunch.rendezvous.dynamic.settings import DEFAULT_SETTLE_TIMEOUT, RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
@@ -52,7 +52,7 @@ def test_state_without_hard_deadline_still_decodes():
 
 def test_handler_completes_a_partial_world_after_the_settle_window():
     """1:2 nodes, one present: the round completes after the quiet window, not the 60 s last call."""
-    from elaunch.rendezvous.api import NodeInfo
+    from elaunch.rendezvous.contract import NodeInfo
     from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
     from tests.unit.fakes import FakeRoundStores, InMemoryBackend
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo, RendezvousConnectionError
+from elaunch.rendezvous.contract import NodeInfo, RendezvousConnectionError
 from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings

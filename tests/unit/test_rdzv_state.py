@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from elaunch.rendezvous.api import NodeInfo, RendezvousConfigError, RendezvousParameters, RendezvousStateError
+from elaunch.rendezvous.contract import NodeInfo, RendezvousConfigError, RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from elaunch.rendezvous import registry, static_exchange
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousConfigError,
     RendezvousConnectionError,

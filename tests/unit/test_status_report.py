@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elaunch.rendezvous.api import FailureRecord, NodeInfo
+from elaunch.rendezvous.contract import FailureRecord, NodeInfo
 from elaunch.rendezvous.dynamic import job_ops
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.status import report

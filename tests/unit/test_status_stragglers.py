@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from elaunch.status import report
 

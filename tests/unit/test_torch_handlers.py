@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous import api as tapi
 
-from elaunch.rendezvous import api
+from elaunch.rendezvous import contract
 from elaunch.rendezvous.torch_handlers import TorchHandlerAdapter, torch_parameters
 
 
@@ -38,16 +38,16 @@ class Raising(tapi.RendezvousHandler):
 
 
 def params(**conf):
-    return api.RendezvousParameters("x", "h:1", "job", 1, 2, config=conf, local_addr="me")
+    return contract.RendezvousParameters("x", "h:1", "job", 1, 2, config=conf, local_addr="me")
 
 
 @pytest.mark.parametrize("theirs, ours", [
-    (tapi.RendezvousClosedError(), api.RendezvousClosedError),
-    (tapi.RendezvousTimeoutError("late"), api.RendezvousTimeoutError),
-    (tapi.RendezvousConnectionError("gone"), api.RendezvousConnectionError),
-    (tapi.RendezvousStateError("bad"), api.RendezvousStateError),
-    (tapi.RendezvousGracefulExitError(), api.RendezvousGracefulExitError),
-    (tapi.RendezvousError("other"), api.RendezvousError),
+    (tapi.RendezvousClosedError(), contract.RendezvousClosedError),
+    (tapi.RendezvousTimeoutError("late"), contract.RendezvousTimeoutError),
+    (tapi.RendezvousConnectionError("gone"), contract.RendezvousConnectionError),
+    (tapi.RendezvousStateError("bad"), contract.RendezvousStateError),
+    (tapi.RendezvousGracefulExitError(), contract.RendezvousGracefulExitError),
+    (tapi.RendezvousError("other"), contract.RendezvousError),
 ])
 def test_torch_errors_become_elaunch_errors_chained(theirs, ours):
     adapter = TorchHandlerAdapter(Raising(theirs), params())

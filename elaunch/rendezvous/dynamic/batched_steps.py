@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, NoReturn
 
-from elaunch.rendezvous.api import RendezvousTimeoutError
+from elaunch.rendezvous.contract import RendezvousTimeoutError
 from elaunch.rendezvous.dynamic import merge, ops
 from elaunch.rendezvous.dynamic.batching import Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext

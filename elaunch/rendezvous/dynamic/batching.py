@@ -42,7 +42,7 @@ import enum
 import time
 from typing import Callable
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.dynamic import merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.ops import Action, OpContext

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from elaunch.rendezvous.api import FailureRecord, JobState, RendezvousError
+from elaunch.rendezvous.contract import FailureRecord, JobState, RendezvousError
 from elaunch.rendezvous.dynamic import job_ops, liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor

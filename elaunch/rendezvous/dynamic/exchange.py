@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Callable
 
-from elaunch.rendezvous.api import RendezvousError
+from elaunch.rendezvous.contract import RendezvousError
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NoReturn, Union
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousClosedError,
     RendezvousGracefulExitError,

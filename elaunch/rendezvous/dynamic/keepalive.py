@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from elaunch.rendezvous.api import RendezvousError
+from elaunch.rendezvous.contract import RendezvousError
 from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings

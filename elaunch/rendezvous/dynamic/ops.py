@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from elaunch.rendezvous.api import NodeInfo
+from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.dynamic.liveness import dead_nodes
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import NodeRow, RendezvousState

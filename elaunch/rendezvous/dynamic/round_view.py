@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from elaunch.rendezvous.api import RendezvousInfo
+from elaunch.rendezvous.contract import RendezvousInfo
 from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.reading import read_watched

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elaunch.rendezvous.api import RendezvousConfigError, RendezvousParameters
+from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousParameters
 
 #: Seconds without a new node after which a round with ``min_nodes`` completes.
 DEFAULT_SETTLE_TIMEOUT = 1.0

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
 
-from elaunch.rendezvous.api import RendezvousError
+from elaunch.rendezvous.contract import RendezvousError
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 
 #: A request slower than ``lost_after`` divided by this is a stall (0.75 s of the default 3 s).

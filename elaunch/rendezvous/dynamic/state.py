@@ -3,7 +3,7 @@
 Mirrors ``torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState``,
 with two deliberate changes: the state travels as JSON (torch pickles it, so any
 process that can write the store can run code in every agent), and it carries
-each node's :class:`~elaunch.rendezvous.api.NodeInfo` so ranks can be assigned
+each node's :class:`~elaunch.rendezvous.contract.NodeInfo` so ranks can be assigned
 without extra store round trips. Stdlib only.
 """
 
@@ -13,7 +13,7 @@ import json
 from itertools import repeat
 from dataclasses import dataclass, field
 
-from elaunch.rendezvous.api import NodeInfo, RendezvousStateError
+from elaunch.rendezvous.contract import NodeInfo, RendezvousStateError
 
 #: Version of the JSON layout; a state written by another version is refused (an agent of
 #: another elaunch version then fails with RendezvousStateError naming both versions).

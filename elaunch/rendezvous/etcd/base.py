@@ -14,7 +14,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from elaunch.rendezvous.api import NodeInfo, RendezvousConnectionError, RendezvousParameters
+from elaunch.rendezvous.contract import NodeInfo, RendezvousConnectionError, RendezvousParameters
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler, RoundStoreFactory, RoundStores
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elaunch.rendezvous.api import (
+from elaunch.rendezvous.contract import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousError,

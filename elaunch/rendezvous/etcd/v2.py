@@ -23,7 +23,7 @@ from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any
 
-from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
+from elaunch.rendezvous.contract import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.etcd.common import (

@@ -27,7 +27,7 @@ import math
 from dataclasses import replace
 from collections.abc import Callable
 
-from elaunch.rendezvous.api import RendezvousParameters, RendezvousStateError
+from elaunch.rendezvous.contract import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import beat_timeout
