@@ -155,10 +155,6 @@ class C10dBackend(RendezvousBackend):
     # before n first appears in the state, so a reader's multi_get never waits.
 
     @property
-    def supports_heartbeat_keys(self) -> bool:
-        return True
-
-    @property
     def cheap_heartbeats(self) -> bool:
         return True
 

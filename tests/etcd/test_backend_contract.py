@@ -178,7 +178,6 @@ def test_node_keys_sit_beside_the_state_and_are_overwritten_in_place(backend):
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd-v2"], indirect=True)  # etcd-v3: beats count with a lease
 def test_heartbeat_keys_are_each_nodes_own_and_leave_the_state_alone(backend):
-    assert backend.supports_heartbeat_keys
     backend.set_state(b"state", None)
     _, token = backend.get_state()
     nodes = [f"n{i}" for i in range(6)]

@@ -1,10 +1,9 @@
 """Small, real fakes for unit tests (no torch, no network).
 
 ``InMemoryBackend`` is a complete compare-and-set backend for the dynamic
-rendezvous, shared between handler objects in threads of one process.
-``FakeRoundStores`` hands out a made-up workers' store per round.
-``KeyedHeartbeatBackend`` adds per-node heartbeat keys, and ``IntentBackend``
-c10d's intent log and round notices (batched joins and exits); with a
+rendezvous, with per-node heartbeat keys, shared between handler objects in
+threads of one process. ``FakeRoundStores`` hands out a made-up workers' store
+per round. ``IntentBackend`` adds c10d's intent log and round notices (batched joins and exits); with a
 ``SimClock`` its waits run scripted hooks and advance simulated time, so one
 node's batched paths run as a table, in one thread.
 """
@@ -20,7 +19,7 @@ from elaunch.rendezvous.dynamic.state import JoinIntent
 
 
 class InMemoryBackend(RendezvousBackend):
-    """A state blob behind a lock; the token is a version number (0: nothing stored)."""
+    """A state blob behind a lock, the token a version number (0: nothing stored); heartbeats in ``beats``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -28,6 +27,7 @@ class InMemoryBackend(RendezvousBackend):
         self._version = 0
         self.writes = 0
         self.node_keys: dict[tuple[str, str], bytes] = {}
+        self.beats: dict[str, float] = {}
 
     @property
     def name(self) -> str:
@@ -58,6 +58,18 @@ class InMemoryBackend(RendezvousBackend):
             self._data = state
             self._version += 1
 
+    def put_heartbeat(self, node_id: str, at: float) -> None:
+        with self._lock:
+            self.beats[node_id] = at
+
+    def get_heartbeats(self, nodes):
+        with self._lock:
+            return {n: self.beats[n] for n in nodes if n in self.beats}
+
+    def get_state_and_heartbeats(self, nodes):
+        with self._lock:
+            return self._data, self._version, {n: self.beats[n] for n in nodes if n in self.beats}
+
 
 class FakeRoundStores(RoundStoreFactory):
     """Round r's workers' store is ``fake-master:(20000 + r)``; the agent store is a dict."""
@@ -74,30 +86,6 @@ class FakeRoundStores(RoundStoreFactory):
         self.closed = True
 
 
-class KeyedHeartbeatBackend(InMemoryBackend):
-    """``InMemoryBackend`` whose heartbeats live in per-node keys (``supports_heartbeat_keys``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.beats: dict[str, float] = {}
-
-    @property
-    def supports_heartbeat_keys(self) -> bool:
-        return True
-
-    def put_heartbeat(self, node_id: str, at: float) -> None:
-        with self._lock:
-            self.beats[node_id] = at
-
-    def get_heartbeats(self, nodes):
-        with self._lock:
-            return {n: self.beats[n] for n in nodes if n in self.beats}
-
-    def get_state_and_heartbeats(self, nodes):
-        with self._lock:
-            return self._data, self._version, {n: self.beats[n] for n in nodes if n in self.beats}
-
-
 class SimClock:
     """Simulated seconds since the epoch for single-threaded tables: sleeping advances it."""
 
@@ -111,8 +99,8 @@ class SimClock:
         self.now += max(0.0, seconds)
 
 
-class IntentBackend(KeyedHeartbeatBackend):
-    """``KeyedHeartbeatBackend`` with c10d's intent log, tickets and round notices (``supports_intents``).
+class IntentBackend(InMemoryBackend):
+    """``InMemoryBackend`` with c10d's intent log, tickets and round notices (``supports_intents``).
 
     As in ``C10dBackend``: round r's log grows by one line per post; each post takes
     a ticket (ticket 1 is the round's combiner) and a notice takes one too (it wakes

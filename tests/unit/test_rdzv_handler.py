@@ -21,7 +21,7 @@ from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import wait_for
-from tests.unit.fakes import FakeRoundStores, InMemoryBackend, KeyedHeartbeatBackend
+from tests.unit.fakes import FakeRoundStores, InMemoryBackend
 
 
 def settings(min_nodes, max_nodes, **kw) -> RendezvousSettings:
@@ -105,14 +105,18 @@ def test_late_joiner_waits_and_next_round_includes_it(world_factory):
     assert third.rank == 2
 
 
-def test_node_that_stops_heart_beating_is_pruned(world_factory):
-    w = world_factory(2, 2, keep_alive_interval=0.1, keep_alive_max_attempt=2)
+def test_a_member_that_stops_heart_beating_is_pruned_by_the_next_join(world_factory):
+    w = world_factory(1, 2, last_call_timeout=0.3, keep_alive_interval=0.1, keep_alive_max_attempt=2)
     a, b = w.handler("a"), w.handler("b")
-    list(w.join(a, b))
-    b._stop_heartbeats()  # b "dies": a's keep-alive thread prunes it
-    wait_for(lambda: b.node_id not in w.state().participants, 5, what="dead node pruned")
+    assert {i.world_size for i in w.join(a, b)} == {2}
+    b._stop_heartbeats()  # b "dies": its heartbeat key stops moving; a's monitor sees it lost
+    wait_for(lambda: a.job_channel().num_nodes_lost() == 1, 5, what="b seen as lost")
+    assert b.node_id in w.state().participants  # a keep-alive prunes nobody (torch: the join does)
+    info = a.next_rendezvous()
     state = w.state()
-    assert a.node_id in state.participants and b.node_id not in state.node_infos
+    assert (info.round, info.world_size) == (1, 1)
+    assert b.node_id not in state.participants and b.node_id not in state.node_infos
+    assert b.node_id not in state.last_heartbeats
 
 
 def test_dead_waiter_is_not_counted_and_gets_pruned(world_factory):
@@ -123,7 +127,10 @@ def test_dead_waiter_is_not_counted_and_gets_pruned(world_factory):
     ghost = OpContext("ghost", NodeInfo("ghost"), w.settings, deadline=1e12)
     w.backend.put(ops.apply(Action.ADD_TO_WAIT_LIST, w.state(), ghost, now=1.0).to_bytes())
     assert a.num_nodes_waiting() == 0 or wait_for(lambda: a.num_nodes_waiting() == 0, 2, what="cache expiry")
-    wait_for(lambda: "ghost" not in w.state().wait_list, 5, what="ghost pruned by keep-alive")
+    assert "ghost" in w.state().wait_list  # a keep-alive prunes nobody: the next join does
+    assert a.next_rendezvous().round == 1
+    state = w.state()
+    assert "ghost" not in state.wait_list and "ghost" not in state.node_infos
 
 
 def test_closed_rendezvous_rejects_later_joiners(world_factory):
@@ -202,7 +209,7 @@ def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
 
 def test_heartbeats_in_keys_keep_members_alive_though_the_stored_state_is_old():
     s = settings(2, 3, last_call_timeout=0.1, keep_alive_interval=0.1, keep_alive_max_attempt=2)  # dead after 0.2 s
-    backend = KeyedHeartbeatBackend()
+    backend = InMemoryBackend()
     hs = [DynamicRendezvousHandler(NodeInfo(f"n{i}", "trainer", 1), s, backend, FakeRoundStores()) for i in range(3)]
     a, b, c = hs
     pool = ThreadPoolExecutor(max_workers=3)

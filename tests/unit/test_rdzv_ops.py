@@ -75,18 +75,12 @@ OTHER_CASES = [
     ("close: open", ops.decide_close, mk(), ctx(), Action.MARK_CLOSED),
     ("close: already closed", ops.decide_close, mk(closed=True), ctx(), Action.FINISH),
     ("close: timed out", ops.decide_close, mk(), ctx(deadline=NOW - 1), Action.ERROR_TIMEOUT),
-    ("keep-alive: fresh", ops.decide_keep_alive, mk({ME: 0}, complete=True), ctx(), Action.FINISH),
-    ("keep-alive: stale", ops.decide_keep_alive, mk({ME: 0}, complete=True, hb={ME: NOW - 3}), ctx(), Action.KEEP_ALIVE),
-    ("keep-alive: pruned node stops", ops.decide_keep_alive, mk({"n0": 0}, complete=True), ctx(), Action.FINISH),
-    ("keep-alive: prunes the dead", ops.decide_keep_alive, mk({ME: 0, "n0": 1}, complete=True, hb={"n0": NOW - 20}),
-     ctx(), Action.REMOVE_DEAD_NODES),
-    ("keep-alive: timed out", ops.decide_keep_alive, mk({ME: 0}, hb={ME: NOW - 3}), ctx(deadline=NOW - 1),
-     Action.ERROR_TIMEOUT),
+
 ]
 
 
 @pytest.mark.parametrize("name,decide,state,context,expected", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
-def test_decide_exit_close_keep_alive(name, decide, state, context, expected):
+def test_decide_exit_and_close(name, decide, state, context, expected):
     assert decide(state, context, NOW) is expected
 
 
@@ -170,8 +164,10 @@ def test_dropping_below_min_cancels_last_call():
 
 def test_close_and_keep_alive():
     assert ops.apply(Action.MARK_CLOSED, mk(), ctx(), NOW).closed
-    s = ops.apply(Action.KEEP_ALIVE, mk([ME], hb={ME: NOW - 6}), ctx(), NOW)
-    assert s.last_heartbeats[ME] == NOW
+    # a heartbeat is a write of the node's own key (the executor's), never of the state
+    assert Action.KEEP_ALIVE not in ops.WRITE_ACTIONS
+    with pytest.raises(ValueError, match="KEEP_ALIVE"):
+        ops.apply(Action.KEEP_ALIVE, mk([ME], hb={ME: NOW - 6}), ctx(), NOW)
 
 
 def test_apply_does_not_mutate_its_input():
@@ -380,8 +376,7 @@ def test_keep_alive_answers_a_probe_at_once():
     s.probe_at = NOW - 0.1
     s.last_heartbeats[ME] = NOW - 1  # fresh by the interval rule, older than the probe
     assert liveness.should_answer_probe(s, ME)
-    assert ops.decide_keep_alive(s, ctx(settings=PROBING), NOW) is Action.KEEP_ALIVE
-    after = ops.apply(Action.KEEP_ALIVE, s, ctx(settings=PROBING), NOW)
+    after = merge.fold_heartbeats(s, {ME: NOW})  # the beat, in our key, as the next read sees it
     assert not liveness.should_answer_probe(after, ME)
 
 
@@ -531,7 +526,7 @@ def test_a_member_of_a_round_that_ran_is_dead_after_lost_after_once_the_next_rou
 
 
 class _CountingKeys:
-    """Wraps a ``KeyedHeartbeatBackend`` and records which heartbeat keys each read asked for."""
+    """Wraps an ``InMemoryBackend`` and records which heartbeat keys each read asked for."""
 
     def __init__(self, backend) -> None:
         self.backend, self.asked = backend, []
@@ -560,11 +555,11 @@ class _CountingKeys:
 def test_the_monitor_reads_its_neighbours_keys_and_only_the_waiting_nodes_besides(desc, wait_list, stored,
                                                                                   second_read):
     from elaunch.rendezvous.dynamic.reading import read_watched
-    from tests.unit.fakes import KeyedHeartbeatBackend
+    from tests.unit.fakes import InMemoryBackend
 
     members = frozenset("abcdefgh")
     beats = dict.fromkeys(members, 40.0) | stored  # stored in the state when the round formed
-    keys = KeyedHeartbeatBackend()
+    keys = InMemoryBackend()
     keys.put(RendezvousState(round=2, complete=True, participants={n: i for i, n in enumerate(sorted(members))},
                              wait_list=wait_list, last_heartbeats=beats).to_bytes())
     for n in sorted(members | wait_list):

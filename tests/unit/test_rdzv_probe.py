@@ -7,6 +7,7 @@ about ``probe_delay + probe_timeout`` seconds instead.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from elaunch.rendezvous.contract import NodeInfo
@@ -40,23 +41,36 @@ def test_dead_participant_is_pruned_after_the_probe_not_after_15_s():
         b._stop_heartbeats()
 
 
+def _monitor(handler: DynamicRendezvousHandler, stop: threading.Event) -> None:
+    """The agent's monitor loop: it reads the state (here every 0.05 s) and so sees probes."""
+    while not stop.wait(0.05):
+        handler.num_nodes_waiting()
+
+
 def test_live_participant_answers_probes_and_stays():
     backend = InMemoryBackend()
     a = DynamicRendezvousHandler(NodeInfo("a"), SETTINGS, backend, FakeRoundStores())
     b = DynamicRendezvousHandler(NodeInfo("b"), SETTINGS, backend, FakeRoundStores())
-    pool = ThreadPoolExecutor(1)
+    pool = ThreadPoolExecutor(2)
+    stop = threading.Event()
     try:
         assert a.next_rendezvous().world_size == 1  # a keeps running (its heartbeat thread is live)
+        # a beats every 5 s (not cheap_heartbeats, as on etcd): only its monitor's read of a
+        # probe makes it beat in time
+        monitoring = pool.submit(_monitor, a, stop)
         joining = pool.submit(b.next_rendezvous)  # b waits for the next round and probes
         first = wait_for(lambda: _state(backend).probe_at, 5, what="a probe")
         wait_for(lambda: (_state(backend).probe_at or 0) > first, 5, what="a second probe, after the first expired")
         s = _state(backend)
         assert a.node_id in s.participants and s.complete and s.round == 0  # answered: not pruned
-        assert s.last_heartbeats[a.node_id] >= first
+        assert backend.beats[a.node_id] >= first  # in a's own key; the state is not rewritten
         assert a.num_nodes_waiting() == 1
         a.set_closed()  # end b's wait
         joining.exception(10)
+        stop.set()
+        monitoring.result(10)
     finally:
+        stop.set()
         a._stop_heartbeats()
         b._stop_heartbeats()
         pool.shutdown(wait=True, cancel_futures=True)

@@ -15,7 +15,7 @@ from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, beat_timeout, slow_after
 from elaunch.rendezvous.dynamic.state import RendezvousState
 from tests.conftest import wait_for
-from tests.unit.fakes import FakeRoundStores, KeyedHeartbeatBackend
+from tests.unit.fakes import FakeRoundStores, InMemoryBackend
 
 S = RendezvousSettings("job", 1, 4, lost_after=3.0)
 PAIR = frozenset({"a", "b"})
@@ -58,7 +58,7 @@ def test_the_rule_scales_with_lost_after():
     assert beat_timeout(torch_rule) == torch_rule.heartbeat_timeout == 5.0
 
 
-class HeldBeats(KeyedHeartbeatBackend):
+class HeldBeats(InMemoryBackend):
     """Heartbeat writes of held nodes wait until released: the store does not answer them meanwhile."""
 
     def __init__(self) -> None:

@@ -86,18 +86,7 @@ class RendezvousBackend(abc.ABC):
         """
         return False
 
-    # -- optional: heartbeats in per-node keys (c10d has them) ------------------------
-
-    @property
-    def supports_heartbeat_keys(self) -> bool:
-        """True when each node's heartbeat lives in its own key (cheap, uncontended writes).
-
-        The state's ``last_heartbeats`` then only holds each node's heartbeat as of
-        the last state write; readers take the newer of the two. A node writes its
-        key before it first appears in the state, so every node a reader knows of
-        has one.
-        """
-        return False
+    # -- heartbeats: each node's own key beside the state (every backend) --------------
 
     @property
     def cheap_heartbeats(self) -> bool:
@@ -108,14 +97,20 @@ class RendezvousBackend(abc.ABC):
         """
         return False
 
+    @abc.abstractmethod
     def put_heartbeat(self, node_id: str, at: float) -> None:
-        """Record that ``node_id`` was alive at ``at`` (seconds since the epoch).
+        """Write ``at`` (seconds since the epoch) into ``node_id``'s own heartbeat key.
+
+        Heartbeats live in per-node keys, never in the shared state: a beat is an
+        uncontended write (torch's keep-alive instead rewrites the state with
+        compare-and-set). The state's ``last_heartbeats`` holds each node's beat
+        as of the state's last write; readers take the newer of the two
+        (``reading.py``). A node writes its key before it first appears in the
+        state, so every node a reader knows of has one.
 
         Raises:
-            NotImplementedError: no heartbeat keys (``supports_heartbeat_keys``).
             RendezvousConnectionError: the backend cannot be reached.
         """
-        raise NotImplementedError(f"{self.name}: no heartbeat keys")
 
     def beat(self, node_id: str, at: float) -> None:
         """:meth:`put_heartbeat` from the node's keep-alive thread (``keepalive.KeepAlive``).
@@ -130,23 +125,23 @@ class RendezvousBackend(abc.ABC):
         """
         self.put_heartbeat(node_id, at)
 
+    @abc.abstractmethod
     def get_heartbeats(self, nodes: Sequence[str]) -> dict[str, float]:
-        """Return the heartbeat keys of ``nodes`` (nodes that appeared in a state have one).
+        """Return the heartbeat keys of ``nodes`` (seconds since the epoch); a node without one is left out.
+
+        A backend may return more nodes' keys than asked (etcd-v3 reads them all).
 
         Raises:
-            NotImplementedError: no heartbeat keys.
             RendezvousConnectionError: the backend cannot be reached.
         """
-        raise NotImplementedError(f"{self.name}: no heartbeat keys")
 
+    @abc.abstractmethod
     def get_state_and_heartbeats(self, nodes: Sequence[str]) -> tuple[bytes | None, Token, dict[str, float]]:
-        """Return ``get_state()`` plus the heartbeat keys of ``nodes`` (nodes known to have one), in one round trip.
+        """Return ``get_state()`` plus the heartbeat keys of ``nodes`` (as :meth:`get_heartbeats`), in one round trip.
 
         Raises:
-            NotImplementedError: no heartbeat keys.
             RendezvousConnectionError: the backend cannot be reached.
         """
-        raise NotImplementedError(f"{self.name}: no heartbeat keys")
 
     # -- small per-node documents for `elaunch status` (not the state; every backend) -------
 
@@ -190,10 +185,7 @@ class RendezvousBackend(abc.ABC):
 
     @property
     def supports_intents(self) -> bool:
-        """True when the intent-log methods below work (else they raise NotImplementedError).
-
-        A backend with an intent log must also have heartbeat keys.
-        """
+        """True when the intent-log methods below work (else they raise NotImplementedError)."""
         return False
 
     def post_intent(self, round: int, intent: bytes) -> bool:

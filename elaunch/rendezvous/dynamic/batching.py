@@ -20,10 +20,9 @@ round trips and the round O(N^2). With a backend that keeps an intent log
    state did not change.
 
 Participants of a forming round keep alive without a contended write, in their
-heartbeat keys (``supports_heartbeat_keys``; every backend with an intent log
-has them); an intent's time also counts as a heartbeat of its node
-(``merge.fold_intents``). The state machine (``ops.decide_join``)
-is unchanged: batching only changes who writes the additions, and when.
+heartbeat keys (``RendezvousBackend.put_heartbeat``); an intent's time also
+counts as a heartbeat of its node (``merge.fold_intents``). The state machine
+(``ops.decide_join``) is unchanged: batching only changes who writes the additions, and when.
 
 Restarts use the same log: a participant leaving a complete round posts its
 intent for the next round, and that round's combiner removes every poster in one

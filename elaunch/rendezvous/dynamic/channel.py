@@ -242,9 +242,8 @@ class DynamicJobChannel(JobChannel):
             RendezvousConnectionError: the backend is unreachable.
         """
         self._stop_heartbeats()
-        me, backend = self.node_id, self._backend
-        if backend.supports_heartbeat_keys:
-            backend.put_heartbeat(me, self._clock())  # the key exists before we appear in the state
+        me = self.node_id
+        self._backend.put_heartbeat(me, self._clock())  # the key exists before we appear in the state
         self._update_job(lambda s: job_ops.sit_out(s, me, self._clock(), self._settings))
         self._start_heartbeats()
         log.info("node %s sits out of rendezvous %r, watching the job", me, self._settings.run_id)

@@ -90,12 +90,11 @@ class OpExecutor:
         self._state = RendezvousState()
         self._token: Token | None = None
         self._reporter = WaitReporter(settings, node_id)
-        # chosen once: joins and exits batch where the backend keeps an intent log, and
-        # heartbeats go to the node's own key where it has one (no contended write)
+        # chosen once: joins and exits batch where the backend keeps an intent log
         self._batched = backend.supports_intents
         steps: dict[Action | Step, _Step] = {action: partial(self._apply, action) for action in ops.WRITE_ACTIONS}
         steps.update({
-            Action.KEEP_ALIVE: self._beat_key if backend.supports_heartbeat_keys else steps[Action.KEEP_ALIVE],
+            Action.KEEP_ALIVE: self._beat_key,
             Action.SYNC: self._poll,
             Action.ERROR_CLOSED: self._closed,
             Action.ERROR_GRACEFUL_EXIT: self._graceful_exit,
@@ -195,9 +194,8 @@ class OpExecutor:
         decide = ops.decide_join if batch is None else partial(batching.decide_join, batch=batch)
         call = self._call(decide, timeout, timeout_name, previous_rank, batch)
         call.progress = self._reporter
-        if self._backend.supports_heartbeat_keys:
-            # our heartbeat key exists before we first appear in the state (readers rely on it)
-            self._backend.put_heartbeat(self._node_id, self._clock())
+        # our heartbeat key exists before we first appear in the state (readers rely on it)
+        self._backend.put_heartbeat(self._node_id, self._clock())
         # the exit's combiner reads the log (who left with us, who is alive) before it
         # writes; the others wait for it first, on the state they left
         return self._run(call, fresh or (leaving is not None and leaving.combiner))
@@ -206,8 +204,8 @@ class OpExecutor:
             fresh: bool = True) -> RendezvousState:
         """Run an operation with plain writes until ``decide`` returns FINISH.
 
-        For ``ops.decide_close`` and ``ops.decide_keep_alive``; joins and exits
-        go through :meth:`join` and :meth:`exit`, which batch where they can.
+        For ``ops.decide_close``; joins and exits go through :meth:`join` and
+        :meth:`exit`, which batch where they can.
         Arguments, result and errors as :meth:`join`'s (``decide``: an ``ops.decide_*``).
         """
         return self._run(self._call(decide, timeout, timeout_name, previous_rank), fresh)
@@ -347,12 +345,12 @@ class OpExecutor:
         None (nothing came back: read again). Announces a round that this write
         completed or closed.
         """
-        settings, me = self._settings, self._node_id
+        me = self._node_id
         result = self._backend.set_state(new_state.to_bytes(), self._token)
         if result is None:
             return None
         data, self._token, written = result
-        # the stored state's heartbeats can be old where they live in keys: keep what we read
+        # the stored state's heartbeats can be old (they live in keys): keep what we read
         self._state = merge.fold_heartbeats(RendezvousState.from_bytes(data), new_state.last_heartbeats)
         if written and ((new_state.complete and not state.complete) or (new_state.closed and not state.closed)):
             self._backend.notify_round(new_state.round)
@@ -365,8 +363,6 @@ class OpExecutor:
         log.debug("node %s: %s %s (round %d)", me, what.value, "written" if written else "lost the race",
                   self._state.round)
         if not written:
-            # someone else wrote first: re-decide; a heartbeat is not urgent, so it backs off
-            # further (spreading a crowd of heartbeats instead of retrying them in lockstep)
-            lull = settings.keep_alive_interval / 20 if what is Action.KEEP_ALIVE else 0.01
-            self._sleep(random.uniform(0.0, lull))
+            # someone else wrote first: re-decide, after a short random lull
+            self._sleep(random.uniform(0.0, 0.01))
         return written

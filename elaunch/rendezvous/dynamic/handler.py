@@ -117,8 +117,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         stalls = StoreStalls(clock, slow_after(settings))  # when the store last stalled for this node
         self._view = RoundView(self._node_id, settings, backend, clock, stalls)
         self._view.on_read = self._answer_probe
-        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, self._view.read,
-                                     self._beat_through_state, stalls)
+        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, stalls)
         self._stop_watch: Callable[[], None] | None = None
         self._channel = DynamicJobChannel(self._view, self._executor, self._lock, settings, backend,
                                           (self._start_heartbeats, self._stop_heartbeats), clock, sleep, tolerate)
@@ -362,10 +361,3 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._stop_watch()
             self._stop_watch = None
         self._keep_alive.stop()
-
-    def _beat_through_state(self, stop: threading.Event) -> None:
-        """One heartbeat written into the shared state (a backend without per-node heartbeat keys)."""
-        with self._lock:
-            if stop.is_set():
-                return
-            self._executor.run(ops.decide_keep_alive, self._settings.heartbeat_timeout, "heartbeat_timeout")

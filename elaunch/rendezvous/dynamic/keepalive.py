@@ -1,25 +1,21 @@
 """The keep-alive thread of a dynamic rendezvous' running member (``DynamicRendezvousHandler``).
 
 Mirrors the keep-alive of torch's ``DynamicRendezvousHandler`` (``_keep_alive``
-on a timer), with a thread that beats into the node's own heartbeat key where the
-backend has one (c10d, etcd-v2, etcd-v3) and can be woken to answer a probe at
+on a timer), with a thread that beats into the node's own heartbeat key (every
+backend has them: c10d, etcd-v2, etcd-v3) and can be woken to answer a probe at
 once. Stdlib only.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
-import time
 from typing import Callable
 
 from elaunch.rendezvous.contract import RendezvousError
-from elaunch.rendezvous.dynamic import liveness
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls
-from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 
@@ -31,26 +27,19 @@ class KeepAlive:
         node_id: the node whose heartbeat this is.
         settings: ``heartbeat_interval`` (seconds between beats), ``probe_timeout``
             (a probe is answered within a quarter of it), ``heartbeat_timeout``.
-        backend: writes the node's heartbeat key (``beat``) where it has one.
+        backend: writes the node's heartbeat key (``beat``); ``cheap_heartbeats``
+            sets how often.
         clock: seconds since the epoch, the time written into a heartbeat.
-        read: the handler's cached read of the state (backends without heartbeat keys
-            look for probes in it).
-        beat_through_state: writes one heartbeat into the shared state (backends
-            without heartbeat keys); given the thread's stop event, it returns
-            without writing once that is set.
         stalls: where a beat that failed or was slow is noted as this node's store
             stall: the handler's, shared with the reads its loss rule judges by.
     """
 
     def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
-                 clock: Callable[[], float], read: Callable[[], RendezvousState],
-                 beat_through_state: Callable[[threading.Event], None], stalls: StoreStalls) -> None:
+                 clock: Callable[[], float], stalls: StoreStalls) -> None:
         self._node_id = node_id
         self._settings = settings
         self._backend = backend
         self._clock = clock
-        self._read = read
-        self._beat_through_state = beat_through_state
         self._stalls = stalls
         self._beat_now = threading.Event()  # wakes the thread: a read saw a probe it must answer
         self._stop: threading.Event | None = None
@@ -83,16 +72,21 @@ class KeepAlive:
             self.thread.join(self._settings.heartbeat_timeout + 1.0)
         self._stop = self.thread = None
 
-    def _beat_keys(self, stop: threading.Event, tick: float) -> None:
-        """Heart-beat into this node's own key now, then every ``tick`` s.
+    def _loop(self, stop: threading.Event) -> None:
+        """Heart-beat into this node's own key now, then every tick, until ``stop`` is set.
 
-        Such a write is uncontended and no state is read for it, so it is simply
-        frequent enough to keep this running member clear of ``lost_after`` and to
-        answer any probe in time; a probe the monitor's read saw is answered at once
-        (``_beat_now``). After a freeze (SIGSTOP, a stalled VM) the overdue wait
-        returns at once, so the first thing a thawed agent does is beat. Dead nodes
-        are pruned by joining nodes (``decide_join``), as in torch.
+        The tick is ``heartbeat_interval`` (0.375 s by default), or
+        ``min(heartbeat_interval, probe_timeout / 4)`` where a beat costs next to
+        nothing (``cheap_heartbeats``: c10d). Such a write is uncontended and no
+        state is read for it, so it is simply frequent enough to keep this running
+        member clear of ``lost_after`` and to answer any probe in time; a probe the
+        monitor's read saw is answered at once (``_beat_now``). After a freeze
+        (SIGSTOP, a stalled VM) the overdue wait returns at once, so the first thing
+        a thawed agent does is beat. Dead nodes are pruned by joining nodes
+        (``decide_join``), as in torch.
         """
+        s = self._settings
+        tick = min(s.heartbeat_interval, s.probe_timeout / 4) if self._backend.cheap_heartbeats else s.heartbeat_interval
         while True:
             try:
                 with self._stalls.timing():
@@ -101,42 +95,7 @@ class KeepAlive:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
                 log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
-            if self._wait_tick(stop, tick):
+            self._beat_now.wait(tick)  # a probe to answer, or ``stop``, wakes it early
+            self._beat_now.clear()
+            if stop.is_set():
                 return
-
-    def _wait_tick(self, stop: threading.Event, seconds: float) -> bool:
-        """Sleep ``seconds`` or until woken (a probe to answer, or ``stop``); True when stopped."""
-        self._beat_now.wait(seconds)
-        self._beat_now.clear()
-        return stop.is_set()
-
-    def _loop(self, stop: threading.Event) -> None:
-        """Heart-beat every ``heartbeat_interval`` s (0.375 s by default), and at once when a waiting node probes.
-
-        With per-node heartbeat keys (c10d, etcd-v2, etcd-v3) each beat is one write of
-        this node's key (:meth:`_beat_keys`; c10d every ``probe_timeout / 4`` s at most).
-        Otherwise (a backend without them) a beat rewrites the shared state: probes are looked for
-        every ``probe_timeout / 4`` s in the (shared, cached) state read, so an agent
-        busy stopping its workers still proves it is alive; a probe the monitor's
-        read saw first is answered at once (``_beat_now``).
-        """
-        s = self._settings
-        interval = s.heartbeat_interval
-        tick = min(interval, s.probe_timeout / 4)
-        if self._backend.supports_heartbeat_keys:
-            self._beat_keys(stop, tick if self._backend.cheap_heartbeats else interval)
-            return
-        # the first beat at a random point of the interval: the nodes of a round all start
-        # together, and a thousand beats at once would contend for the one state key
-        next_beat = time.monotonic() + interval * random.uniform(0.1, 1.0)
-        while not self._wait_tick(stop, max(0.0, min(tick, next_beat - time.monotonic()))):
-            try:
-                if time.monotonic() < next_beat and not liveness.should_answer_probe(self._read(), self._node_id):
-                    continue
-                next_beat = time.monotonic() + interval
-                with self._stalls.timing():
-                    self._beat_through_state(stop)
-            except RendezvousError as exc:
-                log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
-            except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
-                log.exception("node %s: keep-alive heartbeat crashed", self._node_id)

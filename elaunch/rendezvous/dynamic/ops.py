@@ -6,9 +6,10 @@ a write action implies. Neither touches a backend, a clock or a thread, so both 
 tested with tables of cases. The executor (``executor.py``) loops
 read -> decide -> apply -> compare-and-set until an op returns FINISH or an error.
 
-The rules mirror torch's ``_RendezvousJoinOp``, ``_RendezvousExitOp``,
-``_RendezvousCloseOp`` and ``_RendezvousKeepAliveOp``
-(``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``); dead-node pruning,
+The rules mirror torch's ``_RendezvousJoinOp``, ``_RendezvousExitOp`` and
+``_RendezvousCloseOp`` (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``);
+torch's ``_RendezvousKeepAliveOp`` has no counterpart: a heartbeat is a write of the
+node's own key (``RendezvousBackend.put_heartbeat``), not of the state. Dead-node pruning,
 which torch does silently after every read, is an explicit action here; who counts
 as dead or lost is judged in ``liveness.py``. All times are seconds since the epoch
 (``time.time()``).
@@ -32,7 +33,7 @@ ROLLBACK_PERIOD = 5.0
 class Action(enum.Enum):
     """The next step of an operation, as decided from the shared state."""
 
-    KEEP_ALIVE = "KEEP_ALIVE"
+    KEEP_ALIVE = "KEEP_ALIVE"  # write this node's heartbeat key (not the state)
     ADD_TO_PARTICIPANTS = "ADD_TO_PARTICIPANTS"
     ADD_TO_WAIT_LIST = "ADD_TO_WAIT_LIST"
     ADD_TO_REDUNDANCY_LIST = "ADD_TO_REDUNDANCY_LIST"
@@ -54,7 +55,6 @@ class Action(enum.Enum):
 #: Actions that change the shared state (the executor writes them with compare-and-set).
 WRITE_ACTIONS = frozenset(
     {
-        Action.KEEP_ALIVE,
         Action.ADD_TO_PARTICIPANTS,
         Action.ADD_TO_WAIT_LIST,
         Action.ADD_TO_REDUNDANCY_LIST,
@@ -94,7 +94,7 @@ class OpContext:
     started: float = 0.0
 
 
-def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float, fraction: float = 1.0) -> bool:
+def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float) -> bool:
     last = state.last_heartbeats.get(ctx.node_id)
     if last is None:
         return False
@@ -102,7 +102,7 @@ def _should_keep_alive(state: RendezvousState, ctx: OpContext, now: float, fract
     s = ctx.settings
     member = state.complete and ctx.node_id in state.participants  # judged by lost_after: beat that often
     interval = s.heartbeat_interval if member else s.keep_alive_interval
-    return probed or last <= now - interval * fraction
+    return probed or last <= now - interval
 
 
 def _should_probe(state: RendezvousState, ctx: OpContext, now: float) -> bool:
@@ -183,25 +183,6 @@ def decide_close(state: RendezvousState, ctx: OpContext, now: float) -> Action:
     return Action.MARK_CLOSED
 
 
-def decide_keep_alive(state: RendezvousState, ctx: OpContext, now: float) -> Action:
-    """Decide the periodic heartbeat of a node (torch ``_RendezvousKeepAliveOp``).
-
-    A heartbeat is written when the last one is older than half the interval
-    (``heartbeat_interval`` for a running round's member, else ``keep_alive_interval``),
-    so a timer firing every interval never skips one by a hair.
-    """
-    if ctx.node_id not in state.last_heartbeats:
-        return Action.FINISH  # not in the rendezvous (left, or pruned as dead)
-    stale = _should_keep_alive(state, ctx, now, fraction=0.5)
-    if not stale and not dead_nodes(state, ctx.settings, now, exclude=ctx.node_id):
-        return Action.FINISH
-    if now > ctx.deadline:
-        return Action.ERROR_TIMEOUT
-    if dead_nodes(state, ctx.settings, now, exclude=ctx.node_id):
-        return Action.REMOVE_DEAD_NODES
-    return Action.KEEP_ALIVE
-
-
 def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) -> RendezvousState:
     """Return the state after this node performs the write ``action`` (``state`` is unchanged).
 
@@ -211,9 +192,7 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
     s = state.copy()
     me, settings = ctx.node_id, ctx.settings
     info = tuple(ctx.node_info)  # a NodeRow
-    if action is Action.KEEP_ALIVE:
-        s.last_heartbeats[me] = now
-    elif action is Action.ADD_TO_PARTICIPANTS:
+    if action is Action.ADD_TO_PARTICIPANTS:
         add_participant(s, me, info, ctx.previous_rank, settings, now, writer=me)
     elif action is Action.ADD_TO_WAIT_LIST:
         # OUTSIDE -> WAITING: running groups see num_nodes_waiting() > 0

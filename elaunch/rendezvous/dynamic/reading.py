@@ -1,9 +1,9 @@
-"""Reading the shared state: the one home of every read of it (plain, with heartbeat keys, with an intent log).
+"""Reading the shared state: the one home of every read of it (with heartbeat keys, with an intent log).
 
 Mirrors the reading half of torch's ``_BackendRendezvousStateHolder.sync``: fetch
-the stored blob and its token and decode it. Where heartbeats live in per-node
-keys (``RendezvousBackend.supports_heartbeat_keys``) they are read in the same
-round trip and laid over the state; where the backend keeps an intent log
+the stored blob and its token and decode it. Heartbeats live in per-node keys
+(``RendezvousBackend.put_heartbeat``), which are read in the same round trip and
+laid over the state's own record of them; where the backend keeps an intent log
 (``supports_intents``) a batched join reads the round's log with it. The
 executor, the batched join and the handler's monitor all read through here; the
 monitor reads only its ring neighbours' heartbeat keys (:func:`read_watched`).
@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from elaunch.rendezvous.dynamic import liveness, merge
+from elaunch.rendezvous.dynamic import merge
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.dynamic.state import JoinIntent, RendezvousState
 
 
 def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
                fresh_after: float = float("inf")) -> tuple[RendezvousState, Token]:
-    """Read the state and its token; with per-node heartbeat keys, fold those in.
+    """Read the state and its token, with the nodes' heartbeat keys folded in.
 
     Args:
         backend: where the state lives.
@@ -39,16 +39,8 @@ def read_state(backend: RendezvousBackend, known: RendezvousState | None = None,
         RendezvousConnectionError: the backend cannot be reached.
         RendezvousStateError: the stored state is corrupt.
     """
-    if not backend.supports_heartbeat_keys:
-        return _read_plain(backend)
     data, token, heartbeats = backend.get_state_and_heartbeats(_nodes(known))
     return fold_all_heartbeats(backend, _decode(data), heartbeats, fresh_after), token
-
-
-def _read_plain(backend: RendezvousBackend) -> tuple[RendezvousState, Token]:
-    """The state alone, heartbeats as stored in it (a backend without per-node heartbeat keys)."""
-    data, token = backend.get_state()
-    return _decode(data), token
 
 
 def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Collection[str],
@@ -74,8 +66,6 @@ def read_watched(backend: RendezvousBackend, watched: Sequence[str], members: Co
         RendezvousConnectionError: the backend cannot be reached.
         RendezvousStateError: the stored state is corrupt.
     """
-    if not backend.supports_heartbeat_keys:
-        return _read_plain(backend)
     data, token, heartbeats = backend.get_state_and_heartbeats(list(watched))
     state = _decode(data)
     # a node sitting out is judged only by the node that ends the job (``job.unacknowledged``)
@@ -91,8 +81,8 @@ def read_state_only(backend: RendezvousBackend, known: RendezvousState) -> tuple
 
     For a node woken by its round's notice, which most likely only finishes its
     join (``ops.decide_join``: a participant of a complete round, or a closed
-    rendezvous, needs no heartbeats). Its stored heartbeats can be old where they
-    live in keys: the caller must not judge anyone dead on this read (read again
+    rendezvous, needs no heartbeats). Its stored heartbeats can be old (they
+    live in keys): the caller must not judge anyone dead on this read (read again
     with :func:`read_state` before any other decision).
 
     Raises:
@@ -125,8 +115,8 @@ def read_state_and_intents(backend: RendezvousBackend, round: int, known: Rendez
     """Read the state with ``round``'s intent log in one round trip (c10d: 1 store call).
 
     Each node's newest intent of the state's round counts as its heartbeat
-    (``merge.fold_intents``); with per-node heartbeat keys, those of ``known``'s
-    nodes are read and folded in too, as in :func:`read_state`.
+    (``merge.fold_intents``); the heartbeat keys of ``known``'s nodes are read
+    and folded in too, as in :func:`read_state`.
 
     Args:
         backend: a backend with ``supports_intents``, to whose ``round`` this node posted.
@@ -138,12 +128,9 @@ def read_state_and_intents(backend: RendezvousBackend, round: int, known: Rendez
         RendezvousConnectionError: the backend cannot be reached.
         RendezvousStateError: the stored state is corrupt.
     """
-    nodes = _nodes(known) if backend.supports_heartbeat_keys else []
-    data, token, log_bytes, position, heartbeats = backend.get_state_and_intents(round, nodes)
+    data, token, log_bytes, position, heartbeats = backend.get_state_and_intents(round, _nodes(known))
     intents = JoinIntent.parse_log(log_bytes)
-    state = merge.fold_intents(_decode(data), intents)
-    if backend.supports_heartbeat_keys:
-        state = fold_all_heartbeats(backend, state, heartbeats, fresh_after)
+    state = fold_all_heartbeats(backend, merge.fold_intents(_decode(data), intents), heartbeats, fresh_after)
     return LogRead(state, token, intents, position)
 
 

@@ -49,7 +49,10 @@ class RendezvousState:
             every node that is a participant or on the wait or redundancy list.
         wait_list: node ids waiting for the next round (a complete round had room).
         redundancy_list: node ids not needed (the world is at ``max_nodes``).
-        last_heartbeats: node id -> seconds since the epoch of its last keep-alive.
+        last_heartbeats: node id -> seconds since the epoch of its last sign of life;
+            also who is in the rendezvous. As stored: as of the state's last write
+            (a join, an intent, a probe); each node's newer beats are in its own
+            heartbeat key, which readers fold in (``reading.py``).
         last_call_deadline: the hard cap of ``deadline`` (the time ``min_nodes`` was
             reached plus ``last_call_timeout``), seconds since the epoch, or None.
         probe_at: when a waiting node last asked the complete round's participants to

@@ -170,10 +170,6 @@ class EtcdV2StateBackend(EtcdStateBackend):
         self._beats = f"{key.rpartition('/')[0]}/heartbeat"
 
     @property
-    def supports_heartbeat_keys(self) -> bool:
-        return True
-
-    @property
     def cheap_heartbeats(self) -> bool:
         return False  # a raft write: beat at heartbeat_interval, no faster
 

@@ -75,10 +75,6 @@ class EtcdV3StateBackend(EtcdStateBackend):
         self._base = nodes_prefix[: -len("nodes/")]
 
     @property
-    def supports_heartbeat_keys(self) -> bool:
-        return True
-
-    @property
     def cheap_heartbeats(self) -> bool:
         return False  # every put is a raft write: heart-beat at keep_alive_interval only
 
