@@ -11,7 +11,7 @@ Stdlib only.
 from __future__ import annotations
 
 from elaunch.rendezvous.contract import FailureRecord, JobState, RendezvousStateError
-from elaunch.rendezvous.dynamic import liveness, ops
+from elaunch.rendezvous.dynamic import ops
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
