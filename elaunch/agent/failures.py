@@ -18,7 +18,7 @@ from elaunch.spec import ProcessFailure, signal_name
 
 
 def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: bool = False,
-              blocked: bool = False) -> FailureRecord:
+              blocked: bool = False, stopped: bool = False) -> FailureRecord:
     """Return the record of a local failure for the rendezvous.
 
     Args:
@@ -28,10 +28,11 @@ def to_record(failure: ProcessFailure, round: int, text: str, at: float, hung: b
         at: when it happened, seconds since the epoch (``errors.failure_time``).
         hung: True when the worker was stopped for making no progress.
         blocked: True for a hung worker that itself waited on a peer (see ``FailureRecord``).
+        stopped: True for a hung worker found stopped (process state ``T``).
     """
     return FailureRecord(round=round, at=at, host=failure.hostname, rank=failure.global_rank,
                          local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
-                         message=text, hung=hung, blocked=blocked)
+                         message=text, hung=hung, blocked=blocked, stopped=stopped)
 
 
 def from_record(record: FailureRecord) -> ProcessFailure:

@@ -219,7 +219,7 @@ class HangWatchdog:
         failures = self._failures(order, by_lr, quiet, dumps, path, now)
         # a hung worker may ignore SIGTERM (or be stopped)
         return Alarm("hang", failures, kill=signal.SIGKILL, culprit=culprit.global_rank, blocked=blocked,
-                     quiet_seconds=max(quiet.values()))
+                     stopped=stopped[order[0]], quiet_seconds=max(quiet.values()))
 
     def _dump_everywhere(self, hung: list[int], by_lr: Mapping, likely: int, quiet: Mapping[int, float],
                          log_root: str | None, now: float) -> tuple[dict, str | None]:

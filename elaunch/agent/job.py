@@ -243,8 +243,10 @@ class JobView:
                                     "success or failure (another node ended it on an error)")
 
 
-def local_record(failure: ProcessFailure, round: int, hung: bool = False, blocked: bool = False) -> FailureRecord:
+def local_record(failure: ProcessFailure, round: int, hung: bool = False, blocked: bool = False,
+                 stopped: bool = False) -> FailureRecord:
     """The record of this node's failure as the rendezvous carries it (text as in the summary)."""
     from elaunch.errors import failure_text, failure_time
 
-    return to_record(failure, round, failure_text(failure), failure_time(failure), hung=hung, blocked=blocked)
+    return to_record(failure, round, failure_text(failure), failure_time(failure), hung=hung, blocked=blocked,
+                     stopped=stopped)

@@ -73,7 +73,8 @@ class Stopped:
 
         first = self.failures.get(alarm.culprit) or root_cause(self.failures)
         self.record = local_record(first, self.info.round, hung=first.global_rank in alarm.failures,
-                                   blocked=first.global_rank == alarm.culprit and alarm.blocked)
+                                   blocked=first.global_rank == alarm.culprit and alarm.blocked,
+                                   stopped=first.global_rank == alarm.culprit and alarm.stopped)
         self.codes = codes
 
 

@@ -59,6 +59,7 @@ class Alarm:
             (a hung worker may ignore SIGTERM, or be stopped); None: only the stop.
         culprit: the global rank the others wait behind (the root cause), or None.
         blocked: the culprit itself looked blocked behind a peer on another node.
+        stopped: the culprit was found stopped (process state ``T``).
         restart: False when no restart can fix it: the job ends at once (torch's
             agent for a worker stuck in D state).
         exit_codes_after_stop: each failure takes its worker's exit code once the
@@ -79,6 +80,7 @@ class Alarm:
     kill: int | None = None
     culprit: int | None = None
     blocked: bool = False
+    stopped: bool = False
     restart: bool = True
     exit_codes_after_stop: bool = False
     signals: Mapping[int, int] = dataclasses.field(default_factory=dict)

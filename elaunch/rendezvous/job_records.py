@@ -41,6 +41,9 @@ class FailureRecord:
         blocked: True for a hung worker that was itself waiting on a peer (its stack
             inside ``torch.distributed``, not stopped, not behind): likely not the
             cause. Any other report of the same round ranks before it as root cause.
+        stopped: True for a hung worker found stopped (SIGSTOP, a debugger: process
+            state ``T``): the others wait behind it, wherever they are; it ranks before
+            any other report of the same round.
     """
 
     round: int
@@ -54,12 +57,14 @@ class FailureRecord:
     message: str = ""
     hung: bool = False
     blocked: bool = False
+    stopped: bool = False
 
     def to_dict(self) -> dict:
         """Return the record as a JSON-ready dict."""
         return {"round": self.round, "at": self.at, "node": self.node, "host": self.host, "rank": self.rank,
                 "local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
-                "message": _clip(self.message), "hung": self.hung, "blocked": self.blocked}
+                "message": _clip(self.message), "hung": self.hung, "blocked": self.blocked,
+                "stopped": self.stopped}
 
     @classmethod
     def from_dict(cls, doc: dict) -> "FailureRecord":
@@ -72,15 +77,18 @@ class FailureRecord:
                    host=str(doc.get("host", "")), rank=int(doc.get("rank", -1)),
                    local_rank=int(doc.get("local_rank", -1)), pid=int(doc.get("pid", -1)),
                    exitcode=int(doc.get("exitcode", 1)), message=str(doc.get("message", "")),
-                   hung=bool(doc.get("hung", False)), blocked=bool(doc.get("blocked", False)))
+                   hung=bool(doc.get("hung", False)), blocked=bool(doc.get("blocked", False)),
+                   stopped=bool(doc.get("stopped", False)))
 
     def precedes(self, other: "FailureRecord") -> bool:
         """True when this report is the better root cause of a round than ``other``.
 
-        A worker that was not waiting on a peer beats one that was (``blocked``);
-        then the earlier failure (``at``) wins.
+        A worker found stopped beats every other (``stopped``: the others wait behind it,
+        while a victim on another node can look behind its own peers); then one that was
+        not waiting on a peer beats one that was (``blocked``); then the earlier failure
+        (``at``) wins.
         """
-        return (self.blocked, self.at) < (other.blocked, other.at)
+        return (not self.stopped, self.blocked, self.at) < (not other.stopped, other.blocked, other.at)
 
 
 @dataclass(frozen=True)

@@ -730,6 +730,9 @@ def test_waits_on_peer_reads_a_collective_in_the_stack():
     # among equals, the earlier one
     (dict(at=2.0, rank=3), dict(at=1.0, rank=0), 0),
     (dict(at=1.0, rank=3, blocked=True), dict(at=0.5, rank=0, blocked=True), 0),
+    # a worker found stopped beats the rest, even an earlier victim that looked behind its own peers
+    (dict(at=1.0, rank=1), dict(at=1.03, rank=3, stopped=True), 3),
+    (dict(at=1.03, rank=3, stopped=True), dict(at=1.0, rank=1), 3),
 ])
 def test_a_report_not_blocked_behind_a_peer_is_the_rounds_root_cause(known, report, root_after):
     first = job_ops.count_failure(state(), FailureRecord(round=2, node="a", hung=True, **known))
