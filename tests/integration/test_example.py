@@ -52,14 +52,17 @@ def test_example_recovers_from_a_crashed_rank(tmp_path):
 # ---- deterministic resume, preemption notices ----
 # A short run (3 epochs of 23 steps per rank at world size 2) so that many attempts fit.
 
+#: What the example imports that costs (torch, the optimizer's torch._dynamo, scikit-learn): a warm spare's modules.
+WARM_EXAMPLE = "torch,torch._dynamo,sklearn.datasets,sklearn.model_selection,sklearn.preprocessing"
 #: attempt k crashes rank R before step S of epoch E: mid-epoch (resumed from a
 #: --save-every checkpoint), at an epoch start, on either rank, all at different points
 CRASHES = "1:1:7,0:1:19,1:2:3,0:2:12,1:3:0,0:3:21"
 
 
 def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, reference_digest):
-    """From the disk checkpoint (snapshots off): mid-epoch and epoch-boundary resumes."""
-    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", EXAMPLE, *SHORT,
+    """From the disk checkpoint (snapshots off): mid-epoch and epoch-boundary resumes (warm restarts)."""
+    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", "--warm-start",
+            f"--warm-start-modules={WARM_EXAMPLE}", EXAMPLE, *SHORT,
             "--checkpoint", str(tmp_path / "ck.pt"), "--final-params", str(tmp_path / "final.json"),
             "--save-every", "5", "--snapshot-every", "0", "--crash-at", CRASHES, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -73,7 +76,10 @@ def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, referen
 def test_six_crashes_lose_no_step_with_snapshots_and_end_bit_identical(tmp_path, reference_digest):
     """With in-memory snapshots (ckpt.save every step, the default under elaunch) and no disk
     checkpoint, each restart resumes at the very step its crash interrupted."""
-    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", EXAMPLE, *SHORT,
+    # warm restarts (spares with the example's imports done), as a job that restarts often would run:
+    # the snapshot restore and bit-identity hold for workers handed to spares too
+    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", "--warm-start",
+            f"--warm-start-modules={WARM_EXAMPLE}", EXAMPLE, *SHORT,
             "--no-disk-checkpoint", "--run-dir", str(tmp_path), "--final-params", str(tmp_path / "final.json"),
             "--crash-at", CRASHES, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]

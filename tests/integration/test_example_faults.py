@@ -19,7 +19,7 @@ import pytest
 from tests.integration.conftest import EXAMPLE, SHORT, final_digest
 from tests.helpers import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 #: attempt k: a crash (--crash-at) or a hang (--hang-at), never both; mid-epoch and at an
 #: epoch's first step, on either rank; hangs by SIGSTOP and by a blocked (sleeping) rank

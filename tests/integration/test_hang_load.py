@@ -25,7 +25,7 @@ import pytest
 
 from tests.helpers import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 HANG_TIMEOUT = 2.0
 WORKER = textwrap.dedent(
