@@ -97,7 +97,7 @@ class CheckpointKeeper:
         self._launcher = None
         self._persister = None
         self._service = None
-        self._env: dict[int, dict[str, str]] = {}
+        self._env: dict[int, dict[str, str]] = {}  # local rank -> this round's restore variables
         self._published_at = float("-inf")
         self._publishing = None  # the thread writing the last status record
         self._signalled = False
@@ -188,11 +188,9 @@ class CheckpointKeeper:
         if plan.reason:
             log.warning("checkpoint restore: %s", plan.reason)
         files = restore.gather(plan) if plan.step is not None else {}
-        for w in workers:
-            env = {ENV_SHM: nd.path}
-            if plan.step is not None:
-                env[ENV_RESTORE], env[ENV_STEP] = files[w.global_rank][0], str(plan.step)
-            self._env[w.local_rank] = env
+        if plan.step is not None:
+            for w in workers:
+                self._env[w.local_rank] = {ENV_RESTORE: files[w.global_rank][0], ENV_STEP: str(plan.step)}
         if plan.step is not None:
             self._events.checkpoint_restore(info.round, plan.step, {r: kind for r, (_path, kind) in files.items()})
         if self._service is not None:
@@ -220,13 +218,12 @@ class CheckpointKeeper:
             return planner.Plan(None)
 
     def env(self, local_rank: int) -> dict[str, str]:
-        """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker this round ({} when off).
-
-        Before the first round (warm spares started early): the directory only.
-        """
-        if local_rank in self._env or self.node_dir is None:
-            return dict(self._env.get(local_rank, {}))
-        return {ENV_SHM: self.node_dir.path}
+        """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker ({} when off): the directory, the
+        same in every round (before the first too: warm spares start early), and this round's
+        restore, if any."""
+        if self.node_dir is None:
+            return {}
+        return {ENV_SHM: self.node_dir.path, **self._env.get(local_rank, {})}
 
     def new_attempt(self, round: int) -> None:
         """Nothing: :meth:`prepare` did the round's work."""

@@ -203,7 +203,6 @@ notices = Notices(stop_grace=60.0)
 notices.install()
 if {stop_first}:
     os.kill(os.getpid(), signal.SIGTERM)  # a stop arrives first: noted for the next step boundary
-    time.sleep(0.01)
 atexit.register(lambda: (print("tearing down", flush=True), time.sleep(60)))  # a slow teardown
 try:
     raise RuntimeError("a peer died in the all-reduce")
