@@ -98,16 +98,123 @@ def _import_all(names, done, nice=IMPORT_NICE):
         done.release()
 
 
+def _serve_forks(sock_fd, done):
+    """The template's loop (``--template``): fork one spare per request; return a spare's handoff fd.
+
+    Waits for the imports (``done``), then says ``R`` on the socket (``N`` and returns
+    None when another Python thread runs or CUDA was initialized: a fork is not safe then). Each request is
+    one byte with three descriptors (the spare's handoff pipe, its stdout and stderr);
+    the template forks an intermediate child that forks the spare and exits at once,
+    so that the spare is re-parented to the agent (a ``PR_SET_CHILD_SUBREAPER``), and
+    answers the spare's pid (0: the fork failed), one packet each. In the spare this function returns
+    the handoff fd, after the spare waited to be the agent's child, took
+    ``PR_SET_PDEATHSIG``, its own session and the streams. End of file: returns None.
+    """
+    import socket
+    import threading
+
+    sock = socket.socket(fileno=sock_fd)
+    done.acquire()
+    agent = os.getppid()
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if threading.active_count() > 1 or (cuda is not None and cuda.is_initialized()):  # a fork would break them
+        sock.sendall(b"N")
+        return None
+    sock.sendall(b"R")
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 3)
+        except OSError:
+            return None
+        if not msg or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            return None
+        pid = _fork_spare(agent, sock, fds)
+        if pid is None:  # this process is the spare
+            return fds[0]
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(b"%d" % pid)
+
+
+def _fork_spare(agent, sock, fds):
+    """Fork the spare through an intermediate child; return its pid (0: failed), or None in the spare.
+
+    The spare writes its pid once it leads its own session (so a signal to its group
+    reaches it from the first answer on); the intermediate exits at once, orphaning it.
+    """
+    r, w = os.pipe()
+    try:
+        middle = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return 0
+    if middle == 0:  # the intermediate child: fork the spare and exit at once, orphaning it
+        try:
+            os.close(r)
+            this = os.getpid()
+            spare = os.fork()
+        except BaseException:  # noqa: BLE001 - never unwinds into the template's loop
+            os._exit(1)
+        if spare:
+            os._exit(0)
+        try:
+            os.setsid()
+            os.write(w, b"%d" % os.getpid())
+            os.close(w)
+            _become_spare(agent, this, sock, fds)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        return None
+    os.close(w)
+    answer = _read_all(r)
+    os.waitpid(middle, 0)
+    return int(answer) if answer else 0
+
+
+def _become_spare(agent, middle, sock, fds):
+    """In the forked spare: wait to be the agent's child, then take ``PR_SET_PDEATHSIG`` and the streams."""
+    import ctypes
+    import time
+
+    sock.close()
+    while os.getppid() == middle:  # until the intermediate child exited and the agent adopted this one
+        time.sleep(0.0005)
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != agent:
+        os._exit(1)  # the agent died, or is not a subreaper: nothing could wait for this process
+    for target, fd in ((1, fds[1]), (2, fds[2])):
+        os.dup2(fd, target)
+        os.close(fd)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # a cold worker's global RandomState is seeded afresh
+        numpy_random.seed()
+
+
 def main():
-    fd, path0, modules = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    nice = int(sys.argv[4]) if len(sys.argv) > 4 else IMPORT_NICE
+    template = sys.argv[1] == "--template"
+    args = sys.argv[2:] if template else sys.argv[1:]
+    fd, path0, modules = int(args[0]), args[1], args[2]
+    nice = int(args[3]) if len(args) > 3 else IMPORT_NICE
     if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
         sys.path[0] = path0  # what the cold worker has while it imports
+    # threading first imported here, in the main thread: imported by the importing thread, it
+    # would take that thread (gone once the imports end) for the main one
+    __import__("threading")
     done = _thread.allocate_lock()
     done.acquire()
     _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done, nice))
-    data = _read_all(fd)
-    done.acquire()  # the imports finished (an empty handoff too: no import left half-done at exit)
+    if template:
+        fd = _serve_forks(fd, done)  # returns in a forked spare only
+        if fd is None:
+            return 0
+        data = _read_all(fd)
+    else:
+        data = _read_all(fd)
+        done.acquire()  # the imports finished (an empty handoff too: no import left half-done at exit)
     if not data:
         return 0  # discarded by the agent
     mode, target, args, orig, env = _decode(data)

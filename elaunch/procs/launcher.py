@@ -37,7 +37,8 @@ class NoWarmPool:
         """Return None: no spare ever writes logs."""
         return None
 
-    def prepare(self, attempt: int, logs: AttemptLogs, cmds: Mapping, envs: Mapping) -> int:
+    def prepare(self, attempt: int, logs: AttemptLogs, cmds: Mapping, envs: Mapping, nice: int = 0,
+                templates: bool = True) -> int:
         """Start nothing; return 0."""
         return 0
 
@@ -164,7 +165,7 @@ class WorkerLauncher:
         may lack what a round sets (``warm.ROUND_KEYS``): the handoff brings it.
         """
         if self.pool.enabled and self._fork_target is None:
-            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0)
+            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0, templates=False)
 
     def serve_store(self, host: str, port: int) -> int:
         """Host this round's workers' store at ``host:port`` (0: a free port); return the port.

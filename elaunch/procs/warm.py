@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING
 
 from ._warm_child import IMPORT_NICE
 from .helper_process import end
-from .spawn import popen_worker
+from .spawn import become_subreaper, popen_worker
+from .warm_template import Template
 
 if TYPE_CHECKING:
+    from .forked import ForkedProcess
     from .logs import AttemptLogs
     from .reaper import Reaper
 
@@ -126,7 +128,8 @@ def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class _Spare:
-    def __init__(self, proc: subprocess.Popen, wfd: int, cmd: list[str], env: dict[str, str], target: WarmTarget):
+    def __init__(self, proc: "subprocess.Popen | ForkedProcess", wfd: int, cmd: list[str], env: dict[str, str],
+                 target: WarmTarget):
         self.proc, self.wfd, self.cmd, self.env, self.target = proc, wfd, cmd, env, target
 
     def close_pipe(self) -> None:
@@ -151,6 +154,7 @@ class WarmPool:
         self._attempt: int | None = None
         self._logs: "AttemptLogs | None" = None
         self._spares: dict[int, _Spare] = {}
+        self._templates: dict[int, Template] = {}
         self._warned = False
         self.enabled = True  # False once the workers turned out not to be warmable
         self.used = 0  # spares handed a worker so far (for tests and logs)
@@ -161,17 +165,23 @@ class WarmPool:
 
     def prepare(
         self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]],
-        nice: int = IMPORT_NICE,
+        nice: int = IMPORT_NICE, templates: bool = True,
     ) -> int:
         """Start one spare per local rank for ``attempt``, replacing any earlier ones.
+
+        Where the local rank's template (``warm_template``) is ready, the spare is
+        forked from it; else an interpreter is started that imports the modules, and
+        (with ``templates``) a template is started beside it for the attempts after.
 
         Args:
             attempt: the attempt number the spares will serve.
             logs: that attempt's destinations (``RunLogDir.attempt``); spares write there.
             cmds, envs: the current attempt's argv and environment per local rank; the
                 spares get ``spawn_env(env)``.
-            nice: the nice value of the spares' importing thread: :data:`IMPORT_NICE`
+            nice: the nice value of the importing thread: :data:`IMPORT_NICE`
                 (idle CPU only) while a group runs, 0 before the first one.
+            templates: start templates where there are none (False before the first
+                group: they would import beside the first spares).
 
         Returns:
             The number of spares started (0 when the workers cannot be warmed).
@@ -187,29 +197,65 @@ class WarmPool:
                 self.enabled = False
                 break
             env = spawn_env(envs[lr])
-            rfd, wfd = os.pipe()
             try:
-                try:
-                    import fcntl
-
-                    fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
-                except (ImportError, OSError):
-                    pass
-                argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
-                proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
+                spare = self._fork(lr, cmds[lr], env, target, logs, nice if templates else None)
+                if spare is None:
+                    spare = self._spawn(lr, cmds[lr], env, target, logs, nice)
             except OSError as exc:
-                os.close(wfd)
                 log.warning("could not start a warm spare for local rank %d: %s", lr, exc)
                 break
-            finally:
-                os.close(rfd)
-            self._spares[lr] = _Spare(proc, wfd, list(cmds[lr]), env, target)
+            self._spares[lr] = spare
         if self._reaper is not None and self._spares:
             self._reaper.watch(s.proc.pid for s in self._spares.values())
         if not self._spares and logs.dir != os.devnull:
             shutil.rmtree(logs.dir, ignore_errors=True)  # made for spares that did not start
         log.info("warm spares for attempt %d: %s", attempt, {lr: s.proc.pid for lr, s in self._spares.items()})
         return len(self._spares)
+
+    def _fork(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
+              nice: int | None) -> _Spare | None:
+        """A spare forked from ``lr``'s template, or None; with ``nice``, start a template where none serves."""
+        tmpl = self._templates.get(lr)
+        if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != env or tmpl.proc.poll() is not None):
+            self._end_template(lr)  # the worker changed (or the template died): it serves no more
+            tmpl = None
+        if tmpl is None:
+            if nice is not None and self._reaper is not None and become_subreaper():
+                tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
+                                                           self._modules, cmd, env, nice)
+                self._reaper.watch([tmpl.proc.pid])
+            return None
+        if not tmpl.ready():
+            return None
+        forked = tmpl.fork(logs.stdout.get(lr), logs.stderr.get(lr))
+        if forked is None:
+            log.warning("local rank %d: the warm template %d failed; spares start as interpreters", lr, tmpl.proc.pid)
+            return None
+        return _Spare(forked[0], forked[1], cmd, env, target)
+
+    def _spawn(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
+               nice: int) -> _Spare:
+        """A spare started as a new interpreter that imports the modules (at ``nice``).
+
+        Raises:
+            OSError: it could not be started.
+        """
+        rfd, wfd = os.pipe()
+        try:
+            try:
+                import fcntl
+
+                fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
+            except (ImportError, OSError):
+                pass
+            argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
+            proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
+        except OSError:
+            os.close(wfd)
+            raise
+        finally:
+            os.close(rfd)
+        return _Spare(proc, wfd, cmd, env, target)
 
     def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen | None:
         """Give the worker ``(cmd, env)`` to the spare of ``local_rank``; return its Popen, or None.
@@ -251,15 +297,28 @@ class WarmPool:
         self._logs = self._attempt = None
 
     def close(self) -> None:
-        """Kill the spares; if none was used, remove the log directory made for them. Idempotent."""
+        """Kill the spares and the templates; if no spare was used, remove the log directory made
+        for them. Idempotent."""
         logs = self._logs if self._spares else None
         self.discard()
+        for lr in list(self._templates):
+            self._end_template(lr)
         if logs is not None and logs.dir != os.devnull:
             shutil.rmtree(logs.dir, ignore_errors=True)
 
     def pids(self) -> list[int]:
         """Return the pids of the spares waiting for a worker."""
         return [s.proc.pid for s in self._spares.values()]
+
+    def template_pids(self) -> dict[int, int]:
+        """Return local rank -> pid of its template (running or still importing)."""
+        return {lr: t.proc.pid for lr, t in self._templates.items()}
+
+    def _end_template(self, lr: int) -> None:
+        tmpl = self._templates.pop(lr)
+        tmpl.close()
+        if self._reaper is not None:
+            self._reaper.forget([tmpl.proc.pid])
 
     def _kill(self, spare: _Spare) -> None:
         spare.close_pipe()

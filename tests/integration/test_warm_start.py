@@ -40,7 +40,7 @@ def _warm_and_cold(where, target: tuple[str, ...], args: tuple[str, ...] = (), w
 def _assert_same(cold: dict, warm: dict) -> None:
     """``warm`` (a spare's worker) saw what ``cold`` (a cold worker of another run) saw."""
     for key in set(cold) | set(warm):
-        if key in ("env", "pid", "cmdline", "argv", "orig_argv"):
+        if key in ("env", "pid", "ppid", "sid", "cmdline", "argv", "orig_argv"):
             continue
         assert cold[key] == warm[key], (key, cold[key], warm[key])
     assert [a.replace("/cold", "/warm") for a in cold["argv"]] == warm["argv"]
@@ -150,3 +150,83 @@ def test_spares_die_with_the_agent(tmp_path, how):
     finally:
         kill_tree(agent.pid)
         agent.communicate()
+
+
+def _forked(probe: dict) -> bool:
+    """True when the probe ran in a spare forked from a warm template (not an interpreter of its own)."""
+    return "--template" in probe["cmdline"]
+
+
+def test_later_spares_are_forked_from_a_template_and_see_what_a_cold_one_sees(tmp_path):
+    """From the third attempt on, each spare is forked from its local rank's template (one import per
+    run, not per attempt): the agent's own child in its own session, at the agent's priority, with
+    numpy's global generator seeded afresh, and a script that sees what a cold worker sees."""
+    nice = tmp_path / "nice"
+    nice.mkdir()
+    env = {**launcher_env(), "WARM_NICE_OUT": str(nice), "PROBE_FAILS": "3", "PROBE_NUMPY": "1",
+           "WARM_NICE_NUMPY": "1"}  # the template draws from numpy's generator as it imports
+    runs = {"cold": ((), env),
+            "warm": (("--warm-start", "--warm-start-modules=json,numpy,warm_nice_probe"),
+                     {**env, "PROBE_TEMPLATES": str(nice)})}
+    for name, (flags, run_env) in runs.items():
+        (tmp_path / name).mkdir()
+        r = run("elaunch", *WARM[:-3], "--max-restarts=3", *flags, str(SCRIPTS / "warm_probe.py"),
+                str(tmp_path / name), "x y", cwd=tmp_path, env=run_env)
+        assert r.returncode == 0, r.stderr
+    cold_out, out = tmp_path / "cold", tmp_path / "warm"
+    agent_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for rank in (0, 1):
+        probes = [_probe(out, rank, attempt) for attempt in range(4)]
+        assert [_forked(p) for p in probes] == [False, False, True, True], [p["cmdline"] for p in probes]
+        for attempt in (2, 3):
+            cold, warm = _probe(cold_out, rank, attempt), probes[attempt]
+            warm_env = {k: v for k, v in warm["env"].items() if k != "PROBE_TEMPLATES"}  # only the warm run's
+            _assert_same({**cold, "np": 0}, {**warm, "env": warm_env, "np": 0})
+            assert warm["ppid"] == probes[0]["ppid"]  # the agent's child, as the exec'd spares are
+            assert warm["sid"] == warm["pid"] and warm["nice"] == agent_nice
+            assert str(warm["pid"]) not in {p.name for p in nice.iterdir()}  # it imported nothing itself
+        assert probes[2]["np"] != probes[3]["np"]  # two forks of one template draw differently
+    assert _probe(out, 0, 3)["np"] != _probe(out, 1, 3)["np"]
+
+
+def test_forked_spares_and_templates_die_with_the_agent(tmp_path):
+    nice = tmp_path / "nice"
+    nice.mkdir()
+    env = {**launcher_env(), "WARM_NICE_OUT": str(nice), "PROBE_TEMPLATES": str(nice), "PROBE_FAILS": "2",
+           "PROBE_SLEEP": "1"}
+    agent = start("elaunch", *WARM[:-3], "--max-restarts=4", "--warm-start",
+                  "--warm-start-modules=json,warm_nice_probe", str(SCRIPTS / "warm_probe.py"), str(tmp_path), env=env)
+    try:
+        wait_for(lambda: all((tmp_path / f"probe_{r}_2.json").exists() for r in (0, 1)), 60,
+                 what="the third attempt running")
+
+        workers = {_probe(tmp_path, rank, 2)["pid"] for rank in (0, 1)}  # forked too, but running
+
+        def forked_spares():
+            kids = _warm_pids(agent.pid) - {int(p.name) for p in nice.iterdir()} - workers
+            forked = {k for k in kids if "--template" in psutil.Process(k).cmdline()}
+            return forked if len(forked) == 2 else None
+
+        spares = wait_for(forked_spares, 30, what="the fourth attempt's forked spares")
+        everyone = {p.pid for p in psutil.Process(agent.pid).children(recursive=True)}
+        assert spares < everyone
+        agent.send_signal(signal.SIGKILL)
+        wait_for(lambda: not any(alive(p) for p in everyone), 15, what="spares, templates and workers gone")
+        agent.wait(15)
+    finally:
+        kill_tree(agent.pid)
+        agent.communicate()
+
+
+def test_a_template_with_a_thread_running_does_not_fork_and_spares_start_as_interpreters(tmp_path):
+    nice = tmp_path / "nice"
+    nice.mkdir()
+    env = {**launcher_env(), "PROBE_FAILS": "3", "WARM_NICE_OUT": str(nice), "PROBE_TEMPLATES": str(nice)}
+    r = run("elaunch", *WARM[:-3], "--max-restarts=3", "--warm-start",
+            "--warm-start-modules=json,warm_thread_probe,warm_nice_probe",  # the templates' imports are awaited
+            str(SCRIPTS / "warm_probe.py"), str(tmp_path), cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        probes = [_probe(tmp_path, rank, attempt) for attempt in range(4)]
+        assert not any(_forked(p) for p in probes), [p["cmdline"] for p in probes]
+        assert all(any(a.endswith("_warm_child.py") for a in p["cmdline"]) for p in probes)  # still spares

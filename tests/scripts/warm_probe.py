@@ -1,8 +1,13 @@
 """Worker that records what a cold and a warm-started interpreter must agree on.
 
-argv[1]: output directory; writes probe_<RANK>_<restart>.json. Rank 1 of restart 0
-then exits 3 once rank 0 wrote its probe (so the agent restarts the group, warm when --warm-start is on); with
-``--raise`` every worker raises ValueError after writing instead.
+argv[1]: output directory; writes probe_<RANK>_<restart>.json. Rank 1 of restarts
+below ``$PROBE_FAILS`` (default 1) then exits 3 once rank 0 wrote its probe (so the
+agent restarts the group, warm when --warm-start is on); with ``--raise`` every
+worker raises ValueError after writing instead. ``$PROBE_TEMPLATES`` (a
+``WARM_NICE_OUT`` directory): rank 1 of restart 0 also waits until two warm
+templates imported ``warm_nice_probe``. ``$PROBE_NUMPY``: record a draw of numpy's
+global generator. ``$PROBE_SLEEP``: the workers of the restart that does not fail
+sleep (up to 120 s) instead of exiting.
 """
 import json
 import os
@@ -36,7 +41,13 @@ doc = {
     "pid": os.getpid(),
     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # Linux: this (the main) thread's; a spare imports at 19
     "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),  # the real exec'd argv
+    "ppid": os.getppid(),
+    "sid": os.getsid(0),
 }
+if os.environ.get("PROBE_NUMPY"):
+    import numpy
+
+    doc["np"] = int(numpy.random.randint(2**31))
 rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
 path = os.path.join(sys.argv[1], f"probe_{rank}_{restart}.json")
 with open(path + ".tmp", "w") as f:  # whole or absent: rank 1 exits as soon as it sees rank 0's
@@ -44,10 +55,29 @@ with open(path + ".tmp", "w") as f:  # whole or absent: rank 1 exits as soon as 
 os.replace(path + ".tmp", path)
 if "--raise" in sys.argv:
     raise ValueError(f"probe failure on purpose (rank {rank})")
-if restart == "0" and rank == "1":
-    import time
 
+
+def _templates_imported(where):
+    """Pids in ``where`` (warm_nice_probe's files) of warm templates: they imported it."""
+    found = 0
+    for name in os.listdir(where):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found += b"--template" in f.read().split(b"\0")
+        except OSError:
+            pass
+    return found
+
+
+import time  # noqa: E402
+
+if int(restart) < int(os.environ.get("PROBE_FAILS", "1")) and rank == "1":
     deadline = time.monotonic() + 60  # let rank 0 write its probe before the group is stopped
-    while not os.path.exists(os.path.join(sys.argv[1], "probe_0_0.json")) and time.monotonic() < deadline:
+    while not os.path.exists(os.path.join(sys.argv[1], f"probe_0_{restart}.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    templates = os.environ.get("PROBE_TEMPLATES")
+    while restart == "0" and templates and _templates_imported(templates) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     sys.exit(3)
+if os.environ.get("PROBE_SLEEP") and int(restart) >= int(os.environ.get("PROBE_FAILS", "1")):
+    time.sleep(120)
