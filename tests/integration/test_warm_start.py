@@ -178,10 +178,13 @@ def test_later_spares_are_forked_from_a_template_and_see_what_a_cold_one_sees(tm
     for rank in (0, 1):
         probes = [_probe(out, rank, attempt) for attempt in range(4)]
         assert [_forked(p) for p in probes] == [False, False, True, True], [p["cmdline"] for p in probes]
-        for attempt in (2, 3):
+        for attempt in range(4):
             cold, warm = _probe(cold_out, rank, attempt), probes[attempt]
             warm_env = {k: v for k, v in warm["env"].items() if k != "PROBE_TEMPLATES"}  # only the warm run's
             _assert_same({**cold, "np": 0}, {**warm, "env": warm_env, "np": 0})
+            assert warm["main_thread"]
+        for attempt in (2, 3):
+            warm = probes[attempt]
             assert warm["ppid"] == probes[0]["ppid"]  # the agent's child, as the exec'd spares are
             assert warm["sid"] == warm["pid"] and warm["nice"] == agent_nice
             assert str(warm["pid"]) not in {p.name for p in nice.iterdir()}  # it imported nothing itself

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 
 
 class Point:
@@ -42,6 +43,7 @@ doc = {
     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # Linux: this (the main) thread's; a spare imports at 19
     "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),  # the real exec'd argv
     "ppid": os.getppid(),
+    "main_thread": threading.current_thread() is threading.main_thread(),
     "sid": os.getsid(0),
 }
 if os.environ.get("PROBE_NUMPY"):
