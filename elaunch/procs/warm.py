@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ._warm_child import IMPORT_NICE
 from .helper_process import end
 from .spawn import become_subreaper, popen_worker
-from .warm_template import Template
+from .warm_template import FORK_TIMEOUT, IMPORT_WAIT, Template
 
 if TYPE_CHECKING:
     from .forked import ForkedProcess
@@ -128,9 +128,12 @@ def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class _Spare:
-    def __init__(self, proc: "subprocess.Popen | ForkedProcess", wfd: int, cmd: list[str], env: dict[str, str],
-                 target: WarmTarget):
+    """A spare: ``proc`` None while its template has not forked it yet (``template``)."""
+
+    def __init__(self, proc: "subprocess.Popen | ForkedProcess | None", wfd: int, cmd: list[str],
+                 env: dict[str, str], target: WarmTarget, template: Template | None = None):
         self.proc, self.wfd, self.cmd, self.env, self.target = proc, wfd, cmd, env, target
+        self.template = template
 
     def close_pipe(self) -> None:
         if self.wfd >= 0:
@@ -155,6 +158,7 @@ class WarmPool:
         self._logs: "AttemptLogs | None" = None
         self._spares: dict[int, _Spare] = {}
         self._templates: dict[int, Template] = {}
+        self._no_template: set[int] = set()  # local ranks whose template could not fork
         self._warned = False
         self.enabled = True  # False once the workers turned out not to be warmable
         self.used = 0  # spares handed a worker so far (for tests and logs)
@@ -206,32 +210,52 @@ class WarmPool:
                 break
             self._spares[lr] = spare
         if self._reaper is not None and self._spares:
-            self._reaper.watch(s.proc.pid for s in self._spares.values())
+            self._reaper.watch(s.proc.pid for s in self._spares.values() if s.proc is not None)
         if not self._spares and logs.dir != os.devnull:
             shutil.rmtree(logs.dir, ignore_errors=True)  # made for spares that did not start
-        log.info("warm spares for attempt %d: %s", attempt, {lr: s.proc.pid for lr, s in self._spares.items()})
+        log.info("warm spares for attempt %d: %s", attempt,
+                 {lr: s.proc.pid if s.proc is not None else "forked once its template imported"
+                  for lr, s in self._spares.items()})
         return len(self._spares)
 
     def _fork(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
               nice: int | None) -> _Spare | None:
-        """A spare forked from ``lr``'s template, or None; with ``nice``, start a template where none serves."""
+        """A spare asked of ``lr``'s template (forked now if it is ready), or None; with ``nice``, a template
+        starts where none serves (the spare then forks once it imported)."""
         tmpl = self._templates.get(lr)
-        if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != env or tmpl.proc.poll() is not None):
-            self._end_template(lr)  # the worker changed (or the template died): it serves no more
+        if tmpl is not None and not tmpl.usable():  # it refused to fork, failed or died: no template again
+            log.warning("local rank %d: the warm template %d cannot fork spares (a module it imported starts a "
+                        "thread or initializes CUDA, or it failed); spares start as interpreters", lr, tmpl.proc.pid)
+            self._end_template(lr)
+            self._no_template.add(lr)
+            return None
+        if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != env):
+            self._end_template(lr)  # the worker changed: it serves no more
             tmpl = None
         if tmpl is None:
-            if nice is not None and self._reaper is not None and become_subreaper():
-                tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
-                                                           self._modules, cmd, env, nice)
-                self._reaper.watch([tmpl.proc.pid])
+            if nice is None or lr in self._no_template or self._reaper is None or not become_subreaper():
+                return None
+            tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
+                                                       self._modules, cmd, env, nice)
+            self._reaper.watch([tmpl.proc.pid])
+        wfd = tmpl.request(logs.stdout.get(lr), logs.stderr.get(lr))
+        if wfd is None:
             return None
-        if not tmpl.ready():
-            return None
-        forked = tmpl.fork(logs.stdout.get(lr), logs.stderr.get(lr))
-        if forked is None:
-            log.warning("local rank %d: the warm template %d failed; spares start as interpreters", lr, tmpl.proc.pid)
-            return None
-        return _Spare(forked[0], forked[1], cmd, env, target)
+        spare = _Spare(None, wfd, cmd, env, target, tmpl)
+        if tmpl.ready() and not self._collect(spare, FORK_TIMEOUT):
+            return self._fork(lr, cmd, env, target, logs, nice)  # it failed: says so, spares start as interpreters
+        return spare
+
+    def _collect(self, spare: _Spare, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a spare asked of a template to be forked; False if it was not."""
+        if spare.proc is None:
+            spare.proc = spare.template.collect(timeout)
+            if spare.proc is None:
+                spare.close_pipe()
+                return False
+            if self._reaper is not None:
+                self._reaper.watch([spare.proc.pid])
+        return True
 
     def _spawn(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
                nice: int) -> _Spare:
@@ -274,6 +298,10 @@ class WarmPool:
                      "argv" if spare.cmd != list(cmd) else f"environment ({', '.join(changed)})")
             self._kill(spare)
             return None
+        if not self._collect(spare, IMPORT_WAIT):
+            log.warning("local rank %d: the warm template did not fork a spare (it cannot, or not within %.0f s); "
+                        "starting cold", local_rank, IMPORT_WAIT)
+            return None
         data = encode_handoff(spare.target, list(cmd), env)
         try:
             if spare.proc.poll() is not None:
@@ -307,8 +335,8 @@ class WarmPool:
             shutil.rmtree(logs.dir, ignore_errors=True)
 
     def pids(self) -> list[int]:
-        """Return the pids of the spares waiting for a worker."""
-        return [s.proc.pid for s in self._spares.values()]
+        """Return the pids of the spares waiting for a worker (not those a template has yet to fork)."""
+        return [s.proc.pid for s in self._spares.values() if s.proc is not None]
 
     def template_pids(self) -> dict[int, int]:
         """Return local rank -> pid of its template (running or still importing)."""
@@ -322,6 +350,9 @@ class WarmPool:
 
     def _kill(self, spare: _Spare) -> None:
         spare.close_pipe()
+        if spare.proc is None:  # not forked yet: its template reaps it once it is (or goes first)
+            spare.template.drop()
+            return
         end(spare.proc)  # SIGKILL to its group, reaped
         if self._reaper is not None:
             self._reaper.forget([spare.proc.pid])

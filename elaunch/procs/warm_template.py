@@ -6,6 +6,9 @@ goodput run: about 4 % slower steps for 17 s after every restart). A
 :class:`Template` imports the warm modules once, at the lowest CPU priority, then
 forks one spare per request (``_warm_child.py --template``): the fork takes
 milliseconds, and the spares share the template's pages until they write them.
+A request sent while the template still imports is answered once it is done
+(:meth:`Template.collect` waits); the agent asks for the second attempt's spares
+as it starts the template.
 
 Each spare is forked through an intermediate child that exits at once, so the spare
 is re-parented to the agent (``PR_SET_CHILD_SUBREAPER``, see ``spawn.become_subreaper``):
@@ -36,6 +39,8 @@ from .spawn import popen_worker
 
 #: Seconds to wait for a ready template's answer to a fork request (a fork takes milliseconds).
 FORK_TIMEOUT = 10.0
+#: Seconds a handoff waits for a template still importing to fork the spare (then the worker starts cold).
+IMPORT_WAIT = 120.0
 _F_SETPIPE_SZ = 1031
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
 
@@ -58,6 +63,7 @@ class Template:
     def __init__(self, proc, chan: socket.socket, cmd: list[str], env: dict[str, str]) -> None:
         self.proc, self._chan, self.cmd, self.env = proc, chan, cmd, env
         self._state: bool | None = None  # None: importing; True: forks; False: unusable
+        self._asked: list[bool] = []  # requests not collected yet, oldest first (False: given up)
 
     @classmethod
     def start(cls, argv_head: list[str], path0: str, modules: tuple[str, ...], cmd: list[str],
@@ -85,15 +91,20 @@ class Template:
                 self._state = self._chan.recv(16) == b"R"
         return bool(self._state) and self.proc.poll() is None
 
-    def fork(self, stdout_path: str | None, stderr_path: str | None) -> tuple[ForkedProcess, int] | None:
-        """Fork a spare writing to these files (None: the agent's streams); return it and its handoff fd.
+    def usable(self) -> bool:
+        """False once the template refused to fork, failed, or exited."""
+        return self._state is not False and self.proc.poll() is None
 
+    def request(self, stdout_path: str | None, stderr_path: str | None) -> int | None:
+        """Ask for a spare writing to these files (None: the agent's streams); return its handoff fd.
+
+        The template forks it once its imports are done (:meth:`collect` returns it).
         The spare reads its handoff (``warm.encode_handoff``) from the returned pipe
-        end; closing it unwritten dismisses the spare. None when the template failed
-        (it is then unusable: :meth:`ready` is False).
+        end; closing it unwritten dismisses the spare. None when the request could not
+        be sent (the template is then unusable).
         """
         fds: list[int] = []
-        wfd = -1
+        wfd = None
         try:
             rfd, wfd = os.pipe()
             fds.append(rfd)
@@ -104,23 +115,66 @@ class Template:
             fds.append(_stream(stdout_path, 1))
             fds.append(_stream(stderr_path, 2))
             socket.send_fds(self._chan, [b"F"], fds)
-            self._chan.settimeout(FORK_TIMEOUT)
-            answer = self._chan.recv(32)
-            pid = int(answer or b"0")
-        except (OSError, ValueError):
-            pid = 0
-        finally:
-            self._chan.settimeout(None)
-            for fd in fds:
-                os.close(fd)
-        if not pid:
+        except OSError:
             self._state = False
-            if wfd >= 0:
+            if wfd is not None:
                 os.close(wfd)
             return None
-        return ForkedProcess(pid), wfd
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._asked.append(True)
+        return wfd
+
+    def collect(self, timeout: float = FORK_TIMEOUT) -> ForkedProcess | None:
+        """The spare of the oldest request not collected: wait up to ``timeout`` seconds for it.
+
+        None when the template refused or failed, or did not answer in time (it is then
+        stopped: an answer after that would fork a spare that nothing waits for).
+        """
+        while self._asked:
+            pid = self._answer(timeout)
+            wanted = self._asked.pop(0)
+            if not pid:
+                self._fail()
+                return None
+            if wanted:
+                return ForkedProcess(pid)
+            end(ForkedProcess(pid))  # a request given up (:meth:`drop`): its spare goes
+        return None
+
+    def drop(self) -> None:
+        """Give up the oldest request not collected (its handoff fd is closed): its spare is reaped once forked."""
+        if self._asked:
+            self._asked[self._asked.index(True)] = False
+
+    def _answer(self, timeout: float) -> int:
+        """The next fork's pid (0: refused, failed or timed out); reads the ``R``/``N`` first if not read yet."""
+        try:
+            self._chan.settimeout(timeout)
+            while True:
+                msg = self._chan.recv(32)
+                if msg in (b"R", b"N"):
+                    self._state = msg == b"R"
+                    if msg == b"N":
+                        return 0
+                    continue
+                return int(msg or b"0")
+        except (OSError, ValueError):
+            return 0
+        finally:
+            self._chan.settimeout(None)
+
+    def _fail(self) -> None:
+        self._state = False
+        end(self.proc)
 
     def close(self) -> None:
-        """Stop the template (its spares already forked stay). Idempotent."""
-        self._chan.close()
+        """Stop the template; reap the spares it forked that nothing collected. Idempotent."""
         end(self.proc)
+        while self._asked:  # answers already sent: those spares are this agent's children now
+            pid = self._answer(0.0)
+            self._asked.pop(0)
+            if pid:
+                end(ForkedProcess(pid))
+        self._chan.close()
