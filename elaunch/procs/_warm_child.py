@@ -81,8 +81,12 @@ def _run_module(name, args):
     runpy._run_module_as_main(name, True)
 
 
+_IMPORTER = []  # the importing thread's id: threading may keep an entry for it after it ended
+
+
 def _import_all(names, done, nice=IMPORT_NICE):
     """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), then release ``done``."""
+    _IMPORTER.append(_thread.get_ident())
     try:
         try:
             if nice:
@@ -118,7 +122,8 @@ def _serve_forks(sock_fd, done):
     agent = os.getppid()
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
-    if threading.active_count() > 1 or (cuda is not None and cuda.is_initialized()):  # a fork would break them
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.ident not in _IMPORTER]
+    if others or (cuda is not None and cuda.is_initialized()):  # a fork would break them
         sock.sendall(b"N")
         return None
     sock.sendall(b"R")

@@ -13,3 +13,7 @@ if os.environ.get("WARM_NICE_NUMPY"):  # a module that draws from numpy's global
     import numpy
 
     numpy.random.random()
+
+import threading  # noqa: E402
+
+threading.current_thread()  # as torch does: threading then keeps an entry for the importing thread
