@@ -103,6 +103,31 @@ def _slot(path: str) -> _Slot:
     return slot
 
 
+def premap(shm_dir: str, local_rank: int) -> int:
+    """Map ``local_rank``'s slot files that exist and fault their pages in, writable; return how many.
+
+    A mapping is its process's own: a restarted worker built it anew, one page fault per
+    page, in its first two saves (about 0.25 s each for a 256 MiB state on 2 busy cores,
+    against 0.05 s for a later save). A warm spare calls this while it waits
+    (``elaunch.procs._warm_child``), so that the worker it becomes finds both slots mapped.
+    A slot the agent replaced since is mapped again at the save (:meth:`_Slot.current`).
+    """
+    mapped = 0
+    with _LOCK:
+        for path in slotfile.slot_paths(shm_dir, local_rank):
+            if not os.path.exists(path):
+                continue
+            slot = _slot(path)
+            if slot.mm is None:
+                continue
+            try:
+                slot.mm.madvise(MADV_POPULATE_WRITE)
+            except (OSError, ValueError):  # older kernel: the first save faults the pages in
+                pass
+            mapped += 1
+    return mapped
+
+
 def close_all() -> None:
     """Unmap and close every slot file this process keeps open (their memory goes once the agent removes them)."""
     with _LOCK:

@@ -84,8 +84,9 @@ def _run_module(name, args):
 _IMPORTER = []  # the importing thread's id: threading may keep an entry for it after it ended
 
 
-def _import_all(names, done, nice=IMPORT_NICE):
-    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), then release ``done``."""
+def _import_all(names, done, nice=IMPORT_NICE, premap=True):
+    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), map the snapshot slots
+    (``premap``: a spare, not a template), then release ``done``."""
     _IMPORTER.append(_thread.get_ident())
     try:
         try:
@@ -98,8 +99,57 @@ def _import_all(names, done, nice=IMPORT_NICE):
                 __import__(name)
             except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
                 pass
+        if premap:
+            _premap()
     finally:
         done.release()
+
+
+def _premap(wait=0.0):
+    """Map the snapshot slots of this worker's local rank and fault them in (``elaunch.checkpoint``).
+
+    A restarted worker's first two ``ckpt.save`` calls took 0.3 s each instead of 0.05 s:
+    every page of the two slot files faulted into the new process's mapping. The slots
+    exist from the second attempt on (the workers before saved into them); a spare maps
+    them while it waits, and the worker it becomes finds them mapped. With ``wait``, up
+    to that many seconds for the workers before to create them. Nothing when the job
+    saves no snapshot, or elaunch is not importable.
+    """
+    import time
+
+    shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
+    if not shm:
+        return
+    try:
+        from elaunch.checkpoint import slotfile  # no torch
+    except ImportError:
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    slots = slotfile.slot_paths(shm, local_rank)
+    deadline = time.monotonic() + wait
+    while not all(os.path.exists(p) for p in slots) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    if not any(os.path.exists(p) for p in slots):
+        return
+    try:
+        from elaunch.checkpoint import _shm
+
+        _shm.premap(shm, local_rank)
+    except Exception:  # noqa: BLE001 - the worker's save maps them itself
+        pass
+
+
+def _premap_later():
+    """:func:`_premap` in a thread of the lowest CPU priority (a forked spare, beside the group it serves next)."""
+
+    def run():
+        try:
+            os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), IMPORT_NICE)
+        except OSError:
+            pass
+        _premap(wait=60.0)  # a spare forked before the first saves of the workers it replaces
+
+    _thread.start_new_thread(run, ())
 
 
 def _serve_forks(sock_fd, done):
@@ -197,6 +247,7 @@ def _become_spare(agent, middle, sock, fds):
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # a cold worker's global RandomState is seeded afresh
         numpy_random.seed()
+    _premap_later()
 
 
 def main():
@@ -211,7 +262,7 @@ def main():
     __import__("threading")
     done = _thread.allocate_lock()
     done.acquire()
-    _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done, nice))
+    _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done, nice, not template))
     if template:
         fd = _serve_forks(fd, done)  # returns in a forked spare only
         if fd is None:
