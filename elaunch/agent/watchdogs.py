@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
 def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "RendezvousHandler", events,
                    hostname: str, base_env: Mapping[str, str],
-                   interval: float) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
+                   interval: float, reaper=None) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
     """Create this run's watchdogs (some create files: call once the log directory exists).
 
-    ``interval`` is the monitor's (``--monitor-interval``, seconds).
+    ``interval`` is the monitor's (``--monitor-interval``, seconds). ``reaper``: the
+    agent's watchdog process (``procs.reaper.Reaper``), which removes the workers'
+    progress files' directory if the agent is killed (``kill -9``), or None.
 
     Returns:
         ``(progress, watchdogs)``: the progress files' watch (None when the files could not be
@@ -41,6 +43,8 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
     local_ranks = range(local_world_size)
     stuck_after = timeout_from_env(base_env)
     progress = open_progress_watch(local_ranks, events, interval, required=config.hang_timeout > 0)
+    if progress is not None and reaper is not None:
+        reaper.remove_on_exit(progress.files.directory)
     hang = HangWatchdog(config.hang_timeout, local_ranks, rdzv, hostname, progress=progress)
     stuck = [UninterruptibleWatch(stuck_after, hostname=hostname)] if stuck_after else []
     watchdogs = [*_file_timer(base_env), *stuck, *([progress] if progress is not None else []), hang]

@@ -85,10 +85,11 @@ class Reaper:
             self._send("".join(f"f {pid}\n" for pid in pids))
 
     def remove_on_exit(self, path: str) -> None:
-        """Have the watchdog remove the node directory ``path`` when the agent dies, after killing the workers.
+        """Have the watchdog remove the directory ``path`` when the agent dies, after killing the workers.
 
-        Only a node directory is removed (``snapshot_dir.removable``: ``/dev/shm/elaunch-*``
-        itself); the watchdog ignores any other path. A directory already gone is fine,
+        Only an agent's own directory in shared memory is removed (``snapshot_dir.removable``:
+        ``/dev/shm/elaunch-*`` itself: the checkpoint node directory, the workers' progress
+        files); the watchdog ignores any other path. A directory already gone is fine,
         so the agent removing it first at the end of its run needs no ``forget``.
         """
         self._send(f"d {os.fsencode(path).hex()}\n")

@@ -65,6 +65,7 @@ def test_a_worker_killed_after_saving_step_k_is_restarted_at_step_k(tmp_path, sh
 
 
 def test_the_node_directory_goes_with_an_agent_killed_by_sigkill(tmp_path):
+    """And so does the directory of the workers' progress and stacks files."""
     out = tmp_path / "out"
     out.mkdir()
     agent = start("elaunch", "--nproc-per-node=1", WORKER, str(out), "2", "--wait-for", str(tmp_path / "never"),
@@ -74,9 +75,14 @@ def test_the_node_directory_goes_with_an_agent_killed_by_sigkill(tmp_path):
                           60, what="the worker's report")
         shm = report["env"]["ELAUNCH_CHECKPOINT_SHM"]
         wait_for(lambda: len(os.listdir(os.path.join(shm, "slots"))) >= 2, 60, what="the worker's saves")
+        with open(f"/proc/{report['pid']}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        progress = os.path.dirname(os.fsdecode(env[b"ELAUNCH_PROGRESS_FILE"]))
+        assert os.path.isdir(progress) and os.path.basename(progress).startswith("elaunch-progress-")
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(10)
         wait_for(lambda: not os.path.exists(shm), 10, what=f"the reaper to remove {shm}")
+        wait_for(lambda: not os.path.exists(progress), 10, what=f"the reaper to remove {progress}")
         wait_for(lambda: not alive(report["pid"]), 10, what="the worker to die")
     finally:
         kill_tree(agent.pid)
