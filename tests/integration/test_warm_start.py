@@ -169,9 +169,7 @@ def test_later_spares_are_forked_from_a_template_and_see_what_a_cold_one_sees(tm
     nice.mkdir()
     env = {**launcher_env(), "WARM_NICE_OUT": str(nice), "PROBE_FAILS": "3", "PROBE_NUMPY": "1",
            "WARM_NICE_NUMPY": "1"}  # the template draws from numpy's generator as it imports
-    runs = {"cold": ((), env),
-            "warm": (("--warm-start", "--warm-start-modules=json,numpy,warm_nice_probe"),
-                     {**env, "PROBE_TEMPLATES": str(nice)})}
+    runs = {"cold": ((), env), "warm": (("--warm-start", "--warm-start-modules=json,numpy,warm_nice_probe"), env)}
     for name, (flags, run_env) in runs.items():
         (tmp_path / name).mkdir()
         r = run("elaunch", *WARM[:-3], "--max-restarts=3", *flags, str(SCRIPTS / "warm_probe.py"),
@@ -184,8 +182,7 @@ def test_later_spares_are_forked_from_a_template_and_see_what_a_cold_one_sees(tm
         assert [_forked(p) for p in probes] == [False, True, True, True], [p["cmdline"] for p in probes]
         for attempt in range(4):
             cold, warm = _probe(cold_out, rank, attempt), probes[attempt]
-            warm_env = {k: v for k, v in warm["env"].items() if k != "PROBE_TEMPLATES"}  # only the warm run's
-            _assert_same({**cold, "np": 0}, {**warm, "env": warm_env, "np": 0})
+            _assert_same({**cold, "np": 0}, {**warm, "np": 0})
             assert warm["main_thread"]
         for attempt in (1, 2, 3):
             warm = probes[attempt]
@@ -199,7 +196,7 @@ def test_later_spares_are_forked_from_a_template_and_see_what_a_cold_one_sees(tm
 def test_forked_spares_and_templates_die_with_the_agent(tmp_path):
     nice = tmp_path / "nice"
     nice.mkdir()
-    env = {**launcher_env(), "WARM_NICE_OUT": str(nice), "PROBE_TEMPLATES": str(nice), "PROBE_FAILS": "2",
+    env = {**launcher_env(), "WARM_NICE_OUT": str(nice), "PROBE_FAILS": "2",
            "PROBE_SLEEP": "1"}
     agent = start("elaunch", *WARM[:-3], "--max-restarts=4", "--warm-start",
                   "--warm-start-modules=json,warm_nice_probe", str(SCRIPTS / "warm_probe.py"), str(tmp_path), env=env)
@@ -228,9 +225,9 @@ def test_forked_spares_and_templates_die_with_the_agent(tmp_path):
 def test_a_template_with_a_thread_running_does_not_fork_and_spares_start_as_interpreters(tmp_path):
     nice = tmp_path / "nice"
     nice.mkdir()
-    env = {**launcher_env(), "PROBE_FAILS": "3", "WARM_NICE_OUT": str(nice), "PROBE_TEMPLATES": str(nice)}
+    env = {**launcher_env(), "PROBE_FAILS": "3", "WARM_NICE_OUT": str(nice)}
     r = run("elaunch", *WARM[:-3], "--max-restarts=3", "--warm-start",
-            "--warm-start-modules=json,warm_thread_probe,warm_nice_probe",  # the templates' imports are awaited
+            "--warm-start-modules=json,warm_thread_probe,warm_nice_probe",
             str(SCRIPTS / "warm_probe.py"), str(tmp_path), cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert "cannot fork spares" in r.stderr

@@ -3,9 +3,7 @@
 argv[1]: output directory; writes probe_<RANK>_<restart>.json. Rank 1 of restarts
 below ``$PROBE_FAILS`` (default 1) then exits 3 once rank 0 wrote its probe (so the
 agent restarts the group, warm when --warm-start is on); with ``--raise`` every
-worker raises ValueError after writing instead. ``$PROBE_TEMPLATES`` (a
-``WARM_NICE_OUT`` directory): rank 1 of restart 0 also waits until two warm
-templates imported ``warm_nice_probe``. ``$PROBE_NUMPY``: record a draw of numpy's
+worker raises ValueError after writing instead. ``$PROBE_NUMPY``: record a draw of numpy's
 global generator. ``$PROBE_SLEEP``: the workers of the restart that does not fail
 sleep (up to 120 s) instead of exiting.
 """
@@ -14,6 +12,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 
 
 class Point:
@@ -58,27 +57,9 @@ os.replace(path + ".tmp", path)
 if "--raise" in sys.argv:
     raise ValueError(f"probe failure on purpose (rank {rank})")
 
-
-def _templates_imported(where):
-    """Pids in ``where`` (warm_nice_probe's files) of warm templates: they imported it."""
-    found = 0
-    for name in os.listdir(where):
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                found += b"--template" in f.read().split(b"\0")
-        except OSError:
-            pass
-    return found
-
-
-import time  # noqa: E402
-
 if int(restart) < int(os.environ.get("PROBE_FAILS", "1")) and rank == "1":
     deadline = time.monotonic() + 60  # let rank 0 write its probe before the group is stopped
     while not os.path.exists(os.path.join(sys.argv[1], f"probe_0_{restart}.json")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    templates = os.environ.get("PROBE_TEMPLATES")
-    while restart == "0" and templates and _templates_imported(templates) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     sys.exit(3)
 if os.environ.get("PROBE_SLEEP") and int(restart) >= int(os.environ.get("PROBE_FAILS", "1")):
