@@ -6,9 +6,13 @@ init-method test script. Rank 0 then writes its pid and exits at once; every
 other rank waits until that process is gone (or fails after 60 s) and then sets
 and gets a key through the default store, writing ``store_<RANK>.txt`` ("ok" or
 the error). Every rank destroys its group before exiting, so that gloo's teardown
-race at interpreter exit (issue 22, item 2) cannot fail the test.
+race at interpreter exit (issue 22, item 2) cannot fail the test. Every catchable
+signal a worker gets (the agent's stop, interrupt, notices, the stacks signal) is
+recorded and appended to that file: the agent must leave the remaining workers alone
+until they exit (torchrun's agent only polls them).
 """
 import os
+import signal
 import sys
 import time
 
@@ -16,6 +20,12 @@ import torch
 import torch.distributed as dist
 
 out = sys.argv[1]
+got = []
+_stacks = int(os.environ.get("ELAUNCH_STACKS_SIGNAL", "0"))
+for _sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             *([_stacks] if _stacks else [])):
+    signal.signal(_sig, lambda signum, frame: got.append(signal.Signals(signum).name if signum in iter(
+        signal.Signals) else str(signum)))
 dist.init_process_group("gloo", init_method="env://")
 rank = dist.get_rank()
 t = torch.ones(1)
@@ -46,6 +56,7 @@ try:
     result = "ok" if store.get(f"after_exit_{rank}") == b"1" else "wrong value"
 except Exception as exc:  # noqa: BLE001 - the test reads what went wrong
     result = f"{type(exc).__name__}: {exc}"
+time.sleep(0.2)  # a signal sent as rank 0 was reaped has arrived by now
 with open(os.path.join(out, f"store_{rank}.txt"), "w") as f:
-    f.write(result)
+    f.write(result + (f"; signals: {', '.join(got)}" if got else ""))
 dist.destroy_process_group()
