@@ -191,7 +191,6 @@ class CheckpointKeeper:
         if plan.step is not None:
             for w in workers:
                 self._env[w.local_rank] = {ENV_RESTORE: files[w.global_rank][0], ENV_STEP: str(plan.step)}
-        if plan.step is not None:
             self._events.checkpoint_restore(info.round, plan.step, {r: kind for r, (_path, kind) in files.items()})
         if self._service is not None:
             addrs = {g: planner.addr_from_doc(d) for g, d in docs.items()}

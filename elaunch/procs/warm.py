@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ._warm_child import IMPORT_NICE
 from .helper_process import end
 from .spawn import become_subreaper, popen_worker
-from .warm_template import FORK_TIMEOUT, IMPORT_WAIT, Template
+from .warm_template import CHILD, FORK_TIMEOUT, IMPORT_WAIT, Template, handoff_pipe
 
 if TYPE_CHECKING:
     from .forked import ForkedProcess
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
 
 #: Worker variables that may change from one round to the next: set only at handoff.
 ROUND_KEYS = frozenset(
@@ -64,7 +63,6 @@ ROUND_KEYS = frozenset(
 )
 #: Interpreter options a warmable worker argv may carry before its script (``build_cmd``'s).
 _PY_FLAGS = ("-u",)
-_F_SETPIPE_SZ = 1031  # Linux fcntl: grow the handoff pipe so the write never blocks
 
 
 @dataclass(frozen=True)
@@ -223,11 +221,8 @@ class WarmPool:
         """A spare asked of ``lr``'s template (forked now if it is ready), or None; with ``nice``, a template
         starts where none serves (the spare then forks once it imported)."""
         tmpl = self._templates.get(lr)
-        if tmpl is not None and not tmpl.usable():  # it refused to fork, failed or died: no template again
-            log.warning("local rank %d: the warm template %d cannot fork spares (a module it imported starts a "
-                        "thread or initializes CUDA, or it failed); spares start as interpreters", lr, tmpl.proc.pid)
-            self._end_template(lr)
-            self._no_template.add(lr)
+        if tmpl is not None and not tmpl.usable():  # it refused to fork, failed or died
+            self._retire(lr)
             return None
         if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != env):
             self._end_template(lr)  # the worker changed: it serves no more
@@ -243,8 +238,17 @@ class WarmPool:
             return None
         spare = _Spare(None, wfd, cmd, env, target, tmpl)
         if tmpl.ready() and not self._collect(spare, FORK_TIMEOUT):
-            return self._fork(lr, cmd, env, target, logs, nice)  # it failed: says so, spares start as interpreters
+            self._retire(lr)
+            return None
         return spare
+
+    def _retire(self, lr: int) -> None:
+        """End ``lr``'s template that cannot fork, with one warning; its spares start as interpreters from now on."""
+        log.warning("local rank %d: the warm template %d cannot fork spares (a module it imported starts a "
+                    "thread or initializes CUDA, or it failed); spares start as interpreters",
+                    lr, self._templates[lr].proc.pid)
+        self._end_template(lr)
+        self._no_template.add(lr)
 
     def _collect(self, spare: _Spare, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a spare asked of a template to be forked; False if it was not."""
@@ -264,15 +268,9 @@ class WarmPool:
         Raises:
             OSError: it could not be started.
         """
-        rfd, wfd = os.pipe()
+        rfd, wfd = handoff_pipe()
         try:
-            try:
-                import fcntl
-
-                fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
-            except (ImportError, OSError):
-                pass
-            argv = [target.python, *target.flags, _CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
+            argv = [target.python, *target.flags, CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
             proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
         except OSError:
             os.close(wfd)
@@ -337,10 +335,6 @@ class WarmPool:
     def pids(self) -> list[int]:
         """Return the pids of the spares waiting for a worker (not those a template has yet to fork)."""
         return [s.proc.pid for s in self._spares.values() if s.proc is not None]
-
-    def template_pids(self) -> dict[int, int]:
-        """Return local rank -> pid of its template (running or still importing)."""
-        return {lr: t.proc.pid for lr, t in self._templates.items()}
 
     def _end_template(self, lr: int) -> None:
         tmpl = self._templates.pop(lr)

@@ -33,7 +33,7 @@ import select
 import socket
 from collections.abc import Mapping
 
-from .forked import ForkedProcess
+from .forked import ForkedProcess, _open_append
 from .helper_process import end
 from .spawn import popen_worker
 
@@ -41,15 +41,28 @@ from .spawn import popen_worker
 FORK_TIMEOUT = 10.0
 #: Seconds a handoff waits for a template still importing to fork the spare (then the worker starts cold).
 IMPORT_WAIT = 120.0
-_F_SETPIPE_SZ = 1031
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
+_F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe
+#: The spare's (and the template's) main program.
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_child.py")
+
+
+def handoff_pipe() -> tuple[int, int]:
+    """A spare's handoff pipe ``(read end, write end)``, grown to 1 MiB so the agent's write never blocks.
+
+    Raises:
+        OSError: no pipe could be made.
+    """
+    rfd, wfd = os.pipe()
+    try:
+        fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)
+    except OSError:
+        pass
+    return rfd, wfd
 
 
 def _stream(path: str | None, fd: int) -> int:
     """A descriptor for a spare's stream: ``path`` opened for appending, or a copy of the agent's ``fd``."""
-    if path is None:
-        return os.dup(fd)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return os.dup(fd) if path is None else _open_append(path)
 
 
 class Template:
@@ -75,7 +88,7 @@ class Template:
         """
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            argv = [*argv_head, _CHILD, "--template", str(child.fileno()), path0, ",".join(modules), str(nice)]
+            argv = [*argv_head, CHILD, "--template", str(child.fileno()), path0, ",".join(modules), str(nice)]
             proc = popen_worker(argv, dict(env), os.devnull, os.devnull, pass_fds=(child.fileno(),))
         except BaseException:
             parent.close()
@@ -106,12 +119,8 @@ class Template:
         fds: list[int] = []
         wfd = None
         try:
-            rfd, wfd = os.pipe()
+            rfd, wfd = handoff_pipe()
             fds.append(rfd)
-            try:
-                fcntl.fcntl(wfd, _F_SETPIPE_SZ, 1 << 20)  # the handoff's write never blocks
-            except OSError:
-                pass
             fds.append(_stream(stdout_path, 1))
             fds.append(_stream(stderr_path, 2))
             socket.send_fds(self._chan, [b"F"], fds)

@@ -15,7 +15,7 @@ from elaunch.procs import warm
 
 
 def _child():
-    spec = importlib.util.spec_from_file_location("_warm_child_under_test", warm._CHILD)
+    spec = importlib.util.spec_from_file_location("_warm_child_under_test", warm.CHILD)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
