@@ -47,9 +47,11 @@ def run(which: str, *args: str, timeout: float = 120, env: dict | None = None, c
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = tree_stacks(proc.pid)
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        raise AssertionError(f"{which} {args} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"{which} {args} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}\n"
+                             f"stacks of the launcher's process tree at the timeout:\n{stacks}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -84,6 +86,36 @@ def finish_agents(agents: list[subprocess.Popen], timeout: float = 120) -> list[
         for a in agents:
             kill_tree(a.pid)
     return results
+
+
+def tree_stacks(pid: int, timeout: float = 20) -> str:
+    """The Python stacks (``py-spy dump``) of ``pid`` and its descendants, for a timeout's report.
+
+    A process that cannot be read says why; never raises.
+    """
+    from elaunch.procs.stacks import find_py_spy
+
+    py_spy = find_py_spy()
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as exc:
+        return f"(no process tree: {exc})"
+    if py_spy is None:
+        return "(py-spy not found)"
+    dumps = []
+    for p in procs:
+        try:
+            head = f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:200]}"
+        except psutil.Error:
+            continue
+        try:
+            r = subprocess.run([py_spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                               timeout=max(1.0, timeout / len(procs)))
+            body = r.stdout or r.stderr
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            body = f"(py-spy failed: {exc})"
+        dumps.append(f"{head}\n{body}")
+    return "\n".join(dumps)
 
 
 def kill_tree(pid: int) -> None:
