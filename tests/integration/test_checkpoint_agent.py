@@ -258,6 +258,21 @@ def _mapped_slots(pid: int) -> set[str]:
         return set()
 
 
+def _slot_rss(pid: int) -> tuple[int, int]:
+    """(Rss, Size) in bytes of the slot-file mappings of process ``pid``: the pages it faulted in, of how many."""
+    rss = size = 0
+    current = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range ... path
+                current = "/slots/" in line
+            elif current and head[0] in ("Rss:", "Size:"):
+                kib = int(head[1]) * 1024
+                rss, size = (rss + kib, size) if head[0] == "Rss:" else (rss, size + kib)
+    return rss, size
+
+
 def test_a_warm_spare_maps_the_slots_before_its_worker_saves(tmp_path):
     """A restarted worker's first two saves faulted every page of both slot files into its new
     mapping (0.3 s each for 256 MiB, against 0.05 s later on): the next attempt's spare, forked
@@ -283,6 +298,8 @@ def test_a_warm_spare_maps_the_slots_before_its_worker_saves(tmp_path):
 
         pid = wait_for(spare_with_slots, 120, what="a spare with both slot files mapped")
         assert {os.path.basename(p) for p in _mapped_slots(pid)} == {"0.0", "0.1"}
+        # and faulted in: every page of both mappings resident in the spare (it maps them, then populates)
+        wait_for(lambda: (lambda r: r[1] and r[0] == r[1])(_slot_rss(pid)), 60, what="both slot mappings faulted in")
         stop.touch()
         assert agent.wait(60) == 0
     finally:
