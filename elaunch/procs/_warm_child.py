@@ -81,36 +81,32 @@ def _run_module(name, args):
     runpy._run_module_as_main(name, True)
 
 
+_IMPORTER = []  # the importing thread's (ident, native id): threading may keep an entry for it after it ended
 #: Seconds the template waits for its importing thread to be gone (it released ``done`` and is exiting).
 THREAD_EXIT_WAIT = 10.0
 
 
-def _alone(wait):
-    """True once this process runs one thread (the kernel's count: native threads included), waiting up to
-    ``wait`` seconds.
+def _importer_gone(wait):
+    """True once the importing thread no longer exists (the kernel's view), waiting up to ``wait`` seconds.
 
-    The importing thread releases ``done`` and then still runs its exit (``pthread_exit``
-    unwinds it, taking the C library's and the unwinder's locks); a fork meanwhile could
-    copy such a lock, held, into every spare. A module may also have started a native
-    thread (a C library's pool), which ``threading`` does not list.
+    It releases ``done`` and then still runs its exit (``pthread_exit`` unwinds it, taking
+    the C library's and the unwinder's locks); a fork meanwhile could copy such a lock,
+    held, into every spare.
     """
     import time
 
     deadline = time.monotonic() + wait
-    while True:
-        try:
-            if len(os.listdir("/proc/self/task")) == 1:
-                return True
-        except OSError:
-            return False
+    while any(os.path.exists(f"/proc/self/task/{tid}") for _ident, tid in _IMPORTER):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
+    return True
 
 
 def _import_all(names, done, nice=IMPORT_NICE, premap=True):
     """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), map the snapshot slots
     (``premap``: a spare, not a template), then release ``done``."""
+    _IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
     try:
         try:
             if nice:
@@ -179,7 +175,8 @@ def _serve_forks(sock_fd, done):
     """The template's loop (``--template``): fork one spare per request; return a spare's handoff fd.
 
     Waits for the imports (``done``), then says ``R`` on the socket (``N`` and returns
-    None when another thread runs or CUDA was initialized: a fork is not safe then). Each request is
+    None when another Python thread runs or CUDA was initialized: a fork is not safe then; native
+    threads, such as OpenBLAS's pool, are left to their libraries' fork handlers). Each request is
     one byte with three descriptors (the spare's handoff pipe, its stdout and stderr);
     the template forks an intermediate child that forks the spare and exits at once,
     so that the spare is re-parented to the agent (a ``PR_SET_CHILD_SUBREAPER``), and
@@ -188,13 +185,16 @@ def _serve_forks(sock_fd, done):
     ``PR_SET_PDEATHSIG``, its own session and the streams. End of file: returns None.
     """
     import socket
+    import threading
 
     sock = socket.socket(fileno=sock_fd)
     done.acquire()
     agent = os.getppid()
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
-    if not _alone(THREAD_EXIT_WAIT) or (cuda is not None and cuda.is_initialized()):  # a fork would break them
+    importers = {ident for ident, _tid in _IMPORTER}
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.ident not in importers]
+    if not _importer_gone(THREAD_EXIT_WAIT) or others or (cuda is not None and cuda.is_initialized()):
         sock.sendall(b"N")
         return None
     sock.sendall(b"R")
@@ -207,7 +207,7 @@ def _serve_forks(sock_fd, done):
             for fd in fds:
                 os.close(fd)
             return None
-        pid = _fork_spare(agent, sock, fds) if _alone(0.0) else 0
+        pid = _fork_spare(agent, sock, fds)
         if pid is None:  # this process is the spare
             return fds[0]
         for fd in fds:

@@ -222,14 +222,12 @@ def test_forked_spares_and_templates_die_with_the_agent(tmp_path):
         agent.communicate()
 
 
-@pytest.mark.parametrize("thread", ["warm_thread_probe", "warm_native_thread_probe"])
-def test_a_template_with_a_thread_running_does_not_fork_and_spares_start_as_interpreters(tmp_path, thread):
-    """A Python thread, or a native one that ``threading`` does not list (a C library's pool)."""
+def test_a_template_with_a_thread_running_does_not_fork_and_spares_start_as_interpreters(tmp_path):
     nice = tmp_path / "nice"
     nice.mkdir()
     env = {**launcher_env(), "PROBE_FAILS": "3", "WARM_NICE_OUT": str(nice)}
     r = run("elaunch", *WARM[:-3], "--max-restarts=3", "--warm-start",
-            f"--warm-start-modules=json,{thread},warm_nice_probe",
+            "--warm-start-modules=json,warm_thread_probe,warm_nice_probe",
             str(SCRIPTS / "warm_probe.py"), str(tmp_path), cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert "cannot fork spares" in r.stderr

@@ -93,3 +93,25 @@ def test_no_python_ignores_warm_start_with_a_log_line(caplog):
         cfg = parse_config(["--warm-start", "--no-python", sys.executable], {"PATH": os.defpath})
     assert cfg.warm_start_modules is None
     assert "--warm-start does not apply" in caplog.text
+
+
+def test_a_template_forks_only_once_its_importing_thread_is_gone():
+    """The importing thread releases the imports' lock and then still runs its exit: the template
+    waits for the kernel to drop the thread (a fork meanwhile could copy a lock it holds)."""
+    import _thread
+    import threading
+
+    child = _child()
+    released, leave = _thread.allocate_lock(), threading.Event()
+    released.acquire()
+
+    def importer():
+        child._IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
+        released.release()  # as _import_all's finally does
+        leave.wait(30)  # ... and the thread has yet to end
+
+    _thread.start_new_thread(importer, ())
+    released.acquire()
+    assert child._importer_gone(0.2) is False  # still there: no fork
+    leave.set()
+    assert child._importer_gone(10.0) is True
