@@ -168,6 +168,16 @@ def _premap_later():
             pass
         _premap(wait=60.0)  # a spare forked before the first saves of the workers it replaces
 
+    if not os.environ.get("ELAUNCH_CHECKPOINT_SHM"):
+        return
+    # what _premap imports, imported here, before the spare runs the script: a nice-19 thread that
+    # imports beside the script's main thread could hold a module's import lock while it waits for a CPU
+    try:
+        __import__("elaunch.checkpoint.slotfile")
+        if "torch" in sys.modules:
+            __import__("elaunch.checkpoint._shm")
+    except ImportError:
+        return
     _thread.start_new_thread(run, ())
 
 
