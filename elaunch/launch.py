@@ -29,6 +29,7 @@ from elaunch.rendezvous.contract import (
     RendezvousGracefulExitError,
     RendezvousParameters,
 )
+from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
 from elaunch.rendezvous.registry import create_handler
 from elaunch.spec import RunResult, WorkerSpec
 
@@ -145,7 +146,8 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         own_process: this process is the agent alone (the ``elaunch`` command): its
             start-up heap is frozen out of garbage collection before the first
             rendezvous (``elaunch.agent.heap``). False for the Python API, which
-            runs in the caller's process.
+            runs in the caller's process: there the child-subreaper flag the agent sets
+            while workers run is cleared again when this returns (unless the caller had set it).
 
     Returns:
         The agent's RunResult (``is_failed()`` tells a failed job), or None when the
@@ -172,11 +174,14 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         from elaunch.agent.metrics_server import start_metrics
 
         metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet
+    was_subreaper = is_subreaper()
     try:
         return _run_agent(config, specs, base_env, fork_target, own_process, metrics)
     finally:
         if metrics is not None:
             metrics.close()  # the port closes with the agent's run
+        if not was_subreaper and not own_process:  # the API: the caller's later orphans go to init again
+            stop_being_subreaper()
 
 
 def _run_agent(config: LaunchConfig, specs, base_env: dict[str, str], fork_target: Callable[[int], int] | None,

@@ -22,6 +22,7 @@ from .deferral import deferred
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 #: Worker env entries an adopted orphan must carry (those the worker had) to be taken
 #: for one of this attempt's: together they name the run, attempt and rank.
 _MARKERS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RANK", "LOCAL_RANK", "MASTER_PORT")
@@ -114,6 +115,24 @@ def become_subreaper() -> bool:
     (``WorkerProcesses._family``) however soon the worker exited.
     """
     return _prctl is not None and _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def is_subreaper() -> bool:
+    """True when this process adopts its orphaned descendants (``PR_GET_CHILD_SUBREAPER``)."""
+    if _prctl is None:
+        return False
+    value = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) == 0 and value.value != 0
+
+
+def stop_being_subreaper() -> None:
+    """Let this process's orphaned descendants go to init again (undoes :func:`become_subreaper`).
+
+    For the Python API, whose agent runs in the caller's process: once the launch
+    returned, the caller's own children's orphans are none of elaunch's business.
+    """
+    if _prctl is not None:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def marker_entries(env: dict[str, str]) -> frozenset[bytes]:

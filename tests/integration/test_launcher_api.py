@@ -342,3 +342,43 @@ def test_workers_killing_their_agent_at_once_leave_no_child(tmp_path):
     assert pids, "no worker ran before the agent died"
     track_processes(pids)
     wait_for(lambda: _gone(pids), 20, what=f"workers and their children {pids} to die")
+
+
+def test_the_caller_adopts_no_orphan_after_the_launch_returns(tmp_path):
+    """The agent makes its process a child subreaper while workers run (their orphans come to it);
+    under the Python API that process is the caller's, and the flag stayed set after the launch:
+    every orphan of the caller's later children became its zombie. After ``elastic_launch``
+    returns, the flag is as it was, and an orphan goes to init again."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import ctypes, os, subprocess, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from elaunch.launcher.api import LaunchConfig, elastic_launch
+        prctl = ctypes.CDLL(None).prctl
+        def subreaper():
+            v = ctypes.c_int(-1)
+            prctl(37, ctypes.byref(v), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+            return v.value
+        before = subreaper()
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="subreaper",
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:{free_port()}", monitor_interval=0.1)
+        elastic_launch(config, sys.executable)("-c", "pass")
+        after = subreaper()
+        # a child that starts a grandchild and exits at once: whose child is the orphan then?
+        child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
+                                  "[sys.executable, '-c', 'import time; time.sleep(30)']).pid)"],
+                                 stdout=subprocess.PIPE, text=True)
+        orphan = int(child.stdout.read())
+        child.wait()
+        import psutil
+        deadline = time.monotonic() + 30
+        while psutil.Process(orphan).ppid() == child.pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        adopted = psutil.Process(orphan).ppid() == os.getpid()
+        psutil.Process(orphan).kill()
+        print(before, after, adopted)
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after, adopted = r.stdout.split()[-3:]
+    assert (before, after, adopted) == ("0", "0", "False"), r.stdout
