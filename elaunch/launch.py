@@ -187,7 +187,7 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
 def _run_agent(config: LaunchConfig, specs, base_env: dict[str, str], fork_target: Callable[[int], int] | None,
                own_process: bool, metrics) -> RunResult | None:
     """:func:`run_job` from the rendezvous handler on (arguments as it has them; ``metrics``: serving, or None)."""
-    handler = create_handler(rendezvous_parameters(config))
+    handler = create_handler(rendezvous_parameters(config), store_in_background=True)
     agent = _build_agent(config, handler, specs, base_env, fork_target, metrics)
     if own_process:
         freeze_startup_heap()

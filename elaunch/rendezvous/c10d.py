@@ -2,8 +2,14 @@
 
 Mirrors torch's ``c10d_rendezvous_backend`` (conf keys ``is_host``,
 ``store_type``, ``read_timeout``, ``use_libuv``; default port 29400) with the
-dynamic rendezvous of ``elaunch.rendezvous.dynamic``. Imports torch: reach it
-only through ``elaunch.rendezvous.registry``.
+dynamic rendezvous of ``elaunch.rendezvous.dynamic``. Reach it only through
+``elaunch.rendezvous.registry``.
+
+torch is imported where a store is made. For a TCP endpoint with a port, the agent
+store is hosted or reached in a background thread (:class:`StoreSoon`): torch's
+import (about a second of CPU) then overlaps what the agent does before its first
+rendezvous, above all starting the first warm spares (``--warm-start``), which a
+node replacing a lost one waits for.
 
 Deliberate change from torchrun: every round, the group-rank-0 agent hosts a NEW
 workers' TCPStore (MASTER_ADDR/MASTER_PORT) and publishes its address in the
@@ -18,7 +24,8 @@ import datetime
 import ipaddress
 import logging
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import os
@@ -27,8 +34,6 @@ import os
 # the store host goes away; elaunch reports those failures itself, in one line.
 # Only the agent is affected: launch() snapshots the workers' env before this import.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-from torch.distributed import FileStore, TCPStore  # noqa: E402
 
 from elaunch.rendezvous.contract import (
     NodeInfo,
@@ -80,6 +85,10 @@ class C10dBackend(RendezvousBackend):
         if create:
             with _translated(endpoint, "initialising the state"):
                 store.compare_set(self.key, "", _EMPTY)
+
+    def never_reached(self) -> bool:
+        """True while the agent store made in the background (``StoreSoon``) is not made, or once that failed."""
+        return not getattr(self._direct, "made", True)
 
     def exists(self) -> bool:
         """True when the state key exists (an agent of this run id reached the store). Writes nothing.
@@ -286,6 +295,8 @@ def _resolve(name: str) -> set[str]:
 def _agent_store(host: str, port: int, is_host: bool | None, local_addr: str, read_timeout: float,
                  use_libuv: bool) -> tuple[Any, bool]:
     """Host or join the agents' TCPStore; returns ``(store, hosting)``."""
+    from torch.distributed import TCPStore
+
     endpoint = f"{host}:{port}"
     hosting = is_host if is_host is not None else is_this_machine(host, local_addr)
     timeout = datetime.timedelta(seconds=read_timeout)
@@ -307,8 +318,72 @@ def _agent_store(host: str, port: int, is_host: bool | None, local_addr: str, re
     return store, False
 
 
-def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+class StoreSoon:
+    """The agents' store, being hosted or reached in a background thread; a store's interface once it is.
+
+    Every attribute is the store's, read after waiting for it; an error making it
+    (``RendezvousConfigError``, ``RendezvousConnectionError``) is raised at each use
+    instead of at ``create_handler``. The wait can be interrupted by a signal.
+
+    Args:
+        make: returns ``(store, hosting)`` (:func:`_agent_store`); then ``after(store)``,
+            when given, runs in the same thread (the state key's first write).
+    """
+
+    def __init__(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None = None) -> None:
+        self._done = threading.Event()
+        self._value: tuple[Any, bool] | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(make, after), name="elaunch-c10d-store", daemon=True).start()
+
+    def _run(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None) -> None:
+        try:
+            value = make()
+            if after is not None:
+                after(value[0])
+            self._value = value
+        except BaseException as exc:  # noqa: BLE001 - raised in the thread that uses the store
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> tuple[Any, bool]:
+        """``(store, hosting)``, waiting for them.
+
+        Raises:
+            RendezvousConfigError, RendezvousConnectionError: making the store failed.
+        """
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    @property
+    def made(self) -> bool:
+        """True once the store is made (never waits)."""
+        return self._done.is_set() and self._error is None
+
+    @property
+    def store(self) -> Any:
+        """The torch store (waits for it)."""
+        return self.result()[0]
+
+    @property
+    def hosting(self) -> bool:
+        """True when this agent hosts the store (waits for it)."""
+        return self.result()[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def create_handler(params: RendezvousParameters, store_in_background: bool = False) -> DynamicRendezvousHandler:
     """Build a c10d dynamic rendezvous handler (torch ``c10d_rendezvous_backend.create_backend``).
+
+    With ``store_in_background`` (the agent's own launch) and an endpoint with a port,
+    the agent store is hosted or reached in a background thread (:class:`StoreSoon`);
+    its errors are then raised at the handler's first use of it, not here.
 
     Conf keys (besides the dynamic rendezvous' timeouts, see RendezvousSettings):
     ``store_type`` (``tcp``, default, or ``file``: the endpoint is a file path),
@@ -326,24 +401,34 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     use_libuv = bool(params.get_as_bool("use_libuv", True))
     local_addr = params.local_addr or socket.getfqdn()
     store_type = str(params.get("store_type", "tcp")).strip().lower()
+    soon = None
     if store_type == "tcp":
         host, port = parse_endpoint(params.endpoint, DEFAULT_PORT, allow_zero=True, bare_ipv6=True)
         assert port is not None
-        agent_store, hosting = _agent_store(host, port, params.get_as_bool("is_host"), local_addr,
-                                            read_timeout, use_libuv)
-        endpoint = f"{host}:{agent_store.port}"
+        is_host = params.get_as_bool("is_host")
+        if port == 0 or not store_in_background:  # (port 0: the port is known once the store is hosted)
+            agent_store, hosting = _agent_store(host, port, is_host, local_addr, read_timeout, use_libuv)
+        else:
+            soon = StoreSoon(lambda: _agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
+                             after=lambda store: C10dBackend(store, params.run_id, f"{host}:{port}"))
+            agent_store, hosting = soon, None
+        endpoint = f"{host}:{agent_store.port if soon is None else port}"
     elif store_type == "file":
         endpoint = params.endpoint.strip()
         if not endpoint:
             raise RendezvousConfigError("--rdzv-conf store_type=file: the endpoint must be a file path")
+        from torch.distributed import FileStore
+
         with _translated(endpoint, "opening the file store"):
             agent_store = FileStore(endpoint)
         hosting = False
     else:
         raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
     line = StoreLine()  # the backend's calls and the round stores' go through one client
-    backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE, line), params.run_id, endpoint)
-    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, hosting,
-                             line)
+    # the state key's first write: made here, or by the thread that makes the store (StoreSoon)
+    backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE, line), params.run_id, endpoint,
+                          create=soon is None)
+    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint,
+                             hosting if soon is None else (lambda: soon.hosting), line)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
     return DynamicRendezvousHandler(node, settings, backend, stores)

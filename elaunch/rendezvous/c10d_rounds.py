@@ -4,7 +4,7 @@ Split from ``c10d.py`` (which keeps the rendezvous backend on the agent store an
 connecting to it): every round, the group-rank-0 agent hosts a NEW workers'
 TCPStore (MASTER_ADDR/MASTER_PORT) and publishes its address in the round's
 namespace of the agent store (see ``c10d.py`` on why torchrun's reuse of one
-store is not kept). Imports torch: reach it only through
+store is not kept). Imports torch where it makes a store: reach it only through
 ``elaunch.rendezvous.registry``.
 """
 
@@ -13,9 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
-
-from torch.distributed import PrefixStore, TCPStore
 
 from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.c10d_store import _GRACE, BoundedStore, StoreLine, _translated
@@ -36,13 +35,15 @@ class C10dRoundStores(RoundStoreFactory):
         use_libuv: TCPStore's libuv backend flag.
         endpoint: the agent store's address, for error messages.
         hosts_agent_store: True on the agent hosting the agent store (it leaves the
-            exit barrier last, so the others can still reach it).
+            exit barrier last, so the others can still reach it); or a function that
+            says so once the store is made (``c10d.StoreSoon``).
         line: the agent store client's :class:`StoreLine`, shared with the backend's
             calls on it; None: one of its own.
     """
 
     def __init__(self, agent_store: Any, run_id: str, local_addr: str, read_timeout: float,
-                 use_libuv: bool, endpoint: str, hosts_agent_store: bool, line: StoreLine | None = None) -> None:
+                 use_libuv: bool, endpoint: str, hosts_agent_store: bool | Callable[[], bool],
+                 line: StoreLine | None = None) -> None:
         self.agent_store = agent_store
         self._line = StoreLine() if line is None else line
         self._run_id = run_id
@@ -55,7 +56,10 @@ class C10dRoundStores(RoundStoreFactory):
 
     def round_store(self, round: int) -> Any:
         """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
-        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store)
+        from torch.distributed import PrefixStore
+
+        agent_store = getattr(self.agent_store, "store", self.agent_store)  # a StoreSoon: the torch store it made
+        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", agent_store)
         return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE, self._line)
 
     def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
@@ -67,6 +71,8 @@ class C10dRoundStores(RoundStoreFactory):
         """
         store = self.round_store(round)
         if rank == 0:
+            from torch.distributed import TCPStore
+
             where = f"{self._local_addr}:0 (workers' store of round {round})"
             with _translated(where, "hosting"):
                 server = TCPStore(self._local_addr, 0, is_master=True, multi_tenant=True,
@@ -104,7 +110,8 @@ class C10dRoundStores(RoundStoreFactory):
                 count = store.add("exit_barrier", 0)
             left = store.add("exit_barrier_left", 1)
             # the agent-store host leaves last, so no one loses the store mid-barrier
-            while self._hosts_agent_store and left < world_size and time.monotonic() < deadline:
+            hosts = self._hosts_agent_store
+            while (hosts() if callable(hosts) else hosts) and left < world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
                 left = store.add("exit_barrier_left", 0)
 

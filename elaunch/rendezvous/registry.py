@@ -21,10 +21,11 @@ from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousHandler
 Factory = Callable[[RendezvousParameters], RendezvousHandler]
 
 
-def _lazy(module: str, attr: str = "create_handler") -> Factory:
-    def factory(params: RendezvousParameters) -> RendezvousHandler:
-        return getattr(importlib.import_module(module), attr)(params)
+def _lazy(module: str, attr: str = "create_handler", background: bool = False) -> Factory:
+    def factory(params: RendezvousParameters, **kw) -> RendezvousHandler:
+        return getattr(importlib.import_module(module), attr)(params, **kw)
 
+    factory.store_in_background = background  # type: ignore[attr-defined]
     return factory
 
 
@@ -36,7 +37,7 @@ ENDPOINT_LIST_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
 
 _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
-    "c10d": _lazy("elaunch.rendezvous.c10d"),
+    "c10d": _lazy("elaunch.rendezvous.c10d", background=True),
     "etcd": _lazy("elaunch.rendezvous.etcd.v2"),
     "etcd-v2": _lazy("elaunch.rendezvous.etcd.v2"),
     "etcd-v3": _lazy("elaunch.rendezvous.etcd.v3"),
@@ -104,8 +105,13 @@ def register(name: str, factory: Factory) -> None:
     _FACTORIES[name] = factory
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, store_in_background: bool = False) -> RendezvousHandler:
     """Build the handler of ``params.backend`` (torch: ``rendezvous_handler_registry.create_handler``).
+
+    ``store_in_background``: the agent's own launch (``elaunch.launch``). A backend that
+    can (c10d with a port) then makes its store in a background thread, and reports its
+    connection errors at the handler's first use instead of here; torch's import
+    overlaps the agent's start (its first warm spares). Ignored by the others.
 
     ``--rdzv-conf`` keys the backend does not read are accepted, as torch's backends
     ignore them, and named in one warning line (``--rdzv-conf: the c10d rendezvous
@@ -134,7 +140,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(known)})"
         )
     given = dict(params.config)
-    handler = factory(params)
+    if store_in_background and getattr(factory, "store_in_background", False):
+        handler = factory(params, store_in_background=True)
+    else:
+        handler = factory(params)
     unused = params.unused_keys(given)
     if unused:
         logging.getLogger("elaunch").warning(

@@ -325,3 +325,40 @@ def test_bounded_calls_reuse_one_worker_thread(tmp_path):
         probe.get("bad")
     assert len(ran_on) == 1 and threading.current_thread() not in ran_on
     assert threading.active_count() <= before  # no thread per call
+
+
+def test_the_agents_first_spares_start_while_its_store_is_being_reached():
+    """The agent hosts or reaches its c10d store in a background thread (torch is imported there), so
+    its first warm spares start at once: a node that replaces a lost one no longer imports torch
+    before its spares do. The store's failure is still the run's one error line, and nothing is left."""
+    import psutil
+
+    from tests.helpers import free_port, kill_tree, launcher_env, start
+
+    port = free_port()  # nothing listens: the agent keeps trying for read_timeout
+    agent = start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=is_host=false,read_timeout=6",
+                  "--local-addr=127.0.0.1", "--warm-start", "--warm-start-modules=json", "-m", "json.tool",
+                  "/dev/null", env=launcher_env())
+    try:
+        def spare():
+            for child in psutil.Process(agent.pid).children():
+                try:
+                    if any(a.endswith("_warm_child.py") for a in child.cmdline()):
+                        return child.pid
+                except psutil.Error:
+                    pass
+            return None
+
+        pid = wait_for(spare, 5, what="a warm spare, started while the store is not reached")
+        assert agent.poll() is None  # still reaching the store
+        _, err = agent.communicate(timeout=60)
+        assert agent.returncode == 1, err
+        lines = [ln for ln in err.splitlines() if ln.startswith(("elaunch:", "[elaunch]"))]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"elaunch: rendezvous failed: c10d rendezvous store at 127.0.0.1:{port}: connecting within "
+            "read_timeout=6 s failed"), err
+        wait_for(lambda: not psutil.pid_exists(pid), 10, what="the spare gone with its agent")
+    finally:
+        kill_tree(agent.pid)
+        agent.communicate()

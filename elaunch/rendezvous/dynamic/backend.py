@@ -24,6 +24,16 @@ class RendezvousBackend(abc.ABC):
     def name(self) -> str:
         """The backend's registry name (``"c10d"``, ...)."""
 
+    def never_reached(self) -> bool:
+        """True when the backend's store is not made (yet, or at all): this node wrote nothing to
+        close or leave. Never waits. Default: False.
+
+        c10d's agent store may be made in a background thread (``c10d.StoreSoon``): its
+        failure is the run's error, and closing the rendezvous would only fail again; a
+        signal that stops the agent while it is still being reached leaves at once.
+        """
+        return False
+
     @abc.abstractmethod
     def get_state(self) -> tuple[bytes | None, Token]:
         """Return the stored state and its token; ``(None, token)`` when none was written yet.

@@ -303,6 +303,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             True when the rendezvous was closed, False when that failed (logged).
         """
         self._stop_heartbeats()
+        if self._backend.never_reached():
+            return False  # its error is the run's: nothing was written, nothing to close
         try:
             if not self._executor.state.closed:  # closed already (it was read): nothing to write
                 self.set_closed()
@@ -324,6 +326,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         round stores. Errors are logged, not raised.
         """
         self._stop_heartbeats()
+        if self._backend.never_reached():
+            return  # this node wrote nothing yet: nothing to leave
         me = self._node_id
 
         def remove_me(state):
