@@ -371,11 +371,12 @@ def _make_handlers(impl: str, endpoint: str, n: int, count: int, run_id: str, ti
         return factory
 
     if impl == "elaunch":
-        import elaunch.rendezvous.c10d as c10d
+        import torch.distributed as dist
+
         from elaunch.rendezvous.contract import RendezvousParameters
         from elaunch.rendezvous.registry import create_handler
 
-        c10d.TCPStore = wrap(c10d.TCPStore)
+        dist.TCPStore = wrap(dist.TCPStore)  # elaunch's c10d backend imports it where it makes a store
 
         def make():
             params = RendezvousParameters("c10d", endpoint, run_id, n, n, local_addr="127.0.0.1",
