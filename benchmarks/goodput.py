@@ -129,6 +129,8 @@ def _pause(cluster: Cluster, seconds: float) -> None:
 def _kill_one(cluster: Cluster, rng: random.Random, aim_at_save: bool = False) -> dict:
     """SIGKILL the worker of a random live host once the group trains; return the event."""
     hosts = sorted({a.host.index for a in cluster.live_agents()})
+    if not hosts:  # the job ended during the pause before this kill
+        raise JobEnded
     index = rng.choice(hosts)
     worker = _wait(cluster, lambda: cluster.training() and cluster.live_worker(index), 300, "a worker to kill")
     event = {"t": time.time(), "fault": "worker SIGKILL", "host": index, "rank": worker.rank, "pid": worker.pid}

@@ -150,3 +150,18 @@ def test_quick_run_injects_faults_counts_restores_and_leaves_nothing(tmp_path):
     assert _our_namespaces(proc.pid) == []
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(f"elaunch-gp{proc.pid}")}
     assert not left, left
+
+
+def test_a_kill_due_after_the_job_ended_ends_the_fault_driver():
+    """The job may end during the pause before a kill (a whole run of configuration b crashed the
+    driver with IndexError on an empty choice): that is the end of the faults, not an error."""
+    import random
+
+    from benchmarks.goodput import JobEnded, _kill_one
+
+    class Ended:  # pure logic: every agent has exited
+        def live_agents(self):
+            return []
+
+    with pytest.raises(JobEnded):
+        _kill_one(Ended(), random.Random(0))
