@@ -5,11 +5,8 @@ Mirrors torch's ``c10d_rendezvous_backend`` (conf keys ``is_host``,
 dynamic rendezvous of ``elaunch.rendezvous.dynamic``. Reach it only through
 ``elaunch.rendezvous.registry``.
 
-torch is imported where a store is made. For a TCP endpoint with a port, the agent
-store is hosted or reached in a background thread (:class:`StoreSoon`): torch's
-import (about a second of CPU) then overlaps what the agent does before its first
-rendezvous, above all starting the first warm spares (``--warm-start``), which a
-node replacing a lost one waits for.
+The agent store itself (hosting or reaching it, in a background thread for the
+agent's own launch) is in ``c10d_agent_store.py``; torch is imported where a store is made.
 
 Deliberate change from torchrun: every round, the group-rank-0 agent hosts a NEW
 workers' TCPStore (MASTER_ADDR/MASTER_PORT) and publishes its address in the
@@ -21,11 +18,9 @@ joins on scale-up never sees MASTER_ADDR republished.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
 import socket
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import os
@@ -40,6 +35,7 @@ from elaunch.rendezvous.contract import (
     RendezvousConfigError,
     RendezvousParameters,
 )
+from elaunch.rendezvous.c10d_agent_store import StoreSoon, make_agent_store
 from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.c10d_rounds import C10dRoundStores
@@ -256,128 +252,6 @@ def _heartbeats(nodes: Sequence[str], values: list[bytes]) -> dict[str, float]:
     return out
 
 
-def is_this_machine(host: str, local_addr: str | None = None) -> bool:
-    """Return True when ``host`` names this machine (torch ``_matches_machine_hostname``).
-
-    Compares ``host`` and its resolved IPs with the hostname, the FQDN,
-    ``local_addr`` and the addresses of the local network interfaces.
-    """
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    names = {socket.gethostname(), socket.getfqdn()} | ({local_addr} if local_addr else set())
-    if host in names:
-        return True
-    host_ips = _resolve(host)
-    if not host_ips:
-        return False
-    mine: set[str] = set()
-    for name in names:
-        mine |= _resolve(name)
-    try:
-        import psutil
-
-        mine |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    except Exception:  # noqa: BLE001 - interface listing is a best-effort extra
-        pass
-    return bool(host_ips & mine)
-
-
-def _resolve(name: str) -> set[str]:
-    try:
-        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
-    except (OSError, UnicodeError):
-        return set()
-
-
-def _agent_store(host: str, port: int, is_host: bool | None, local_addr: str, read_timeout: float,
-                 use_libuv: bool) -> tuple[Any, bool]:
-    """Host or join the agents' TCPStore; returns ``(store, hosting)``."""
-    from torch.distributed import TCPStore
-
-    endpoint = f"{host}:{port}"
-    hosting = is_host if is_host is not None else is_this_machine(host, local_addr)
-    timeout = datetime.timedelta(seconds=read_timeout)
-    if port == 0 and not hosting:
-        raise RendezvousConfigError(f"--rdzv-endpoint={endpoint}: port 0 is only allowed on the node hosting the store")
-    if hosting:
-        try:
-            store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                             timeout=timeout, use_libuv=use_libuv)
-            log.info("hosting the c10d rendezvous store at %s:%d", host, store.port)
-            return store, True
-        except _STORE_ERRORS as exc:
-            if is_host:
-                with _translated(endpoint, "hosting (is_host=true)"):
-                    raise
-            log.info("could not host the c10d store at %s (%s); connecting as a client", endpoint, exc)
-    with _translated(endpoint, f"connecting within read_timeout={read_timeout:g} s"):
-        store = TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=use_libuv)
-    return store, False
-
-
-class StoreSoon:
-    """The agents' store, being hosted or reached in a background thread; a store's interface once it is.
-
-    Every attribute is the store's, read after waiting for it; an error making it
-    (``RendezvousConfigError``, ``RendezvousConnectionError``) is raised at each use
-    instead of at ``create_handler``. The wait can be interrupted by a signal.
-
-    Args:
-        make: returns ``(store, hosting)`` (:func:`_agent_store`); then ``after(store)``,
-            when given, runs in the same thread (the state key's first write).
-    """
-
-    def __init__(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None = None) -> None:
-        self._done = threading.Event()
-        self._value: tuple[Any, bool] | None = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(make, after), name="elaunch-c10d-store", daemon=True).start()
-
-    def _run(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None) -> None:
-        try:
-            value = make()
-            if after is not None:
-                after(value[0])
-            self._value = value
-        except BaseException as exc:  # noqa: BLE001 - raised in the thread that uses the store
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self) -> tuple[Any, bool]:
-        """``(store, hosting)``, waiting for them.
-
-        Raises:
-            RendezvousConfigError, RendezvousConnectionError: making the store failed.
-        """
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
-
-    @property
-    def made(self) -> bool:
-        """True once the store is made (never waits)."""
-        return self._done.is_set() and self._error is None
-
-    @property
-    def store(self) -> Any:
-        """The torch store (waits for it)."""
-        return self.result()[0]
-
-    @property
-    def hosting(self) -> bool:
-        """True when this agent hosts the store (waits for it)."""
-        return self.result()[1]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-
 def create_handler(params: RendezvousParameters, store_in_background: bool = False) -> DynamicRendezvousHandler:
     """Build a c10d dynamic rendezvous handler (torch ``c10d_rendezvous_backend.create_backend``).
 
@@ -407,9 +281,9 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
         assert port is not None
         is_host = params.get_as_bool("is_host")
         if port == 0 or not store_in_background:  # (port 0: the port is known once the store is hosted)
-            agent_store, hosting = _agent_store(host, port, is_host, local_addr, read_timeout, use_libuv)
+            agent_store, hosting = make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv)
         else:
-            soon = StoreSoon(lambda: _agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
+            soon = StoreSoon(lambda: make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
                              after=lambda store: C10dBackend(store, params.run_id, f"{host}:{port}"))
             agent_store, hosting = soon, None
         endpoint = f"{host}:{agent_store.port if soon is None else port}"

@@ -36,7 +36,7 @@ class C10dRoundStores(RoundStoreFactory):
         endpoint: the agent store's address, for error messages.
         hosts_agent_store: True on the agent hosting the agent store (it leaves the
             exit barrier last, so the others can still reach it); or a function that
-            says so once the store is made (``c10d.StoreSoon``).
+            says so once the store is made (``c10d_agent_store.StoreSoon``).
         line: the agent store client's :class:`StoreLine`, shared with the backend's
             calls on it; None: one of its own.
     """
