@@ -34,6 +34,7 @@ from .._worker_progress import (
     STAMP_STEP,
     STEP,
 )
+from .snapshot_dir import PROGRESS_PREFIX
 
 __all__ = [
     "FILE_BYTES",
@@ -61,15 +62,20 @@ _SHM = "/dev/shm"
 
 
 def _private_dir(base_dir: str | None) -> str:
-    """Create a fresh 0700 directory under ``base_dir``, /dev/shm, or the temp dir."""
+    """Create a fresh 0700 directory ``elaunch-progress-<random>-<pid>`` under ``base_dir``, /dev/shm, or the temp dir.
+
+    The pid at the end lets the next agent's :func:`~elaunch.procs.snapshot_dir.sweep` remove
+    one left by an agent that died with its reaper.
+    """
     if base_dir is None:
         base_dir = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK) else None
+    suffix = f"-{os.getpid()}"
     try:
-        return tempfile.mkdtemp(prefix="elaunch-progress-", dir=base_dir)
+        return tempfile.mkdtemp(suffix, PROGRESS_PREFIX, base_dir)
     except OSError:
         if base_dir != _SHM:
             raise
-        return tempfile.mkdtemp(prefix="elaunch-progress-")  # /dev/shm full or refused
+        return tempfile.mkdtemp(suffix, PROGRESS_PREFIX)  # /dev/shm full or refused
 
 
 class ProgressFiles:

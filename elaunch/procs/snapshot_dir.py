@@ -10,7 +10,8 @@ One per agent run, ``/dev/shm/elaunch-<run id>-<agent pid>/`` (mode 0700), holdi
 The agent makes it at the start of its run and removes it at the end (success,
 failure, a handled signal); after a ``kill -9`` of the agent its reaper removes it
 (``reaper.Reaper.remove_on_exit``), once the workers are dead; one left when the
-reaper died too is removed by the next agent that starts on the node (:func:`sweep`).
+reaper died too is removed by the next agent that starts on the node (:func:`sweep`), and so
+is a progress directory (``elaunch-progress-<random>-<pid>``, ``progress_files``) left the same way.
 The reaper runs without ``site`` and imports this module by path: stdlib only, no
 package-relative import. torchrun keeps no such thing.
 """
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 SHM_ROOT = "/dev/shm"
 #: Every node directory's name starts with this (the reaper removes nothing else).
 PREFIX = "elaunch-"
+#: Every progress directory's name starts with this (``progress_files.ProgressFiles``; it ends
+#: with ``-<agent pid>``).
+PROGRESS_PREFIX = PREFIX + "progress-"
 #: The subdirectories, made with the node directory.
 SUBDIRS = ("slots", "replicas", "restore")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -55,14 +59,23 @@ def remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep(root: str = SHM_ROOT) -> list[str]:
-    """Remove the node directories under ``root`` that no agent owns any more; return their paths.
+def _progress_dir(path: str) -> bool:
+    """True when ``path`` holds nothing but a progress directory's files (``progress_<n>``, ``stacks_<n>``)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(re.fullmatch(r"(progress|stacks)_\d+", name) for name in names)
 
-    A node directory outlives its agent only when its reaper died with it (a whole
+
+def sweep(root: str = SHM_ROOT) -> list[str]:
+    """Remove the node and progress directories under ``root`` that no agent owns any more; return their paths.
+
+    Such a directory outlives its agent only when its reaper died with it (a whole
     process tree or cgroup killed at once: a test's kill of every descendant, a batch
-    system ending the job). One is stale when it has the node directory's parts, is
-    this user's, and the agent pid in its name is gone (a live pid, whoever it is,
-    keeps it). Never raises.
+    system ending the job). One is stale when it has a node directory's parts (or a
+    progress directory's files only), is this user's, and the agent pid at the end of
+    its name is gone (a live pid, whoever it is, keeps it). Never raises.
     """
     removed = []
     try:
@@ -77,7 +90,10 @@ def sweep(root: str = SHM_ROOT) -> list[str]:
             mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
         except OSError:
             continue
-        if mine and all(os.path.isdir(os.path.join(entry.path, sub)) for sub in SUBDIRS):
+        if not mine:
+            continue
+        if (_progress_dir(entry.path) if entry.name.startswith(PROGRESS_PREFIX)
+                else all(os.path.isdir(os.path.join(entry.path, sub)) for sub in SUBDIRS)):
             remove(entry.path)
             removed.append(entry.path)
     return removed

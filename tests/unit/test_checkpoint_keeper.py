@@ -247,13 +247,37 @@ def test_a_new_agent_sweeps_node_directories_whose_agents_are_gone(tmp_path):
     dead = int(gone.stdout)  # exited and reaped
     live = snapshot_dir.NodeDir.create("other", os.getpid(), root=str(tmp_path))  # a live agent's
     stale = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
-    foreign = tmp_path / f"elaunch-progress-{dead}"  # not a node directory: no slots/replicas/restore
+    foreign = tmp_path / f"elaunch-other-{dead}"  # not a node directory: no slots/replicas/restore
     foreign.mkdir()
     assert snapshot_dir.sweep(str(tmp_path)) == [stale.path]
     assert os.path.isdir(live.path) and foreign.is_dir() and not os.path.exists(stale.path)
     again = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
     snapshot_dir.NodeDir.create("new", 1, root=str(tmp_path))  # pid 1 lives: its creation sweeps the dead one
     assert not os.path.exists(again.path) and os.path.isdir(live.path)
+
+
+def test_the_sweep_removes_progress_directories_whose_agents_are_gone(tmp_path):
+    """An agent and its reaper killed together leave the workers' progress directory too."""
+    import subprocess
+    import sys
+
+    from elaunch.procs.progress_files import ProgressFiles
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)
+    mine = ProgressFiles(range(2), base_dir=str(tmp_path))  # this live process's
+    assert mine.directory.endswith(f"-{os.getpid()}")
+    left = tmp_path / f"elaunch-progress-x1y2-{dead}"
+    left.mkdir()
+    for name in ("progress_0", "stacks_0", "progress_11"):
+        (left / name).write_bytes(b"")
+    other = tmp_path / f"elaunch-progress-keep-{dead}"  # something else in it: not ours to judge
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    assert snapshot_dir.sweep(str(tmp_path)) == [str(left)]
+    assert os.path.isdir(mine.directory) and other.is_dir()
+    mine.close()
 
 
 def test_the_status_record_is_published_every_few_seconds_one_write_at_a_time(tmp_path):
