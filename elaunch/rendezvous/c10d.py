@@ -35,7 +35,7 @@ from elaunch.rendezvous.contract import (
     RendezvousConfigError,
     RendezvousParameters,
 )
-from elaunch.rendezvous.c10d_agent_store import StoreSoon, make_agent_store
+from elaunch.rendezvous.c10d_agent_store import AgentStore, make_agent_store
 from elaunch.rendezvous.c10d_store import _GRACE, _STORE_ERRORS, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
 from elaunch.rendezvous.c10d_rounds import C10dRoundStores
@@ -83,7 +83,7 @@ class C10dBackend(RendezvousBackend):
                 store.compare_set(self.key, "", _EMPTY)
 
     def never_reached(self) -> bool:
-        """True while the agent store made in the background (``StoreSoon``) is not made, or once that failed."""
+        """True while the agent store made in the background (``AgentStore``) is not made, or once that failed."""
         return not getattr(self._direct, "made", True)
 
     def exists(self) -> bool:
@@ -256,7 +256,7 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
     """Build a c10d dynamic rendezvous handler (torch ``c10d_rendezvous_backend.create_backend``).
 
     With ``store_in_background`` (the agent's own launch) and an endpoint with a port,
-    the agent store is hosted or reached in a background thread (:class:`StoreSoon`);
+    the agent store is hosted or reached in a background thread (:class:`AgentStore`);
     its errors are then raised at the handler's first use of it, not here.
 
     Conf keys (besides the dynamic rendezvous' timeouts, see RendezvousSettings):
@@ -275,34 +275,33 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
     use_libuv = bool(params.get_as_bool("use_libuv", True))
     local_addr = params.local_addr or socket.getfqdn()
     store_type = str(params.get("store_type", "tcp")).strip().lower()
-    soon = None
     if store_type == "tcp":
         host, port = parse_endpoint(params.endpoint, DEFAULT_PORT, allow_zero=True, bare_ipv6=True)
         assert port is not None
         is_host = params.get_as_bool("is_host")
-        if port == 0 or not store_in_background:  # (port 0: the port is known once the store is hosted)
-            agent_store, hosting = make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv)
-        else:
-            soon = StoreSoon(lambda: make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
-                             after=lambda store: C10dBackend(store, params.run_id, f"{host}:{port}"))
-            agent_store, hosting = soon, None
-        endpoint = f"{host}:{agent_store.port if soon is None else port}"
+        background = store_in_background and port != 0  # (port 0: the port is known once the store is hosted)
+        agent_store = AgentStore(lambda: make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
+                                 after=lambda store: C10dBackend(store, params.run_id, f"{host}:{store.port}"),
+                                 background=background)
+        endpoint = f"{host}:{port if background else agent_store.port}"
     elif store_type == "file":
         endpoint = params.endpoint.strip()
         if not endpoint:
             raise RendezvousConfigError("--rdzv-conf store_type=file: the endpoint must be a file path")
-        from torch.distributed import FileStore
 
-        with _translated(endpoint, "opening the file store"):
-            agent_store = FileStore(endpoint)
-        hosting = False
+        def file_store() -> tuple[Any, bool]:
+            from torch.distributed import FileStore
+
+            with _translated(endpoint, "opening the file store"):
+                return FileStore(endpoint), False
+
+        agent_store = AgentStore(file_store, after=lambda store: C10dBackend(store, params.run_id, endpoint))
     else:
         raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
     line = StoreLine()  # the backend's calls and the round stores' go through one client
-    # the state key's first write: made here, or by the thread that makes the store (StoreSoon)
+    # the state key's first write is the agent store's ``after``, in the thread that made it
     backend = C10dBackend(BoundedStore(agent_store, endpoint, read_timeout + _GRACE, line), params.run_id, endpoint,
-                          create=soon is None)
-    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint,
-                             hosting if soon is None else (lambda: soon.hosting), line)
+                          create=False)
+    stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, line)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
     return DynamicRendezvousHandler(node, settings, backend, stores)

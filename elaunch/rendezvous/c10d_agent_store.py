@@ -1,7 +1,7 @@
 """The c10d rendezvous' agent store: hosted by the agent whose address matches the endpoint, reached by the others.
 
 Split from ``c10d.py`` (which keeps the rendezvous backend on that store). torch is
-imported where a store is made: :class:`StoreSoon` makes it in a background thread, so
+imported where a store is made: :class:`AgentStore` can make it in a background thread, so
 torch's import (about a second of CPU) overlaps what the agent does before its first
 rendezvous, above all starting its first warm spares (``--warm-start``).
 """
@@ -84,23 +84,32 @@ def make_agent_store(host: str, port: int, is_host: bool | None, local_addr: str
     return store, False
 
 
-class StoreSoon:
-    """The agents' store, being hosted or reached in a background thread; a store's interface once it is.
+class AgentStore:
+    """The agents' store and whether this agent hosts it; a store's interface (every attribute is the store's).
 
-    Every attribute is the store's, read after waiting for it; an error making it
-    (``RendezvousConfigError``, ``RendezvousConnectionError``) is raised at each use
-    instead of at ``create_handler``. The wait can be interrupted by a signal.
+    Made in the caller's thread (``background=False``: an error is raised here, torch's
+    contract for ``create_handler``) or in a background thread (the agent's own launch:
+    torch's import and the connection overlap what the agent does before its first
+    rendezvous). In the background, an error making it (``RendezvousConfigError``,
+    ``RendezvousConnectionError``) is raised at each use instead, and a use waits for it;
+    the wait can be interrupted by a signal.
 
     Args:
-        make: returns ``(store, hosting)`` (:func:`make_agent_store`); then ``after(store)``,
-            when given, runs in the same thread (the state key's first write).
+        make: returns ``(store, hosting)`` (:func:`make_agent_store`, or a file store and False).
+        after: when given, ``after(store)`` runs next, in the same thread (the state key's first write).
+        background: make it in a background thread.
     """
 
-    def __init__(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None = None,
+                 background: bool = False) -> None:
         self._done = threading.Event()
         self._value: tuple[Any, bool] | None = None
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(make, after), name="elaunch-c10d-store", daemon=True).start()
+        if background:
+            threading.Thread(target=self._run, args=(make, after), name="elaunch-c10d-store", daemon=True).start()
+        else:
+            self._run(make, after)
+            self.result()  # its error, raised here
 
     def _run(self, make: Callable[[], tuple[Any, bool]], after: Callable[[Any], None] | None) -> None:
         try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
+from elaunch.rendezvous.c10d_agent_store import AgentStore
 from elaunch.rendezvous.contract import NodeInfo
 from elaunch.rendezvous.c10d_store import _GRACE, BoundedStore, StoreLine, _translated
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
@@ -28,22 +28,20 @@ class C10dRoundStores(RoundStoreFactory):
     """Per round: a fresh workers' TCPStore on the rank-0 agent, published in the agent store.
 
     Args:
-        agent_store: the store every agent shares.
+        agent_store: the store every agent shares and whether this agent hosts it (the host
+            leaves the exit barrier last, so the others can still reach it), made now or
+            in the background (``c10d_agent_store.AgentStore``).
         run_id: the job id (namespace ``elaunch/{run_id}/round/{round}/``).
         local_addr: this node's address; the workers' store is reached there.
         read_timeout: seconds for store operations (and waiting for rank 0's publication).
         use_libuv: TCPStore's libuv backend flag.
         endpoint: the agent store's address, for error messages.
-        hosts_agent_store: True on the agent hosting the agent store (it leaves the
-            exit barrier last, so the others can still reach it); or a function that
-            says so once the store is made (``c10d_agent_store.StoreSoon``).
         line: the agent store client's :class:`StoreLine`, shared with the backend's
             calls on it; None: one of its own.
     """
 
-    def __init__(self, agent_store: Any, run_id: str, local_addr: str, read_timeout: float,
-                 use_libuv: bool, endpoint: str, hosts_agent_store: bool | Callable[[], bool],
-                 line: StoreLine | None = None) -> None:
+    def __init__(self, agent_store: AgentStore, run_id: str, local_addr: str, read_timeout: float,
+                 use_libuv: bool, endpoint: str, line: StoreLine | None = None) -> None:
         self.agent_store = agent_store
         self._line = StoreLine() if line is None else line
         self._run_id = run_id
@@ -51,15 +49,13 @@ class C10dRoundStores(RoundStoreFactory):
         self._timeout = datetime.timedelta(seconds=read_timeout)
         self._use_libuv = use_libuv
         self._endpoint = endpoint
-        self._hosts_agent_store = hosts_agent_store
         self._server: Any = None
 
     def round_store(self, round: int) -> Any:
         """Return the agent store namespaced to ``round`` (``elaunch/{run_id}/round/{round}/``)."""
         from torch.distributed import PrefixStore
 
-        agent_store = getattr(self.agent_store, "store", self.agent_store)  # a StoreSoon: the torch store it made
-        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", agent_store)
+        store = PrefixStore(f"elaunch/{self._run_id}/round/{round}", self.agent_store.store)
         return BoundedStore(store, self._endpoint, self._timeout.total_seconds() + _GRACE, self._line)
 
     def setup_round(self, round: int, rank: int, world_size: int, nodes: tuple[NodeInfo, ...]) -> RoundStores:
@@ -110,8 +106,7 @@ class C10dRoundStores(RoundStoreFactory):
                 count = store.add("exit_barrier", 0)
             left = store.add("exit_barrier_left", 1)
             # the agent-store host leaves last, so no one loses the store mid-barrier
-            hosts = self._hosts_agent_store
-            while (hosts() if callable(hosts) else hosts) and left < world_size and time.monotonic() < deadline:
+            while self.agent_store.hosting and left < world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
                 left = store.add("exit_barrier_left", 0)
 

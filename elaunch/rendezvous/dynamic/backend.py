@@ -28,7 +28,7 @@ class RendezvousBackend(abc.ABC):
         """True when the backend's store is not made (yet, or at all): this node wrote nothing to
         close or leave. Never waits. Default: False.
 
-        c10d's agent store may be made in a background thread (``c10d_agent_store.StoreSoon``): its
+        c10d's agent store may be made in a background thread (``c10d_agent_store.AgentStore``): its
         failure is the run's error, and closing the rendezvous would only fail again; a
         signal that stops the agent while it is still being reached leaves at once.
         """
