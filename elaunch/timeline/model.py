@@ -28,6 +28,8 @@ MARKS: dict[str, tuple[str, str, str]] = {
     "not_needed": ("node not needed", "#7f7f7f", "circle"),
     "node_ok": ("node check: every node ok", "#17becf", "square"),
     "node_faulty": ("node check: a node named", "#8c564b", "square"),
+    "restore": ("checkpoint restored (where from)", "#006d2c", "circle"),
+    "persisted": ("checkpoint persisted", "#08519c", "diamond"),
 }
 #: Span kind -> (legend label, colour).
 SPANS: dict[str, tuple[str, str]] = {
@@ -235,7 +237,24 @@ def _node_check(e: dict, t: float) -> tuple[str, float, str]:
     return "node_faulty", t, f"node check{took}: {named}"
 
 
+def _restore(e: dict, t: float) -> tuple[str, float, str]:
+    sources = e.get("sources") or {}
+    where: dict[str, list[str]] = {}
+    for rank, kind in sources.items():
+        where.setdefault(str(kind), []).append(str(rank))
+    parts = ", ".join(f"{kind} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})"
+                      for kind, ranks in where.items())
+    return "restore", t, f"restore of step {e.get('step')}" + (f": {parts}" if parts else "")
+
+
+def _persisted(e: dict, t: float) -> tuple[str, float, str]:
+    took = f" in {e['seconds']:.2f} s" if isinstance(e.get("seconds"), (int, float)) else ""
+    return "persisted", t, f"step {e.get('step')} persisted{took} to {e.get('path')}"
+
+
 _MARKERS = {
+    "checkpoint_restore": _restore,
+    "checkpoint_persisted": _persisted,
     "restart": _restart,
     "node_check": _node_check,
     "membership_change": _membership,

@@ -99,6 +99,18 @@ def test_model_marks_the_node_check():
                      ("node_faulty", 6, "node check in 2.0 s: m (slow, sits out)", -1)]
 
 
+def test_model_marks_checkpoint_restores_and_persists():
+    tl = build([
+        _e(10, "rendezvous_join", round=-1), _e(11, "rendezvous_complete"),
+        _e(11.25, "checkpoint_restore", step=41, sources={"0": "memory", "1": "peer", "2": "peer"}),
+        _e(15, "checkpoint_persisted", step=60, path="/ck/step_000000000060", seconds=0.4321),
+    ])
+    assert tl.lanes[0].marks == [
+        ("restore", 1.25, "restore of step 41: memory (rank 0), peer (ranks 1, 2)", -1),
+        ("persisted", 5, "step 60 persisted in 0.43 s to /ck/step_000000000060", -1),
+    ]
+
+
 def test_nice_ticks():
     assert nice_ticks(16.0) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
     assert nice_ticks(0.7)[:3] == [0, 0.1, 0.2]
