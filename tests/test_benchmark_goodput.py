@@ -167,21 +167,24 @@ def test_a_kill_due_after_the_job_ended_ends_the_fault_driver():
         _kill_one(Ended(), random.Random(0))
 
 
-def test_a_node_faults_time_is_the_kills_not_after_the_fresh_host_started():
+def test_a_node_faults_time_is_the_kills_not_after_the_fresh_host_started(monkeypatch):
     """The recovery is measured from the fault: a stamp taken after the kill's clean-up and the fresh
     host's start (0.2-1 s) made every node fault look that much quicker to recover."""
     import random
     import time
     from types import SimpleNamespace
 
-    from benchmarks.goodput import _replace_node
+    import benchmarks.goodput as goodput
 
+    now = [1000.0]  # the driver's wall clock, moved by the fake's kill and start
+    monkeypatch.setattr(goodput, "time", SimpleNamespace(time=lambda: now[0], monotonic=time.monotonic))
     store, victim = SimpleNamespace(index=1), SimpleNamespace(index=2)
     agents = [SimpleNamespace(host=store), SimpleNamespace(host=victim)]
     killed_at = []
 
-    class Cluster:  # pure logic: the driver's calls, with a kill that takes its time
+    class Cluster:  # pure logic: the driver's calls, with a kill and a start that take their time
         store_host = store
+        deadline = float("inf")
 
         def poll(self):
             pass
@@ -196,14 +199,14 @@ def test_a_node_faults_time_is_the_kills_not_after_the_fresh_host_started():
             return SimpleNamespace(rank=1, pid=0)
 
         def kill_node(self, agent):
-            killed_at.append(time.time())
-            time.sleep(0.05)  # the kill's clean-up takes its time (the fake's duration, not a wait)
+            killed_at.append(now[0])
+            now[0] += 0.5  # dropping the dead host's memory
             return set()
 
         def start_agent(self):
+            now[0] += 0.4  # a fresh host and its agent
             return SimpleNamespace(index=3)
 
-    Cluster.deadline = float("inf")
-    event = _replace_node(Cluster(), random.Random(0))
-    assert event["t"] <= killed_at[0], (event["t"], killed_at)
+    event = goodput._replace_node(Cluster(), random.Random(0))
+    assert event["t"] == killed_at[0] == 1000.0, (event["t"], killed_at)
     assert event["host"] == 2 and event["joined"] == 3

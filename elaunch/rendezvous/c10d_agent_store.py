@@ -59,7 +59,7 @@ def _resolve(name: str) -> set[str]:
 
 
 def make_agent_store(host: str, port: int, is_host: bool | None, local_addr: str, read_timeout: float,
-                 use_libuv: bool) -> tuple[Any, bool]:
+                     use_libuv: bool) -> tuple[Any, bool]:
     """Host or join the agents' TCPStore; returns ``(store, hosting)``."""
     from torch.distributed import TCPStore
 

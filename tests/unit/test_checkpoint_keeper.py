@@ -268,6 +268,7 @@ def test_the_sweep_removes_progress_directories_whose_agents_are_gone(tmp_path):
     dead = int(gone.stdout)
     mine = ProgressFiles(range(2), base_dir=str(tmp_path))  # this live process's
     assert mine.directory.endswith(f"-{os.getpid()}")
+    assert snapshot_dir._progress_dir(mine.directory)  # the sweep knows the files ProgressFiles makes
     left = tmp_path / f"elaunch-progress-x1y2-{dead}"
     left.mkdir()
     for name in ("progress_0", "stacks_0", "progress_11"):
