@@ -24,7 +24,9 @@ Stdlib only. The table has the shape of torch's ``ChildFailedError`` message
 Differences, deliberate: the root cause comes first (torch 2.x lists it last,
 after "Failures:"); a death by signal says ``Signal 9 (SIGKILL) received by PID
 1234``; and when a worker left no error file, the last lines of its stderr are
-shown under ``stderr tail`` instead of only a link to the docs.
+shown under ``stderr tail`` instead of only a link to the docs; and a worker
+that died of SIGABRT with "terminate called without an active exception" in its
+stderr tail gets a ``hint`` line (:data:`EXIT_ABORT_HINT`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ from elaunch.spec import ProcessFailure
 _NOT_AVAILABLE = "<N/A>"
 _NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 _MAX_WIDTH = 60
+_SIGABRT = 6
+#: The last stderr line of a worker that std::terminate ended with no exception in flight.
+EXIT_ABORT_LINE = "terminate called without an active exception"
+#: What the table adds under a worker that died of SIGABRT after :data:`EXIT_ABORT_LINE`: most often
+#: gloo's exit race of a script that never destroyed its process group (issue 22; the same under torchrun).
+EXIT_ABORT_HINT = ("a torch thread outlived the interpreter's exit; a script that ends without "
+                   "torch.distributed.destroy_process_group() can die so (gloo, under torchrun too): call it "
+                   "before the script ends")
 
 
 def failure_time(failure: ProcessFailure) -> float:
@@ -115,6 +125,12 @@ def failure_text(failure: ProcessFailure) -> str:
     return tb + ("\n" + stderr_block if stderr_block else "")
 
 
+def exit_abort(failure: ProcessFailure) -> bool:
+    """Whether ``failure`` is a death by SIGABRT with :data:`EXIT_ABORT_LINE` in its stderr tail."""
+    lines = (failure.stderr_tail or "").splitlines()
+    return failure.exitcode == -_SIGABRT and any(line.strip() == EXIT_ABORT_LINE for line in lines)
+
+
 def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     """Return one ``[idx]:`` block of the table (no trailing newline)."""
     when = datetime.fromtimestamp(int(failure_time(failure))).isoformat(sep="_")
@@ -133,6 +149,8 @@ def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     ]
     if stderr_block:
         lines.append(stderr_block)
+    if exit_abort(failure):
+        lines.append(f"  hint      : {EXIT_ABORT_HINT}")
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from elaunch.errors import (
     root_cause,
     tail_file,
 )
+from elaunch.errors.summary import EXIT_ABORT_HINT
 from elaunch.spec import ProcessFailure
 
 T0 = 1_700_000_000.0
@@ -200,6 +201,18 @@ def test_summary_no_error_file_shows_stderr_tail():
     assert "no error file" in root and "@record" in root
     assert "stderr tail (last 2 lines" in root and "    error: bad flag --foo" in root
     assert "<NO_OTHER_FAILURES>" in others
+
+
+def test_summary_names_the_exit_race_of_a_never_destroyed_group():
+    # issue 22 item 2: a worker that printed its last line and then died of SIGABRT in
+    # gloo's teardown; the cure is the script's own destroy_process_group()
+    abort = "Done\nterminate called without an active exception\n"
+    text = format_failure_summary({0: failure(0, exitcode=-6, stderr=abort)}, title="t FAILED")
+    assert "  exitcode  : -6 (pid: 1000) (SIGABRT)" in text
+    assert f"  hint      : {EXIT_ABORT_HINT}" in text and "destroy_process_group()" in EXIT_ABORT_HINT
+    for other in (failure(0, exitcode=-6, stderr="Done\n"), failure(0, exitcode=1, stderr=abort),
+                  failure(0, exitcode=-9, stderr=abort)):  # another abort, an exit status, another signal
+        assert "hint" not in format_failure_summary({0: other}, title="t FAILED")
 
 
 def test_summary_without_anything_points_to_docs_like_torch():
