@@ -75,12 +75,11 @@ class C10dBackend(RendezvousBackend):
         # the keep-alive thread's heartbeats skip BoundedStore's hand-off (see ``beat``)
         self._direct = store.store if isinstance(store, BoundedStore) else store
         self._endpoint = endpoint
-        self._prefix = f"elaunch/rdzv/{run_id}"
-        self.key = f"{self._prefix}/state"
+        self._prefix = run_prefix(run_id)
+        self.key = state_key(run_id)
         self._forgotten = -1  # the newest round this node deleted the keys of
         if create:
-            with _translated(endpoint, "initialising the state"):
-                store.compare_set(self.key, "", _EMPTY)
+            initialise_state(store, run_id, endpoint)
 
     def never_reached(self) -> bool:
         """True while the agent store made in the background (``AgentStore``) is not made, or once that failed."""
@@ -242,6 +241,30 @@ class C10dBackend(RendezvousBackend):
         return True
 
 
+def run_prefix(run_id: str) -> str:
+    """The prefix of run ``run_id``'s keys in the c10d store."""
+    return f"elaunch/rdzv/{run_id}"
+
+
+def state_key(run_id: str) -> str:
+    """The store key of run ``run_id``'s rendezvous state."""
+    return f"{run_prefix(run_id)}/state"
+
+
+def initialise_state(store: Any, run_id: str, endpoint: str) -> None:
+    """Write run ``run_id``'s empty-state marker where its state key is missing (an agent's first write).
+
+    Args:
+        store: a torch Store.
+        endpoint: the store's address, for error messages.
+
+    Raises:
+        RendezvousConnectionError: the store cannot be reached.
+    """
+    with _translated(endpoint, "initialising the state"):
+        store.compare_set(state_key(run_id), "", _EMPTY)
+
+
 def _heartbeats(nodes: Sequence[str], values: list[bytes]) -> dict[str, float]:
     out: dict[str, float] = {}
     for node, value in zip(nodes, values):
@@ -281,7 +304,7 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
         is_host = params.get_as_bool("is_host")
         background = store_in_background and port != 0  # (port 0: the port is known once the store is hosted)
         agent_store = AgentStore(lambda: make_agent_store(host, port, is_host, local_addr, read_timeout, use_libuv),
-                                 after=lambda store: C10dBackend(store, params.run_id, f"{host}:{store.port}"),
+                                 after=lambda store: initialise_state(store, params.run_id, f"{host}:{store.port}"),
                                  background=background)
         endpoint = f"{host}:{port if background else agent_store.port}"
     elif store_type == "file":
@@ -295,7 +318,7 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
             with _translated(endpoint, "opening the file store"):
                 return FileStore(endpoint), False
 
-        agent_store = AgentStore(file_store, after=lambda store: C10dBackend(store, params.run_id, endpoint))
+        agent_store = AgentStore(file_store, after=lambda store: initialise_state(store, params.run_id, endpoint))
     else:
         raise RendezvousConfigError(f"--rdzv-conf store_type={store_type}: expected tcp or file")
     line = StoreLine()  # the backend's calls and the round stores' go through one client
