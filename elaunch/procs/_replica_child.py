@@ -12,6 +12,14 @@ agent's node directory. Messages from the agent, one per packet:
 * ``stats``: answered by one JSON packet of counters (:data:`COUNTERS`).
 * end of file (the agent closed its end, or died): exit.
 
+Every :data:`PRUNE_EVERY` seconds the child removes the replicas of replicated state
+that a newer replicated snapshot on this node supersedes (:func:`superseded`): the job
+restores the highest step every rank can get, and any snapshot of replicated state
+serves every rank, so they can never be restored again. Without this, each round whose
+ring changed left a full copy of the state behind (``r<rank>`` is named by the lowest
+rank of its sender's node) until the run ended. Sharded replicas stay: one per rank,
+together at most one copy of the state.
+
 Between agents the requests and answers are ``replica_wire``'s (its docstring has the
 format). Stdlib only (no torch, none of elaunch's imports when run as a script).
 """
@@ -41,7 +49,8 @@ log = logging.getLogger("elaunch.procs.replica_service")
 SCAN = 0.05  #: seconds between looks at the slots' headers
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
 OWN_GRACE = 0.5  #: seconds an offer of replicated state waits for this node's ranks to commit that step
-COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served")
+PRUNE_EVERY = 1.0  #: seconds between looks for superseded replicas (:func:`superseded`)
+COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served", "pruned")
 
 
 class Stats:
@@ -129,6 +138,26 @@ class Server:
             _unlink(tmp)  # gone already when it was renamed
         wire.send_json(conn, {"ok": ok})
 
+    def prune(self) -> None:
+        """Remove the replicas :func:`superseded` names; under the lock, so that a newer receipt renamed
+        into the same name is never the file removed."""
+        with self._lock:
+            for path in superseded(self.node_dir):
+                _unlink(path)
+                self.stats.add("pruned")
+
+    def prune_forever(self) -> None:
+        """:meth:`prune` every :data:`PRUNE_EVERY` seconds, in a thread of its own."""
+        def loop() -> None:
+            while True:
+                time.sleep(PRUNE_EVERY)
+                try:
+                    self.prune()
+                except OSError as exc:  # the node directory went away: the agent is closing
+                    log.debug("replica service: pruning failed: %s", exc)
+
+        threading.Thread(target=loop, name="prune", daemon=True).start()
+
     def _own_has(self, step: int) -> bool:
         """Whether this node's own ``slots/`` hold replicated state of ``step`` or newer, waiting up to
         :data:`OWN_GRACE` seconds for a save of it that is about to commit. Any rank's snapshot of replicated
@@ -158,6 +187,18 @@ class Server:
             finally:
                 os.close(fd)
         wire.send_json(conn, {"size": 0})
+
+
+def superseded(node_dir: str) -> list[str]:
+    """The replicas of replicated state in ``node_dir/replicas`` older than the newest replicated snapshot
+    this node holds (in ``slots/`` or ``replicas/``): paths that no restore can choose again."""
+    held = slotfile.inventory(node_dir)
+    steps = [info.step for info in held if info.replicated]
+    if not steps:
+        return []
+    replicas = os.path.join(node_dir, "replicas")
+    return [info.path for info in held
+            if info.replicated and info.step < max(steps) and os.path.dirname(info.path) == replicas]
 
 
 def to_send(node_dir: str) -> dict[int, "slotfile.SlotInfo"]:
@@ -281,6 +322,7 @@ def main(fd: int, node_dir: str) -> int:
     _clean(os.path.join(node_dir, "replicas"))
     stats = Stats()
     server, ring = Server(node_dir, stats), Ring(node_dir, stats)
+    server.prune_forever()
     while True:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(chan, 65536, 1)

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from elaunch.checkpoint import slotfile
+from elaunch.procs._replica_child import superseded
 from elaunch.procs.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 
@@ -154,6 +155,47 @@ def test_replicated_state_is_not_copied_to_a_node_whose_own_workers_saved_that_s
     wait_for(lambda: replica_step(b_dir, 7) == 4, DEADLINE, what="r7 on b")
     assert b.stats()["own"] == 2 and b.stats()["received"] == 2
     assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0", "r7"]
+
+
+def test_replicas_of_replicated_state_a_newer_snapshot_supersedes_are_removed(node):
+    """Each round whose ring changed can leave a full copy of replicated state under another ``r<rank>``;
+    once this node holds a newer replicated snapshot, no restore can choose those, and they go. Sharded
+    replicas, and replicated ones at least as new as anything the node holds, stay."""
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    c_dir, c = node("c")
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 5, b"same" * 1000, rank=0, replicated=True)
+    write_slot(slotfile.slot_paths(a_dir, 1)[0], 5, os.urandom(1 << 16), rank=3)  # sharded
+    a.set_ring([("127.0.0.1", c.port)])
+    wait_for(lambda: replica_step(c_dir, 0) == 5 and replica_step(c_dir, 3) == 5, DEADLINE, what="r0 and r3 on c")
+    a.set_ring([])
+    write_slot(slotfile.slot_paths(b_dir, 0)[0], 8, b"same" * 1000, rank=4, replicated=True)  # the next round
+    b.set_ring([("127.0.0.1", c.port)])
+    wait_for(lambda: replica_step(c_dir, 4) == 8, DEADLINE, what="r4 on c")
+    wait_for(lambda: replica_step(c_dir, 0) is None, DEADLINE, what="r0 (step 5) pruned: r4 holds step 8")
+    b.set_ring([])
+    write_slot(slotfile.slot_paths(c_dir, 0)[0], 9, b"same" * 1000, rank=1, replicated=True)  # c's own, newer
+    wait_for(lambda: replica_step(c_dir, 4) is None, DEADLINE, what="r4 (step 8) pruned: c's own slot holds step 9")
+    assert sorted(os.listdir(os.path.join(c_dir, "replicas"))) == ["r3"]  # sharded: kept
+    assert c.stats()["pruned"] == 2
+    assert slotfile.read_info(slotfile.slot_paths(c_dir, 0)[0]).step == 9  # slots are never pruned
+
+
+def test_superseded_names_only_replicated_replicas_older_than_the_newest_replicated_snapshot(shm):
+    node_dir = os.path.join(shm, "n")
+    for sub in ("slots", "replicas"):
+        os.makedirs(os.path.join(node_dir, sub))
+    rep = os.path.join(node_dir, "replicas")
+    write_slot(os.path.join(rep, "r0"), 5, b"x" * 100, rank=0, replicated=True)
+    write_slot(os.path.join(rep, "r3"), 2, b"x" * 100, rank=3)  # sharded, older: kept
+    write_slot(os.path.join(rep, "r4"), 8, b"x" * 100, rank=4, replicated=True)
+    write_slot(slotfile.slot_paths(node_dir, 0)[0], 7, b"x" * 100, rank=1, replicated=True)
+    write_slot(slotfile.slot_paths(node_dir, 0)[1], 3, b"x" * 100, rank=1, replicated=True)  # an old own slot
+    write_slot(os.path.join(rep, "r8"), 1, b"x" * 100, rank=8, replicated=True, commit=False)  # under way
+    assert superseded(node_dir) == [os.path.join(rep, "r0")]  # r4 (step 8) is newer than the node's own step 7
+    write_slot(slotfile.slot_paths(node_dir, 0)[1], 9, b"x" * 100, rank=1, replicated=True)
+    assert sorted(superseded(node_dir)) == [os.path.join(rep, "r0"), os.path.join(rep, "r4")]
+    assert superseded(os.path.join(shm, "none")) == []
 
 
 def test_each_successor_of_the_ring_gets_a_copy_until_the_ring_leaves_it_out(node):
