@@ -126,8 +126,10 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
 
     Args:
         map_location: like ``torch.load``'s: None (each tensor where it was saved), a
-            device string or ``torch.device``, or a dict from saved device strings to
-            device strings. Tensors copied into ``into`` stay where ``into``'s are.
+            device string or ``torch.device``, a dict from saved device strings to
+            device strings, or a function ``(storage, location) -> storage or None``
+            (``lambda storage, loc: storage`` keeps everything on the CPU). Tensors
+            copied into ``into`` stay where ``into``'s are.
         into: None, or a state of the structure that was saved (nested dicts, lists,
             tuples). Each saved tensor whose key path (``['model']['fc.weight']``,
             through dicts, lists and tuples) holds a dense tensor of the same shape and

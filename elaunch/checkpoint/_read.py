@@ -202,6 +202,10 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
     def make(ref: _tree.TensorRef) -> torch.Tensor:
         if ref.index in matched:
             return _fill(fd, gpu, threads, info.data_at + ref.offset, ref, matched[ref.index])
+        if _is_function(map_location):
+            t = torch.empty(ref.shape, dtype=ref.torch_dtype)
+            _read_into(fd, t, info.data_at + ref.offset)
+            return relocate(t, ref.device, map_location)
         device = target_device(ref.device, map_location)
         if device.type == "cuda" and ref.nbytes:
             src = gpu.view(info.data_at + ref.offset, ref, device)
@@ -226,14 +230,38 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
     return state
 
 
+def _is_function(map_location) -> bool:
+    return callable(map_location) and not isinstance(map_location, (str, dict, torch.device))
+
+
+def relocate(t: torch.Tensor, saved: str, map_location) -> torch.Tensor:
+    """``t`` (a new, contiguous CPU tensor read from a snapshot) where the function ``map_location`` puts it.
+
+    As ``torch.load`` calls it: ``map_location(storage, location)`` with ``t``'s CPU
+    storage and ``saved``, the device the tensor was saved on (``"cpu"``, ``"cuda:0"``);
+    it returns a storage (that one, or a copy elsewhere: ``storage.cuda(rank)``), or
+    None for where it was saved.
+    """
+    storage = map_location(t.untyped_storage(), saved)
+    if storage is None:
+        device = torch.device(saved)
+        return t if device.type == "cpu" else t.to(device)
+    if isinstance(storage, torch.TypedStorage):
+        storage = storage.untyped()
+    if storage.data_ptr() == t.untyped_storage().data_ptr() and storage.device == t.device:
+        return t
+    return torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, 0, t.shape, t.stride())
+
+
 def target_device(saved: str, map_location) -> torch.device:
     """Where a tensor saved on ``saved`` goes, under ``map_location`` as ``torch.load`` reads it.
 
     ``map_location``: None (where it was), a device string or ``torch.device``, or a
-    dict from saved device strings to device strings.
+    dict from saved device strings to device strings. (A function, ``torch.load``'s
+    ``map_location(storage, location)``, is applied by :func:`relocate` instead.)
 
     Raises:
-        TypeError: ``map_location`` is of another kind (``torch.load``'s callables are not taken).
+        TypeError: ``map_location`` is of another kind.
     """
     if map_location is None:
         return torch.device(saved)
@@ -241,4 +269,5 @@ def target_device(saved: str, map_location) -> torch.device:
         return torch.device(map_location.get(saved, saved))
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
-    raise TypeError(f"map_location must be None, a device, a device string or a dict, not {map_location!r}")
+    raise TypeError(f"map_location must be None, a device, a device string, a dict or a function, "
+                    f"not {map_location!r}")

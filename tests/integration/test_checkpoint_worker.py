@@ -229,6 +229,28 @@ def test_cuda_tensors_go_through_a_registered_slot(shm_dir, monkeypatch):
     assert on_cpu.state["t"].device.type == "cpu" and torch.equal(on_cpu.state["t"], state["t"].cpu())
 
 
+def test_map_location_as_a_function_is_called_as_torch_load_calls_it(shm_dir, monkeypatch, tmp_path):
+    """``map_location(storage, location)``: the tensor lands in the storage it returns, or where it was saved
+    when it returns None, for a snapshot as for ``torch.load`` of the same state."""
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
+    state = {"w": torch.randn(4, 3), "b": [torch.arange(7, dtype=torch.int16)], "n": 5}
+    ckpt.save(state, 1)
+    path = os.path.join(shm_dir, "slots", "0.0")
+    torch.save(state, tmp_path / "ref.pt")
+    for fn in (lambda storage, loc: storage, lambda storage, loc: None, lambda storage, loc: storage.clone()):
+        seen, ref_seen = [], []
+        back = ckpt.read_slot(path, map_location=lambda s, loc: (seen.append((loc, s.nbytes())), fn(s, loc))[1])
+        ref = torch.load(tmp_path / "ref.pt", weights_only=False,
+                         map_location=lambda s, loc: (ref_seen.append((loc, s.nbytes())), fn(s, loc))[1])
+        assert sorted(seen) == sorted(ref_seen) == sorted([("cpu", 48), ("cpu", 14)])
+        assert back.state["n"] == 5 and same(back.state, state) and same(ref, state)
+        assert back.state["w"].device == ref["w"].device == torch.device("cpu")
+    moved = torch.empty(12).untyped_storage()
+    back = ckpt.read_slot(path, map_location=lambda s, loc: moved if s.nbytes() == 48 else None)
+    assert back.state["w"].untyped_storage().data_ptr() == moved.data_ptr()  # the storage returned, as torch does
+    assert back.state["w"].shape == (4, 3) and torch.equal(back.state["b"][0], state["b"][0])
+
+
 def test_unpicklable_leaf_names_its_key_path(shm_dir, monkeypatch):
     monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", shm_dir)
     ckpt.save({"w": torch.ones(3)}, 1)
