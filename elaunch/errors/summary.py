@@ -41,9 +41,9 @@ _NOT_AVAILABLE = "<N/A>"
 _NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 _MAX_WIDTH = 60
 _SIGABRT = 6
-#: The last stderr line of a worker that std::terminate ended with no exception in flight.
+#: What std::terminate prints when it ends a process with no exception in flight.
 EXIT_ABORT_LINE = "terminate called without an active exception"
-#: What the table adds under a worker that died of SIGABRT after :data:`EXIT_ABORT_LINE`: most often
+#: What the table adds under a worker that died of SIGABRT after printing :data:`EXIT_ABORT_LINE`: most often
 #: gloo's exit race of a script that never destroyed its process group (issue 22; the same under torchrun).
 EXIT_ABORT_HINT = ("a torch thread outlived the interpreter's exit; a script that ends without "
                    "torch.distributed.destroy_process_group() can die so (gloo, under torchrun too): call it "
