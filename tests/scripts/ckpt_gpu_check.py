@@ -52,6 +52,9 @@ def round_trip(shm: str) -> None:
           and snap.state["cpu"].device.type == "cpu")
     cpu = ckpt.read_slot(slot.path)
     ok = ok and cpu.state["w"].device.type == "cpu" and torch.equal(cpu.state["w"], state["w"].cpu())
+    fn = ckpt.read_slot(slot.path, map_location=lambda storage, loc: storage.cuda(0))  # torch.load's idiom
+    ok = ok and all(fn.state[k].device.type == "cuda" and torch.equal(fn.state[k].cpu(), state[k].cpu())
+                    for k in ("w", "t", "cpu"))
     print(f"cuda round trip: {'ok' if ok else 'MISMATCH'}; slot pinned (cudaHostRegister): {slot.pinned}")
 
 
