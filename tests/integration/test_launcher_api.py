@@ -368,7 +368,7 @@ def test_the_caller_adopts_no_orphan_after_the_launch_returns(tmp_path):
         child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
                                   "[sys.executable, '-c', 'import time; time.sleep(30)']).pid)"],
                                  stdout=subprocess.PIPE, text=True)
-        orphan = int(child.stdout.read())
+        orphan = int(child.stdout.readline())  # (not read(): the orphan holds the pipe open for its 30 s)
         child.wait()
         import psutil
         deadline = time.monotonic() + 30
