@@ -45,8 +45,7 @@ _SIGABRT = 6
 EXIT_ABORT_LINE = "terminate called without an active exception"
 #: What the table adds under a worker that died of SIGABRT after printing :data:`EXIT_ABORT_LINE`: most often
 #: gloo's exit race of a script that never destroyed its process group (issue 22; the same under torchrun).
-EXIT_ABORT_HINT = ("a torch thread outlived the interpreter's exit; a script that ends without "
-                   "torch.distributed.destroy_process_group() can die so (gloo, under torchrun too): call it "
+EXIT_ABORT_HINT = ("most likely a process group never destroyed: call torch.distributed.destroy_process_group() "
                    "before the script ends")
 
 
