@@ -30,7 +30,7 @@ from math import comb
 
 import pytest
 
-from elaunch.errors.summary import EXIT_ABORT_HINT
+from elaunch.errors.summary import EXIT_ABORT_HINT, EXIT_ABORT_LINE as ABORT_LINE
 from tests.helpers import SCRIPTS, free_port, run
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.slow
 PAIRS = 16
 #: The test fails when elaunch's excess of failures would happen by chance less often than this.
 ALPHA = 0.001
-ABORT_LINE = "terminate called without an active exception"
 NPROC = 4
 
 
