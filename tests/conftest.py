@@ -107,6 +107,25 @@ def no_leftover_processes():
 
 
 @pytest.fixture(autouse=True)
+def subreaper_flag_left_as_found():
+    """No test may leave this (pytest's) process a child subreaper.
+
+    The agent sets the flag while its workers run; in-process launches (the command's
+    ``launch`` called from a test) can leave it set. Every orphan of a later test's
+    children (the helpers of an agent a test SIGKILLs) then becomes pytest's zombie
+    for the rest of the session. The flag is cleared here and the test that left it fails.
+    """
+    from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
+
+    before = is_subreaper()
+    yield
+    if is_subreaper() and not before:
+        stop_being_subreaper()
+        pytest.fail("the test left this process a child subreaper (PR_SET_CHILD_SUBREAPER): "
+                    "its later children's orphans would become its zombies")
+
+
+@pytest.fixture(autouse=True)
 def logging_lock_left_free():
     """No test may leave logging's module lock held by this (the main) thread.
 

@@ -6,15 +6,18 @@ import gc
 import pytest
 
 from elaunch.launch import launch
+from elaunch.procs.spawn import stop_being_subreaper
 from elaunch.run import config_from_args, parse_args, run
 
 
 @pytest.fixture
 def unfrozen():
-    """Start and end with nothing frozen (a frozen pytest heap would outlive the test)."""
+    """Start and end with nothing frozen (a frozen pytest heap would outlive the test), and, as the
+    command's process would have exited, not a child subreaper (the command's launch leaves the flag)."""
     gc.unfreeze()
     yield
     gc.unfreeze()
+    stop_being_subreaper()
 
 
 def _args(tmp_path):
