@@ -31,6 +31,7 @@ stderr tail gets a ``hint`` line (:data:`EXIT_ABORT_HINT`).
 
 from __future__ import annotations
 
+import signal
 import socket
 from datetime import datetime
 
@@ -40,7 +41,6 @@ from elaunch.spec import ProcessFailure
 _NOT_AVAILABLE = "<N/A>"
 _NO_TRACEBACK = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 _MAX_WIDTH = 60
-_SIGABRT = 6
 #: What std::terminate prints when it ends a process with no exception in flight.
 EXIT_ABORT_LINE = "terminate called without an active exception"
 #: What the table adds under a worker that died of SIGABRT after printing :data:`EXIT_ABORT_LINE`: most often
@@ -127,13 +127,13 @@ def failure_text(failure: ProcessFailure) -> str:
 def exit_abort(failure: ProcessFailure) -> bool:
     """Whether ``failure`` is a death by SIGABRT with :data:`EXIT_ABORT_LINE` in its stderr tail."""
     lines = (failure.stderr_tail or "").splitlines()
-    return failure.exitcode == -_SIGABRT and any(line.strip() == EXIT_ABORT_LINE for line in lines)
+    return failure.exitcode == -signal.SIGABRT and any(line.strip() == EXIT_ABORT_LINE for line in lines)
 
 
 def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     """Return one ``[idx]:`` block of the table (no trailing newline)."""
     when = datetime.fromtimestamp(int(failure_time(failure))).isoformat(sep="_")
-    signal = f" ({failure.signal_name})" if failure.exitcode < 0 else ""
+    sig = f" ({failure.signal_name})" if failure.exitcode < 0 else ""
     tb, stderr_block = _describe(failure)
     lines = [
         f"[{idx}]:",
@@ -141,7 +141,7 @@ def format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
         f"  host      : {failure.hostname or socket.getfqdn()}"
         + (" (reported by that node's agent through the rendezvous)" if failure.remote else ""),
         f"  rank      : {rank} (local_rank: {failure.local_rank})",
-        f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal}",
+        f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){sig}",
         # as torch: the path only when the worker wrote the file
         f"  error_file: {failure.error_file if failure.error_data is not None and failure.error_file else _NOT_AVAILABLE}",
         f"  traceback : {_indent(tb, '  ')}",
