@@ -23,6 +23,10 @@ The rules:
   or replica, fetched from that peer) > a persisted file (``disk``). A disk entry
   serves only the node that listed it, unless it says ``shared`` (a path every
   node sees), then any node; ``n``'s own files come before shared ones of others.
+* **A replica never leads.** A replica (a copy a peer sent) whose step is ahead of
+  every node's own snapshots (its workers' slots and its persisted files) is refused
+  (``Plan.refused``, logged by the agent): a step is restored only when some node's own
+  workers committed it, so a forged or stray copy cannot choose the job's step.
 * **Spreading fetches.** Among peers holding the same step, a rank fetches from
   the one that was picked least so far (ties: the lowest node id), ranks taken
   in ascending order, so one node's copy is not read by every newcomer.
@@ -84,12 +88,15 @@ class Plan:
         sources: new global rank -> its :class:`Source`, for every rank of every node (empty when ``step`` is None).
         mine: this node's ranks -> their sources (a subset of ``sources``).
         reason: why a newer snapshot could not serve ("" when none was blocked that way), for the agent's log.
+        refused: one line per replica refused because it is ahead of every node's own snapshots (see the
+            module's rules), for the agent's log.
     """
 
     step: int | None
     sources: dict[int, Source] = field(default_factory=dict)
     mine: dict[int, Source] = field(default_factory=dict)
     reason: str = ""
+    refused: tuple[str, ...] = ()
 
     def fetches(self, me: str) -> dict[int, Source]:
         """This node's ranks whose source is in another node's memory (to fetch from that peer)."""
@@ -114,6 +121,7 @@ def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterab
         ValueError: ``ranks_by_node`` does not give each rank of ``0 .. world_size - 1`` exactly one node.
     """
     node_of = _node_of_rank(ranks_by_node, world_size)
+    held, refused = _without_leading_replicas(held)
     by_step: dict[int, list[tuple[str, Held]]] = {}
     for node in sorted(held):
         for h in held[node]:
@@ -130,8 +138,26 @@ def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterab
                 reason = _mismatch(step, entries, world_size)
         if sources is not None:
             mine = {r: s for r, s in sources.items() if node_of[r] == me}
-            return Plan(step, sources, mine)
-    return Plan(None, reason=reason)
+            return Plan(step, sources, mine, refused=refused)
+    return Plan(None, reason=reason, refused=refused)
+
+
+def _without_leading_replicas(held: Mapping[str, Iterable[Held]]) -> tuple[dict[str, list[Held]], tuple[str, ...]]:
+    """``held`` less the replicas whose step is ahead of every node's own snapshot (slot or disk); and a line each."""
+    held = {node: list(entries) for node, entries in held.items()}
+    own = [h.step for entries in held.values() for h in entries if h.where != REPLICA]
+    top = max(own, default=None)
+    kept: dict[str, list[Held]] = {}
+    refused = []
+    for node in sorted(held):
+        kept[node] = []
+        for h in held[node]:
+            if h.where == REPLICA and (top is None or h.step > top):
+                refused.append(f"the replica of rank {h.rank} step {h.step} on node {node} ({h.locator}): no node's "
+                               f"own snapshot is that new (newest: {'none' if top is None else f'step {top}'})")
+            else:
+                kept[node].append(h)
+    return kept, tuple(refused)
 
 
 def _node_of_rank(ranks_by_node: Mapping[str, Iterable[int]], world_size: int) -> dict[int, str]:

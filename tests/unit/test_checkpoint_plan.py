@@ -37,8 +37,17 @@ CASES = [
     ("replicated: the newest step anywhere serves every rank (a peer's slot is fetched)",
      TWO, {"a": [rep(7), rep(6)], "b": [rep(6, 2)]}, 4, 7,
      {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", SLOT), 3: ("a", SLOT)}, ""),
-    ("replicated: a new node (nothing held) fetches from the peer's replica",
-     {"a": [0], "new": [1]}, {"a": [rep(3, 0, REPLICA)]}, 2, 3, {0: ("a", REPLICA), 1: ("a", REPLICA)}, ""),
+    ("replicated: a new node (nothing held) fetches from the peer's replica of a step some node committed",
+     {"a": [0], "new": [1]}, {"a": [rep(3, 0, REPLICA), rep(3, 9, DISK)]}, 2, 3,
+     {0: ("a", REPLICA), 1: ("a", REPLICA)}, ""),
+    ("replicated: a replica ahead of every node's own snapshot is refused: the newest own step wins",
+     {"a": [0], "b": [1]}, {"a": [rep(10**9, 0, REPLICA), rep(3, 0)], "b": [rep(3, 1)]}, 2, 3,
+     {0: ("a", SLOT), 1: ("b", SLOT)}, ""),
+    ("replicated: only replicas, no node's own snapshot: fresh",
+     {"a": [0], "new": [1]}, {"a": [rep(3, 0, REPLICA)]}, 2, None, None, ""),
+    ("sharded: replicas of every rank ahead of the survivors' own step are refused; the own step serves",
+     {"a": [0], "new": [1]}, {"a": [shard(6, 0, 2), shard(6, 1, 2, REPLICA), shard(10**9, 0, 2, REPLICA),
+                                    shard(10**9, 1, 2, REPLICA)]}, 2, 6, {0: ("a", SLOT), 1: ("a", REPLICA)}, ""),
     ("replicated: own slot before own replica",
      {"a": [0]}, {"a": [rep(3, 1, REPLICA), rep(3, 0, SLOT)]}, 1, 3, {0: ("a", SLOT)}, ""),
     ("replicated: own replica before a peer's slot",
@@ -112,6 +121,15 @@ def test_every_node_computes_the_same_plan_and_fetches_only_from_peers():
     assert len({tuple(sorted(p.sources.items())) for p in plans.values()}) == 1
     assert plans["b"].fetches("b") == {2: Source("a", SLOT, "slot/0@4"), 3: Source("c", REPLICA, "replica/4@4")}
     assert plans["a"].fetches("a") == {} and plans["a"].mine.keys() == {0, 1}
+
+
+def test_a_refused_replica_is_named_with_its_node_rank_step_and_the_newest_own_step():
+    got = choose({"a": [0], "b": [1]}, {"a": [rep(10**9, 0, REPLICA, "/shm/a/replicas/r0"), rep(3, 0)],
+                                        "b": [rep(3, 1), rep(2, 1, REPLICA)]}, 2, "a")
+    assert got.step == 3
+    assert got.refused == ("the replica of rank 0 step 1000000000 on node a (/shm/a/replicas/r0): no node's own "
+                           "snapshot is that new (newest: step 3)",)
+    assert choose({"a": [0]}, {"a": [rep(3, 0)]}, 1, "a").refused == ()
 
 
 def test_the_locator_is_the_held_entrys():
