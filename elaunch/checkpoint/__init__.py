@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import operator
 import os
+import pickle
 from typing import Any, NamedTuple
 
-__all__ = ["Snapshot", "CheckpointError", "SnapshotTooLarge", "save", "load", "read_slot"]
+__all__ = ["Snapshot", "CheckpointError", "UnsafeStateError", "SnapshotTooLarge", "save", "load", "read_slot"]
 
 
 class Snapshot(NamedTuple):
@@ -50,6 +51,20 @@ class Snapshot(NamedTuple):
 
 class CheckpointError(RuntimeError):
     """A snapshot cannot be restored: missing, another step than the job agreed on, or changed while read."""
+
+
+class UnsafeStateError(CheckpointError, pickle.UnpicklingError):
+    """A snapshot or persisted file needs a class that weights-only loading does not allow; nothing of it ran.
+
+    Loading unpickles as ``torch.load(weights_only=True)`` does (torch's weights-only
+    unpickler): tensors, primitive types, containers, the types torch allows and the
+    classes in ``torch.serialization.get_safe_globals()``. The message names the class
+    (``mypkg.config.TrainConfig``) and how to allow it:
+    ``torch.serialization.add_safe_globals([TrainConfig])`` before ``load``, or the
+    ``torch.serialization.safe_globals([...])`` context manager around it. It is a
+    ``CheckpointError`` (what ``load`` raises when a snapshot cannot be restored) and a
+    ``pickle.UnpicklingError`` (what ``torch.load(weights_only=True)`` raises).
+    """
 
 
 class SnapshotTooLarge(OSError):
@@ -74,16 +89,27 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
     to ``ELAUNCH_CHECKPOINT_DIR`` (temporary file, fsync, rename).
 
     Args:
-        state: a nested dict (any dict type), list or tuple of tensors (dense, CPU or
-            CUDA; non-contiguous ones are fine), numbers, strings, None and other
-            picklable objects: what ``state_dict()`` returns.
+        state: a nested dict (dict, OrderedDict), list or tuple of tensors (dense, CPU or
+            CUDA; non-contiguous ones are fine), numbers, strings, bytes, None, sets, and
+            objects of the types ``torch.load(weights_only=True)`` loads: what
+            ``state_dict()`` returns. A class of your own (a dataclass, an enum, a
+            namedtuple, a dict subclass) must be allowed with
+            ``torch.serialization.add_safe_globals`` in the saving and the loading process.
         step: the training step (an int >= 0, or anything with ``__index__``); ``load`` returns it.
         replicated: True when every rank holds the same state (DDP): any rank's snapshot
-            restores any rank, at any world size. False for sharded state (FSDP, TP).
+            restores any rank, at any world size; a restore hands every rank the one
+            snapshot chosen (the lowest rank's), so per-rank entries (an RNG state) come
+            back as that rank's. False for per-rank state (one snapshot per rank, restored
+            only at the same world size). Neither takes DTensors or ShardedTensors yet
+            (FSDP2, tensor parallelism): save those with ``torch.distributed.checkpoint``.
 
     Raises:
         TypeError: a leaf cannot be saved; the message names its key path, e.g.
-            ``state['optimizer']['param_groups'][0]['fn']``. Nothing is written.
+            ``state['optimizer']['param_groups'][0]['fn']``. Nothing is written. Also
+            raised when a leaf would not load weights-only (a class not allowed with
+            ``torch.serialization.add_safe_globals``: checked when the state's pickled
+            structure differs from the last one checked), and for a DTensor or
+            ShardedTensor leaf (use ``torch.distributed.checkpoint``).
         SnapshotTooLarge: the snapshot is larger than the free shared memory. Nothing is
             written; both slots keep what they held.
         CheckpointError: the agent's directory (``ELAUNCH_CHECKPOINT_SHM``) is gone.
@@ -141,7 +167,15 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
     Returns:
         Snapshot or None (then ``into`` is untouched).
 
+    Loading never runs code from the file: the structure is unpickled as
+    ``torch.load(weights_only=True)`` does, whoever wrote the file (a snapshot may come
+    from a peer node). A class of your own must be allowed first:
+    ``torch.serialization.add_safe_globals([MyConfig])``.
+
     Raises:
+        UnsafeStateError: the state needs a class weights-only loading does not allow;
+            the message names it and how to allow it (a ``CheckpointError`` and a
+            ``pickle.UnpicklingError``).
         CheckpointError: the file is missing or holds no commit, holds another step than
             the job agreed on, or was overwritten while it was read (then ``into``'s
             tensors may hold parts of two steps, or of a step and what they held: load
@@ -197,6 +231,7 @@ def read_slot(path: str, map_location="cpu") -> Snapshot:
         map_location: as for :func:`load`; by default every tensor lands on the CPU.
 
     Raises:
+        UnsafeStateError: the state needs a class weights-only loading does not allow.
         CheckpointError: the file is missing, holds no committed snapshot, or was
             written to while it was read (read it again: the writer committed or died).
     """

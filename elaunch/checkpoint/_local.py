@@ -28,7 +28,14 @@ def directory() -> str:
 
 
 def save(state: Any, step: int, *, replicated: bool, rank: int, world_size: int, local_rank: int) -> str | None:
-    """Write this rank's file for ``step`` (replicated state: local rank 0 only); return its path or None."""
+    """Write this rank's file for ``step`` (replicated state: local rank 0 only); return its path or None.
+
+    Raises:
+        TypeError: as ``ckpt.save`` under elaunch (the state is packed once to check it).
+    """
+    from elaunch.checkpoint import _tree
+
+    _tree.pack(state, replicated)  # the same TypeErrors as under elaunch (DTensor, weights-only), before any write
     if replicated and local_rank != 0:
         return None
     d = directory()

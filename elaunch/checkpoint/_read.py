@@ -15,6 +15,9 @@ as many threads as torch uses), a strided one from the mapping, a CUDA one from 
 registered mapping. Memory that is already there costs no
 page faults: this is the restore as fast as a copy.
 
+The structure is unpickled weights-only (``_tree.unpack``): a snapshot from a peer runs
+no code when loaded.
+
 After every copy the slot's sequence number is checked again (``slotfile.still``): a
 snapshot overwritten while it was read raises rather than return a mix of two steps.
 
@@ -53,6 +56,8 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
         CheckpointError: ``path`` holds no committed snapshot, holds another step than
             ``expect_step``, or was written to while it was read (then ``into``'s tensors
             may hold parts of two steps).
+        UnsafeStateError: its structure needs a class weights-only loading does not allow
+            (a ``CheckpointError`` and a ``pickle.UnpicklingError``).
     """
     from elaunch.checkpoint import CheckpointError
 
@@ -217,7 +222,8 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
         return t if device.type == "cpu" else t.to(device)
 
     try:
-        state = _tree.unpack(meta, make, as_is=matched)
+        state = _tree.unpack(meta, make, as_is=matched, data_len=info.data_len,
+                             source=f"the snapshot {info.path} (step {info.step}, rank {info.rank})")
     except Exception as exc:
         if not slotfile.still(mm, info):
             raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc

@@ -170,11 +170,12 @@ def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: i
     """Copy ``state`` into the slot of ``local_rank`` that does not hold its newest commit; return its path.
 
     Raises:
-        TypeError: a leaf cannot be saved (its key path is named); nothing is written.
+        TypeError: a leaf cannot be saved or would not load (weights-only), or a tensor is a
+            DTensor; its key path is named; nothing is written.
         SnapshotTooLarge: it does not fit the free shared memory; nothing is written.
         CheckpointError: the node directory ``shm_dir`` does not exist.
     """
-    packed = _tree.pack(state)
+    packed = _tree.pack(state, replicated)
     need = slotfile.file_size(len(packed.meta), packed.data_len)
     _make_slots_dir(shm_dir)
     with _LOCK:

@@ -6,8 +6,9 @@ memory (torchrun, no launcher), by the worker itself::
     DIR/step_<step:012d>/rank_<rank>_of_<world_size>.pt
 
 Each file is ``torch.save({"step": int, "rank": int, "world_size": int, "replicated": bool,
-"state": <the state>})``, so ``torch.load(path, weights_only=False)["state"]`` is all a user
-who leaves elaunch needs. A file is written as ``.rank_..pt.tmp-<pid>`` beside it, fsynced,
+"state": <the state>})``, so ``torch.load(path)["state"]`` (weights-only, torch's default) is
+all a user who leaves elaunch needs; a state holding classes of the user's own needs them
+allowed there too (``torch.serialization.add_safe_globals``). A file is written as ``.rank_..pt.tmp-<pid>`` beside it, fsynced,
 renamed into place (``os.replace``) and its directory fsynced: a reader sees a whole file
 or none, and names starting with ``.`` (a writer killed midway) are never read.
 
@@ -16,14 +17,24 @@ file, or, for replicated state (the same on every rank, DDP), when any file is t
 Pruning keeps the newest complete step: the previous checkpoint stays until the new one
 is complete.
 
+elaunch reads these files with ``torch.load(weights_only=True)`` only: no file runs code
+when loaded. This holds for files written by earlier elaunch versions too: they are the
+same ``torch.save`` payload (only the in-memory snapshots' meta format changed), so they
+load under the same rules. The ``replicated`` flag of a file is read from its pickle's
+opcodes (``pickletools``), without unpickling anything, so an agent can tell which steps
+are complete whatever classes the state holds.
+
 torch is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import pickletools
 import re
 import shutil
+import zipfile
 from typing import Any
 
 _STEP_DIR = re.compile(r"^step_(\d{12,})$")
@@ -99,24 +110,63 @@ def write_rank_file(directory: str, step: int, rank: int, world_size: int, repli
 def load_rank_file(path: str, map_location=None) -> dict:
     """The dict a rank file holds (keys ``step``, ``rank``, ``world_size``, ``replicated``, ``state``).
 
-    Uses ``torch.load(weights_only=False)``: a state may hold any picklable leaf, and these
-    are the job's own files. ``map_location`` is ``torch.load``'s.
+    Uses ``torch.load(weights_only=True)``: whoever wrote the file, loading it runs no
+    code; classes of the user's own must be allowed first
+    (``torch.serialization.add_safe_globals``). ``map_location`` is ``torch.load``'s.
 
     Raises:
+        UnsafeStateError: the file needs a class weights-only loading does not allow (the
+            message names it and how to allow it).
         OSError: the file cannot be read. Exception: torch cannot load it.
     """
     import torch
 
-    return torch.load(path, map_location=map_location, weights_only=False)
+    from elaunch.checkpoint import UnsafeStateError, _tree
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - not a zip torch can scan: torch's message says why
+            names = []
+        what = f"it needs {', '.join(n.removeprefix('builtins.') for n in names)}, which" if names else "it holds what"
+        raise UnsafeStateError(f"cannot load the persisted checkpoint {path}: {what} weights-only loading (as "
+                               f"torch.load(weights_only=True)) does not allow: {_tree.how_to_allow(names)}. "
+                               f"({str(exc).splitlines()[0] if str(exc) else exc!r})") from exc
+
+
+def _flag_from_pickle(path: str) -> bool | None:
+    """The payload's ``replicated`` flag, read from the opcodes of the file's ``data.pkl`` (nothing unpickled).
+
+    The payload dict is pickled with its keys in :func:`write_rank_file`'s order, so the
+    first string ``"replicated"`` followed by a bool opcode is its flag (``"state"``, the
+    only key that can hold user strings, comes last). None when it is not found.
+    """
+    with zipfile.ZipFile(path) as z:
+        name = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if name is None:
+            return None
+        with z.open(name) as f:
+            previous = None
+            for op, arg, _ in pickletools.genops(f):
+                if previous == "replicated" and op.name in ("NEWTRUE", "NEWFALSE"):
+                    return op.name == "NEWTRUE"
+                if previous == "state" or op.name == "STOP":
+                    return None
+                previous = arg if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE") else (
+                    previous if op.name in ("BINPUT", "LONG_BINPUT", "MEMOIZE") else None)
+    return None
 
 
 def _is_replicated(path: str) -> bool:
-    import torch
-
     st = os.stat(path)
     key = (path, st.st_mtime_ns, st.st_size)
-    if key not in _REPLICATED:  # mmap: the structure is read, not the tensors' bytes
-        _REPLICATED[key] = bool(torch.load(path, mmap=True, weights_only=False, map_location="cpu")["replicated"])
+    if key not in _REPLICATED:
+        flag = _flag_from_pickle(path)
+        if flag is None:  # another payload layout: torch alone, weights-only, reads it
+            flag = bool(load_rank_file(path, map_location="cpu")["replicated"])
+        _REPLICATED[key] = flag
     return _REPLICATED[key]
 
 
@@ -156,7 +206,7 @@ def newest_complete(directory: str, at_most: int | None = None) -> tuple[int, di
         for world, files in sorted(by_world.items(), reverse=True):
             try:
                 replicated = _is_replicated(next(iter(files.values())))
-            except (OSError, RuntimeError, KeyError, EOFError):
+            except (OSError, RuntimeError, KeyError, EOFError, zipfile.BadZipFile, ValueError, pickle.PickleError):
                 continue  # pruned meanwhile, or not ours
             if replicated or set(range(world)) <= set(files):
                 return step, dict(files), replicated

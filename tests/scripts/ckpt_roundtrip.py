@@ -9,6 +9,8 @@ With ``CKPT_DIST=1`` it first joins a gloo group (``MASTER_ADDR``, ``MASTER_PORT
 ``WORLD_SIZE``). ``CKPT_STATE_RANK`` (default ``RANK``) seeds the state. ``CKPT_MIB`` sets
 the size of the big tensors (default 1 MiB in all). ``CKPT_SHARDED=1``: ``replicated=False``.
 ``CKPT_CYCLE=N``: step S saves ``make_state(S % N)``, made once (a loop then spends its time copying).
+The state holds a namedtuple of this module (``Pair``), allowed for weights-only loading with
+``torch.serialization.add_safe_globals`` on import, unless ``CKPT_NO_ALLOW=1``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ import os
 import sys
 
 Pair = collections.namedtuple("Pair", "left right")
+
+
+def _allow() -> None:
+    """Let weights-only loading rebuild :class:`Pair` (a user's class) in this process, saver or loader."""
+    import torch
+
+    torch.serialization.add_safe_globals([Pair])
+
+
+if os.environ.get("CKPT_NO_ALLOW") != "1":  # CKPT_NO_ALLOW=1: a loader that did not allow Pair
+    _allow()
 
 
 def make_state(step: int, rank: int = 0, mib: float | None = None):
@@ -49,7 +62,7 @@ def make_state(step: int, rank: int = 0, mib: float | None = None):
             same=shared,
         ),
         "optim": {"param_groups": [{"lr": 0.1 / (step + 1), "betas": (0.9, 0.999), "params": [0, 1]}],
-                  "state": collections.defaultdict(dict, {0: {"exp_avg": torch.randn(6, generator=gen)}})},
+                  "state": {0: {"exp_avg": torch.randn(6, generator=gen)}}},
         "pair": Pair(torch.ones(2) * step, "x"),
         "leaves": [step, 2.5, "text", None, True, b"bytes", (1, (2, [3]))],
     }
