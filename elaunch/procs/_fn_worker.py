@@ -21,6 +21,11 @@ Two ways in, one code path (:func:`run_function`):
   behind an ``if __name__ == "__main__":`` guard as with ``multiprocessing``),
   then the pickled ``(fn, args)``.
 
+A worker that returned waits, as torch's ``_wrap`` waits on
+``queue_finished_reading_event``, until every local sibling returned or died
+(:mod:`elaunch.procs.return_barrier`): none exits while another is still inside
+its last collective.
+
 Return values must be picklable (as under torch). Stdlib only: no torch here,
 the function's own module imports what it needs.
 """
@@ -135,6 +140,9 @@ def run_function(load: Callable[[], tuple[Callable[..., Any], tuple]], result: s
         result: the pickle file for the return value. A file left there by an
             earlier attempt is removed first, so the launcher never reads a stale one.
 
+    With more than one local worker (:data:`elaunch.procs.return_barrier.ENV` set),
+    a worker whose status is 0 then waits until every local sibling returned or died.
+
     Returns:
         The worker's exit status: 0 after writing the result (``sys.exit(0)`` in
         ``fn`` counts as returning None, as torch's ``@record``), 1 when ``fn``
@@ -144,6 +152,17 @@ def run_function(load: Callable[[], tuple[Callable[..., Any], tuple]], result: s
     Raises:
         KeyboardInterrupt: propagated (the caller dies of SIGINT like an interpreter).
     """
+    from elaunch.procs import return_barrier
+
+    held = return_barrier.claim()
+    code = _call(load, result)
+    if code == 0:
+        return_barrier.arrive(held)
+    return code
+
+
+def _call(load: Callable[[], tuple[Callable[..., Any], tuple]], result: str) -> int:
+    """:func:`run_function` without the wait: call, record, write the result; return the status."""
     from elaunch.errors import ErrorHandler, record
 
     try:

@@ -1,4 +1,4 @@
-"""A warm spare's main program: ``python -u <this file> <fd> <sys.path[0]> <modules> [<nice>]``.
+"""A warm spare's main program: ``python -u <this file> <fd> <sys.path[0]> <modules> [<nice> [<lock fd>]]``.
 
 Started by ``elaunch.procs.warm`` while a worker group runs. It puts the cold
 worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
@@ -20,6 +20,10 @@ the script's arguments, ``orig`` the cold worker's whole argv (``sys.orig_argv``
 and the pairs its complete environment, which replaces ``os.environ``. End of
 file without a handoff means "not needed": the spare exits 0 silently.
 
+A spare of function workers holds a barrier lock from its start (``<lock fd>``, or a
+fourth descriptor with a template's request): the handoff's ``ELAUNCH_RETURN_BARRIER``
+then names this spare's descriptor (``elaunch.procs.return_barrier``).
+
 Stdlib only and nothing beyond what the interpreter has loaded at start-up, so
 the worker's ``sys.modules`` is the cold worker's plus ``<modules>``.
 """
@@ -30,6 +34,8 @@ import sys
 
 #: default nice value of the importing thread: the lowest priority an unprivileged thread can take
 IMPORT_NICE = 19
+#: elaunch.procs.return_barrier.ENV (this file imports nothing of elaunch's): ``<fd>:<rank file>``
+_BARRIER_ENV = b"ELAUNCH_RETURN_BARRIER"
 
 
 def _read_all(fd):
@@ -54,6 +60,21 @@ def _decode(data):
     pairs = fields[at + 1 + m :]
     env = dict(zip(pairs[0::2], pairs[1::2]))
     return mode, target, args, orig, env
+
+
+def _hand_lock(env, lock):
+    """Point the handoff's barrier variable at this spare's lock descriptor ``lock`` (None: it holds none).
+
+    A lock the worker does not use is closed; a barrier variable without a lock is
+    dropped (the worker then does not wait; the agent starts such workers cold).
+    """
+    value = env.get(_BARRIER_ENV)
+    if value is not None and lock is not None:
+        env[_BARRIER_ENV] = b"%d:%s" % (lock, value.partition(b":")[2])
+    elif lock is not None:
+        os.close(lock)
+    elif value is not None:
+        del env[_BARRIER_ENV]
 
 
 def _run_script(path, args):
@@ -187,11 +208,12 @@ def _serve_forks(sock_fd, done):
     Waits for the imports (``done``), then says ``R`` on the socket (``N`` and returns
     None when another Python thread runs or CUDA was initialized: a fork is not safe then; native
     threads, such as OpenBLAS's pool, are left to their libraries' fork handlers). Each request is
-    one byte with three descriptors (the spare's handoff pipe, its stdout and stderr);
+    one byte with three descriptors (the spare's handoff pipe, its stdout and stderr) and
+    optionally a fourth (a barrier lock the spare holds from then on);
     the template forks an intermediate child that forks the spare and exits at once,
     so that the spare is re-parented to the agent (a ``PR_SET_CHILD_SUBREAPER``), and
     answers the spare's pid (0: the fork failed), one packet each. In the spare this function returns
-    the handoff fd, after the spare waited to be the agent's child, took
+    ``(handoff fd, lock fd or None)``, after the spare waited to be the agent's child, took
     ``PR_SET_PDEATHSIG``, its own session and the streams. End of file: returns None.
     """
     import socket
@@ -210,16 +232,16 @@ def _serve_forks(sock_fd, done):
     sock.sendall(b"R")
     while True:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 3)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
         except OSError:
             return None
-        if not msg or len(fds) != 3:
+        if not msg or len(fds) not in (3, 4):
             for fd in fds:
                 os.close(fd)
             return None
         pid = _fork_spare(agent, sock, fds)
         if pid is None:  # this process is the spare
-            return fds[0]
+            return fds[0], (fds[3] if len(fds) > 3 else None)
         for fd in fds:
             os.close(fd)
         sock.sendall(b"%d" % pid)
@@ -286,6 +308,9 @@ def main():
     args = sys.argv[2:] if template else sys.argv[1:]
     fd, path0, modules = int(args[0]), args[1], args[2]
     nice = int(args[3]) if len(args) > 3 else IMPORT_NICE
+    lock = int(args[4]) if len(args) > 4 else None
+    if lock is not None:
+        os.set_inheritable(lock, False)  # what the imports start does not hold it
     if not getattr(sys.flags, "safe_path", False):  # -P/PYTHONSAFEPATH: nothing was prepended
         sys.path[0] = path0  # what the cold worker has while it imports
     # threading first imported here, in the main thread: imported by the importing thread, it
@@ -295,9 +320,12 @@ def main():
     done.acquire()
     _thread.start_new_thread(_import_all, ([n for n in modules.split(",") if n], done, nice, not template))
     if template:
-        fd = _serve_forks(fd, done)  # returns in a forked spare only
-        if fd is None:
+        got = _serve_forks(fd, done)  # returns in a forked spare only
+        if got is None:
             return 0
+        fd, lock = got
+        if lock is not None:
+            os.set_inheritable(lock, False)
         data = _read_all(fd)
     else:
         data = _read_all(fd)
@@ -305,6 +333,7 @@ def main():
     if not data:
         return 0  # discarded by the agent
     mode, target, args, orig, env = _decode(data)
+    _hand_lock(env, lock)
     os.environb.clear()
     os.environb.update(env)
     sys.orig_argv = orig

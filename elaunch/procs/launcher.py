@@ -13,15 +13,20 @@ No torch import here: the agent imports this module.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Mapping
 from typing import Callable
 
+from . import return_barrier
 from .forked import ForkedProcess, fork_worker
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
 from .warm import WarmPool
-from .spawn import marker_entries
+from .spawn import marker_entries, popen_worker
 from .workers import WorkerProcesses
 
 log = logging.getLogger(__name__)
@@ -38,7 +43,7 @@ class NoWarmPool:
         return None
 
     def prepare(self, attempt: int, logs: AttemptLogs, cmds: Mapping, envs: Mapping, nice: int = 0,
-                templates: bool = True) -> int:
+                templates: bool = True, lock_dir: str | None = None) -> int:
         """Start nothing; return 0."""
         return 0
 
@@ -87,6 +92,7 @@ class WorkerLauncher:
         self._fork_target = fork_target
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
         self._store_host: StoreHost | None = None
+        self._barrier_root: str | None = None  # return_barrier's files, made when first needed
         #: the owners of the run's helper processes (``procs.helper_process``): each has
         #: ``private_fds()`` and ``close()``, and lives until :meth:`close`
         self._helpers: list = []
@@ -144,19 +150,73 @@ class WorkerLauncher:
             another_may_follow: True when an attempt may follow this one; then the
                 warm pool prepares its spares while this one runs.
 
+        Function workers (``--run-path``, ``elastic_launch`` of a callable) of more
+        than one local worker get :mod:`~elaunch.procs.return_barrier`'s variable: one
+        that returned waits for its siblings, as under torch's ``MultiprocessContext``.
+
         Raises:
             OSError: a worker could not be started (those already started are killed).
         """
         pool = self.pool
         self._run_dir().reify(logs, envs)  # a --logs-specs LogsSpecs names the files now
-        adopt = pool.handoff if self._fork_target is None else self._forker(logs)
-        procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
+        barrier = self._attempt_barrier(attempt, cmds)
+        if barrier is not None:
+            envs = {lr: {**env, **barrier.env(lr)} for lr, env in envs.items()}
+        adopt = pool.handoff if self._fork_target is None else self._forker(logs, barrier)
+        if barrier is not None:
+            adopt = self._with_barrier(barrier, logs, adopt)
+        try:
+            procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
+        finally:
+            if barrier is not None:
+                barrier.close()  # every worker holds its own lock now (or none runs)
         pool.discard()  # spares this attempt did not use
         if pool.enabled and another_may_follow:
             # prepare the next attempt's spares, writing to its log files
             local_world_size = len(cmds)
-            pool.prepare(attempt + 1, self._run_dir().attempt(attempt + 1, local_world_size), cmds, envs)
+            pool.prepare(attempt + 1, self._run_dir().attempt(attempt + 1, local_world_size), cmds, envs,
+                         lock_dir=self._lock_dir(cmds))
         return procs
+
+    # ------------------------------------------------------------ return barrier
+
+    def _lock_dir(self, cmds: Mapping[int, list[str]]) -> str | None:
+        """The directory of the run's barrier files when ``cmds``' workers wait for their siblings, else None.
+
+        Raises:
+            OSError: it cannot be created.
+        """
+        first = next(iter(cmds.values()), ())
+        if not return_barrier.applies(first, len(cmds), forked=self._fork_target is not None):
+            return None
+        if self._barrier_root is None:
+            self._barrier_root = tempfile.mkdtemp(prefix="elaunch-barrier-")
+        return self._barrier_root
+
+    def _attempt_barrier(self, attempt: int, cmds: Mapping[int, list[str]]) -> return_barrier.AttemptBarrier | None:
+        """``attempt``'s barrier, every rank's file locked (earlier attempts' removed), or None when none applies."""
+        root = self._lock_dir(cmds)
+        if root is None:
+            return None
+        for name in os.listdir(root):  # the workers of earlier attempts are gone
+            if name.startswith("attempt_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        return return_barrier.AttemptBarrier(os.path.join(root, f"attempt_{attempt}"), sorted(cmds))
+
+    @staticmethod
+    def _with_barrier(barrier: return_barrier.AttemptBarrier, logs: AttemptLogs, adopt) -> Callable:
+        """Wrap ``adopt``: a worker no spare or fork took starts cold with its lock's descriptor;
+        the agent's copy is closed once the worker holds the lock."""
+
+        def start(local_rank: int, argv: list[str], env: dict[str, str]) -> "subprocess.Popen | ForkedProcess":
+            proc = adopt(local_rank, argv, env) if adopt is not None else None
+            if proc is None:
+                proc = popen_worker(argv, env, logs.stdout.get(local_rank), logs.stderr.get(local_rank),
+                                    pass_fds=(barrier.fd(local_rank),))
+            barrier.started(local_rank)
+            return proc
+
+        return start
 
     def prewarm(self, attempt: int, cmds: dict[int, list[str]], envs: dict[int, dict[str, str]]) -> None:
         """Start ``attempt``'s spares before its round forms (warm start only).
@@ -165,7 +225,8 @@ class WorkerLauncher:
         may lack what a round sets (``warm.ROUND_KEYS``): the handoff brings it.
         """
         if self.pool.enabled and self._fork_target is None:
-            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0, templates=False)
+            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0, templates=False,
+                              lock_dir=self._lock_dir(cmds))
 
     def serve_store(self, host: str, port: int) -> int:
         """Host this round's workers' store at ``host:port`` (0: a free port); return the port.
@@ -191,8 +252,10 @@ class WorkerLauncher:
         :meth:`close` closes it (after the helpers added later)."""
         self._helpers.append(owner)
 
-    def _forker(self, logs: AttemptLogs) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
-        """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target."""
+    def _forker(self, logs: AttemptLogs, barrier: return_barrier.AttemptBarrier | None = None,
+                ) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
+        """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target
+        (closing its siblings' barrier locks in the child)."""
         target, reaper = self._fork_target, self._reaper
         private = reaper.private_fds() if reaper is not None else ()
         for helper in self._helpers:
@@ -202,8 +265,9 @@ class WorkerLauncher:
             # the watchdog knows the worker before it runs a line of the target: a child it
             # forks at once and a kill -9 of the agent right after still find it watched
             watch = None if reaper is None else lambda pid: reaper.watch([pid], {pid: marker_entries(env)})
+            siblings = barrier.others(local_rank) if barrier is not None else ()
             return fork_worker(lambda: target(local_rank), env, logs.stdout.get(local_rank),
-                               logs.stderr.get(local_rank), close_fds=private, before_run=watch)
+                               logs.stderr.get(local_rank), close_fds=(*private, *siblings), before_run=watch)
 
         return fork
 
@@ -225,6 +289,9 @@ class WorkerLauncher:
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None
+        if self._barrier_root is not None:
+            shutil.rmtree(self._barrier_root, ignore_errors=True)
+            self._barrier_root = None
 
     def _run_dir(self) -> RunLogDir | SpecsLogDir:
         if self._log_dir is None:

@@ -17,6 +17,11 @@ start differs: same argv, and the same environment apart from
 :data:`ROUND_KEYS`; otherwise it is discarded and the worker starts cold.
 ``--no-python`` workers cannot be warmed (ignored with a log line).
 
+A spare for function workers (``--run-path``, ``elastic_launch`` of a callable)
+holds a locked file from its start (``prepare(lock_dir=...)``); the handoff renames
+it over its rank's file of the attempt's return barrier
+(:mod:`elaunch.procs.return_barrier`).
+
 No torch import here: the agent imports this module.
 """
 
@@ -30,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import return_barrier
 from ._warm_child import IMPORT_NICE
 from .helper_process import end
 from .spawn import become_subreaper, popen_worker
@@ -59,6 +65,7 @@ ROUND_KEYS = frozenset(
         "TORCHELASTIC_ERROR_FILE",
         "ELAUNCH_CHECKPOINT_RESTORE",  # the round's restore plan (agent.checkpoints)
         "ELAUNCH_CHECKPOINT_STEP",
+        return_barrier.ENV,  # the attempt's lock file and descriptor
     }
 )
 #: Interpreter options a warmable worker argv may carry before its script (``build_cmd``'s).
@@ -126,17 +133,38 @@ def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class _Spare:
-    """A spare: ``proc`` None while its template has not forked it yet (``template``)."""
+    """A spare: ``proc`` None while its template has not forked it yet (``template``); ``lock`` the
+    path of the barrier file it holds (``return_barrier.spare_lock``), None if it holds none."""
 
     def __init__(self, proc: "subprocess.Popen | ForkedProcess | None", wfd: int, cmd: list[str],
-                 env: dict[str, str], target: WarmTarget, template: Template | None = None):
+                 env: dict[str, str], target: WarmTarget, template: Template | None = None,
+                 lock: str | None = None):
         self.proc, self.wfd, self.cmd, self.env, self.target = proc, wfd, cmd, env, target
         self.template = template
+        self.lock = lock
 
     def close_pipe(self) -> None:
         if self.wfd >= 0:
             os.close(self.wfd)
             self.wfd = -1
+
+    def drop_lock(self) -> None:
+        """Remove the file of a spare that will not run a worker (its lock goes with the process)."""
+        if self.lock is not None:
+            try:
+                os.unlink(self.lock)
+            except OSError:
+                pass
+            self.lock = None
+
+
+def _new_lock(lock_dir: str | None) -> tuple[int | None, str | None]:
+    """A locked file for a spare in ``lock_dir`` (``(fd, path)``), or ``(None, None)`` without one.
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    return return_barrier.spare_lock(lock_dir) if lock_dir is not None else (None, None)
 
 
 class WarmPool:
@@ -167,7 +195,7 @@ class WarmPool:
 
     def prepare(
         self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]],
-        nice: int = IMPORT_NICE, templates: bool = True,
+        nice: int = IMPORT_NICE, templates: bool = True, lock_dir: str | None = None,
     ) -> int:
         """Start one spare per local rank for ``attempt``, replacing any earlier ones.
 
@@ -184,6 +212,8 @@ class WarmPool:
                 (idle CPU only) while a group runs, 0 before the first one.
             templates: start templates where there are none (False before the first
                 group: they would import beside the first spares).
+            lock_dir: the workers wait for their siblings (``return_barrier``): each
+                spare holds a locked file made here from its start. None: they do not.
 
         Returns:
             The number of spares started (0 when the workers cannot be warmed).
@@ -200,9 +230,9 @@ class WarmPool:
                 break
             env = spawn_env(envs[lr])
             try:
-                spare = self._fork(lr, cmds[lr], env, target, logs, nice if templates else None)
+                spare = self._fork(lr, cmds[lr], env, target, logs, nice if templates else None, lock_dir)
                 if spare is None:
-                    spare = self._spawn(lr, cmds[lr], env, target, logs, nice)
+                    spare = self._spawn(lr, cmds[lr], env, target, logs, nice, lock_dir)
             except OSError as exc:
                 log.warning("could not start a warm spare for local rank %d: %s", lr, exc)
                 break
@@ -217,7 +247,7 @@ class WarmPool:
         return len(self._spares)
 
     def _fork(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
-              nice: int | None) -> _Spare | None:
+              nice: int | None, lock_dir: str | None = None) -> _Spare | None:
         """A spare asked of ``lr``'s template (forked now if it is ready), or None; with ``nice``, a template
         starts where none serves (the spare then forks once it imported)."""
         tmpl = self._templates.get(lr)
@@ -233,10 +263,16 @@ class WarmPool:
             tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
                                                        self._modules, cmd, env, nice)
             self._reaper.watch([tmpl.proc.pid])
-        wfd = tmpl.request(logs.stdout.get(lr), logs.stderr.get(lr))
+        lock_fd, lock = _new_lock(lock_dir)
+        try:
+            wfd = tmpl.request(logs.stdout.get(lr), logs.stderr.get(lr), lock_fd)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # the template holds it now (or it failed: the lock goes)
+        spare = _Spare(None, -1 if wfd is None else wfd, cmd, env, target, tmpl, lock)
         if wfd is None:
+            spare.drop_lock()
             return None
-        spare = _Spare(None, wfd, cmd, env, target, tmpl)
         if tmpl.ready() and not self._collect(spare, FORK_TIMEOUT):
             self._retire(lr)
             return None
@@ -256,40 +292,55 @@ class WarmPool:
             spare.proc = spare.template.collect(timeout)
             if spare.proc is None:
                 spare.close_pipe()
+                spare.drop_lock()
                 return False
             if self._reaper is not None:
                 self._reaper.watch([spare.proc.pid])
         return True
 
     def _spawn(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
-               nice: int) -> _Spare:
-        """A spare started as a new interpreter that imports the modules (at ``nice``).
+               nice: int, lock_dir: str | None = None) -> _Spare:
+        """A spare started as a new interpreter that imports the modules (at ``nice``), holding a
+        lock made in ``lock_dir`` (passed as its last argument) when that is not None.
 
         Raises:
             OSError: it could not be started.
         """
+        lock_fd, lock = _new_lock(lock_dir)
         rfd, wfd = handoff_pipe()
         try:
             argv = [target.python, *target.flags, CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
-            proc = popen_worker(argv, env, logs.stdout.get(lr), logs.stderr.get(lr), pass_fds=(rfd,))
+            fds = (rfd,) if lock_fd is None else (rfd, lock_fd)
+            proc = popen_worker(argv + [str(fd) for fd in fds[1:]], env, logs.stdout.get(lr), logs.stderr.get(lr),
+                                pass_fds=fds)
         except OSError:
             os.close(wfd)
+            _Spare(None, -1, cmd, env, target, lock=lock).drop_lock()
             raise
         finally:
             os.close(rfd)
-        return _Spare(proc, wfd, cmd, env, target)
+            if lock_fd is not None:
+                os.close(lock_fd)  # the spare holds it now
+        return _Spare(proc, wfd, cmd, env, target, lock=lock)
 
     def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen | None:
         """Give the worker ``(cmd, env)`` to the spare of ``local_rank``; return its Popen, or None.
 
         None (start the worker cold) when there is no spare, it died, or the worker's
-        argv or pre-round environment differs from what the spare was started with.
-        Usable as ``WorkerProcesses.start(adopt=...)``.
+        argv or pre-round environment differs from what the spare was started with,
+        or the worker waits for its siblings and the spare holds no lock. Once the
+        handoff is written, the spare's locked file replaces the rank's file of the
+        attempt's return barrier. Usable as ``WorkerProcesses.start(adopt=...)``.
         """
         spare = self._spares.pop(local_rank, None)
         if spare is None:
             return None
         now = spawn_env(env)
+        rank_file = return_barrier.target(env)
+        if rank_file is not None and spare.lock is None:
+            log.info("local rank %d: the spare holds no barrier lock; starting cold", local_rank)
+            self._kill(spare)
+            return None
         if spare.cmd != list(cmd) or spare.env != now:
             changed = sorted(k for k in spare.env.keys() | now.keys() if spare.env.get(k) != now.get(k))
             log.info("local rank %d: %s changed since the spare started; starting cold", local_rank,
@@ -312,6 +363,16 @@ class WarmPool:
             self._kill(spare)
             return None
         spare.close_pipe()
+        if rank_file is not None:  # the spare's lock, held since it started, is the rank's from now on
+            try:
+                os.replace(spare.lock, rank_file)
+            except OSError as exc:
+                log.warning("local rank %d: warm spare %d's barrier lock cannot be placed (%s); starting cold",
+                            local_rank, spare.proc.pid, exc)
+                self._kill(spare)
+                return None
+            spare.lock = None
+        spare.drop_lock()  # a lock the worker does not use
         self.used += 1
         return spare.proc
 
@@ -344,6 +405,7 @@ class WarmPool:
 
     def _kill(self, spare: _Spare) -> None:
         spare.close_pipe()
+        spare.drop_lock()
         if spare.proc is None:  # not forked yet: its template reaps it once it is (or goes first)
             spare.template.drop()
             return

@@ -108,8 +108,11 @@ class Template:
         """False once the template refused to fork, failed, or exited."""
         return self._state is not False and self.proc.poll() is None
 
-    def request(self, stdout_path: str | None, stderr_path: str | None) -> int | None:
+    def request(self, stdout_path: str | None, stderr_path: str | None, lock_fd: int | None = None) -> int | None:
         """Ask for a spare writing to these files (None: the agent's streams); return its handoff fd.
+
+        ``lock_fd``: a barrier lock the spare is to hold (``return_barrier.spare_lock``),
+        sent with the request; the caller still closes its own copy.
 
         The template forks it once its imports are done (:meth:`collect` returns it).
         The spare reads its handoff (``warm.encode_handoff``) from the returned pipe
@@ -123,6 +126,8 @@ class Template:
             fds.append(rfd)
             fds.append(_stream(stdout_path, 1))
             fds.append(_stream(stderr_path, 2))
+            if lock_fd is not None:
+                fds.append(os.dup(lock_fd))
             socket.send_fds(self._chan, [b"F"], fds)
         except OSError:
             self._state = False
