@@ -26,12 +26,14 @@ What is asserted:
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from math import comb
 
 import pytest
 
 from elaunch.errors.summary import EXIT_ABORT_HINT, EXIT_ABORT_LINE as ABORT_LINE
-from tests.helpers import SCRIPTS, free_port, run
+from tests.helpers import SCRIPTS, free_port, kill_tree, launcher_env, run
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +78,41 @@ def _once(which: str) -> bool:
     return r.returncode == 0
 
 
+def _once_api(which: str) -> bool:
+    """Whether one run of PyTorch's exact case exited clean: ``main([...])`` with ``--run-path`` (issue 35).
+
+    ``test_init_method_env_with_torchelastic``'s argv, through the launcher's Python API
+    (``tests/scripts/launch_main.py``). With ``--run-path`` torch's workers are function
+    workers: one that returned waits until every worker returned, and so do elaunch's.
+    """
+    for _ in range(3):  # a port taken between free_port() and the bind says nothing of either launcher
+        argv = ["--run-path", "--nnodes=1", f"--nproc-per-node={NPROC}", "--master-addr=localhost",
+                f"--master-port={free_port()}", "--monitor-interval=1", str(SCRIPTS / "init_method_env.py"),
+                "--init-method=env://"]
+        code, stdout, stderr = _api_run(which, argv)
+        if "EADDRINUSE" not in stderr:
+            break
+    out = stdout + stderr
+    if code == 0:
+        assert stdout.count("Done") == NPROC, f"{which}: not every worker got through the script:\n{out[-3000:]}"
+    else:
+        assert "Done" in stdout and ABORT_LINE in out, f"{which} failed, and not of gloo's exit race:\n{out[-3000:]}"
+    return code == 0
+
+
+def _api_run(which: str, argv: list[str]) -> tuple[int, str, str]:
+    """``launch_main.py which argv``: (status, stdout, stderr); its tree killed at the 120 s deadline."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "launch_main.py"), which, *argv], env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise AssertionError(f"{which} main({argv}) timed out after 120 s") from None
+    return proc.returncode, stdout, stderr
+
+
 def decided(e_failed: int, t_failed: int, pairs_run: int, pairs: int = PAIRS) -> bool:
     """Whether the remaining pairs can no longer change the verdict of all ``pairs``.
 
@@ -104,14 +141,15 @@ def test_stopping_early_never_changes_the_verdict():
     assert decided(3, 3, PAIRS)  # all pairs run: always decided
 
 
-def test_elaunch_exits_clean_at_least_as_often_as_torchrun():
+@pytest.mark.parametrize("once", [_once, _once_api], ids=["cli", "api-run-path"])
+def test_elaunch_exits_clean_at_least_as_often_as_torchrun(once):
     failed = {"elaunch": 0, "torchrun": 0}
     runs = 0
     while runs < PAIRS and not decided(failed["elaunch"], failed["torchrun"], runs):
         pair = ["elaunch", "torchrun"]
         random.shuffle(pair)
         for which in pair:
-            failed[which] += not _once(which)
+            failed[which] += not once(which)
         runs += 1
     p_worst = fisher_one_sided(failed["elaunch"] + PAIRS - runs, failed["torchrun"], PAIRS)
     assert p_worst >= ALPHA, (
