@@ -44,11 +44,14 @@ class _SignalHandlers:
 
     Later signals are remembered but do not interrupt the shutdown in progress.
     Signals in ``forward`` (``--forward-signals``) are notices instead: each is
-    passed to ``on_notice`` and the job keeps running.
+    passed to ``on_notice`` (``ElasticAgent.record_notice``, which only records it
+    and wakes the agent's loop; the loop forwards it) and the job keeps running.
+    A handler only records or raises (torch's ``_terminate_process_handler`` raises
+    ``SignalException`` too): what a signal leads to runs in the agent's main loop.
     """
 
     def __init__(self, names: tuple[str, ...], forward: tuple[str, ...] = (),
-                 on_notice=None) -> None:
+                 on_notice: Callable[[int], None] | None = None) -> None:
         self._names = names
         self._forward = forward
         self._on_notice = on_notice
@@ -57,7 +60,7 @@ class _SignalHandlers:
 
     def _notice(self, signum: int, frame) -> None:
         if self._received is None and self._on_notice is not None:
-            self._on_notice(signum)
+            self._on_notice(signum)  # records only (a queue and a self-pipe write)
 
     def _handle(self, signum: int, frame) -> None:
         if self._received is not None:
@@ -192,7 +195,7 @@ def _run_agent(config: LaunchConfig, specs, base_env: dict[str, str], fork_targe
     if own_process:
         freeze_startup_heap()
     try:
-        with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.forward_signal):
+        with _SignalHandlers(config.signals_to_handle, config.forward_signals, agent.record_notice):
             try:
                 result = agent.run()
             except SignalException:

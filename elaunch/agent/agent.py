@@ -22,6 +22,7 @@ from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, with_root
 from elaunch.agent.node_check import NodeCheck, node_check_for
+from elaunch.agent.notices import Notices
 from elaunch.agent.progress_watch import ProgressWatchdog
 from elaunch.agent.published import agent_record, publish
 from elaunch.agent.job import JobView, local_record
@@ -129,6 +130,7 @@ class ElasticAgent:
         # in-memory checkpoints: the node directory, each round's restore, the persister and replica service
         self._keeper = CheckpointKeeper.for_launch(config, env_opts.run_id, rdzv.job_channel)
         self._node_check: NodeCheck | None = None  # --node-check; made in run() (its child needs the reaper)
+        self._notices = Notices(self._forward)  # --forward-signals: the handler records, the monitor acts
 
     @property
     def log_root(self) -> str | None:
@@ -160,6 +162,8 @@ class ElasticAgent:
                                 progress_files=lambda: self._progress.files if self._progress else None,
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
+        # the notices first: their persist request is seen by the keeper's poll of the same look
+        self._watchdogs.insert(0, self._notices)
         self._watchdogs.append(self._keeper)
         self._starter = GroupStarter(self._spec, self._launcher, self._env_opts, self._base_env,
                                      self._logs.line_prefix_template, self._watchdogs)
@@ -168,21 +172,22 @@ class ElasticAgent:
                                      self._watchdogs)
         try:
             result = self._invoke_run()
-            self._events.job_end(result)
+            self._job_end(result)
             return result
         except SignalException as exc:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
             self._launcher.no_more_attempts()
             self._keeper.persist_now("signal")  # written while the workers stop; awaited before the directory goes
             self._stop_workers(exc.sigval)
-            self._events.job_end(sig=exc.sigval)
+            self._job_end(sig=exc.sigval)
             raise
         except BaseException as exc:
-            self._events.job_end(error=exc)
+            self._job_end(error=exc)
             raise
         finally:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
+            self._notices.take()  # one that came after the job's end event (the exit barrier): the log line
             self._keeper.close()  # before the helpers and the reaper go: it awaits a persist, then removes its dir
             if self._node_check is not None:
                 self._node_check.close()
@@ -191,17 +196,35 @@ class ElasticAgent:
                 watchdog.close()
             self._events.close()
 
-    def forward_signal(self, sig: int) -> None:
-        """Forward a notice (``--forward-signals``, e.g. Slurm's SIGUSR1) to every worker; keep running.
+    def record_notice(self, sig: int) -> None:
+        """Record a notice (``--forward-signals``, e.g. Slurm's SIGUSR1); the agent's loop forwards it.
 
-        Safe to call from a signal handler in the main thread.
+        The one part of a notice that runs in the signal handler (main thread): it queues
+        the signal with the workers running now and wakes the monitor's wait (a self-pipe
+        write). The monitor's next look, at once, sends the signal to those workers' process
+        groups (if they still run), asks the checkpoint keeper for a persist, and writes the
+        ``notice`` event and a log line; the job keeps running. torchrun has no notices.
         """
-        procs = self._procs
-        if procs is not None:
+        self._notices.record(sig, self._procs)
+
+    def _forward(self, sig: int, at: float, procs: WorkerProcesses | None) -> None:
+        """Act on one notice (main thread): forward it to ``procs`` (the workers running when it came), ask
+        for a persist, write the ``notice`` event (time ``at``, when it came) and the log line."""
+        running = procs is not None and procs is not self._exits_told  # not stopped since it came
+        if running:
             procs.notify(sig)
         self._keeper.ask_persist("notice")
-        self._events.notice(sig)
-        log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
+        self._events.notice(sig, at=at)
+        if running:
+            log.warning("received %s: forwarded to the workers (a notice; the job keeps running)", signal_name(-sig))
+        else:
+            log.warning("received %s while no workers ran: not forwarded (a notice; the job keeps running)",
+                        signal_name(-sig))
+
+    def _job_end(self, result: RunResult | None = None, **why) -> None:
+        """The job's end event (``AgentEvents.job_end``), after the notices no look acted on yet."""
+        self._notices.take()
+        self._events.job_end(result, **why)
 
     def _invoke_run(self) -> RunResult:
         """The agent's loop: join a round, start the workers, watch them, decide the step, act on it.
@@ -331,7 +354,7 @@ class ElasticAgent:
         self._stop_workers(signal.SIGKILL, grace=0.0)
         result = RunResult(WorkerState.SUCCEEDED, restarts=self._job.restarts,
                            global_ranks={w.local_rank: w.global_rank for w in group.workers})
-        self._events.job_end(result)
+        self._job_end(result)
         self._events.close()  # a temporary log directory goes now, events.jsonl with it
         self._launcher.remove_log_dir_if_temporary()
         self._rdzv.exit_barrier(self._exit_barrier_timeout)
@@ -376,6 +399,7 @@ class ElasticAgent:
         self._keeper.prepare(info, group.workers, self._spec.local_world_size)  # the round's restore: its env
         may_follow = self._job.left > 0 or self._rdzv.can_reform
         self._procs = self._starter.start(group, attempt, logs, self._job.restarts, info.use_agent_store, may_follow)
+        self._notices.wake_with(self._procs.wakeup)  # a notice from now on wakes the monitor's wait
         self._attempt_logs = logs
         workers = group.workers
         self._events.workers_started(attempt, workers, self._procs.pids, f"{group.master_addr}:{group.master_port}")
@@ -387,6 +411,7 @@ class ElasticAgent:
         return group
 
     def _stop_workers(self, sig: int, grace: float | None = None) -> None:
+        self._notices.wake_with(None)  # before the wake pipe closes: a handler must not write to a reused fd
         procs = self._procs
         if procs is None or procs is self._exits_told:
             return

@@ -12,9 +12,13 @@ handler in torch too) print nothing. The file is written either way.
 
 Writing never raises into the agent: the first OSError is logged once and the
 log goes quiet. Observers (:meth:`EventLog.add_observer`, e.g. ``--metrics-port``'s
-``elaunch.agent.metrics``) get each event's dict as it is written, file or not. Each event is one ``os.write`` of one line to a file opened
-with ``O_APPEND`` (no buffer, no fsync), so a notice written from a signal
-handler cannot tear a line the main thread is writing. Stdlib only.
+``elaunch.agent.metrics``) get each event's dict as it is written, file or not.
+Each event is one ``os.write`` of one line to a file opened with ``O_APPEND`` (no
+buffer, no fsync). The agent's main thread and the straggler watch's thread both
+emit: one lock orders each event's write and its observers' calls, so lines never
+interleave and observers see the file's order. No signal handler emits (a notice
+is written by the agent's loop, :mod:`elaunch.agent.notices`): the lock is never
+taken from a handler. Stdlib only.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -104,23 +109,34 @@ class EventLog:
         self._quiet = path is None  # no file, or it failed once, or closed
         self._closed = False
         self._observers: list[Callable[[dict], None]] = []
+        self._lock = threading.Lock()  # emit() runs in the main thread and the straggler watch's
 
     def add_observer(self, observer: Callable[[dict], None]) -> None:
         """Call ``observer`` with every later event's dict, the one written to the file (with or without a file).
 
         Called in the thread that emits, in the order of :meth:`emit` calls, before
-        :meth:`close`; the dict must not be changed. An observer that raises is
-        logged once and gets no more events: it never raises into the agent.
+        :meth:`close`, with this log's lock held (an observer must not emit); the dict
+        must not be changed. An observer that raises is logged once and gets no more
+        events: it never raises into the agent.
         """
-        self._observers.append(observer)
+        with self._lock:
+            self._observers.append(observer)
 
     def emit(self, kind: str, round: int | None = None, at: float | None = None, **fields) -> None:
         """Append one event of ``kind`` with ``fields`` (JSON values; others are written as ``str``).
+
+        Thread-safe (one lock per log; blocks while another thread writes an event); not
+        for a signal handler (the thread it interrupts may hold the lock).
 
         Args:
             round: the event's round, default :attr:`round`.
             at: its time in seconds since the epoch, default now.
         """
+        with self._lock:
+            self._emit(kind, round, at, fields)
+
+    def _emit(self, kind: str, round: int | None, at: float | None, fields: dict) -> None:
+        """:meth:`emit` with the lock held."""
         if self._closed or (self._quiet and self._echo is None and not self._observers):
             return
         doc = {"time": round_time(self._clock() if at is None else at), "kind": kind, "node": self.node,
@@ -150,12 +166,16 @@ class EventLog:
                 self._observers.remove(observer)
 
     def close(self) -> None:
-        """Close the file; later events are dropped (observers get none either). Idempotent."""
-        self._quiet = True
-        self._closed = True
-        self._echo = None
-        if self._fd is not None:
+        """Close the file; later events are dropped (observers get none either). Idempotent.
+
+        Waits for an event another thread is writing (the fd is not closed under it).
+        """
+        with self._lock:
+            self._quiet = True
+            self._closed = True
+            self._echo = None
             fd, self._fd = self._fd, None
+        if fd is not None:
             try:
                 os.close(fd)
             except OSError:
@@ -302,9 +322,14 @@ class AgentEvents(EventLog):
         self.emit("hang", ranks=sorted(hung), culprit=culprit, stuck=stuck,
                   quiet_seconds=None if quiet_seconds is None else round(quiet_seconds, 3))
 
-    def notice(self, sig: int) -> None:
-        """``notice``: a forwarded signal (``--forward-signals``); the job keeps running."""
-        self.emit("notice", signal=signal_of(-sig))
+    def notice(self, sig: int, at: float | None = None) -> None:
+        """``notice``: a forwarded signal (``--forward-signals``); the job keeps running.
+
+        Args:
+            at: when the signal arrived (seconds since the epoch; the agent's loop writes the
+                event a moment later), default now.
+        """
+        self.emit("notice", at=at, signal=signal_of(-sig))
 
     def checkpoint_restore(self, round: int, step: int, sources: Mapping[int, str]) -> None:
         """``checkpoint_restore``: this node's workers of ``round`` restore ``step``.

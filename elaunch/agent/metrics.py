@@ -29,8 +29,9 @@ each takes a lock of its own.
 Threads: :meth:`AgentMetrics.observe` runs in the thread that emits (the agent's
 main thread; the straggler watch's thread for ``straggler``); a scrape runs in the
 HTTP server's thread. One lock guards the
-figures between them. ``notice`` events, the only ones a signal handler emits,
-are not looked at (no metric counts them), so the lock is never taken from a handler.
+figures between them. No signal handler emits (the agent's loop writes a
+``notice``), so the lock is never taken from a handler; ``notice`` events are not
+looked at (no metric counts them).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class AgentMetrics:
         every event but ``notice`` -> the ledger.
         """
         kind = event.get("kind")
-        if kind == "notice":  # emitted from a signal handler: no lock, and no metric counts it
+        if kind == "notice":  # no metric counts it
             return
         with self._lock:
             if kind == "restart":

@@ -44,3 +44,28 @@ def test_a_failing_observer_is_dropped_with_one_warning_and_the_others_go_on(tmp
     assert seen == ["a", "b"]
     assert len([r for r in caplog.records if "event observer" in r.getMessage()]) == 1
     assert len((tmp_path / "events.jsonl").read_text().splitlines()) == 2
+
+
+def test_two_threads_emitting_observers_see_the_files_order(tmp_path):
+    # the main thread and the straggler watch's thread both emit; an observer that yields the GIL
+    # mid-event would see another order than the file's without the log's lock
+    import threading
+    import time
+
+    path = tmp_path / "events.jsonl"
+    seen: list[str] = []
+    ev = EventLog(str(path), "n", "h")
+    ev.add_observer(lambda doc: (time.sleep(0), seen.append(f"{doc['kind']}{doc['i']}")))
+
+    def emit_many(kind: str) -> None:
+        for i in range(300):
+            ev.emit(kind, i=i)
+
+    threads = [threading.Thread(target=emit_many, args=(k,)) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ev.close()
+    written = [(lambda d: f"{d['kind']}{d['i']}")(json.loads(line)) for line in path.read_text().splitlines()]
+    assert len(written) == 600 and seen == written
