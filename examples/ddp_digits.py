@@ -44,6 +44,9 @@ agent's shared memory, a few milliseconds, that survives the worker's death. A n
 group restores with ``ckpt.load()``, which returns the same step on every rank (the
 job agrees on it; ``into`` the model's own tensors, once the model is built), so a
 crash costs the steps since the last snapshot, not since the last disk checkpoint.
+The state is saved as replicated (DDP: the same on every rank), so a restore hands
+every rank the same snapshot, the lowest rank's; the one per-rank entry, the torch RNG
+state, is saved for every rank (gathered) and each rank takes its own back.
 Under torchrun (no agent to keep the copy) snapshots are off
 unless ``--snapshot-every`` asks for them; then ``ckpt`` writes to
 ``$ELAUNCH_CHECKPOINT_DIR``. The disk checkpoint is still written (rank 0, every
@@ -440,8 +443,12 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
             model.load_state_dict(state["model"])  # not restored in place (a disk checkpoint)
         optimizer.load_state_dict(state["optimizer"])
         done_epochs, done_steps = state["epoch"], state.get("step", 0)
-        if "rng" in state:
-            torch.set_rng_state(state["rng"].cpu())  # map_location moved it too
+        if "rngs" in state:  # a snapshot: every rank's RNG state, gathered (see the save below)
+            rngs = state["rngs"].cpu()  # map_location moved it too
+            # clone: set_rng_state of a row view (a storage offset) segfaults (torch 2.13, CPU)
+            torch.set_rng_state(rngs[rank if state.get("world_size") == world else 0].clone())
+        elif "rng" in state:  # a disk checkpoint: rank 0's, for every rank
+            torch.set_rng_state(state["rng"].cpu())
         if done_steps and state.get("world_size") != world:
             if rank == 0:
                 print(f"world size changed ({state.get('world_size')} -> {world}): "
@@ -521,12 +528,17 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
             optimizer.step()
             total += torch.stack([loss.detach() * len(yb), torch.tensor(float(len(yb)), device=device)])
             if ckpt is not None and (position + 1) % args.snapshot_every == 0:
-                # position + 1 steps done: every rank's state is the same (DDP), so any rank's
-                # snapshot can restore any rank, at any world size
+                # position + 1 steps done: the model and optimizer are the same on every rank (DDP), so
+                # the state is saved as replicated, and a restore hands every rank one snapshot (the
+                # lowest rank's). The RNG state is a rank's own: every rank's goes in, gathered, and
+                # each rank takes its own back (rank 0's when the world size changed).
                 at = (epoch, 0) if step + 1 == len(batches) else (epoch - 1, step + 1)
+                rng = torch.get_rng_state().to(device)
+                rngs = [torch.empty_like(rng) for _ in range(world)]
+                dist.all_gather(rngs, rng)
                 ckpt.save({"format": CHECKPOINT_FORMAT, "epoch": at[0], "step": at[1], "world_size": world,
                            "seed": args.seed, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                           "rng": torch.get_rng_state()}, step=position + 1)
+                           "rngs": torch.stack(rngs)}, step=position + 1)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         dist.all_reduce(total)
