@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from elaunch.agent.published import publish
-from elaunch.agent.restore import RoundRestore, ranks_by_group, ring
+from elaunch.agent.restore import RoundRestore, ranks_by_group, successors
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
@@ -75,6 +75,8 @@ class CheckpointKeeper:
         root: where node directories go (default ``/dev/shm``).
         exchange_timeout, fetch_timeout, persist_wait: seconds, see the constants.
         clock: seconds since the epoch (injectable for tests).
+        secret: the job secret (``ELAUNCH_JOB_SECRET``), or None: this agent's replica service then
+            takes a random key, published in its inventory document for the round's other nodes.
 
     Attributes:
         node_dir: the node directory, or None (off, or not opened).
@@ -87,12 +89,14 @@ class CheckpointKeeper:
     def __init__(self, run_id: str, replicas: int, ckpt_dir: str | None, persist_interval: float,
                  channel: Callable[[], object], *, root: str = SHM_ROOT, exchange_timeout: float = EXCHANGE_TIMEOUT,
                  fetch_timeout: float = FETCH_TIMEOUT, persist_wait: float = PERSIST_WAIT,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, secret: bytes | None = None) -> None:
         self._run_id, self._replicas, self._ckpt_dir = run_id, replicas, ckpt_dir
         self._persist_interval = persist_interval
         self._events, self._channel, self._root = None, channel, root
         self._exchange_timeout, self._fetch_timeout, self._persist_wait = exchange_timeout, fetch_timeout, persist_wait
         self._clock = clock
+        self._secret = secret
+        self._key: bytes | None = None  # this node's replica service's key, made with the service
         self.node_dir: NodeDir | None = None
         self._launcher = None
         self._persister = None
@@ -115,7 +119,7 @@ class CheckpointKeeper:
         wait = config.checkpoint_timeout
         return cls(run_id, replicas_for(config.checkpoint_replicas, config.max_nodes), config.checkpoint_dir,
                    config.checkpoint_persist_interval, channel, exchange_timeout=config.checkpoint_exchange_timeout,
-                   fetch_timeout=wait, persist_wait=wait)
+                   fetch_timeout=wait, persist_wait=wait, secret=config.job_secret)
 
     # -- the run -----------------------------------------------------------------------------------------------
 
@@ -181,20 +185,42 @@ class CheckpointKeeper:
         multi = info.world_size > 1
         addr = self._start_service(info) if multi and self._replicas > 0 else ""
         doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr)
+        if addr and self._secret is None:
+            doc["key"] = self._key.hex()  # the round's nodes authenticate to this node's service with it
         docs = self._exchange(info.round, {**doc, "group_rank": info.rank}) if multi else {me: doc}
         docs[me] = doc
-        restore = RoundRestore(docs, me, nd.restore, self._fetch_timeout)
+        keys = {g: self._peer_key(d) for g, d in docs.items()}
+        source = self._service.host if self._service is not None else None
+        restore = RoundRestore(docs, me, nd.restore, self._fetch_timeout, keys=keys, source=source)
         plan = self._plan(info, restore, workers, local_world_size)
         if plan.reason:
             log.warning("checkpoint restore: %s", plan.reason)
+        for line in plan.refused:
+            log.warning("checkpoint restore: refused %s", line)
         files = restore.gather(plan) if plan.step is not None else {}
         if plan.step is not None:
             for w in workers:
                 self._env[w.local_rank] = {ENV_RESTORE: files[w.global_rank][0], ENV_STEP: str(plan.step)}
             self._events.checkpoint_restore(info.round, plan.step, {r: kind for r, (_path, kind) in files.items()})
         if self._service is not None:
-            addrs = {g: planner.addr_from_doc(d) for g, d in docs.items()}
-            self._service.set_ring(ring(addrs, me, self._replicas) if multi else [])
+            addrs = {g: planner.addr_from_doc(d) for g, d in docs.items() if keys.get(g)}
+            peers = [(host, port, keys[g]) for g, (host, port) in successors(addrs, me, self._replicas)] if multi else []
+            self._service.set_ring(peers)
+
+    def _peer_key(self, doc: dict) -> bytes:
+        """The key of the replica service a node's document names: the job's, or the one it published (b"": none)."""
+        if self._secret is not None:
+            return self._job_key()
+        try:
+            key = bytes.fromhex(doc.get("key", "")) if isinstance(doc, dict) else b""
+        except (TypeError, ValueError):
+            return b""
+        return key if len(key) == 32 else b""
+
+    def _job_key(self) -> bytes:
+        from elaunch.procs.replica_wire import job_key
+
+        return job_key(self._secret, self._run_id)
 
     def _plan(self, info, restore: RoundRestore, workers: Sequence, local_world_size: int) -> planner.Plan:
         """The round's plan from every node's document; no restore where the nodes cannot agree on one.
@@ -259,8 +285,14 @@ class CheckpointKeeper:
             try:
                 from elaunch.procs.replicas import ReplicaService
 
-                service = ReplicaService(self.node_dir.path, host, self._launcher.reaper)
+                self._key = self._job_key() if self._secret is not None else None
+                service = ReplicaService(self.node_dir.path, host, self._launcher.reaper, key=self._key)
+                self._key = service.key
+                service.set_members([n.addr for n in info.nodes] if info.nodes else None)
                 service.start()
+                if self._secret is None:
+                    log.info("replica service: peers authenticate with keys shared through the rendezvous; set "
+                             "ELAUNCH_JOB_SECRET to keep out whoever can read the rendezvous store too")
             except (ImportError, OSError) as exc:
                 log.warning("replica service could not start on %s (%s): no peer keeps this node's snapshots",
                             host, exc)
@@ -272,6 +304,7 @@ class CheckpointKeeper:
         service = self._service
         if service is None or service.port is None:
             return ""
+        service.set_members([n.addr for n in info.nodes] if info.nodes else None)  # this round's nodes only
         host = service.host
         return f"[{host}]:{service.port}" if ":" in host else f"{host}:{service.port}"
 

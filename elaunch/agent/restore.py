@@ -40,8 +40,11 @@ def ranks_by_group(nodes: Sequence, world_size: int, local_world_size: int) -> d
     return out
 
 
-def ring(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, int]]:
-    """The next ``n`` nodes after ``me`` by group rank that named a replica address: ``[(host, port), ...]``."""
+def successors(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, tuple[str, int]]]:
+    """The next ``n`` nodes after ``me`` by group rank that named a replica address: ``[(group rank, (host, port))]``.
+
+    ``addrs``: group rank (text) -> ``host:port`` (``[v6]:port``); ``me`` must be one of them.
+    """
     order = sorted(addrs, key=int)
     if me not in order or n <= 0:
         return []
@@ -50,8 +53,13 @@ def ring(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, int]]:
     for g in order[at + 1:] + order[:at]:
         host, _, port = addrs[g].rpartition(":")
         if host and port.isdigit() and len(out) < n:
-            out.append((host.strip("[]"), int(port)))
+            out.append((g, (host.strip("[]"), int(port))))
     return out
+
+
+def ring(addrs: Mapping[str, str], me: str, n: int) -> list[tuple[str, int]]:
+    """The next ``n`` nodes after ``me`` by group rank that named a replica address: ``[(host, port), ...]``."""
+    return [peer for _g, peer in successors(addrs, me, n)]
 
 
 def source_kind(source: planner.Source, me: str) -> str:
@@ -61,10 +69,11 @@ def source_kind(source: planner.Source, me: str) -> str:
     return MEMORY if source.node == me else PEER
 
 
-def _fetch(host: str, port: int, rank: int, step: int, dest: str, timeout: float) -> bool:
+def _fetch(host: str, port: int, rank: int, step: int, dest: str, timeout: float, *, key: bytes,
+           source: str | None = None) -> bool:
     from elaunch.procs.replicas import fetch
 
-    return fetch(host, port, rank, step, dest, timeout)
+    return fetch(host, port, rank, step, dest, timeout, key=key, source=source)
 
 
 class RoundRestore:
@@ -75,15 +84,20 @@ class RoundRestore:
         me: this node's group rank (text).
         restore_dir: where fetched snapshots go (the node directory's ``restore/``).
         fetch_timeout: seconds one fetch may take.
-        fetch: ``(host, port, saved rank, step, dest, timeout) -> bool`` (default ``procs.replicas.fetch``).
+        fetch: ``(host, port, saved rank, step, dest, timeout, *, key, source) -> bool`` (default
+            ``procs.replicas.fetch``).
+        keys: group rank (text) -> the key of that node's replica service (a node with none is not fetched from).
+        source: this node's address, the source of its fetches' connections (None: the kernel's choice).
 
     Attributes:
         held: group rank (text) -> what that node holds (``plan.Held`` entries).
     """
 
     def __init__(self, docs: Mapping[str, dict], me: str, restore_dir: str, fetch_timeout: float,
-                 fetch: Callable[..., bool] = _fetch) -> None:
+                 fetch: Callable[..., bool] = _fetch, *, keys: Mapping[str, bytes] | None = None,
+                 source: str | None = None) -> None:
         self._docs, self._me, self._dir, self._timeout, self._fetch = docs, me, restore_dir, fetch_timeout, fetch
+        self._keys, self._source = dict(keys or {}), source
         self.held = {g: planner.held_from_doc(d) for g, d in docs.items()}
 
     def plan(self, ranks: Mapping[str, Sequence[int]], world_size: int) -> planner.Plan:
@@ -130,7 +144,9 @@ class RoundRestore:
             return source.locator if os.path.exists(source.locator) else ""
         saved = next((h.rank for h in self.held.get(source.node, ()) if h.locator == source.locator), None)
         host, _, port = planner.addr_from_doc(self._docs.get(source.node)).rpartition(":")
-        if saved is None or not host or not port.isdigit():
+        key = self._keys.get(source.node)
+        if saved is None or not host or not port.isdigit() or not key:
             return ""
         dest = os.path.join(self._dir, f"r{rank}")
-        return dest if self._fetch(host.strip("[]"), int(port), saved, step, dest, self._timeout) else ""
+        ok = self._fetch(host.strip("[]"), int(port), saved, step, dest, self._timeout, key=key, source=self._source)
+        return dest if ok else ""

@@ -23,6 +23,7 @@ from elaunch.config.errors import ConfigError
 from elaunch.config.launch_config import STANDALONE_ENDPOINT, LaunchConfig
 from elaunch.config.nproc import resolve_nproc
 from elaunch.config.options import DEFAULT_MASTER_PORT, OPTIONS, LaunchOptions, replicas_for
+from elaunch.config.secret import job_secret
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
 from elaunch.rendezvous.contract import RendezvousConfigError
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
@@ -213,6 +214,7 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         warm_start_modules=warm,
         checkpoint_replicas=replicas_for(o.checkpoint_replicas, o.nnodes[1]),
         checkpoint_dir=_checkpoint_dir(o.checkpoint_dir),
+        job_secret=job_secret(environ),
         node_check_slow_factor=_slow_factor(o.rdzv_conf),
         stragglers=_stragglers(o.rdzv_conf),
     )

@@ -87,6 +87,9 @@ class LaunchConfig:
             for the last persist (``--checkpoint-timeout``).
         checkpoint_exchange_timeout: seconds, > 0, the agent waits for the round's inventory exchange
             (``--checkpoint-exchange-timeout``).
+        job_secret: ``ELAUNCH_JOB_SECRET`` (or the file ``ELAUNCH_JOB_SECRET_FILE`` names), bytes, or
+            None: the replica services' peers then authenticate with keys published in the rendezvous
+            (``config.secret``). Never in the repr.
     """
 
     min_nodes: int = default_of("nnodes")[0]
@@ -129,6 +132,7 @@ class LaunchConfig:
     checkpoint_persist_interval: float = default_of("checkpoint_persist_interval")
     checkpoint_timeout: float = default_of("checkpoint_timeout")
     checkpoint_exchange_timeout: float = default_of("checkpoint_exchange_timeout")
+    job_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Resolve ``forward_signals`` against ``signals_to_handle``: a signal is a stop or a notice, not both.

@@ -51,6 +51,7 @@ from typing import Any
 from elaunch.config import OPTIONS
 from elaunch.config import LaunchConfig as _RunConfig
 from elaunch.config.options import default_of
+from elaunch.config.secret import job_secret
 from elaunch.config.values import parse_int, parse_nnodes, parse_signals
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
@@ -262,6 +263,7 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
         duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
         log_line_prefix_template=config.log_line_prefix_template,
         cmd=cmd,
+        job_secret=job_secret(os.environ),
     )
 
 

@@ -4,11 +4,18 @@
 ``SOCK_SEQPACKET`` socket pair with the agent (``replicas.py``), NODE_DIR the
 agent's node directory. Messages from the agent, one per packet:
 
+* ``conf {"key": HEX, "source": HOST, "members": [HOST, ...] | null}`` (JSON): the key
+  peers must prove they hold, this node's address (the source of its own connections)
+  and the current round's nodes (:meth:`Server.configure`; sent before ``listen`` and
+  again at each round).
 * ``listen`` with a descriptor attached: the TCP socket the agent listens on; peers'
-  connections are served from it (:class:`Server`), one thread each.
-* ``ring [[HOST, PORT], ...]`` (JSON): this round's successors. One thread per
-  successor (:class:`Link`) keeps one connection to it and sends it this node's newest
-  committed snapshot of each rank when it changed (:func:`to_send`); ``ring []`` stops sending.
+  connections are served from it (:class:`Server`), one thread each, once they pass
+  the member check and the handshake (``replica_wire``), within the bounds of a
+  :class:`Gate`.
+* ``ring [[HOST, PORT, KEY], ...]`` (JSON): this round's successors and their keys. One
+  thread per successor (:class:`Link`) keeps one authenticated connection to it and
+  sends it this node's newest committed snapshot of each rank when it changed
+  (:func:`to_send`); ``ring []`` stops sending.
 * ``stats``: answered by one JSON packet of counters (:data:`COUNTERS`).
 * end of file (the agent closed its end, or died): exit.
 
@@ -26,6 +33,8 @@ format). Stdlib only (no torch, none of elaunch's imports when run as a script).
 
 from __future__ import annotations
 
+import collections
+import ipaddress
 import json
 import logging
 import os
@@ -49,8 +58,13 @@ log = logging.getLogger("elaunch.procs.replica_service")
 SCAN = 0.05  #: seconds between looks at the slots' headers
 BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an error: first, most
 OWN_GRACE = 0.5  #: seconds an offer of replicated state waits for this node's ranks to commit that step
+PING_EVERY = 30.0  #: seconds of an idle sender's connection between two pings (the server's idle limit is 120)
 PRUNE_EVERY = 1.0  #: seconds between looks for superseded replicas (:func:`superseded`)
-COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served", "pruned")
+MAX_PENDING = 16  #: connections in their handshake at once; a new one beyond this closes the oldest
+MAX_PEERS = 64  #: authenticated connections at once; one more is closed after its handshake
+WARN_EVERY = 60.0  #: seconds between two warnings about refused connections
+COUNTERS = ("sent", "skipped", "torn", "received", "refused", "own", "discarded", "served", "pruned",
+            "strangers", "unauthenticated", "evicted", "over_limit")
 
 
 class Stats:
@@ -64,15 +78,114 @@ class Stats:
             self.counts[name] += 1
 
 
+class Gate:
+    """Bounds on the connections being served: so the child's threads, whatever a flood of connections does.
+
+    A connection is *pending* from its accept until its handshake ends; at most
+    ``max_pending`` are, and a new one beyond that closes the oldest pending one (whose
+    thread then ends): a peer of the job completes its handshake in a round trip, a
+    connection held open idle by someone without the key is what gets closed. At most
+    ``max_peers`` connections are served after their handshake.
+    """
+
+    def __init__(self, stats: Stats, max_pending: int = MAX_PENDING, max_peers: int = MAX_PEERS) -> None:
+        self.stats, self.max_pending, self.max_peers = stats, max_pending, max_peers
+        self._lock = threading.Lock()
+        self._pending: collections.deque[socket.socket] = collections.deque()
+        self._peers = 0
+
+    def enter(self, conn: socket.socket) -> None:
+        """A new connection, not yet authenticated; the oldest pending one is closed when there are too many."""
+        with self._lock:
+            self._pending.append(conn)
+            oldest = self._pending.popleft() if len(self._pending) > self.max_pending else None
+        if oldest is not None:
+            self.stats.add("evicted")
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)  # its thread's read fails and the thread ends
+            except OSError:
+                pass
+
+    def passed(self, conn: socket.socket, ok: bool) -> bool:
+        """The handshake of ``conn`` ended (``ok``: it authenticated); True if it may be served now."""
+        with self._lock:
+            try:
+                self._pending.remove(conn)
+            except ValueError:
+                ok = False  # closed as the oldest while it authenticated
+            if ok and self._peers >= self.max_peers:
+                self.stats.add("over_limit")
+                return False
+            if ok:
+                self._peers += 1
+            return ok
+
+    def left(self) -> None:
+        """A served connection ended."""
+        with self._lock:
+            self._peers -= 1
+
+
+def member_ips(hosts: list[str] | None) -> frozenset[str] | None:
+    """The addresses ``hosts`` (names or IPs) resolve to, plus every loopback one when one of them is loopback.
+
+    None stays None (any address). A name that does not resolve contributes nothing.
+    """
+    if hosts is None:
+        return None
+    ips: set[str] = set()
+    for host in hosts:
+        try:
+            ips.update(str(ai[4][0]) for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError) as exc:
+            log.warning("replica service: member %s does not resolve (%s); its connections are refused", host, exc)
+    if any(_is_loopback(ip) for ip in ips):
+        ips.add("loopback")
+    return frozenset(ips)
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def is_member(ip: str, members: frozenset[str] | None) -> bool:
+    """Whether a connection from ``ip`` comes from a member (:func:`member_ips`; None: anyone)."""
+    if members is None:
+        return True
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    plain = str(mapped or addr)
+    return plain in members or ip in members or ("loopback" in members and (mapped or addr).is_loopback)
+
+
 class Server:
-    """Serves peers' PUTs and GETs on the agent's listening socket, one thread per connection."""
+    """Serves peers' PUTs and GETs on the agent's listening socket, one thread per connection.
+
+    Only to members of the current round that prove they hold :attr:`key` (see the module docstring).
+    """
 
     def __init__(self, node_dir: str, stats: Stats) -> None:
         self.node_dir = node_dir
         self.replicas = os.path.join(node_dir, "replicas")
         self.stats = stats
+        self.key: bytes | None = None  # none yet: every connection is refused
+        self.members: frozenset[str] | None = frozenset()  # nobody until the agent names the round's nodes
+        self.gate = Gate(stats)
         self._lock = threading.Lock()  # one rename decision at a time
         self._n = 0
+        self._warned = (float("-inf"), 0)  # (when the last warning about refused connections was, refusals since)
+
+    def configure(self, key: bytes, members: frozenset[str] | None) -> None:
+        """Take the key peers must prove they hold, and the round's members (:func:`member_ips`)."""
+        self.key, self.members = key, members
 
     def serve(self, listener: socket.socket) -> None:
         threading.Thread(target=self._accept, args=(listener,), name="accept", daemon=True).start()
@@ -80,29 +193,74 @@ class Server:
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, _ = listener.accept()
+                conn, addr = listener.accept()
             except OSError as exc:  # out of descriptors, a connection reset in the backlog: try again
                 log.warning("replica service: accept failed: %s", exc)
                 time.sleep(BACKOFF[0])
                 continue
-            threading.Thread(target=self._connection, args=(conn,), name="peer", daemon=True).start()
+            if not is_member(addr[0], self.members):
+                conn.close()  # not a node of this round: nothing read, nothing sent
+                self._refused("strangers", addr[0], "not a member of the current round")
+                continue
+            self.gate.enter(conn)
+            threading.Thread(target=self._connection, args=(conn, addr[0]), name="peer", daemon=True).start()
 
-    def _connection(self, conn: socket.socket) -> None:
+    def _refused(self, counter: str, ip: str, why: str) -> None:
+        """Count a refused connection; warn at most every :data:`WARN_EVERY` seconds."""
+        self.stats.add(counter)
+        last, since = self._warned
+        now = time.monotonic()
+        if now - last < WARN_EVERY:
+            self._warned = (last, since + 1)
+            return
+        self._warned = (now, 0)
+        more = f" ({since} more refused since the last warning)" if since else ""
+        log.warning("replica service: refused a connection from %s: %s%s", ip, why, more)
+
+    def _connection(self, conn: socket.socket, ip: str) -> None:
         wire.tune(conn)
         try:
             with conn, conn.makefile("rb") as rfile:
-                while True:
-                    conn.settimeout(None)  # a peer's connection idles between its saves
-                    req = wire.read_json(rfile)
-                    conn.settimeout(wire.IO_TIMEOUT)
-                    if req.get("op") == "put":
-                        self._put(conn, rfile, req)
-                    elif req.get("op") == "get":
-                        self._get(conn, int(req["rank"]), int(req["step"]))
-                    else:
-                        raise ValueError(f"unknown request {req!r}")
+                if not self._authenticated(conn, rfile, ip):
+                    return
+                try:
+                    self._requests(conn, rfile)
+                finally:
+                    self.gate.left()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.debug("replica service: a peer's connection ended: %s", exc)
+
+    def _authenticated(self, conn: socket.socket, rfile, ip: str) -> bool:
+        """The handshake (:data:`wire.AUTH_TIMEOUT` seconds); True when ``conn`` may be served."""
+        ok, why = False, "no key yet"
+        try:
+            if self.key is not None:
+                conn.settimeout(wire.AUTH_TIMEOUT)
+                wire.authenticate_client(conn, rfile, self.key)
+                ok = True
+        except (OSError, ValueError) as exc:  # AuthError, a timeout, a reset, a malformed line
+            why = f"the handshake failed ({exc or type(exc).__name__})"
+        if not self.gate.passed(conn, ok):
+            if not ok:
+                self._refused("unauthenticated", ip, why)
+            return False
+        return True
+
+    def _requests(self, conn: socket.socket, rfile) -> None:
+        """Serve one authenticated peer until it closes, breaks the protocol or idles too long."""
+        while True:
+            conn.settimeout(wire.IDLE_TIMEOUT)  # a sender's connection idles between saves; it pings
+            req = wire.read_json(rfile)
+            conn.settimeout(wire.IO_TIMEOUT)
+            op = req.get("op")
+            if op == "put":
+                self._put(conn, rfile, req)
+            elif op == "get":
+                self._get(conn, int(req["rank"]), int(req["step"]))
+            elif op == "ping":
+                wire.send_json(conn, {"ok": True})
+            else:
+                raise ValueError(f"unknown request {req!r}")
 
     def _put(self, conn: socket.socket, rfile, req: dict) -> None:
         rank, step, seq, stamp, size = (int(req["rank"]), int(req["step"]), int(req["seq"]), float(req["time"]),
@@ -219,8 +377,9 @@ def to_send(node_dir: str) -> dict[int, "slotfile.SlotInfo"]:
 class Link:
     """One successor: a thread that keeps one connection to it and sends it this node's new snapshots."""
 
-    def __init__(self, node_dir: str, peer: tuple[str, int], stats: Stats) -> None:
-        self.peer, self.node_dir, self.stats = peer, node_dir, stats
+    def __init__(self, node_dir: str, peer: tuple[str, int], key: bytes, stats: Stats,
+                 source: str | None = None) -> None:
+        self.peer, self.node_dir, self.key, self.stats, self.source = peer, node_dir, key, stats, source
         self.sent: dict[int, tuple] = {}  # rank -> (path, seq, step, time) of the snapshot it has
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -238,14 +397,21 @@ class Link:
         backoff, warned = BACKOFF[0], False
         while not self._stop.is_set():
             try:
-                with wire.tune(socket.create_connection(self.peer, timeout=wire.IO_TIMEOUT)) as sock:
+                with wire.connect(self.peer, self.key, wire.IO_TIMEOUT, self.source) as sock:
                     self._sock = sock
                     if self._stop.is_set():
                         return
                     with sock.makefile("rb") as rfile:
                         backoff, warned = BACKOFF[0], False
+                        busy = time.monotonic()
                         while not self._stop.is_set():
-                            if not self._send_changed(sock, rfile):
+                            if self._send_changed(sock, rfile):
+                                busy = time.monotonic()
+                            elif time.monotonic() - busy >= PING_EVERY:
+                                wire.send_json(sock, {"op": "ping"})  # the server closes idle connections
+                                wire.read_json(rfile)
+                                busy = time.monotonic()
+                            else:
                                 self._stop.wait(SCAN)
             except (OSError, ValueError, KeyError) as exc:
                 if not self._stop.is_set():
@@ -292,14 +458,15 @@ class Ring:
 
     def __init__(self, node_dir: str, stats: Stats) -> None:
         self.node_dir, self.stats = node_dir, stats
-        self.links: dict[tuple[str, int], Link] = {}
+        self.source: str | None = None  # this node's address: the source of its connections
+        self.links: dict[tuple[str, int, bytes], Link] = {}
 
-    def set(self, peers: list[tuple[str, int]]) -> None:
+    def set(self, peers: list[tuple[str, int, bytes]]) -> None:
         for peer in [p for p in self.links if p not in peers]:
             self.links.pop(peer).stop()
-        for peer in peers:
-            if peer not in self.links:
-                self.links[peer] = Link(self.node_dir, peer, self.stats)
+        for host, port, key in peers:
+            if (host, port, key) not in self.links:
+                self.links[(host, port, key)] = Link(self.node_dir, (host, port), key, self.stats, self.source)
 
 
 def _clean(replicas: str) -> None:
@@ -331,10 +498,14 @@ def main(fd: int, node_dir: str) -> int:
         if not msg:
             return 0  # the agent is gone
         word, _, rest = msg.decode("utf-8", "replace").partition(" ")
-        if word == "listen" and fds:
+        if word == "conf":
+            conf = json.loads(rest)
+            ring.source = conf.get("source") or None
+            server.configure(bytes.fromhex(conf["key"]), member_ips(conf.get("members")))
+        elif word == "listen" and fds:
             server.serve(socket.socket(fileno=fds.pop()))
         elif word == "ring":
-            ring.set([(str(h), int(p)) for h, p in json.loads(rest)])
+            ring.set([(str(h), int(p), bytes.fromhex(k)) for h, p, k in json.loads(rest)])
         elif word == "stats":
             with stats.lock:
                 chan.send(json.dumps(stats.counts).encode("ascii"))

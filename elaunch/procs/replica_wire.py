@@ -1,7 +1,24 @@
 """The replica service's wire format: what peers' agents send each other, and how a file travels.
 
 Used by the replica child (``_replica_child.py``: its server and its senders) and by the
-agent's ``replicas.fetch``. The connecting side sends requests, each a JSON line
+agent's ``replicas.fetch``.
+
+**Every connection is authenticated before any request is served**, both ways, by a
+challenge and response over the serving node's key (32 bytes; :func:`job_key` of the
+user's ``ELAUNCH_JOB_SECRET``, or a random key the node published in the round's
+inventory exchange). The key itself never crosses the connection:
+
+1. the server sends ``{"auth": "hmac-sha256", "nonce": NS}`` (32 fresh random bytes, hex);
+2. the client answers ``{"nonce": NC, "mac": HMAC(key, "elaunch replica client" NUL NS NC)}``;
+3. the server checks it (``hmac.compare_digest``) and answers
+   ``{"mac": HMAC(key, "elaunch replica server" NUL NC NS)}``, which the client checks.
+
+A fresh server nonce per connection makes a recorded answer useless on another
+connection (no replay); the two labels keep one side's answer from serving as the
+other's (no reflection). The handshake has :data:`AUTH_TIMEOUT` seconds. After it the
+bytes travel in clear: the handshake keeps out whoever does not hold the key, not
+someone who can read or rewrite the traffic on the path (see docs/checkpointing.md,
+"Security"). Then the connecting side sends requests, each a JSON line
 (:func:`send_json`, :func:`read_json`; at most :data:`MAX_LINE` bytes) answered by one:
 
 * ``{"op": "put", "rank", "step", "seq", "time", "size", "replicated"}`` -> ``{"go": bool}``
@@ -14,6 +31,8 @@ agent's ``replicas.fetch``. The connecting side sends requests, each a JSON line
   not older than the replica there (the newest step wins).
 * ``{"op": "get", "rank", "step"}`` -> ``{"size": N}``, N bytes and the mark, from
   ``replicas/r<rank>`` or a local slot of that rank and step; or ``{"size": 0}``.
+* ``{"op": "ping"}`` -> ``{"ok": true}``: a sender's idle connection stays open (the
+  server closes one idle for :data:`IDLE_TIMEOUT` seconds).
 
 Bytes leave a file by ``sendfile`` (:func:`send_file`: no copy in Python; a file truncated
 under it ends the send short, where a mapping would fault) and land in a mapping of the new
@@ -27,9 +46,12 @@ child uses it as ``wire.slotfile``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import mmap
 import os
+import secrets
 import socket
 import sys
 import time
@@ -46,6 +68,106 @@ else:  # loaded by the child run as a script: the sibling package's slot-file mo
 CHUNK = 4 << 20  #: bytes received per read into the new file's mapping
 IO_TIMEOUT = 30.0  #: seconds one blocking read or write on a connection may wait for its peer
 MAX_LINE = 4096  #: bytes of a request or answer line, at most
+AUTH_TIMEOUT = 5.0  #: seconds a connection has to complete the handshake
+IDLE_TIMEOUT = 120.0  #: seconds the server keeps an authenticated connection with no request open
+NONCE_BYTES = 32  #: bytes of each side's random challenge
+KEY_BYTES = 32  #: bytes of a node's key
+_CLIENT, _SERVER = b"elaunch replica client\0", b"elaunch replica server\0"
+
+
+class AuthError(ConnectionError):
+    """The other side of a connection did not prove that it holds the key (or broke the handshake)."""
+
+
+def job_key(secret: bytes, run_id: str) -> bytes:
+    """The replica services' key of run ``run_id`` from the user's job secret (HMAC-SHA256, 32 bytes).
+
+    Every node of the job derives the same key, so none is published in the rendezvous.
+    """
+    return hmac.new(secret, b"elaunch replica key\0" + run_id.encode("utf-8"), hashlib.sha256).digest()
+
+
+def new_key() -> bytes:
+    """A random node key (:data:`KEY_BYTES` bytes from ``secrets``)."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _mac(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + first + second, hashlib.sha256).digest()
+
+
+def _hex_field(obj: dict, name: str, size: int) -> bytes:
+    try:
+        value = bytes.fromhex(obj[name])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AuthError(f"bad handshake field {name!r}") from exc
+    if len(value) != size:
+        raise AuthError(f"bad handshake field {name!r}")
+    return value
+
+
+def authenticate_client(sock: socket.socket, rfile, key: bytes) -> None:
+    """Server side of the handshake: challenge the connecting peer, check its answer, prove ``key`` back.
+
+    Raises:
+        AuthError: the peer's answer is missing, malformed or wrong (nothing is served then).
+        OSError: the connection failed or timed out (the caller sets the socket's timeout).
+    """
+    ns = secrets.token_bytes(NONCE_BYTES)
+    send_json(sock, {"auth": "hmac-sha256", "nonce": ns.hex()})
+    answer = read_json(rfile)
+    nc = _hex_field(answer, "nonce", NONCE_BYTES)
+    if not hmac.compare_digest(_hex_field(answer, "mac", hashlib.sha256().digest_size), _mac(key, _CLIENT, ns, nc)):
+        raise AuthError("wrong key")
+    send_json(sock, {"mac": _mac(key, _SERVER, nc, ns).hex()})
+
+
+def authenticate_server(sock: socket.socket, rfile, key: bytes) -> None:
+    """Client side of the handshake: answer the server's challenge with ``key`` and check its proof.
+
+    Raises:
+        AuthError: the server does not speak the handshake or does not hold ``key``.
+        OSError: the connection failed or timed out.
+    """
+    hello = read_json(rfile)
+    if hello.get("auth") != "hmac-sha256":
+        raise AuthError("the peer did not offer the handshake")
+    ns = _hex_field(hello, "nonce", NONCE_BYTES)
+    nc = secrets.token_bytes(NONCE_BYTES)
+    send_json(sock, {"nonce": nc.hex(), "mac": _mac(key, _CLIENT, ns, nc).hex()})
+    proof = read_json(rfile)
+    if not hmac.compare_digest(_hex_field(proof, "mac", hashlib.sha256().digest_size), _mac(key, _SERVER, nc, ns)):
+        raise AuthError("the peer does not hold the job's key")
+
+
+def connect(peer: tuple[str, int], key: bytes, timeout: float, source: str | None = None) -> socket.socket:
+    """A tuned connection to ``peer``'s replica service, authenticated with ``key``.
+
+    Args:
+        peer: ``(host, port)``.
+        key: the peer's key.
+        timeout: seconds for the connection and for each later blocking call on it.
+        source: this node's address, bound as the connection's source so that the peer's
+            member check sees the address the round knows (default: the kernel's choice;
+            also when that address cannot be bound here).
+
+    Raises:
+        AuthError: the handshake failed. OSError: the peer cannot be reached.
+    """
+    try:
+        sock = socket.create_connection(peer, timeout=timeout, source_address=(source, 0) if source else None)
+    except OSError:
+        if not source:
+            raise
+        sock = socket.create_connection(peer, timeout=timeout)  # that address is not this host's: no binding
+    try:
+        tune(sock)
+        with sock.makefile("rb", buffering=0) as rfile:
+            authenticate_server(sock, rfile, key)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def tune(sock: socket.socket) -> socket.socket:

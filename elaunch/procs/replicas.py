@@ -16,6 +16,14 @@ copies and fetches on it, and sends this node's snapshots to the successors the
 agent names with :meth:`ReplicaService.set_ring`. Because the agent keeps the
 listening socket, a restarted child serves the same port: peers need not be told.
 
+**Only the job's own agents are served.** Every connection is authenticated before
+any request (``replica_wire``'s handshake over the serving node's key: the service's
+:attr:`ReplicaService.key`); connections from addresses that are not members of the
+current round (:meth:`ReplicaService.set_members`) are closed unread; a handshake has
+``replica_wire.AUTH_TIMEOUT`` seconds, an authenticated connection idle for
+``replica_wire.IDLE_TIMEOUT`` seconds is closed, and the connections (so the child's
+threads) are bounded (``_replica_child.MAX_PENDING``, ``MAX_PEERS``).
+
 Policy: **restart** (:data:`RESTARTS` times), then off. A dead replica service
 loses no training and no snapshot of this node (those are in ``slots/``); while it
 is down the node's newest snapshots are not copied out and its replicas are not
@@ -56,17 +64,21 @@ class ReplicaService:
         reaper: the watchdog (``Reaper``) that kills the child if the agent dies, or None.
         env: the child's environment (default: the agent's).
         restarts: restarts of the child before the service stays off.
+        key: the key peers must prove they hold (``replica_wire.KEY_BYTES`` bytes; default: a new
+            random one, :attr:`key`); it goes to the child over the private channel only.
 
     Use from the agent's main thread (``PR_SET_PDEATHSIG`` follows the starting thread).
     """
 
     def __init__(self, node_dir: str, host: str, reaper=None, env: dict[str, str] | None = None,
-                 restarts: int = RESTARTS) -> None:
+                 restarts: int = RESTARTS, key: bytes | None = None) -> None:
         self.node_dir = node_dir
         self.host = host
+        self.key = key if key is not None else wire.new_key()  #: the key this service's peers prove they hold
         self._helper = HelperProcess("replica service", _CHILD, node_dir, env=env, reaper=reaper, restarts=restarts)
         self._listener: socket.socket | None = None
-        self._ring: list[tuple[str, int]] = []
+        self._ring: list[tuple[str, int, bytes]] = []
+        self._members: list[str] | None = None
         self.port: int | None = None  #: the port peers reach this node's service on, once started
 
     @property
@@ -97,9 +109,10 @@ class ReplicaService:
         return self.port
 
     def _hand_over(self) -> None:
-        """Give the (new) child the listening socket and the ring."""
+        """Give the (new) child its settings (key, members), then the listening socket, then the ring."""
         chan = self._helper.chan
         assert chan is not None and self._listener is not None
+        self._send_conf()
         try:
             socket.send_fds(chan, [b"listen"], [self._listener.fileno()])
         except OSError as exc:  # it died at once: the next check() restarts it
@@ -107,21 +120,38 @@ class ReplicaService:
             return
         self._send_ring()
 
-    def _send_ring(self) -> None:
+    def _send(self, word: str, obj) -> None:
         if self._helper.chan is None:
             return
         try:
-            self._helper.chan.send(b"ring " + json.dumps([[h, p] for h, p in self._ring]).encode("utf-8"))
-        except OSError as exc:  # the child died: check() restarts it and hands it the ring
-            log.debug("replica service: the ring was not handed over (%s)", exc)
+            self._helper.chan.send(word.encode("ascii") + b" " + json.dumps(obj).encode("utf-8"))
+        except OSError as exc:  # the child died: check() restarts it and hands it everything again
+            log.debug("replica service: %s was not handed over (%s)", word, exc)
 
-    def set_ring(self, peers: list[tuple[str, int]]) -> None:
-        """Send this node's snapshots to ``peers`` (``(host, port)`` of each successor's service) from now on.
+    def _send_conf(self) -> None:
+        self._send("conf", {"key": self.key.hex(), "source": self.host, "members": self._members})
+
+    def _send_ring(self) -> None:
+        self._send("ring", [[h, p, k.hex()] for h, p, k in self._ring])
+
+    def set_members(self, hosts: list[str] | None) -> None:
+        """Serve connections only from ``hosts`` (the current round's nodes' addresses, names or IPs).
+
+        The child resolves each name; a connection from any other address is closed before a
+        byte is read. When one of them is a loopback address, every loopback address is a
+        member (agents on one machine). None (the default until called): any address, still
+        authenticated.
+        """
+        self._members = None if hosts is None else sorted({str(h) for h in hosts})
+        self._send_conf()
+
+    def set_ring(self, peers: list[tuple[str, int, bytes]]) -> None:
+        """Send this node's snapshots to ``peers`` (``(host, port, key)`` of each successor's service) from now on.
 
         An empty list stops sending. A successor already in the previous ring keeps its
         connection and is not sent again what it has.
         """
-        self._ring = [(str(h), int(p)) for h, p in peers]
+        self._ring = [(str(h), int(p), bytes(k)) for h, p, k in peers]
         self._send_ring()
 
     def check(self) -> bool:
@@ -191,7 +221,8 @@ class ReplicaService:
         self._close_listener()
 
 
-def fetch(host: str, port: int, rank: int, step: int, dest_path: str, timeout: float = 60.0) -> bool:
+def fetch(host: str, port: int, rank: int, step: int, dest_path: str, timeout: float = 60.0, *,
+          key: bytes, source: str | None = None) -> bool:
     """Fetch global rank ``rank``'s snapshot of step ``step`` from a peer's replica service into ``dest_path``.
 
     The peer answers from its ``replicas/r<rank>`` or from its own slots. The file is
@@ -203,18 +234,20 @@ def fetch(host: str, port: int, rank: int, step: int, dest_path: str, timeout: f
         rank: the global rank that saved the snapshot; step: the step it must hold.
         dest_path: where the snapshot goes (its directory must exist).
         timeout: seconds the whole fetch may take.
+        key: the peer's key (its service's :attr:`ReplicaService.key`).
+        source: this node's address, the connection's source (``replica_wire.connect``).
 
     Returns:
         True when ``dest_path`` holds it; False (one log line) when the peer has no such
-        snapshot, cannot be reached, sends a torn or wrong one, or ``timeout`` passes.
+        snapshot, cannot be reached, fails the handshake, sends a torn or wrong one, or
+        ``timeout`` passes.
         Nothing is left at ``dest_path``'s temporary name.
     """
     deadline = time.monotonic() + timeout
     where = f"rank {rank} step {step} from {host}:{port}"
     tmp = os.path.join(os.path.dirname(dest_path) or ".", f".{os.path.basename(dest_path)}.tmp-{os.getpid()}")
     try:
-        with wire.tune(socket.create_connection((host, port), timeout=timeout)) as sock, \
-                sock.makefile("rb") as rfile:
+        with wire.connect((host, port), key, timeout, source) as sock, sock.makefile("rb") as rfile:
             wire.send_json(sock, {"op": "get", "rank": rank, "step": step})
             size = int(wire.read_json(rfile)["size"])
             if size <= 0:

@@ -27,6 +27,7 @@ from elaunch.procs.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 
 DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)
+KEY = b"k" * 32  #: the key every service of these tests holds (a job's nodes share one with ELAUNCH_JOB_SECRET)
 BIG = os.urandom(1 << 20) * 256  #: 256 MiB of data: a send long enough to be caught in the middle
 
 
@@ -48,7 +49,7 @@ def node(shm):
     def make(name: str):
         node_dir = os.path.join(shm, name)
         os.makedirs(os.path.join(node_dir, "slots"), mode=0o700)
-        service = ReplicaService(node_dir, "127.0.0.1")
+        service = ReplicaService(node_dir, "127.0.0.1", key=KEY)
         services.append(service)
         service.start()
         return node_dir, service
@@ -108,7 +109,7 @@ def queued_at(port: int) -> int:
 def test_a_committed_slot_appears_on_the_successor_and_a_newer_one_replaces_it(node):
     a_dir, a = node("a")
     b_dir, b = node("b")
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
     write_slot(slot0, 1, os.urandom(1 << 20))
     wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
@@ -130,7 +131,7 @@ def test_of_replicated_state_one_copy_goes_out_per_node(node):
         write_slot(slotfile.slot_paths(a_dir, local)[0], 1, b"same" * 1000, rank=rank, replicated=True)
     sharded = slotfile.slot_paths(a_dir, 2)
     write_slot(sharded[0], 1, os.urandom(1 << 16), rank=6)
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir, 4) == 1 and replica_step(b_dir, 6) == 1, DEADLINE, what="r4 and r6 on b")
     write_slot(sharded[1], 2, os.urandom(1 << 16), rank=6)  # a's sender has looked at rank 5 since
     wait_for(lambda: replica_step(b_dir, 6) == 2, DEADLINE, what="r6's step 2 on b")
@@ -144,7 +145,7 @@ def test_replicated_state_is_not_copied_to_a_node_whose_own_workers_saved_that_s
     b_dir, b = node("b")
     write_slot(slotfile.slot_paths(b_dir, 0)[0], 3, b"same" * 1000, rank=1, replicated=True)
     write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, b"same" * 1000, rank=0, replicated=True)
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: counted(b, "own"), DEADLINE, what="b declining step 3 as its own")
     write_slot(slotfile.slot_paths(a_dir, 0)[1], 4, b"same" * 1000, rank=0, replicated=True)
     write_slot(slotfile.slot_paths(b_dir, 0)[1], 4, b"same" * 1000, rank=1, replicated=True)  # within the grace
@@ -166,11 +167,11 @@ def test_replicas_of_replicated_state_a_newer_snapshot_supersedes_are_removed(no
     c_dir, c = node("c")
     write_slot(slotfile.slot_paths(a_dir, 0)[0], 5, b"same" * 1000, rank=0, replicated=True)
     write_slot(slotfile.slot_paths(a_dir, 1)[0], 5, os.urandom(1 << 16), rank=3)  # sharded
-    a.set_ring([("127.0.0.1", c.port)])
+    a.set_ring([("127.0.0.1", c.port, KEY)])
     wait_for(lambda: replica_step(c_dir, 0) == 5 and replica_step(c_dir, 3) == 5, DEADLINE, what="r0 and r3 on c")
     a.set_ring([])
     write_slot(slotfile.slot_paths(b_dir, 0)[0], 8, b"same" * 1000, rank=4, replicated=True)  # the next round
-    b.set_ring([("127.0.0.1", c.port)])
+    b.set_ring([("127.0.0.1", c.port, KEY)])
     wait_for(lambda: replica_step(c_dir, 4) == 8, DEADLINE, what="r4 on c")
     wait_for(lambda: replica_step(c_dir, 0) is None, DEADLINE, what="r0 (step 5) pruned: r4 holds step 8")
     b.set_ring([])
@@ -204,9 +205,9 @@ def test_each_successor_of_the_ring_gets_a_copy_until_the_ring_leaves_it_out(nod
     c_dir, c = node("c")
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
     write_slot(slot0, 1, os.urandom(1 << 16))
-    a.set_ring([("127.0.0.1", b.port), ("127.0.0.1", c.port)])  # --checkpoint-replicas=2
+    a.set_ring([("127.0.0.1", b.port, KEY), ("127.0.0.1", c.port, KEY)])  # --checkpoint-replicas=2
     wait_for(lambda: replica_step(b_dir) == 1 and replica_step(c_dir) == 1, DEADLINE, what="copies on b and c")
-    a.set_ring([("127.0.0.1", c.port)])  # the next round: b is no successor any more
+    a.set_ring([("127.0.0.1", c.port, KEY)])  # the next round: b is no successor any more
     write_slot(slot1, 2, os.urandom(1 << 16))
     wait_for(lambda: replica_step(c_dir) == 2, DEADLINE, what="step 2 on c")
     write_slot(slot0, 3, os.urandom(1 << 16))
@@ -219,11 +220,11 @@ def test_an_older_snapshot_never_replaces_a_newer_replica(node):
     b_dir, b = node("b")
     c_dir, c = node("c")
     write_slot(slotfile.slot_paths(a_dir, 0)[0], 5, os.urandom(1 << 16))
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir) == 5, DEADLINE, what="step 5's replica on b")
     newer = read(os.path.join(b_dir, "replicas", "r0"))
     write_slot(slotfile.slot_paths(c_dir, 0)[0], 3, os.urandom(1 << 16))  # rank 0 again, an older step
-    c.set_ring([("127.0.0.1", b.port)])
+    c.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: counted(c, "skipped") or counted(c, "sent") or counted(b, "discarded"), DEADLINE,
              what="b's answer to c's older snapshot")
     assert read(os.path.join(b_dir, "replicas", "r0")) == newer
@@ -235,7 +236,7 @@ def test_a_slot_whose_write_began_before_the_send_never_becomes_a_replica(node):
     b_dir, b = node("b")
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
     write_slot(slot0, 1, os.urandom(1 << 20))
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
     old = read(os.path.join(b_dir, "replicas", "r0"))
     os.kill(b.pid, signal.SIGSTOP)  # b answers nothing: a's offer of step 2 waits for b's go
@@ -275,7 +276,7 @@ def test_a_slot_whose_write_began_during_the_send_never_becomes_a_replica(node):
     b_dir, b = node("b")
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
     write_slot(slot0, 1, os.urandom(1 << 16))
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
     old = read(os.path.join(b_dir, "replicas", "r0"))
     write_slot(slot1, 2, BIG)
@@ -297,23 +298,23 @@ def test_fetch_gets_a_replica_or_a_local_slot_and_nothing_else(node, shm, caplog
     b_dir, b = node("b")
     slot0 = slotfile.slot_paths(a_dir, 0)[0]
     write_slot(slot0, 7, os.urandom(1 << 20), rank=3)
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir, 3) == 7, DEADLINE, what="the replica on b")
     restore = os.path.join(shm, "restore")
     os.mkdir(restore)
     dest = os.path.join(restore, "3")
-    assert fetch("127.0.0.1", b.port, 3, 7, dest, timeout=10)
+    assert fetch("127.0.0.1", b.port, 3, 7, dest, timeout=10, key=KEY)
     assert read(dest) == read(slot0) and os.stat(dest).st_mode & 0o777 == 0o600
     os.unlink(dest)
-    assert fetch("127.0.0.1", a.port, 3, 7, dest, timeout=10)  # a serves its own slot
+    assert fetch("127.0.0.1", a.port, 3, 7, dest, timeout=10, key=KEY)  # a serves its own slot
     assert read(dest) == read(slot0)
     os.unlink(dest)
-    assert not fetch("127.0.0.1", b.port, 3, 8, dest, timeout=10)  # no such step
-    assert not fetch("127.0.0.1", b.port, 2, 7, dest, timeout=10)  # no such rank
+    assert not fetch("127.0.0.1", b.port, 3, 8, dest, timeout=10, key=KEY)  # no such step
+    assert not fetch("127.0.0.1", b.port, 2, 7, dest, timeout=10, key=KEY)  # no such rank
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
-    assert not fetch("127.0.0.1", port, 3, 7, dest, timeout=10)  # nobody there
+    assert not fetch("127.0.0.1", port, 3, 7, dest, timeout=10, key=KEY)  # nobody there
     assert os.listdir(restore) == []
 
 
@@ -324,7 +325,7 @@ def test_a_fetch_whose_peer_dies_in_the_middle_fails_and_leaves_nothing(node, sh
     os.mkdir(restore)
     result = []
     thread = threading.Thread(target=lambda: result.append(fetch("127.0.0.1", a.port, 0, 4,
-                                                                 os.path.join(restore, "r0"), timeout=60)))
+                                                                 os.path.join(restore, "r0"), timeout=60, key=KEY)))
     thread.start()
     try:
         wait_for(lambda: os.listdir(restore), DEADLINE, interval=0.001, what="the fetch receiving")
@@ -339,27 +340,27 @@ def test_a_killed_child_is_restarted_by_check_and_serves_again(node, shm):
     b_dir, b = node("b")
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
     write_slot(slot0, 1, os.urandom(1 << 16))
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     wait_for(lambda: replica_step(b_dir) == 1, DEADLINE, what="step 1's replica on b")
     for service in (b, a):  # the receiver, then the sender (whose ring must be handed over again)
         pid = service.pid
         assert not service.check()
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, what="the child's death")
-        service.set_ring([("127.0.0.1", b.port)] if service is a else [])  # to a dead child: no error
+        service.set_ring([("127.0.0.1", b.port, KEY)] if service is a else [])  # to a dead child: no error
         wait_for(service.check, 10, what="the child's restart")  # its threads go, then the kernel reports it
         assert service.pid not in (None, pid)
     port = b.port
     write_slot(slot1, 2, os.urandom(1 << 16))
     wait_for(lambda: replica_step(b_dir) == 2, DEADLINE, what="step 2's replica on b after the restarts")
     dest = os.path.join(shm, "fetched")
-    assert b.port == port and fetch("127.0.0.1", port, 0, 2, dest, timeout=10)
+    assert b.port == port and fetch("127.0.0.1", port, 0, 2, dest, timeout=10, key=KEY)
     assert read(dest) == read(slot1)
 
 
 def test_once_its_restarts_are_spent_the_service_is_off_without_an_error(shm, caplog):
     node_dir = os.path.join(shm, "a")
-    service = ReplicaService(node_dir, "127.0.0.1", restarts=1)
+    service = ReplicaService(node_dir, "127.0.0.1", restarts=1, key=KEY)
     try:
         port = service.start()
         for _ in range(2):
@@ -368,7 +369,7 @@ def test_once_its_restarts_are_spent_the_service_is_off_without_an_error(shm, ca
             wait_for(lambda: service.check() or service.pid is None, 10, what="the child's restart or end")
         assert "replica service (pid %d) was killed by SIGKILL; peers' copies" % pid in caplog.text
         assert service.pid is None and not service.check() and service.private_fds() == ()
-        service.set_ring([("127.0.0.1", 1)])  # nothing to tell: no error
+        service.set_ring([("127.0.0.1", 1, KEY)])  # nothing to tell: no error
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
@@ -389,13 +390,13 @@ def test_throughput_of_a_256_mib_snapshot_over_loopback(node, shm):
     """Not a speed check (the machine is shared): prints the copy's and the fetch's rates for the report."""
     a_dir, a = node("a")
     b_dir, b = node("b")
-    a.set_ring([("127.0.0.1", b.port)])
+    a.set_ring([("127.0.0.1", b.port, KEY)])
     t0 = time.monotonic()
     write_slot(slotfile.slot_paths(a_dir, 0)[0], 1, BIG)
     t1 = time.monotonic()
     wait_for(lambda: replica_step(b_dir) == 1, 120, interval=0.005, what="the 256 MiB replica")
     t2 = time.monotonic()
-    assert fetch("127.0.0.1", b.port, 0, 1, os.path.join(shm, "fetched"), timeout=120)
+    assert fetch("127.0.0.1", b.port, 0, 1, os.path.join(shm, "fetched"), timeout=120, key=KEY)
     t3 = time.monotonic()
     mib = os.path.getsize(os.path.join(b_dir, "replicas", "r0")) / (1 << 20)
     print(f"\n{mib:.0f} MiB slot: written in {t1 - t0:.3f} s; on the successor {t2 - t1:.3f} s after the commit "

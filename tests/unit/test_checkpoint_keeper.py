@@ -23,6 +23,8 @@ from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
 from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
 from elaunch.spec import Worker
 
+KEYS = {"0": b"0" * 32, "1": b"1" * 32, "2": b"2" * 32}  #: each node's replica key, by group rank
+
 
 def write_slot(path: str, step: int, rank: int, world_size: int, replicated: bool = True) -> None:
     meta, data = b"meta", b"x" * 64
@@ -184,15 +186,16 @@ def test_a_failed_fetch_falls_back_to_another_holder_of_the_same_step(tmp_path):
     }
     calls = []
 
-    def fetch(host, port, rank, step, dest, timeout):
+    def fetch(host, port, rank, step, dest, timeout, *, key, source=None):
         calls.append((host, rank, step))
+        assert key == KEYS[{"10.0.0.1": "0", "10.0.0.2": "1"}[host]] and source == "10.0.0.3"
         if host == "10.0.0.1":
             return False  # the least-picked peer is gone
         open(dest, "wb").close()
         return True
 
     (tmp_path / "restore").mkdir()
-    restore = R.RoundRestore(docs, "2", str(tmp_path / "restore"), 1.0, fetch=fetch)
+    restore = R.RoundRestore(docs, "2", str(tmp_path / "restore"), 1.0, fetch=fetch, keys=KEYS, source="10.0.0.3")
     plan = restore.plan({"0": [0], "1": [1], "2": [2]}, 3)
     assert plan.step == 7 and plan.mine[2].node == "0"
     files = restore.gather(plan)
@@ -203,9 +206,19 @@ def test_a_failed_fetch_falls_back_to_another_holder_of_the_same_step(tmp_path):
 def test_a_step_no_holder_can_give_is_a_missing_file_never_another_step(tmp_path):
     docs = {"0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
             "1": {"v": 1, "addr": "", "held": []}}
-    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a: False)
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a, **k: False, keys=KEYS)
     files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
     assert files == {1: (str(tmp_path / "r1"), R.MISSING)}
+
+
+def test_a_peer_that_published_no_key_is_never_fetched_from(tmp_path):
+    docs = {"0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
+            "1": {"v": 1, "addr": "", "held": []}}
+    calls = []
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a, **k: calls.append(a) or True,
+                             keys={"0": b""})
+    files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
+    assert files == {1: (str(tmp_path / "r1"), R.MISSING)} and calls == []
 
 
 def test_own_persisted_file_of_the_step_is_the_fallback(tmp_path):
@@ -213,7 +226,7 @@ def test_own_persisted_file_of_the_step_is_the_fallback(tmp_path):
     pt.write_bytes(b"")
     docs = {"0": {"v": 1, "addr": "10.0.0.1:5", "held": [[7, 0, 2, True, "slot", "/a/slots/0.0", False]]},
             "1": {"v": 1, "addr": "", "held": [[7, 0, 2, True, "disk", str(pt), False]]}}
-    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a: False)
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=lambda *a, **k: False, keys=KEYS)
     files = restore.gather(restore.plan({"0": [0], "1": [1]}, 2))
     assert files == {1: (str(pt), R.DISK)}
 
