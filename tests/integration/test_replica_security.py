@@ -250,3 +250,97 @@ def test_the_job_key_is_the_same_on_every_node_and_differs_by_run_and_secret():
     assert wire.job_key(b"s" * 16, "run") == wire.job_key(b"s" * 16, "run")
     assert len({wire.job_key(b"s" * 16, "run"), wire.job_key(b"s" * 16, "run2"), wire.job_key(b"t" * 16, "run")}) == 3
     assert len(wire.job_key(b"s" * 16, "run")) == wire.KEY_BYTES
+
+
+# -- against a real job ---------------------------------------------------------------------------------------------
+
+def _replica_ports(agent_pid: int) -> list[int]:
+    """The ports the agent's replica service listens on (found as an outsider would: the listening sockets)."""
+    ports = []
+    for child in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if any("_replica_child.py" in part for part in child.cmdline()):
+                ports += [c.laddr.port for c in child.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
+    return ports
+
+
+def _events(log_dir, kind: str) -> list[dict]:
+    found = []
+    for path in log_dir.glob("*/events.jsonl"):
+        found += [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+    return found
+
+
+def _replica_steps(shm_dirs) -> list[int]:
+    steps = []
+    for shm_dir in shm_dirs:
+        for info in slotfile.inventory(shm_dir, ("replicas",)):
+            steps.append(info.step)
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
+def test_an_attacker_of_a_running_job_gets_nothing_and_the_job_restores_its_own_step(endpoint, tmp_path):
+    """Two agents (c10d, one worker each) save steps 0..3. The attacker finds each replica port (the listening
+    sockets), gets nothing with no key, a wrong key or a replayed answer, puts a forged snapshot of step 10**9
+    whose unpickling would run a command, and floods idle connections. Then a worker is SIGKILLed: both nodes
+    restore step 3, nothing ran, no forged replica exists, and the job ends cleanly."""
+    from tests.helpers import kill_tree, launcher_env, start
+
+    _backend, ep = endpoint
+    secret = "correct horse battery staple, 32b"
+    out, stop, marker = tmp_path / "out", tmp_path / "stop", tmp_path / "pwned"
+    out.mkdir()
+    worker = str(SCRIPTS / "ckpt_worker.py")
+    agents = {}
+    errs = {name: tmp_path / f"{name}.err" for name in "AB"}
+
+    def stderr() -> str:
+        return "".join(f"--- {n} ---\n{p.read_text(errors='replace')[-2500:]}\n" for n, p in errs.items())
+
+    for name in "AB":
+        with open(errs[name], "w") as err:
+            agents[name] = start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                                 f"--rdzv-endpoint={ep}", "--rdzv-id=attacked", "--max-restarts=1",
+                                 "--local-addr=127.0.0.1", f"--log-dir={tmp_path / name}", worker, str(out), "4",
+                                 "--wait-for", str(stop), env=launcher_env(ELAUNCH_JOB_SECRET=secret),
+                                 stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for(lambda: all((out / f"saved_{r}_3").exists() for r in (0, 1)), 120, what=f"step 3\n{stderr()}")
+        ports = wait_for(lambda: [p for a in agents.values() for p in _replica_ports(a.pid)] or None, 30,
+                         what="the replica services' ports")
+        assert len(ports) == 2
+        key = wire.job_key(secret.encode(), "attacked")
+        forged = tmp_path / "forged"
+        write_slot(str(forged), 10**9, pickle.dumps({"w": Boom(str(marker))}), b"", replicated=True)
+        for port in ports:
+            assert attack(port, "get", "0", "3", key.hex())["served"] > 0  # the probe reaches the service
+            for rank in ("0", "1"):
+                for how in ("-", WRONG.hex()):
+                    assert attack(port, "get", rank, "3", how)["served"] == 0
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as rfile:
+                rec = _Recorder(sock)
+                wire.authenticate_server(rec, rfile, key)
+            assert attack(port, "replay", rec.sent.decode().strip(), "0", "3")["served"] == 0
+            for how in ("-", WRONG.hex()):
+                assert attack(port, "put", str(forged), str(10**9), how)["closed"]
+            assert attack(port, "flood", "100", "3")["opened"] == 100
+        reports = {p.name[:-5]: json.loads(p.read_text()) for p in out.glob("*.json")}
+        shms = [reports[f"{r}_0"]["env"]["ELAUNCH_CHECKPOINT_SHM"] for r in (0, 1)]
+        os.kill(reports["1_0"]["pid"], 9)
+        wait_for(lambda: all((out / f"{r}_1.json").exists() for r in (0, 1)), 120, what=f"the restart\n{stderr()}")
+        again = {r: json.loads((out / f"{r}_1.json").read_text()) for r in (0, 1)}
+        assert [again[r]["step"] for r in (0, 1)] == [3, 3] and all(again[r]["state_ok"] for r in (0, 1))
+        assert 10**9 not in _replica_steps(shms)
+        stop.touch()
+        for a in agents.values():
+            assert a.wait(90) == 0, stderr()
+    finally:
+        for a in agents.values():
+            kill_tree(a.pid)
+    assert not marker.exists()
+    restores = [e["step"] for name in "AB" for e in _events(tmp_path / name, "checkpoint_restore")]
+    assert restores == [3, 3]
