@@ -156,7 +156,8 @@ def test_tee_copies_lines_while_running_and_a_late_file(tmp_path, use_inotify):
     early, late = tmp_path / "early.log", tmp_path / "late.log"
     early.write_text("before\n")  # written before the follower started
     dst = io.StringIO()
-    tee = Tee([(str(early), dst, "a:"), (str(late), dst, "b:")], interval=0.01, use_inotify=use_inotify).start()
+    tee = Tee([(str(early), dst, "a:"), (str(late), dst, "b:")], interval=0.01, use_inotify=use_inotify,
+              inotify_after=0).start()
     try:
         if use_inotify:
             assert tee_module.inotify_lib() is not None, "inotify_simple is a dependency: pip install -e ."
@@ -175,6 +176,32 @@ def test_tee_copies_lines_while_running_and_a_late_file(tmp_path, use_inotify):
     finally:
         tee.stop()
     assert dst.getvalue() == "a:before\na:one\na:two\nb:new\n"
+
+
+def test_tee_watches_with_inotify_only_once_it_has_run_a_while(tmp_path):
+    """A copy stopped within its first ``inotify_after`` seconds never makes an inotify instance (whose
+    close waits for an RCU grace period at the job's end); one that runs longer moves to inotify, and
+    copies every line before, during and after the move."""
+    path = tmp_path / "out.log"
+    dst = io.StringIO()
+    short = Tee([(str(path), dst, "s:")], interval=0.01, inotify_after=60).start()
+    path.write_text("one\n")
+    wait_for(lambda: dst.getvalue() == "s:one\n", 10, what="a line while polling")
+    short.stop()
+    assert short.mode == "poll" and short._watcher is None
+    assert tee_module.inotify_lib() is not None, "inotify_simple is a dependency: pip install -e ."
+
+    dst = io.StringIO()
+    tee = Tee([(str(path), dst, "l:")], interval=0.01, inotify_after=0.05).start()
+    try:
+        assert tee.mode == "poll"
+        wait_for(lambda: tee.mode == "inotify", 10, what="the move to inotify")
+        with open(path, "a") as f:
+            f.write("two\n")
+        wait_for(lambda: dst.getvalue() == "l:one\nl:two\n", 10, what="a line after the move")
+    finally:
+        tee.stop()
+    assert tee._watcher is None and dst.getvalue() == "l:one\nl:two\n"
 
 
 def test_tee_polls_when_the_directory_cannot_be_watched(tmp_path):
