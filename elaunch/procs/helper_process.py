@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PAUSE = 0.01  #: seconds between looks at a child given a grace period
+_PAUSE = 0.01  #: seconds between looks at a child given a grace period, where pidfds are unavailable
 
 
 class HelperDied(ChildProcessError):
@@ -94,17 +95,38 @@ def _exited(proc: subprocess.Popen, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``proc`` to exit, without reaping it: True once it exited.
 
     Unreaped, its pid (its process group's id) cannot be reused: its group can still be signalled.
+    The wait sleeps on a pidfd (Linux >= 5.3), so it ends when the child exits, not at the next
+    look; elsewhere it looks every :data:`_PAUSE` seconds.
     """
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+    pidfd = -1
+    try:
+        while True:
+            try:
+                if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # reaped already
                 return True
-        except ChildProcessError:  # reaped already
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(_PAUSE)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if pidfd < 0:
+                pidfd = _pidfd(proc.pid)
+            if pidfd >= 0:
+                select.select([pidfd], [], [], left)  # readable once the child exited (a signal: look again)
+            else:
+                time.sleep(min(_PAUSE, left))
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd of ``pid`` (still unreaped, so it is our child), or -1 where the kernel or Python has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
 
 
 def end(proc: subprocess.Popen, grace: float = 0.0, sig: int | None = signal.SIGTERM) -> int:
