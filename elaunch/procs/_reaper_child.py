@@ -78,7 +78,14 @@ def main(fd: int) -> int:
 
 
 def _remove_dirs(dirs: list) -> None:
-    """Remove each node directory of ``dirs`` (after the workers died: nothing writes them any more)."""
+    """Remove each node directory of ``dirs`` (after the workers died: nothing writes them any more).
+
+    Those already gone (the agent's ``Reaper.close`` removes them before its end of file) cost
+    nothing: ``snapshot_dir`` and its imports are loaded only for one still there.
+    """
+    dirs = [path for path in dirs if os.path.lexists(path)]
+    if not dirs:
+        return
     import snapshot_dir
 
     for path in dirs:

@@ -42,6 +42,7 @@ class Reaper:
         self._proc = proc
         self._wfd: int | None = wfd
         self.pid = proc.pid
+        self._dirs: list[str] = []  # given to remove_on_exit
 
     def _send(self, text: str) -> None:
         if self._wfd is None:
@@ -92,6 +93,7 @@ class Reaper:
         files); the watchdog ignores any other path. A directory already gone is fine,
         so the agent removing it first at the end of its run needs no ``forget``.
         """
+        self._dirs.append(path)
         self._send(f"d {os.fsencode(path).hex()}\n")
 
     def sync(self, timeout: float = 10.0) -> bool:
@@ -130,12 +132,24 @@ class Reaper:
             self._wfd = None
 
     def close(self, timeout: float = 5.0) -> None:
-        """Forget every watched tree, end the watchdog and reap it. Idempotent.
+        """Forget every watched tree, remove the directories given to :meth:`remove_on_exit`, end the
+        watchdog and reap it. Idempotent.
+
+        The directories are removed here, as the watchdog would remove them on the end of file that
+        follows: the watchdog then finds them gone and exits without importing ``snapshot_dir``
+        (9 ms of a ``python -S`` start-up measured on a 2-core VM, waited for at every run's end).
 
         Args:
             timeout: seconds to wait for it to exit before SIGKILLing it.
         """
         self.forget()
+        if self._dirs:
+            from . import snapshot_dir
+
+            for path in self._dirs:
+                if snapshot_dir.removable(path):
+                    snapshot_dir.remove(path)
+            self._dirs = []
         self._close_fd()
         end(self._proc, timeout, sig=None)  # asked to go by EOF: it ignores SIGTERM
         if self._proc.stdout is not None:

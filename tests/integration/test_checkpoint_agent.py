@@ -212,7 +212,10 @@ def test_a_node_that_replaces_a_lost_one_restores_from_a_peers_memory(endpoint, 
     wait_for(lambda: not os.path.exists(shms[0]) and not os.path.exists(shms[1]), 10, what="the node dirs to go")
 
 
-def test_the_reaper_removes_a_registered_node_directory_and_nothing_else(tmp_path):
+@pytest.mark.parametrize("end", ["close", "eof"])
+def test_the_reaper_removes_a_registered_node_directory_and_nothing_else(tmp_path, end):
+    """At the run's end (``close``: the agent's handle removes them before the watchdog's end of file) and when
+    the agent dies (``eof``: only the pipe's end reaches the watchdog, which removes them itself)."""
     from elaunch.procs.reaper import start_reaper
 
     node_dir = f"/dev/shm/elaunch-reaper-test-{os.getpid()}"
@@ -226,6 +229,9 @@ def test_the_reaper_removes_a_registered_node_directory_and_nothing_else(tmp_pat
         reaper.remove_on_exit(str(outside))  # not under /dev/shm: ignored
         assert reaper.sync()
         assert os.path.exists(node_dir)  # only when the agent goes
+        if end == "eof":
+            reaper._close_fd()  # what the kernel does when the agent dies
+            wait_for(lambda: not reaper.alive(), 10, what="the watchdog to exit")
     finally:
         reaper.close()
         if os.path.exists(node_dir):
