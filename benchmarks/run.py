@@ -20,10 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import failures, link_cut, metrics_cost, node_check, rdzv_scale, report, scenarios, stragglers
+from benchmarks import (failures, launch_features, link_cut, metrics_cost, node_check, rdzv_scale, report, scenarios,
+                        stragglers)
 from benchmarks.common import REPO, log_line
 
-SCENARIOS = ("launch", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
+SCENARIOS = ("launch", "launch_features", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
              "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort", "node_check", "straggler")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
 #: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
@@ -140,6 +141,8 @@ def run(a: argparse.Namespace) -> dict:
             log_line(f"scenario {name}")
             if name == "launch":
                 recs.append(scenarios.bench_launch(cfg))
+            elif name == "launch_features":
+                recs.append(launch_features.bench_launch_features(cfg))
             elif name == "restart":
                 recs.append(scenarios.bench_restart(cfg))
                 if warm:

@@ -24,6 +24,8 @@ LAUNCHERS = ("elaunch", "torchrun")
 #: never stops the healthy node of a job whose other node failed, and has no hang detection.
 REQUIRED = [
     ("launch.wall", LAUNCHERS), ("launch.cpu", LAUNCHERS), ("launch.rss", LAUNCHERS),
+    *((f"launch_features.{key}", LAUNCHERS) for key in ("plain", "checkpoint_dir", "checkpoint_replicas",
+                                                        "metrics_port", "hang_timeout", "stragglers_off")),
     ("restart.respawned", LAUNCHERS), ("restart.ready", LAUNCHERS),
     ("elastic_start.running", LAUNCHERS),
     ("scale_up.running", ("elaunch",)), ("scale_up.ready", ("elaunch",)),
