@@ -502,6 +502,7 @@ def main(fd: int, node_dir: str) -> int:
             conf = json.loads(rest)
             ring.source = conf.get("source") or None
             server.configure(bytes.fromhex(conf["key"]), member_ips(conf.get("members")))
+            chan.send(b"conf")  # applied: the agent waits for this before it tells peers of the round
         elif word == "listen" and fds:
             server.serve(socket.socket(fileno=fds.pop()))
         elif word == "ring":

@@ -129,7 +129,15 @@ class ReplicaService:
             log.debug("replica service: %s was not handed over (%s)", word, exc)
 
     def _send_conf(self) -> None:
+        """Send the key, the source and the members, and wait (up to :data:`STATS_TIMEOUT` s) until the child
+        applied them: a peer told of this round only after :meth:`set_members` returned is never refused."""
+        chan = self._helper.chan
         self._send("conf", {"key": self.key.hex(), "source": self.host, "members": self._members})
+        try:
+            if chan is not None and select.select([chan], [], [], STATS_TIMEOUT)[0]:
+                chan.recv(64)  # b"conf": applied (b"": the child died; check() restarts it)
+        except OSError as exc:
+            log.debug("replica service: no answer to the settings (%s)", exc)
 
     def _send_ring(self) -> None:
         self._send("ring", [[h, p, k.hex()] for h, p, k in self._ring])
@@ -138,7 +146,8 @@ class ReplicaService:
         """Serve connections only from ``hosts`` (the current round's nodes' addresses, names or IPs).
 
         The child resolves each name; a connection from any other address is closed before a
-        byte is read. When one of them is a loopback address, every loopback address is a
+        byte is read. Returns once the child applied the list (or did not answer within
+        :data:`STATS_TIMEOUT` seconds). When one of them is a loopback address, every loopback address is a
         member (agents on one machine). None (the default until called): any address, still
         authenticated.
         """
