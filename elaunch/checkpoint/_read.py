@@ -69,7 +69,7 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
     try:
         size = os.fstat(fd).st_size
         mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        info = slotfile.parse(mm, path) if mm is not None else None
+        info = slotfile.parse(mm, path, fd) if mm is not None else None
         if info is None:
             raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
         if expect_step is not None and info.step != expect_step:
@@ -225,13 +225,13 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
         state = _tree.unpack(meta, make, as_is=matched, data_len=info.data_len,
                              source=f"the snapshot {info.path} (step {info.step}, rank {info.rank})")
     except Exception as exc:
-        if not slotfile.still(mm, info):
+        if not slotfile.still(mm, info, fd):
             raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc
         raise
     finally:
         gpu.close()
         threads.close()
-    if not slotfile.still(mm, info):
+    if not slotfile.still(mm, info, fd):  # fenced: every copy above is ordered before this read of seq
         raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})")
     return state
 

@@ -185,11 +185,11 @@ def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: i
         if slot.size < need:
             _grow(slot, shm_dir, need)
         buf = slot.mm
-        seq = slotfile.begin(buf)
+        seq = slotfile.begin(buf, slot.fd)
         buf[slotfile.META_AT:slotfile.META_AT + len(packed.meta)] = packed.meta
         copy_in(slot, slotfile.data_offset(len(packed.meta)), packed.tensors)
         slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
-                        meta_len=len(packed.meta), data_len=packed.data_len)
+                        meta_len=len(packed.meta), data_len=packed.data_len, fd=slot.fd)
     return path
 
 

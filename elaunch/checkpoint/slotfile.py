@@ -24,13 +24,32 @@ worker killed in the middle of a copy leaves a slot that reads as empty, and its
 other slot, the previous snapshot, whole. The data itself is not summed (that would
 cost more than the copy): its integrity comes from the order of the writes, which a
 process's death cannot undo (the file is in memory, not on a disk that can tear).
-On x86 (total store order) the order of the writes is the order other processes see.
+
+**The order holds on weakly ordered CPUs too** (aarch64: Grace Hopper, Graviton), where
+another process may see a mapping's stores in another order than they were made, and
+make its own loads out of order. Between the steps above, writer and readers call
+:func:`fence` on the slot file: one ``flock(LOCK_SH | LOCK_NB)`` and one ``flock(LOCK_UN)``.
+Linux takes the file's per-inode file-lock spinlock (``flc_lock``, fs/locks.c) in each
+of these calls, so all fences on one file are totally ordered, and each is a release of
+every access its caller made before it and an acquire for every access after it. The
+writer: seq odd, *fence*, meta and data, header fields and checksum, *fence*, seq even.
+A reader: seq, *fence*, header fields, meta and data, *fence*, seq. So a reader that saw
+a commit's seq sees every store before it, and a reader that saw any store of a later
+write sees that write's odd seq after. No lock is ever held (shared locks never
+conflict): a fence cannot block. It costs two system calls (about a microsecond each);
+a save makes two fences, a read three. This is Linux's implementation, not a POSIX
+promise (POSIX lists no file-lock call among those that synchronize memory); on x86
+(total store order) the order of the writes is the order other processes see anyway.
+Readers that hold a descriptor pass it (``fd``); a reader of copied bytes has no
+ordering to keep.
 
 Stdlib only: the agent (no torch) reads headers to know what its node holds.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import struct
@@ -104,61 +123,115 @@ def _crc(fields: bytes, stamp: float, meta: bytes | memoryview) -> int:
     return zlib.crc32(meta, zlib.crc32(struct.pack("<d", stamp), zlib.crc32(fields))) & 0xFFFFFFFF
 
 
+def fence(fd: int) -> None:
+    """Order this process's accesses to the slot file ``fd`` against other processes' (see the module's text).
+
+    One ``flock(fd, LOCK_SH | LOCK_NB)`` and one ``flock(fd, LOCK_UN)``: never blocks (no one
+    takes an exclusive lock; if someone did, the refused attempt still orders).
+
+    Raises:
+        OSError: ``fd`` is not an open descriptor (EBADF).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # an exclusive lock elsewhere: the attempt took the spinlock all the same
+        pass
+    except OSError as exc:
+        if exc.errno != errno.EWOULDBLOCK:
+            raise
+    fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 def seq_of(buf) -> int:
     """The sequence number in a slot's mapping (odd: a write is under way)."""
     return _SEQ.unpack_from(buf, _SEQ_AT)[0]
 
 
-def begin(buf) -> int:
+def begin(buf, fd: int | None = None) -> int:
     """Mark the slot in ``buf`` (a writable mapping of the whole file) as being written; return the new seq.
 
-    From here until :func:`commit` the slot reads as empty.
+    From here until :func:`commit` the slot reads as empty. ``fd``: the file's
+    descriptor, fenced after the odd seq (:func:`fence`): pass it (None only in tests).
     """
     seq = seq_of(buf) if bytes(buf[:8]) == MAGIC else 0
     seq = seq + 1 if seq % 2 == 0 else seq + 2
     buf[:8] = MAGIC
     _SEQ.pack_into(buf, _SEQ_AT, seq)
+    if fd is not None:
+        fence(fd)  # the odd seq before any store of the meta or data
     return seq
 
 
 def commit(buf, seq: int, *, step: int, rank: int, world_size: int, replicated: bool, meta_len: int,
-           data_len: int, stamp: float | None = None) -> int:
+           data_len: int, stamp: float | None = None, fd: int | None = None) -> int:
     """Write the header's fields and checksum, then the even ``seq + 1``: the commit. Return it.
 
-    The meta must be at :data:`META_AT` and the data at ``data_offset(meta_len)`` already.
+    The meta must be at :data:`META_AT` and the data at ``data_offset(meta_len)`` already
+    (their stores done, by whichever threads made them, before this call). ``fd``: the
+    file's descriptor, fenced before the even seq (:func:`fence`): pass it.
     """
     fields = _FIELDS.pack(step, rank, world_size, REPLICATED if replicated else 0, meta_len, data_len)
     stamp = time.time() if stamp is None else stamp
     crc = _crc(fields, stamp, buf[META_AT:META_AT + meta_len])
     buf[_FIELDS_AT:_FIELDS_AT + _FIELDS.size] = fields
     _CRC.pack_into(buf, _CRC_AT, crc, stamp)
+    if fd is not None:
+        fence(fd)  # meta, data, fields and checksum before the even seq
     _SEQ.pack_into(buf, _SEQ_AT, seq + 1)
     return seq + 1
 
 
-def parse(buf, path: str = "") -> SlotInfo | None:
+def parse(buf, path: str = "", fd: int | None = None) -> SlotInfo | None:
     """The committed snapshot in ``buf`` (a mapping or bytes of at least the header and meta), else None.
 
     None when the magic is missing, a write is under way (odd seq), the checksum
     fails, or ``buf`` is shorter than the snapshot. Callers that go on reading the
-    data confirm it with :func:`still` afterwards.
+    data confirm it with :func:`still` afterwards. ``fd``: the file's descriptor when
+    ``buf`` maps it (a writer may be at work): the seq is read, :func:`fence`, the rest,
+    :func:`fence`, the seq again. None for bytes already copied.
     """
     if len(buf) < HEADER_SIZE:
         return None
+    first = seq_of(buf)
+    if fd is not None:
+        fence(fd)  # the seq before the fields, the meta and (the caller's) data
     magic, seq, step, rank, world, flags, meta_len, data_len, crc, stamp = _HEADER.unpack_from(buf, 0)
+    if seq != first:
+        return None
     if magic != MAGIC or seq % 2 or seq == 0 or len(buf) < file_size(meta_len, data_len):
         return None
     fields = bytes(buf[_FIELDS_AT:_FIELDS_AT + _FIELDS.size])
     if _crc(fields, stamp, buf[META_AT:META_AT + meta_len]) != crc:
         return None
+    if fd is not None:
+        fence(fd)  # the fields and the meta before the seq read again
     if seq_of(buf) != seq:  # a writer began while we summed
         return None
     return SlotInfo(path, seq, step, rank, world, bool(flags & REPLICATED), meta_len, data_len, stamp)
 
 
-def still(buf, info: SlotInfo) -> bool:
-    """True when the slot in ``buf`` still holds ``info``'s commit (no write began since it was parsed)."""
+def still(buf, info: SlotInfo, fd: int | None = None) -> bool:
+    """True when the slot in ``buf`` still holds ``info``'s commit (no write began since it was parsed).
+
+    ``fd``: the file's descriptor, fenced first (:func:`fence`): every read of the data
+    made before this call is ordered before the seq is read. Pass it for a mapping.
+    """
+    if fd is not None:
+        fence(fd)
     return seq_of(buf) == info.seq
+
+
+def still_at(fd: int, info: SlotInfo) -> bool:
+    """:func:`still` for a reader that reads the file through ``fd`` (``pread``, ``sendfile``), not a mapping.
+
+    Fences ``fd``, then reads the seq with ``pread``: the check a sender makes after
+    sending a snapshot's bytes.
+
+    Raises:
+        OSError: ``fd`` cannot be read.
+    """
+    fence(fd)
+    return seq_of(os.pread(fd, _SEQ_AT + _SEQ.size, 0)) == info.seq
 
 
 def read_info(path: str) -> SlotInfo | None:
@@ -175,7 +248,7 @@ def read_info(path: str) -> SlotInfo | None:
         if size < HEADER_SIZE:
             return None
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as buf:
-            return parse(buf, path)
+            return parse(buf, path, fd)
     except (OSError, ValueError):
         return None
     finally:
