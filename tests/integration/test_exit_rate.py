@@ -85,13 +85,10 @@ def _once_api(which: str) -> bool:
     (``tests/scripts/launch_main.py``). With ``--run-path`` torch's workers are function
     workers: one that returned waits until every worker returned, and so do elaunch's.
     """
-    for _ in range(3):  # a port taken between free_port() and the bind says nothing of either launcher
-        argv = ["--run-path", "--nnodes=1", f"--nproc-per-node={NPROC}", "--master-addr=localhost",
-                f"--master-port={free_port()}", "--monitor-interval=1", str(SCRIPTS / "init_method_env.py"),
-                "--init-method=env://"]
-        code, stdout, stderr = _api_run(which, argv)
-        if "EADDRINUSE" not in stderr:
-            break
+    argv = ["--run-path", "--nnodes=1", f"--nproc-per-node={NPROC}", "--master-addr=localhost",
+            f"--master-port={free_port()}", "--monitor-interval=1", str(SCRIPTS / "init_method_env.py"),
+            "--init-method=env://"]
+    code, stdout, stderr = _api_run(which, argv)
     out = stdout + stderr
     if code == 0:
         assert stdout.count("Done") == NPROC, f"{which}: not every worker got through the script:\n{out[-3000:]}"
