@@ -193,7 +193,7 @@ def _peer(shm: str, newest):
             shutil.rmtree(other, ignore_errors=True)
             return
         dest = os.path.join(dest_dir, f"r{newest.rank}-{r}")
-        if not replicas.fetch("127.0.0.1", port, newest.rank, newest.step, dest, 60.0):
+        if not replicas.fetch("127.0.0.1", port, newest.rank, newest.step, dest, 60.0, key=service.key):
             raise RuntimeError("fetch from the replica service failed")
         os.environ["ELAUNCH_CHECKPOINT_RESTORE"] = dest
         try:
