@@ -53,7 +53,7 @@ class CheckpointError(RuntimeError):
     """A snapshot cannot be restored: missing, another step than the job agreed on, or changed while read."""
 
 
-class UnsafeStateError(CheckpointError, pickle.UnpicklingError):
+class UnsafeStateError(pickle.UnpicklingError):
     """A snapshot or persisted file needs a class that weights-only loading does not allow; nothing of it ran.
 
     Loading unpickles as ``torch.load(weights_only=True)`` does (torch's weights-only
@@ -62,8 +62,10 @@ class UnsafeStateError(CheckpointError, pickle.UnpicklingError):
     (``mypkg.config.TrainConfig``) and how to allow it:
     ``torch.serialization.add_safe_globals([TrainConfig])`` before ``load``, or the
     ``torch.serialization.safe_globals([...])`` context manager around it. It is a
-    ``CheckpointError`` (what ``load`` raises when a snapshot cannot be restored) and a
-    ``pickle.UnpicklingError`` (what ``torch.load(weights_only=True)`` raises).
+    ``pickle.UnpicklingError``, what ``torch.load(weights_only=True)`` raises, and not a
+    ``CheckpointError``: that one says "this source cannot serve, another may" (the
+    agent's persister skips a slot that raises it), while a state that needs a class
+    not allowed is refused from every source, and must be seen.
     """
 
 
@@ -174,8 +176,8 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
 
     Raises:
         UnsafeStateError: the state needs a class weights-only loading does not allow;
-            the message names it and how to allow it (a ``CheckpointError`` and a
-            ``pickle.UnpicklingError``).
+            the message names it and how to allow it (a ``pickle.UnpicklingError``, as
+            ``torch.load(weights_only=True)`` raises).
         CheckpointError: the file is missing or holds no commit, holds another step than
             the job agreed on, or was overwritten while it was read (then ``into``'s
             tensors may hold parts of two steps, or of a step and what they held: load

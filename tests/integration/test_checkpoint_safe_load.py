@@ -68,14 +68,14 @@ def test_a_forged_slot_runs_no_code_in_a_restored_worker(shm_dir, tmp_path, prot
     assert slotfile.read_info(path).step == 5  # a committed snapshot, as the agent would hand it over
     got = load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir, ELAUNCH_CHECKPOINT_RESTORE=path, ELAUNCH_CHECKPOINT_STEP=5)
     assert not marker.exists(), "loading the forged snapshot ran its code"
-    assert path in got["error"] and "weights-only" in got["error"]
+    assert path in got["error"] and "weights-only" in got["error"] and got["class"] == "UnsafeStateError"
     if protocol == 2:  # the scanner reads protocol 2, what ckpt.save writes: it names the global
         assert "posix.system" in got["error"] and "cannot be allowed" in got["error"], got["error"]
     # the same in this process, with and without `into` (the structure is unpickled twice then)
     for into in (None, {"model": {"w": torch.ones(1)}}):
         with pytest.raises(ckpt.UnsafeStateError) as err:
             _read.read(path, into=into)
-        assert isinstance(err.value, ckpt.CheckpointError) and isinstance(err.value, pickle.UnpicklingError)
+        assert isinstance(err.value, pickle.UnpicklingError)  # what torch.load(weights_only=True) raises
         assert not marker.exists()
 
 

@@ -4,7 +4,8 @@
 committed. ``loop FROM``: saves steps FROM, FROM+1, ... forever (until killed).
 ``load``: ``ckpt.load()`` and prints one JSON line: ``{"step": S, "equal": bool}`` (``equal``:
 the state is bit-identical, container types included, to ``make_state(S)``), or
-``{"step": null}``; a ``CheckpointError`` prints ``{"error": "..."}`` and exits 3.
+``{"step": null}``; a ``CheckpointError`` or ``UnsafeStateError`` prints ``{"error": "...", "class": ...}``
+and exits 3.
 With ``CKPT_DIST=1`` it first joins a gloo group (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``). ``CKPT_STATE_RANK`` (default ``RANK``) seeds the state. ``CKPT_MIB`` sets
 the size of the big tensors (default 1 MiB in all). ``CKPT_SHARDED=1``: ``replicated=False``.
@@ -93,8 +94,8 @@ def _load() -> int:
         dist.init_process_group("gloo")
     try:
         snap = ckpt.load()
-    except ckpt.CheckpointError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+    except (ckpt.CheckpointError, ckpt.UnsafeStateError) as exc:
+        print(json.dumps({"error": str(exc), "class": type(exc).__name__}), flush=True)
         return 3
     if snap is None:
         print(json.dumps({"step": None}), flush=True)
