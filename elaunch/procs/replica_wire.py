@@ -247,6 +247,6 @@ def send_file(sock: socket.socket, fd: int, info: "slotfile.SlotInfo") -> bool:
         sent = sock.sendfile(f, 0, info.size)
     if sent != info.size:
         raise ConnectionError(f"{info.path}: sent {sent} of {info.size} bytes (the file shrank)")
-    whole = slotfile.seq_of(os.pread(fd, 16, 0)) == info.seq
+    whole = slotfile.still_at(fd, info)  # fenced: the seq is read after the bytes it vouches for
     sock.sendall(b"=" if whole else b"x")
     return whole
