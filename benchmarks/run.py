@@ -24,8 +24,8 @@ from benchmarks import (failures, launch_features, link_cut, metrics_cost, node_
                         stragglers)
 from benchmarks.common import REPO, log_line
 
-SCENARIOS = ("launch", "launch_features", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale", "overhead",
-             "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort", "node_check", "straggler")
+SCENARIOS = ("launch", "launch_features", "restart", "elastic_start", "scale_up", "scale_down", "link_cut", "rdzv_scale",
+             "overhead", "overhead_metrics", "job_abort", "job_abort_etcd", "hang", "exit_abort", "node_check", "straggler")
 #: Left out of a --quick run unless named in --only: the etcd variants of the job-wide abort cost
 #: ~30 s (an etcd server, and torchrun's etcd-v2 healthy node runs until the bound); the exit
 #: scenario needs many runs to say anything (a rate), ~30 s even at one repeat; the node check's
@@ -125,6 +125,11 @@ def run(a: argparse.Namespace) -> dict:
     torch_v, elaunch_v = _versions()
     warm = scenarios.elaunch_warm_start_flag()
     notes: list[str] = [f"{name}: not run in quick mode (--only {name} runs it)" for name in a.left_out]
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        # the launchers inherit it: an editable elaunch compiles every module it imports at every start
+        # (torch's wheel came with its bytecode), ~50 ms of a no-op launch on 2 cores (issue 35)
+        notes.append("the launchers ran with PYTHONDONTWRITEBYTECODE set: elaunch's modules were compiled from "
+                     "source at every start (no __pycache__), torch's were not")
     with tempfile.TemporaryDirectory(prefix="elaunch-bench-") as tmp:
         if a.work_dir:
             a.work_dir.mkdir(parents=True, exist_ok=True)
