@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, alive, kill_tree, launcher_env, run, start
+from tests.helpers import SCRIPTS, alive, free_port, kill_tree, launcher_env, run, start
 
 WARM = ("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--warm-start", "--warm-start-modules=json")
 #: Values that differ between any two attempts, warm or cold.
@@ -143,11 +143,17 @@ def test_uncaught_exception_reads_as_in_a_cold_worker(tmp_path):
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_spares_die_with_the_agent(tmp_path, how):
-    agent = start("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "--warm-start",
-                  "--warm-start-modules=json", str(SCRIPTS / "sleeper.py"), str(tmp_path))
+    # The first attempt's two spares start before the rendezvous, which waits here for a second node that
+    # never comes: they stay two idle spares until the signal. (With a round that forms, "exactly two"
+    # lasted only until the next attempt's templates started, 50-140 ms, and a poller starved of CPU on a
+    # busy machine could miss it and then wait 30 s for a count that only grows.)
+    agent = start("elaunch", "--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=spares-die", "--local-addr=127.0.0.1",
+                  "--warm-start", "--warm-start-modules=json", str(SCRIPTS / "sleeper.py"), str(tmp_path))
     try:
-        spares = wait_for(lambda: _warm_pids(agent.pid) if len(_warm_pids(agent.pid)) == 2 else None, 30,
+        spares = wait_for(lambda: (lambda pids: pids if len(pids) == 2 else None)(_warm_pids(agent.pid)), 60,
                           what="two warm spares")
+        assert not list(tmp_path.glob("pids_*")), "no round can have formed: no worker ran"
         agent.send_signal(getattr(signal, how))
         wait_for(lambda: not any(alive(p) for p in spares), 15, what="spares gone")
         agent.wait(15)
