@@ -283,15 +283,15 @@ class WorkerLauncher:
     def close(self) -> None:
         """Kill the spares, stop the helpers and the watchdog. Idempotent; the log directory is kept."""
         self.pool.close()
+        if self._barrier_root is not None:  # first: nothing below that raises leaves it behind
+            shutil.rmtree(self._barrier_root, ignore_errors=True)
+            self._barrier_root = None
         while self._helpers:
             self._helpers.pop().close()
         self._store_host = None
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None
-        if self._barrier_root is not None:
-            shutil.rmtree(self._barrier_root, ignore_errors=True)
-            self._barrier_root = None
 
     def _run_dir(self) -> RunLogDir | SpecsLogDir:
         if self._log_dir is None:
