@@ -140,3 +140,27 @@ def test_under_elaunch_run_the_server_closes_when_the_run_returns(tmp_path: Path
                           env=launcher_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "closed"], proc.stdout
+
+
+@pytest.mark.parametrize("addr", [None, "127.0.0.1"], ids=["every-interface", "local-addr"])
+def test_close_ends_the_server_loop_frees_the_port_and_leaves_no_thread(addr):
+    """``AgentMetrics.close()`` wakes the server's loop (which looks for its stop flag only every 0.5 s by
+    itself), ends it, frees the port, and its own helper thread and the connections that woke the loop go too."""
+    from elaunch.agent.metrics import AgentMetrics
+
+    before = set(threading.enumerate())
+    metrics = AgentMetrics("r", None, "default")
+    _host, port = metrics.serve(0, addr)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200  # it serves
+    loop = metrics._thread
+    metrics.close()
+    assert not loop.is_alive(), "the server's loop outlived close()"
+    wait_for(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()], 10,
+             what="close()'s threads to end")
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "something still listens on the port"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server that takes the port next binds
+        s.bind(("127.0.0.1", port))
+    metrics.close()  # idempotent
