@@ -352,3 +352,48 @@ def test_ticks_fall_on_multiples_of_the_interval_since_the_epoch():
     now = time.time()
     tick = _next_tick(60.0)
     assert tick % 60.0 == 0 and now < tick <= now + 60.0 and _next_tick(0) is None
+
+
+class _Launcher:
+    """What the keeper needs of a WorkerLauncher: a reaper (none here) and a list of its helpers."""
+
+    reaper = None
+
+    def __init__(self) -> None:
+        self.helpers = []
+
+    def add_helper(self, owner) -> None:
+        self.helpers.append(owner)
+
+
+def test_the_keeper_starts_the_persister_only_once_a_snapshot_exists(tmp_path):
+    """A job that never saves never pays for the persister; the first snapshot starts it, and it persists."""
+    from elaunch.agent.checkpoints import CheckpointKeeper
+    from elaunch.agent.events import AgentEvents
+    from elaunch.rendezvous.job_channel import LocalJobChannel
+
+    root = f"/dev/shm/elaunch-test-lazy-{uuid.uuid4().hex[:8]}"
+    os.makedirs(root, mode=0o700)
+    ckpt_dir = str(tmp_path / "ckpt")
+    launcher = _Launcher()
+    k = CheckpointKeeper("job/lazy", 0, ckpt_dir, 0.0, LocalJobChannel, root=root)
+    saver = None
+    try:
+        k.open(launcher, AgentEvents(None, "n0", "host", 0))
+        assert k.polls
+        k.poll()
+        k.persist_now("failure")
+        assert launcher.helpers == []  # nothing saved: no persister
+        saver = Saver(k.node_dir.path, 0, 0, 1, 1.0, False)
+        saver.ready()
+        saver.save(3)
+        k.poll()
+        assert len(launcher.helpers) == 1 and psutil.pid_exists(launcher.helpers[0].pid)
+        k.persist_now("failure")
+        wait_for(lambda: persisted.newest_complete(ckpt_dir), 60, what="step 3 persisted")
+        assert persisted.newest_complete(ckpt_dir)[0] == 3
+    finally:
+        if saver is not None:
+            saver.close()
+        k.close()
+        shutil.rmtree(root, ignore_errors=True)
