@@ -32,9 +32,10 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import tempfile
-from collections.abc import Iterable, MutableMapping, Sequence
-from dataclasses import dataclass
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~2 ms in every worker
+if TYPE_CHECKING:
+    from collections.abc import Iterable, MutableMapping, Sequence
 
 #: The worker's variable: ``"<fd>:<path>"``, its held lock descriptor and its rank file.
 #: ``_warm_child.py`` (stdlib only, no elaunch import) repeats the name.
@@ -82,6 +83,8 @@ def spare_lock(directory: str) -> tuple[int, str]:
     Raises:
         OSError: the file cannot be created.
     """
+    import tempfile  # the agent's side only: workers never load it
+
     fd, path = tempfile.mkstemp(prefix="spare-", dir=directory)
     try:
         os.set_inheritable(fd, False)
@@ -152,17 +155,25 @@ class AttemptBarrier:
 # ---------------------------------------------------------------------------- worker side
 
 
-@dataclass
 class Held:
-    """A worker's lock, held from :func:`claim` until :func:`arrive`.
+    """A worker's lock, held from :func:`claim` until :func:`arrive` (a plain class: no dataclasses import).
 
     Attributes:
         fd: the descriptor holding the exclusive lock.
         path: the worker's rank file; its siblings' are beside it.
     """
 
-    fd: int
-    path: str
+    __slots__ = ("fd", "path")
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Held) and (self.fd, self.path) == (other.fd, other.path)
+
+    def __repr__(self) -> str:
+        return f"Held(fd={self.fd}, path={self.path!r})"
 
 
 def claim(environ: MutableMapping[str, str] | None = None) -> Held | None:
