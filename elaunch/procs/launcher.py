@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from typing import Callable
 
@@ -190,7 +189,11 @@ class WorkerLauncher:
         if not return_barrier.applies(first, len(cmds), forked=self._fork_target is not None):
             return None
         if self._barrier_root is None:
-            self._barrier_root = tempfile.mkdtemp(prefix="elaunch-barrier-")
+            from .snapshot_dir import SHM_ROOT
+
+            self._barrier_root = return_barrier.make_root(SHM_ROOT, os.getpid())
+            if self._reaper is not None:  # after a kill -9 of the agent, the watchdog removes it
+                self._reaper.remove_on_exit(self._barrier_root)
         return self._barrier_root
 
     def _attempt_barrier(self, attempt: int, cmds: Mapping[int, list[str]]) -> return_barrier.AttemptBarrier | None:

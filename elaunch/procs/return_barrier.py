@@ -74,6 +74,33 @@ def _locked(path: str) -> int:
     return fd
 
 
+#: The barrier directory's name: ``elaunch-barrier-<random>-<agent pid>``.
+ROOT_PREFIX = "elaunch-barrier-"
+
+
+def make_root(shm_root: str, pid: int) -> str:
+    """Create the run's barrier directory (mode 0700) and return its path.
+
+    In ``shm_root`` (``/dev/shm``) when it is writable: a directory there named
+    ``elaunch-*`` is one the agent's watchdog removes after a ``kill -9`` of the agent
+    (``Reaper.remove_on_exit``). Else in the temporary directory (``TMPDIR``, ``/tmp``),
+    which the watchdog leaves alone: only a normal end of the agent removes it there.
+
+    Args:
+        shm_root: the shared-memory root (``snapshot_dir.SHM_ROOT``).
+        pid: the agent's pid, the name's last part (as the node directories').
+
+    Raises:
+        OSError: neither place can hold it.
+    """
+    import tempfile  # the agent's side only: workers never load it
+
+    try:
+        return tempfile.mkdtemp(prefix=ROOT_PREFIX, suffix=f"-{pid}", dir=shm_root)
+    except OSError:
+        return tempfile.mkdtemp(prefix=ROOT_PREFIX, suffix=f"-{pid}")
+
+
 def spare_lock(directory: str) -> tuple[int, str]:
     """Create a locked file in ``directory`` for a warm spare: ``(descriptor, path)``.
 

@@ -4,9 +4,10 @@ Every local rank but the last returns at once. The last one watches local rank 0
 it waits (with a deadline) until rank 0 is either blocked in ``flock`` on a
 sibling's lock (a ``->`` line of ``/proc/locks`` with its pid) or gone, and prints
 ``rank0 waited`` or ``rank0 exited``. Then it acts on ``MODE``: ``return``, ``fail``
-(exit 1), ``kill`` (SIGKILL itself) or ``exit0`` (``os._exit(0)``: gone without
-returning). Stdlib only; run as a script, ``sys.argv[1]`` is the output directory
-and ``sys.argv[2]`` the mode.
+(exit 1), ``kill`` (SIGKILL itself), ``exit0`` (``os._exit(0)``: gone without
+returning) or ``hold`` (write ``ready`` in the output directory, then wait for a
+signal). Stdlib only; run as a script, ``sys.argv[1]`` is the output directory and
+``sys.argv[2]`` the mode.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def work(out_dir: str, mode: str = "return") -> int:
     if mode == "exit0":
         sys.stdout.flush()
         os._exit(0)
+    if mode == "hold":  # until killed: the test kills the agent now
+        with open(os.path.join(out_dir, "ready"), "w"):
+            pass
+        while True:
+            signal.pause()
     return lr
 
 

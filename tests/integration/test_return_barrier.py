@@ -11,15 +11,19 @@ script run without elaunch, never waits.
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import alive, launcher_env, read_pids, run
+from tests.conftest import track_processes, wait_for
+from tests.helpers import alive, kill_tree, launcher_env, read_pids, run, start
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("barrier_fns.py"))
@@ -89,6 +93,34 @@ def test_a_warm_spare_of_a_restart_holds_its_lock_from_the_start(tmp_path):
     assert r.stdout.count("warm True") == 2 * NPROC, out
     for attempt in ("0", "1"):
         _no_worker_left(tmp_path / attempt)
+
+
+def _barrier_dirs(agent_pid: int) -> list[str]:
+    """The barrier directories of the agent ``agent_pid``, in ``/dev/shm`` and the temporary directory."""
+    return [path for root in ("/dev/shm", tempfile.gettempdir())
+            for path in glob.glob(os.path.join(root, f"elaunch-barrier-*-{agent_pid}"))]
+
+
+def test_a_kill_9_of_the_agent_leaves_no_barrier_directory(tmp_path):
+    """The agent dies while rank 0 waits in the barrier: its watchdog kills the workers and removes the files."""
+    agent = start("elaunch", f"--nproc-per-node={NPROC}", "--monitor-interval=0.1", "--run-path", WORKER,
+                  str(tmp_path), "hold", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        every_pid = lambda: all(p.stat().st_size for p in tmp_path.glob("pid_*")) and len(_pids(tmp_path)) == NPROC
+        wait_for(lambda: ((tmp_path / "ready").exists() and every_pid()) or agent.poll() is not None, 60,
+                 what="rank 0 waiting and every worker's pid")
+        assert agent.poll() is None, f"the agent exited with {agent.returncode} before the kill"
+        workers = _pids(tmp_path)
+        track_processes(workers)  # orphaned by the kill: the leftover check covers them too
+        dirs = _barrier_dirs(agent.pid)
+        assert len(dirs) == 1 and dirs[0].startswith("/dev/shm/"), dirs  # where the watchdog may remove it
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_for(lambda: not any(alive(pid) for pid in workers), 30, what="the workers' end")
+        wait_for(lambda: not _barrier_dirs(agent.pid), 30, what=f"the removal of {dirs[0]}")
+    finally:
+        kill_tree(agent.pid)
+        agent.wait()
 
 
 def test_one_worker_alone_gets_no_barrier(tmp_path):
