@@ -166,9 +166,14 @@ class WorkerLauncher:
             adopt = self._with_barrier(barrier, logs, adopt)
         try:
             procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
-        finally:
+        except BaseException:
             if barrier is not None:
-                barrier.close()  # every worker holds its own lock now (or none runs)
+                barrier.close()
+                barrier.release()  # no worker runs
+            raise
+        if barrier is not None:
+            barrier.close()  # every worker holds its own lock now
+            barrier.read_returns()  # releases the workers once every one returned, as torch's parent
         pool.discard()  # spares this attempt did not use
         if pool.enabled and another_may_follow:
             # prepare the next attempt's spares, writing to its log files

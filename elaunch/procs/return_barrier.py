@@ -18,6 +18,14 @@ processes of their own, so this module gives them the same wait:
   returned) holds the lock while its function runs, releases it, then takes each
   sibling's lock shared: ``flock`` blocks in the kernel until that sibling
   returned too, or died (the kernel drops a dead process's lock). No polling.
+* The agent reads the returns, as torch's parent reads the queue: it also holds
+  ``<attempt dir>/go`` locked from before the workers start, and a thread of its
+  own (:meth:`AttemptBarrier.read_returns`) takes every rank's lock in turn, then
+  releases ``go``. A worker, once its siblings returned, waits for ``go`` too. So
+  the *last* worker to return blocks as well, until the agent saw every return
+  (torch's last worker waits on the event until the parent's next poll), instead
+  of running straight into interpreter shutdown: while it sleeps, a gloo thread
+  that still needs the GIL to drop the all-reduced tensor gets it.
 * A sibling that failed: the agent's monitor sees its exit and stops the group at
   once, waiting workers included (SIGTERM ends a ``flock`` wait). A sibling that
   exited 0 without returning (``os._exit(0)``) releases its lock as it dies.
@@ -43,6 +51,8 @@ ENV = "ELAUNCH_RETURN_BARRIER"
 #: The worker modules whose workers run a function (``python -m MODULE``).
 FUNCTION_MODULES = frozenset({"elaunch.runpath", "elaunch.procs._fn_worker"})
 _RANK_PREFIX = "rank_"
+#: The agent's file in the attempt directory: locked until the agent saw every worker return.
+GO = "go"
 
 
 def applies(cmd: Sequence[str], local_world_size: int, forked: bool = False) -> bool:
@@ -144,11 +154,15 @@ class AttemptBarrier:
         os.makedirs(directory)
         self.directory = directory
         self._fds: dict[int, int] = {}
+        self._ranks = sorted(local_ranks)
+        self._go: int | None = None
         try:
-            for lr in local_ranks:
+            self._go = _locked(os.path.join(directory, GO))
+            for lr in self._ranks:
                 self._fds[lr] = _locked(self.path(lr))
         except BaseException:
             self.close()
+            self.release()
             raise
 
     def path(self, local_rank: int) -> str:
@@ -164,8 +178,10 @@ class AttemptBarrier:
         return self._fds[local_rank]
 
     def others(self, local_rank: int) -> tuple[int, ...]:
-        """The descriptors a worker of ``local_rank`` forked from the agent must close (its siblings' locks)."""
-        return tuple(fd for lr, fd in self._fds.items() if lr != local_rank)
+        """The descriptors a worker of ``local_rank`` forked from the agent must close: its siblings' locks
+        and the agent's ``go`` (a fork holding it would keep every worker waiting)."""
+        go = () if self._go is None else (self._go,)
+        return (*(fd for lr, fd in self._fds.items() if lr != local_rank), *go)
 
     def started(self, local_rank: int) -> None:
         """Close the agent's copy once ``local_rank``'s worker holds its lock (inherited, or a spare's file)."""
@@ -174,9 +190,44 @@ class AttemptBarrier:
             os.close(fd)
 
     def close(self) -> None:
-        """Close every copy the agent still holds (idempotent); the files stay for the workers."""
+        """Close every copy of a rank's lock the agent still holds (idempotent); the files stay for the workers.
+
+        ``go`` stays locked: :meth:`read_returns` releases it, or :meth:`release`.
+        """
         for lr in list(self._fds):
             self.started(lr)
+
+    def release(self) -> None:
+        """Release ``go``: every worker waiting on its siblings may exit now (idempotent)."""
+        fd, self._go = self._go, None
+        if fd is not None:
+            os.close(fd)
+
+    def read_returns(self) -> "threading.Thread":
+        """Start the agent's reader: a daemon thread that releases ``go`` once every worker returned or died.
+
+        Call it once every worker started (:meth:`close` done). The thread blocks in
+        ``flock`` on each rank's file in turn (no polling); a worker killed by the
+        agent's stop releases its lock as it dies, and a rank file removed with the
+        attempt's directory counts as released, so the thread always ends once the
+        attempt's workers are gone.
+
+        Returns:
+            The started thread (the caller may join it).
+        """
+        import threading
+
+        def read() -> None:
+            try:
+                for lr in self._ranks:
+                    _wait_returned(self.path(lr))
+            finally:
+                self.release()
+
+        thread = threading.Thread(target=read, name=f"elaunch-return-reader-{os.path.basename(self.directory)}",
+                                  daemon=True)
+        thread.start()
+        return thread
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -229,9 +280,11 @@ def claim(environ: MutableMapping[str, str] | None = None) -> Held | None:
 
 
 def arrive(held: Held | None) -> None:
-    """Release the worker's lock, then block until every local sibling returned or died.
+    """Release the worker's lock, block until every local sibling returned or died, then until the agent saw it.
 
-    Mirrors torch's ``_wrap`` waiting on ``queue_finished_reading_event``. Blocks in
+    Mirrors torch's ``_wrap`` waiting on ``queue_finished_reading_event``, which the
+    parent sets once it read every worker's return value: the last worker to return
+    waits too (for ``go``, released by :meth:`AttemptBarrier.read_returns`). Blocks in
     ``flock(2)``: a signal's default action (the agent's SIGTERM) ends the wait.
     None (no barrier): returns at once.
     """
@@ -247,6 +300,7 @@ def arrive(held: Held | None) -> None:
     for name in names:
         if name.startswith(_RANK_PREFIX) and name != own:
             _wait_returned(os.path.join(directory, name))
+    _wait_returned(os.path.join(directory, GO))
 
 
 def _wait_returned(path: str) -> None:
