@@ -100,7 +100,6 @@ class CheckpointKeeper:
         self.node_dir: NodeDir | None = None
         self._launcher = None
         self._persister = None
-        self._persister_wanted = False  # --checkpoint-dir: the persister starts at the first snapshot
         self._service = None
         self._env: dict[int, dict[str, str]] = {}  # local rank -> this round's restore variables
         self._published_at = float("-inf")
@@ -125,7 +124,7 @@ class CheckpointKeeper:
     # -- the run -----------------------------------------------------------------------------------------------
 
     def open(self, launcher, events) -> None:
-        """Make the node directory (the reaper removes it if the agent dies); the persister starts later (:meth:`poll`).
+        """Make the node directory (the reaper removes it if the agent dies); start the persister if asked.
 
         Args:
             launcher: the agent's ``WorkerLauncher``, opened (its reaper; it keeps the helpers).
@@ -137,39 +136,23 @@ class CheckpointKeeper:
             return
         if launcher.reaper is not None:
             launcher.reaper.remove_on_exit(self.node_dir.path)
-        self._persister_wanted = bool(self._ckpt_dir)
-        self.polls = self.polls or self._persister_wanted  # each poll looks for the first snapshot to persist
+        if self._ckpt_dir:
+            from elaunch.procs.persister import Persister
 
-    def _ensure_persister(self):
-        """The persister, started once this node holds a committed snapshot (``--checkpoint-dir`` only); or None.
-
-        Started at the first snapshot rather than with the run: a job that never saves
-        never pays for the helper (its interpreter and torch import, 50-65 ms of a launch).
-        Its ticks are multiples of the interval since the epoch, so a later start persists
-        at the same moments. A start that fails is one warning, and nothing is persisted.
-        """
-        if self._persister is not None or not self._persister_wanted or self.node_dir is None:
-            return self._persister
-        if not slotfile.inventory(self.node_dir.path, ("slots",)):
-            return None  # nothing to persist yet: look again at the next poll
-        self._persister_wanted = False
-        from elaunch.procs.persister import Persister
-
-        persister = Persister(self.node_dir.path, self._ckpt_dir, self._persist_interval, self._launcher.reaper)
-        try:
-            persister.start()
-        except OSError as exc:
-            log.warning("checkpoint persister could not start (%s): nothing is persisted to %s", exc, self._ckpt_dir)
-            return None
-        self._persister = persister
-        self._launcher.add_helper(persister)
-        return persister
+            persister = Persister(self.node_dir.path, self._ckpt_dir, self._persist_interval, launcher.reaper)
+            try:
+                persister.start()
+            except OSError as exc:
+                log.warning("checkpoint persister could not start (%s): nothing is persisted to %s", exc,
+                            self._ckpt_dir)
+            else:
+                self._persister = persister
+                launcher.add_helper(persister)
+                self.polls = True
 
     def close(self) -> None:
         """Wait for a persist asked on a signal (up to ``persist_wait`` seconds), stop the helpers, remove the
         directory. Idempotent."""
-        if self._signalled:
-            self._ensure_persister()  # a snapshot committed since the last poll is persisted too
         persister, self._persister = self._persister, None
         if persister is not None:
             if self._signalled:
@@ -328,9 +311,7 @@ class CheckpointKeeper:
     # -- while the group runs ----------------------------------------------------------------------------------
 
     def poll(self, watched=None) -> None:
-        """Start the persister at the first snapshot; check the helpers (a dead one is restarted or turned off),
-        log persists, publish the status record."""
-        self._ensure_persister()
+        """Check the helpers (a dead one is restarted or turned off), log persists, publish the status record."""
         self._persister = _checked(self._persister)
         self._service = _checked(self._service)
         if self._asked is not None:
@@ -374,7 +355,7 @@ class CheckpointKeeper:
         """Ask the persister to write the newest snapshot now (a worker failed, a notice, a signal); never waits."""
         if why == "signal":
             self._signalled = True
-        if self._ensure_persister() is None:
+        if self._persister is None:
             return
         try:
             self._persister.persist_now()
