@@ -174,7 +174,7 @@ def run(mib: int, device: str, repeat: int, disk_dir: str) -> dict:
 def _peer(shm: str, newest):
     """A replica service on loopback holding ``newest``; returns ``f(r)``: fetch it and ckpt.load it (None: stop)."""
     try:
-        from elaunch.procs import replicas
+        from elaunch.checkpoint import replicas
     except ImportError:
         return None
     import elaunch.checkpoint as ckpt

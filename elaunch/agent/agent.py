@@ -17,14 +17,13 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from elaunch.agent.checkpoints import CheckpointKeeper
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.events import EVENTS_FILE, AgentEvents, event_echo
 from elaunch.agent.failures import describe_exits, with_root
 from elaunch.agent.node_check import NodeCheck, node_check_for
 from elaunch.agent.notices import Notices
 from elaunch.agent.progress_watch import ProgressWatchdog
-from elaunch.agent.published import agent_record, publish
+from elaunch.agent.published import agent_record
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.stopped import Stopped, unstartable
@@ -32,7 +31,9 @@ from elaunch.agent.watchdog import Watchdog
 from elaunch.agent.watchdogs import open_watchdogs
 from elaunch.agent.env import EnvOptions
 from elaunch.agent.group_start import GroupStarter
+from elaunch.checkpoint.keeper import CheckpointKeeper
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
+from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import (
     FailureRecord,
     RendezvousHandler,

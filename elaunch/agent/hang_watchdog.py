@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from elaunch.agent.decide import exit_grace, hang_suspects, hung_ranks, order_hung
-from elaunch.agent.published import publish, stacks_record
+from elaunch.agent.published import stacks_record
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.procs import _proctree
 from elaunch.rendezvous.contract import FailureRecord, JobState, RendezvousError, RendezvousHandler
+from elaunch.rendezvous.job_channel import publish
 from elaunch.spec import ProcessFailure
 
 log = logging.getLogger("elaunch.agent")

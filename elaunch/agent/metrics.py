@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -48,9 +48,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from elaunch.agent.ledger import CATEGORIES, Ledger
 from elaunch.agent.progress_sampler import ProgressSampler
 
+if TYPE_CHECKING:
+    from elaunch.checkpoint.keeper import NodeSnapshot
+
 log = logging.getLogger("elaunch.agent")
 
-__all__ = ["ALL_INTERFACES", "BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "Snapshot"]
+__all__ = ["ALL_INTERFACES", "BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics"]
 
 #: The labels of every metric (per-rank gauges add ``local_rank``).
 LABELS = ("run_id", "node", "role")
@@ -74,22 +77,6 @@ _COUNTERS = (
 ALL_INTERFACES = "0.0.0.0"
 
 
-class Snapshot(NamedTuple):
-    """This node's in-memory checkpoints as the scrape reads them (``CheckpointKeeper.snapshot_facts``).
-
-    Attributes:
-        step: the newest step committed to this node's slots, or None (no ``ckpt.save`` yet).
-        time: when it was committed (seconds since the epoch), or None.
-        persisted_time: when the newest step persisted to ``--checkpoint-dir`` in this run was
-            committed in memory (seconds since the epoch), or None (no ``--checkpoint-dir``, or
-            nothing persisted yet).
-    """
-
-    step: int | None = None
-    time: float | None = None
-    persisted_time: float | None = None
-
-
 def _nothing() -> dict:
     return {}
 
@@ -104,7 +91,8 @@ class AgentMetrics:
             before any call, last reported step or None)`` for the running group; no I/O.
         exit_codes: returns local rank -> exit code (None: running) of the running group as the
             agent last saw them, without reaping; no I/O.
-        snapshot: returns this node's :class:`Snapshot`, or None (in-memory checkpoints off);
+        snapshot: returns this node's :class:`~elaunch.checkpoint.keeper.NodeSnapshot`, or None (in-memory
+            checkpoints off);
             it may read ``/dev/shm`` but nothing over the network.
         clock: seconds since the epoch (the ledger's ``now``; injectable for tests).
 
@@ -116,7 +104,7 @@ class AgentMetrics:
     def __init__(self, run_id: str, node: str | None, role: str, *,
                  progress: Callable[[], Mapping[int, tuple[float | None, int | None]]] = _nothing,
                  exit_codes: Callable[[], Mapping[int, int | None]] = _nothing,
-                 snapshot: Callable[[], Snapshot | None] = lambda: None,
+                 snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
                  clock: Callable[[], float] = time.time) -> None:
         self._const = {"run_id": run_id, "node": node, "role": role}
         self._progress, self._exit_codes, self._snapshot, self._clock = progress, exit_codes, snapshot, clock
@@ -138,7 +126,7 @@ class AgentMetrics:
 
     def watch(self, events, node: str, *, progress_files: Callable[[], Any] | None = None,
               exit_codes: Callable[[], Mapping[int, int | None]] | None = None,
-              snapshot: Callable[[], Snapshot | None] | None = None) -> None:
+              snapshot: Callable[[], NodeSnapshot | None] | None = None) -> None:
         """Observe ``events`` (an ``EventLog``) from now on, as node ``node``; set the scrape-time sources given.
 
         The agent calls this once its run's event log is open (the server started before,

@@ -9,20 +9,16 @@ backend (``JobChannel.publish_node_record``), overwritten in place:
 * ``stacks``: its answer to a stack-dump request of ``elaunch status --stacks``:
   every worker's Python stacks, at most :data:`MAX_STACKS_CHARS` characters in all.
 
-torchrun publishes nothing of the kind. Stdlib only.
+Both go out through ``rendezvous.job_channel.publish`` (a daemon thread each). torchrun
+publishes nothing of the kind. Stdlib only.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 
-from elaunch.rendezvous.job_channel import JobChannel
-
-log = logging.getLogger("elaunch.agent")
 
 #: Most characters of stack text one node publishes for a request, all its workers together.
 MAX_STACKS_CHARS = 256_000
@@ -65,25 +61,3 @@ def stacks_record(dump_id: int, round: int, host: str, dumps: Mapping, pids: Map
             "path": path, "workers": workers}
 
 
-def publish(channel: JobChannel, kind: str, doc: dict) -> threading.Thread | None:
-    """Publish ``doc`` as this node's ``kind`` record on a daemon thread; never raises.
-
-    A status aid, not the job's business: the agent's loop never waits for it (an
-    unreachable etcd would hold a write for up to ``read_timeout`` seconds).
-
-    Returns:
-        The thread writing it, or None for a channel without job state (static, standalone,
-        plugin handlers: no thread is started).
-    """
-    if not channel.keeps_job_state:
-        return None
-
-    def write() -> None:
-        try:
-            channel.publish_node_record(kind, doc)
-        except Exception as exc:  # noqa: BLE001 - a status aid must never end the agent's thread noisily
-            log.debug("could not publish the %s record: %s", kind, exc)
-
-    thread = threading.Thread(target=write, name=f"elaunch-publish-{kind}", daemon=True)
-    thread.start()
-    return thread

@@ -3,7 +3,7 @@
 ``ELAUNCH_JOB_SECRET`` (the secret itself) or ``ELAUNCH_JOB_SECRET_FILE`` (a file holding
 it: a Kubernetes or Slurm secret mounted as a file; one trailing newline is dropped).
 Every node of the job must be given the same one. With it, the agents' replica services
-authenticate each other with a key derived from it (``procs.replica_wire.job_key``), and
+authenticate each other with a key derived from it (``checkpoint.replica_wire.job_key``), and
 no key is published in the rendezvous; without it, each agent makes a random key and
 publishes it in the round's inventory exchange, which protects against whoever cannot
 read the rendezvous store, no more (docs/checkpointing.md, "Security"). No torchrun

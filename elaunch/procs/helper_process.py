@@ -32,7 +32,7 @@ is: a ``_NAME_child.py`` whose ``main(fd)`` serves its channel until end of file
 ``private_fds()`` and ``close()``; and adding it to ``WorkerLauncher._helpers``
 (their channels are closed in forked workers, and each is closed at the end of the
 run). Each helper's ``check()`` runs from the agent's monitor (the checkpoint keeper,
-``agent/checkpoints.py``, is one of its watchdogs and checks its two at each poll;
+``checkpoint/keeper.py``, is one of its watchdogs and checks its two at each poll;
 the store host is checked at each round's ``serve``), and the reaper's ``d PATH``
 command removes the node directory of shared memory segments the helpers and
 workers leave behind after a ``kill -9`` of the agent.

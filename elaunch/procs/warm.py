@@ -63,7 +63,7 @@ ROUND_KEYS = frozenset(
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_ERROR_FILE",
-        "ELAUNCH_CHECKPOINT_RESTORE",  # the round's restore plan (agent.checkpoints)
+        "ELAUNCH_CHECKPOINT_RESTORE",  # the round's restore plan (checkpoint.keeper)
         "ELAUNCH_CHECKPOINT_STEP",
         return_barrier.ENV,  # the attempt's lock file and descriptor
     }

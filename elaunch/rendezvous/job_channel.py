@@ -18,9 +18,13 @@ Stdlib only.
 from __future__ import annotations
 
 import abc
+import logging
+import threading
 from dataclasses import replace
 
 from elaunch.rendezvous.job_records import FailureRecord, JobState
+
+log = logging.getLogger("elaunch.agent")
 
 #: The node id :meth:`LocalJobChannel.exchange` files this node's document under (it names no nodes).
 LOCAL_NODE = "local"
@@ -358,3 +362,28 @@ class InMemoryJobChannel(JobChannel):
 
     def await_dump_acknowledgements(self, dump_id: int, timeout: float) -> list[str]:
         return []
+
+
+def publish(channel: JobChannel, kind: str, doc: dict) -> threading.Thread | None:
+    """Publish ``doc`` as this node's ``kind`` record on a daemon thread; never raises.
+
+    For every part of an agent that keeps a record for ``elaunch status`` (the agent's
+    ``agent`` and ``stacks`` records, the checkpoint keeper's ``checkpoint`` record). A status aid, not the job's business: the agent's loop never waits for it (an
+    unreachable etcd would hold a write for up to ``read_timeout`` seconds).
+
+    Returns:
+        The thread writing it, or None for a channel without job state (static, standalone,
+        plugin handlers: no thread is started).
+    """
+    if not channel.keeps_job_state:
+        return None
+
+    def write() -> None:
+        try:
+            channel.publish_node_record(kind, doc)
+        except Exception as exc:  # noqa: BLE001 - a status aid must never end the agent's thread noisily
+            log.debug("could not publish the %s record: %s", kind, exc)
+
+    thread = threading.Thread(target=write, name=f"elaunch-publish-{kind}", daemon=True)
+    thread.start()
+    return thread

@@ -170,7 +170,7 @@ class Snapshot:
         agents: node id -> its ``agent`` record (``elaunch.agent.published``), where one was published.
         read_at: seconds since the epoch of the read.
         checkpoints: node id -> its ``checkpoint`` record (the in-memory checkpoints' newest step, its
-            time, bytes held: ``elaunch.agent.checkpoints``), where one was published.
+            time, bytes held: ``elaunch.checkpoint.keeper``), where one was published.
         node_checks: node id -> its ``node_check`` record (``--node-check``'s last verdicts:
             ``elaunch.agent.node_check``), where one was published.
         stragglers: node id -> its ``straggler`` record (the straggler watch's named ranks:

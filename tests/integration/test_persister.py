@@ -1,4 +1,4 @@
-"""The checkpoint persister (``procs.persister``) with real savers, a real child and real files in /dev/shm.
+"""The checkpoint persister (``checkpoint.persister``) with real savers, a real child and real files in /dev/shm.
 
 Savers (``tests/scripts/ckpt_saver.py``) commit snapshots into a node directory with
 ``elaunch.checkpoint.save``; the persister's child writes them to a checkpoint
@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from elaunch.procs.helper_process import HelperDied
-from elaunch.procs.persister import Persister
+from elaunch.checkpoint.persister import Persister
 from tests.conftest import SCRIPTS, wait_for
 
 torch = pytest.importorskip("torch")
@@ -137,7 +137,7 @@ def loads_as(path: str, step: int, rank: int, world_size: int, mib: float, repli
 
 
 def test_the_agent_side_imports_no_torch():
-    code = "import elaunch.procs.persister, sys; assert 'torch' not in sys.modules"
+    code = "import elaunch.checkpoint.persister, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -296,7 +296,7 @@ CHOICES = [
 
 @pytest.mark.parametrize("slots, expected", [c[1:] for c in CHOICES], ids=[c[0] for c in CHOICES])
 def test_choose_the_step_every_local_rank_holds(dirs, slots, expected):
-    from elaunch.procs._persister_child import choose
+    from elaunch.checkpoint._persister_child import choose
 
     for lr, n, step, rank, world, replicated, stamp in slots:
         if n is None:  # made, never committed (a worker killed in its first save)
@@ -309,7 +309,7 @@ def test_choose_the_step_every_local_rank_holds(dirs, slots, expected):
 
 
 def test_a_slot_overwritten_after_the_choice_is_not_written_under_the_chosen_step(dirs, savers):
-    from elaunch.procs._persister_child import NodePersister, _read, choose
+    from elaunch.checkpoint._persister_child import NodePersister, _read, choose
 
     [s] = savers((0, 0, 1))
     s.save(1, 2)
@@ -324,7 +324,7 @@ def test_a_state_the_child_cannot_unpickle_is_reported_once_not_skipped_in_silen
     p = persister()
     [s] = savers((0, 0, 1), marker=True)  # a leaf of a class defined in the saver's __main__
     s.save(1)
-    with caplog.at_level(logging.DEBUG, logger="elaunch.procs.persister"):
+    with caplog.at_level(logging.DEBUG, logger="elaunch.checkpoint.persister"):
         assert p.persist_now(wait=READY) is None
         assert p.persist_now(wait=READY) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -336,7 +336,7 @@ def test_a_state_the_child_cannot_unpickle_is_reported_once_not_skipped_in_silen
                          ids=["newest", "committed by the tick", "all by the tick", "none by the tick: newest"])
 def test_a_tick_persists_sharded_state_at_the_step_committed_by_it(dirs, before, expected):
     """Nodes tick at the same wall-clock moments: the step committed by then is the one they all pick."""
-    from elaunch.procs._persister_child import choose
+    from elaunch.checkpoint._persister_child import choose
 
     for lr, n, step, stamp in [(0, 0, 2, 1), (0, 1, 3, 5), (1, 0, 2, 2), (1, 1, 3, 6)]:
         _commit(dirs[0], lr, n, step, lr, 2, False, float(stamp))
@@ -347,8 +347,9 @@ def test_a_tick_persists_sharded_state_at_the_step_committed_by_it(dirs, before,
 
 
 def test_ticks_fall_on_multiples_of_the_interval_since_the_epoch():
-    from elaunch.procs._persister_child import _next_tick
+    from elaunch.checkpoint._persister_child import _next_tick
 
     now = time.time()
     tick = _next_tick(60.0)
     assert tick % 60.0 == 0 and now < tick <= now + 60.0 and _next_tick(0) is None
+

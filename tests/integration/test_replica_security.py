@@ -27,9 +27,9 @@ import psutil
 import pytest
 
 from elaunch.checkpoint import slotfile
-from elaunch.procs import replica_wire as wire
-from elaunch.procs._replica_child import MAX_PEERS, MAX_PENDING, is_member, member_ips
-from elaunch.procs.replicas import ReplicaService, fetch
+from elaunch.checkpoint import replica_wire as wire
+from elaunch.checkpoint._replica_child import MAX_PEERS, MAX_PENDING, is_member, member_ips
+from elaunch.checkpoint.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS
 

@@ -1,4 +1,4 @@
-"""The replica service (``procs.replicas``) with real children, real TCP on loopback and real slot files.
+"""The replica service (``checkpoint.replicas``) with real children, real TCP on loopback and real slot files.
 
 A committed slot on one node appears bit-identical as ``replicas/r<rank>`` on its
 successor; a newer commit replaces it, an older one never does, and a slot whose
@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from elaunch.checkpoint import slotfile
-from elaunch.procs._replica_child import superseded
-from elaunch.procs.replicas import ReplicaService, fetch
+from elaunch.checkpoint._replica_child import superseded
+from elaunch.checkpoint.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 
 DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)

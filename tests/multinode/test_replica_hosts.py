@@ -18,7 +18,7 @@ import sys
 import psutil
 import pytest
 
-from elaunch.procs import replica_wire as wire
+from elaunch.checkpoint import replica_wire as wire
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS
 from tests.multinode.conftest import agent_args, no_processes_in

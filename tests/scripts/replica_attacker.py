@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 
-from elaunch.procs import replica_wire as wire
+from elaunch.checkpoint import replica_wire as wire
 
 
 def first_line(sock):

@@ -13,8 +13,8 @@ import stat
 
 import pytest
 
-from elaunch.agent import restore as R
-from elaunch.agent.checkpoints import ENV_RESTORE, ENV_SHM, ENV_STEP, CheckpointKeeper
+from elaunch.checkpoint import restore as R
+from elaunch.checkpoint.keeper import ENV_RESTORE, ENV_SHM, ENV_STEP, CheckpointKeeper
 from elaunch.agent.events import AgentEvents
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile

@@ -20,7 +20,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elaunch.agent.metrics import AgentMetrics, Snapshot
+from elaunch.agent.metrics import AgentMetrics
+from elaunch.checkpoint.keeper import NodeSnapshot as Snapshot
 from tests.conftest import REPO
 from tests.prometheus_server import promtool_binary
 

@@ -16,7 +16,7 @@ import pytest
 
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.job import JobView
-from elaunch.agent.published import publish
+from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import FailureRecord, JobState, NodeInfo
 from elaunch.rendezvous.dynamic.exchange import NodeExchange
 from elaunch.rendezvous.dynamic.handler import DynamicRendezvousHandler

@@ -12,7 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elaunch.agent.ledger import CATEGORIES, ledger_of
-from elaunch.agent.metrics import CAUSES, AgentMetrics, Snapshot
+from elaunch.agent.metrics import CAUSES, AgentMetrics
+from elaunch.checkpoint.keeper import NodeSnapshot as Snapshot
 
 L = {"run_id": "job", "node": "n1", "role": "trainer"}
 
@@ -181,7 +182,7 @@ def test_progress_sampler_dates_each_counter_move_and_reports_steps(tmp_path):
 
 
 def test_keeper_snapshot_facts_newest_slot_and_the_persisted_steps_commit(tmp_path):
-    from elaunch.agent.checkpoints import CheckpointKeeper
+    from elaunch.checkpoint.keeper import CheckpointKeeper
     from elaunch.agent.events import AgentEvents
     from elaunch.checkpoint import slotfile
     from tests.unit.test_checkpoint_keeper import Launcher, write_slot

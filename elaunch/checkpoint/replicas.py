@@ -43,9 +43,10 @@ import select
 import socket
 import time
 
-from ..checkpoint import slotfile
+from elaunch.procs.helper_process import HelperProcess
+
 from . import replica_wire as wire
-from .helper_process import HelperProcess
+from . import slotfile
 
 log = logging.getLogger(__name__)
 

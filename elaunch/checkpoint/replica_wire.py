@@ -57,11 +57,11 @@ import sys
 import time
 
 if __package__:
-    from ..checkpoint import slotfile
-else:  # loaded by the child run as a script: the sibling package's slot-file module by path
+    from . import slotfile
+else:  # loaded by the child run as a script: the sibling slot-file module by path
     import importlib.util
     _spec = importlib.util.spec_from_file_location("_elaunch_slotfile", os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "slotfile.py"))
+        os.path.dirname(os.path.abspath(__file__)), "slotfile.py"))
     slotfile = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(slotfile)
 

@@ -32,7 +32,7 @@ import os
 import select
 import time
 
-from .helper_process import HelperProcess
+from elaunch.procs.helper_process import HelperProcess
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The persister child: writes the node's newest consistent snapshot to the checkpoint directory.
 
-``python elaunch/procs/_persister_child.py FD NODE_DIR CKPT_DIR INTERVAL``: FD is this
+``python elaunch/checkpoint/_persister_child.py FD NODE_DIR CKPT_DIR INTERVAL``: FD is this
 end of a ``SOCK_SEQPACKET`` socket pair with the agent (``persister.py``). At every
 multiple of INTERVAL seconds since the epoch (0 or less: never by itself; the same
 ticks on every node, see :func:`choose`) and on each message ``persist N`` it

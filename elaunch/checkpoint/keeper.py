@@ -14,7 +14,7 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   ``--checkpoint-exchange-timeout`` seconds without the missing ones; a single-node
   round plans from its own inventory), every node runs the same pure
   ``checkpoint.plan.choose`` on the same documents, and this node fetches what its
-  ranks need from peers' memory (``procs.replicas.fetch``) into ``restore/``.
+  ranks need from peers' memory (``checkpoint.replicas.fetch``) into ``restore/``.
   Each worker gets ``ELAUNCH_CHECKPOINT_SHM`` (the directory) and, when the job
   restores, ``ELAUNCH_CHECKPOINT_RESTORE`` (its file) and ``ELAUNCH_CHECKPOINT_STEP``.
   **A fetch that fails** falls back to another holder of the same step (a peer, then
@@ -22,9 +22,9 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   does not exist, so its ``ckpt.load()`` raises and the round fails (a counted
   restart, after which every node plans again): ranks never resume from different
   steps, and a node never silently starts fresh beside peers that restored.
-* **the helpers**: the replica service (``procs.replicas``, with
+* **the helpers**: the replica service (``checkpoint.replicas``, with
   ``--checkpoint-replicas`` > 0 once a round has more than one node; its ring is the
-  next N nodes by group rank) and the persister (``procs.persister``, with
+  next N nodes by group rank) and the persister (``checkpoint.persister``, with
   ``--checkpoint-dir``), asked to persist at once when a worker fails, on a forwarded
   notice, and on a handled signal (then waited for up to ``--checkpoint-timeout`` seconds
   before the directory goes).
@@ -42,12 +42,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from elaunch.agent.published import publish
-from elaunch.agent.restore import RoundRestore, ranks_by_group, successors
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
+from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
+from elaunch.rendezvous.job_channel import publish
 
 log = logging.getLogger("elaunch.agent")
 
@@ -61,6 +62,22 @@ FETCH_TIMEOUT = PERSIST_WAIT = 30.0
 #: Most seconds between two ``checkpoint`` node records (status).
 STATUS_EVERY = 5.0
 ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
+
+
+class NodeSnapshot(NamedTuple):
+    """This node's in-memory checkpoints as a metrics scrape reads them (:meth:`CheckpointKeeper.snapshot_facts`).
+
+    Attributes:
+        step: the newest step committed to this node's slots, or None (no ``ckpt.save`` yet).
+        time: when it was committed (seconds since the epoch), or None.
+        persisted_time: when the newest step persisted to ``--checkpoint-dir`` in this run was
+            committed in memory (seconds since the epoch), or None (no ``--checkpoint-dir``, or
+            nothing persisted yet).
+    """
+
+    step: int | None = None
+    time: float | None = None
+    persisted_time: float | None = None
 
 
 class CheckpointKeeper:
@@ -137,7 +154,7 @@ class CheckpointKeeper:
         if launcher.reaper is not None:
             launcher.reaper.remove_on_exit(self.node_dir.path)
         if self._ckpt_dir:
-            from elaunch.procs.persister import Persister
+            from elaunch.checkpoint.persister import Persister
 
             persister = Persister(self.node_dir.path, self._ckpt_dir, self._persist_interval, launcher.reaper)
             try:
@@ -218,7 +235,7 @@ class CheckpointKeeper:
         return key if len(key) == 32 else b""
 
     def _job_key(self) -> bytes:
-        from elaunch.procs.replica_wire import job_key
+        from elaunch.checkpoint.replica_wire import job_key
 
         return job_key(self._secret, self._run_id)
 
@@ -283,7 +300,7 @@ class CheckpointKeeper:
         if self._service is None and self._launcher is not None:
             host = info.nodes[info.rank].addr if info.nodes else "127.0.0.1"
             try:
-                from elaunch.procs.replicas import ReplicaService
+                from elaunch.checkpoint.replicas import ReplicaService
 
                 self._key = self._job_key() if self._secret is not None else None
                 service = ReplicaService(self.node_dir.path, host, self._launcher.reaper, key=self._key)
@@ -332,20 +349,18 @@ class CheckpointKeeper:
                 "bytes": self.node_dir.bytes_held() if self.node_dir is not None else 0, "at": self._clock()}
 
     def snapshot_facts(self):
-        """This node's newest in-memory snapshot for ``--metrics-port``: a ``metrics.Snapshot``, or None when off.
+        """This node's newest in-memory snapshot for ``--metrics-port``: a :class:`NodeSnapshot`, or None when off.
 
         ``step`` and ``time`` (seconds since the epoch) are the newest commit in this node's slots, read
         now (``/dev/shm`` headers, no network: safe from the metrics server's thread); ``persisted_time``
         is when the newest step persisted to ``--checkpoint-dir`` in this run was committed (None before
         the first persist, and without ``--checkpoint-dir``).
         """
-        from elaunch.agent.metrics import Snapshot
-
         node_dir = self.node_dir
         if node_dir is None:
             return None
         own = slotfile.newest(slotfile.inventory(node_dir.path, ("slots",)))
-        return Snapshot(own.step if own else None, own.time if own else None, self._persisted_commit)
+        return NodeSnapshot(own.step if own else None, own.time if own else None, self._persisted_commit)
 
     def ask_persist(self, why: str) -> None:
         """Have the next :meth:`poll` ask for a persist (safe in a signal handler: sets one attribute)."""

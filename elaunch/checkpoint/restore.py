@@ -1,9 +1,9 @@
 """One round's restore on one node: from every node's inventory document to each local rank's file.
 
-The keeper (``agent.checkpoints``) exchanges the documents; :class:`RoundRestore`
+The keeper (``checkpoint.keeper``) exchanges the documents; :class:`RoundRestore`
 turns them into the plan (``checkpoint.plan.choose``: the one step of the job and a
 source per rank) and gathers this node's files: its own slots and replicas as they
-are, a peer's memory fetched into ``restore/`` (``procs.replicas.fetch``), a persisted
+are, a peer's memory fetched into ``restore/`` (``checkpoint.replicas.fetch``), a persisted
 file as it is. A source that cannot be read is replaced by another holder of the
 same step (own memory, a peer's, then disk); when none is left the rank's file is
 named but missing, so its worker's ``ckpt.load()`` fails rather than resume from
@@ -71,7 +71,7 @@ def source_kind(source: planner.Source, me: str) -> str:
 
 def _fetch(host: str, port: int, rank: int, step: int, dest: str, timeout: float, *, key: bytes,
            source: str | None = None) -> bool:
-    from elaunch.procs.replicas import fetch
+    from elaunch.checkpoint.replicas import fetch
 
     return fetch(host, port, rank, step, dest, timeout, key=key, source=source)
 
@@ -85,7 +85,7 @@ class RoundRestore:
         restore_dir: where fetched snapshots go (the node directory's ``restore/``).
         fetch_timeout: seconds one fetch may take.
         fetch: ``(host, port, saved rank, step, dest, timeout, *, key, source) -> bool`` (default
-            ``procs.replicas.fetch``).
+            ``checkpoint.replicas.fetch``).
         keys: group rank (text) -> the key of that node's replica service (a node with none is not fetched from).
         source: this node's address, the source of its fetches' connections (None: the kernel's choice).
 

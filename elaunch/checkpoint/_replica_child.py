@@ -1,6 +1,6 @@
 """The replica service's child: keeps copies of peers' snapshots and sends this node's to its ring.
 
-``python elaunch/procs/_replica_child.py FD NODE_DIR``: FD is this end of a
+``python elaunch/checkpoint/_replica_child.py FD NODE_DIR``: FD is this end of a
 ``SOCK_SEQPACKET`` socket pair with the agent (``replicas.py``), NODE_DIR the
 agent's node directory. Messages from the agent, one per packet:
 
