@@ -31,14 +31,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+from elaunch.features.event_log import EVENT_LOG_HANDLERS
 from elaunch.spec import signal_name
 
 log = logging.getLogger("elaunch.agent")
 
 #: The file name inside the run's log directory.
 EVENTS_FILE = "events.jsonl"
-#: torch 2.13's registered event handler names (``torch/distributed/elastic/events/handlers.py``).
-EVENT_LOG_HANDLERS = ("console", "dynamic_rendezvous", "null")
 #: Characters of a failure's message kept in an event (its last line).
 MESSAGE_CHARS = 300
 

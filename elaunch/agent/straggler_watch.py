@@ -38,7 +38,6 @@ from typing import Any
 from elaunch.agent.stragglers import (
     SAMPLES_PER_WINDOW,
     Sample,
-    StragglerSettings,
     StragglerState,
     doc_of,
     judge,
@@ -46,6 +45,7 @@ from elaunch.agent.stragglers import (
     window_lateness,
 )
 from elaunch.agent.watchdog import Alarm, Watched
+from elaunch.features.stragglers import StragglerSettings
 
 log = logging.getLogger("elaunch.agent")
 

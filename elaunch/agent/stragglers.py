@@ -36,24 +36,18 @@ Clocks: the times are wall-clock times of different hosts; a host whose clock is
 by a fraction of a step time shifts its ranks' lateness by that much (NTP keeps hosts
 within milliseconds; steps of a few hundred milliseconds or more are fine).
 
+Its settings (``--rdzv-conf``'s ``straggler_*`` keys) are :mod:`elaunch.features.stragglers`.
 Stdlib only; no I/O, no clock.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-#: Default seconds per window (the ``straggler_window`` rdzv-conf key).
-DEFAULT_WINDOW = 10.0
-#: Default lateness, as a fraction of the step time, above which a window counts against a rank
-#: (``straggler_factor``): the rank's own work after the step's last collective takes a quarter
-#: of a step longer than the other ranks'.
-DEFAULT_FACTOR = 0.25
-#: Default windows in a row above the factor that name a straggler (``straggler_windows``).
-DEFAULT_WINDOWS = 2
+from elaunch.features.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOWS
+
 #: Sample instants per window: the stamps asked for per window.
 SAMPLES_PER_WINDOW = 20
 #: The fewest steps a rank must have stamped in a window to be judged in it (steps longer than a
@@ -62,77 +56,6 @@ MIN_STEPS = 3
 #: Instants at which the stamped steps differ by more than this are skipped: the ranks do not
 #: number their steps alike (a counter on one, a step on another), or one is stopped.
 MAX_STEP_SPREAD = 2
-
-
-#: The ``--rdzv-conf`` keys of the straggler watch (the agent reads them; the backends never see them).
-CONF_KEYS = ("straggler_window", "straggler_factor", "straggler_windows", "straggler_exclude")
-
-
-@dataclass(frozen=True)
-class StragglerSettings:
-    """The straggler watch's knobs (``--rdzv-conf`` keys; elaunch only).
-
-    Attributes:
-        window: seconds per window (``straggler_window``, default 10; 0 turns the watch off).
-            The agents sample :data:`SAMPLES_PER_WINDOW` times a window, at the same wall-clock
-            instants, and exchange one document per window.
-        factor: lateness above which a window counts against a rank, a fraction of the step
-            time (``straggler_factor``, > 0, default 0.25).
-        windows: windows in a row that name a straggler (``straggler_windows``, an integer >= 1,
-            default 2).
-        exclude: the node of a named straggler sits out the next round, as a node that failed
-            does (``straggler_exclude``, 0 or 1, default 0: only named).
-    """
-
-    window: float = DEFAULT_WINDOW
-    factor: float = DEFAULT_FACTOR
-    windows: int = DEFAULT_WINDOWS
-    exclude: bool = False
-
-    @property
-    def on(self) -> bool:
-        """True unless ``straggler_window=0``."""
-        return self.window > 0
-
-    @classmethod
-    def from_conf(cls, conf: Mapping[str, object]) -> StragglerSettings:
-        """The settings of ``--rdzv-conf`` (keys absent: the defaults).
-
-        Raises:
-            ValueError: a bad value; the message names the key and value, e.g.
-                ``--rdzv-conf straggler_factor=-1: must be a number > 0 (a fraction of the step time)``.
-        """
-        def number(key: str, default: float, what: str, zero_ok: bool = False) -> float:
-            raw = conf.get(key)
-            if raw is None:
-                return default
-            try:
-                value = float(str(raw).strip())
-            except ValueError:
-                value = math.nan
-            if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-                raise ValueError(f"--rdzv-conf {key}={raw}: must be a number {'>= 0' if zero_ok else '> 0'} ({what})")
-            return value
-
-        window = number("straggler_window", DEFAULT_WINDOW, "seconds per window; 0: no straggler watch", True)
-        factor = number("straggler_factor", DEFAULT_FACTOR, "a fraction of the step time")
-        raw = conf.get("straggler_windows")
-        windows = DEFAULT_WINDOWS
-        if raw is not None:
-            try:
-                windows = int(str(raw).strip())
-            except ValueError:
-                windows = 0
-            if windows < 1:
-                raise ValueError(f"--rdzv-conf straggler_windows={raw}: must be an integer >= 1 (windows in a row)")
-        raw = conf.get("straggler_exclude")
-        exclude = False
-        if raw is not None:
-            text = str(raw).strip().lower()
-            if text not in ("0", "1", "true", "false"):
-                raise ValueError(f"--rdzv-conf straggler_exclude={raw}: must be 0 or 1")
-            exclude = text in ("1", "true")
-        return cls(window, factor, windows, exclude)
 
 
 @dataclass(frozen=True)

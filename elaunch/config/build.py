@@ -25,6 +25,9 @@ from elaunch.config.nproc import resolve_nproc
 from elaunch.config.options import DEFAULT_MASTER_PORT, OPTIONS, LaunchOptions, replicas_for
 from elaunch.config.secret import job_secret
 from elaunch.config.worker_cmd import build_cmd, warm_start_modules
+from elaunch.features.event_log import EVENT_LOG_HANDLERS
+from elaunch.features.node_check import DEFAULT_SLOW_FACTOR, parse_slow_factor
+from elaunch.features.stragglers import StragglerSettings
 from elaunch.rendezvous.contract import RendezvousConfigError
 from elaunch.rendezvous.registry import ENDPOINT_LIST_BACKENDS, STANDALONE_BACKEND, is_builtin
 
@@ -142,8 +145,6 @@ def _slow_factor(conf: Mapping[str, str]) -> float:
     Raises:
         ConfigError: not a number > 1; the message names the key and value.
     """
-    from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR, parse_slow_factor
-
     if conf.get("node_check_slow_factor") is None:
         return DEFAULT_SLOW_FACTOR
     try:
@@ -152,14 +153,12 @@ def _slow_factor(conf: Mapping[str, str]) -> float:
         raise ConfigError(str(exc)) from None
 
 
-def _stragglers(conf: Mapping[str, str]):
+def _stragglers(conf: Mapping[str, str]) -> StragglerSettings:
     """The straggler watch's ``--rdzv-conf`` keys (``StragglerSettings.from_conf``), checked whatever the backend.
 
     Raises:
         ConfigError: a bad value; the message names the key and value.
     """
-    from elaunch.agent.stragglers import StragglerSettings
-
     try:
         return StragglerSettings.from_conf(conf)
     except ValueError as exc:
@@ -186,8 +185,6 @@ def resolve(options: LaunchOptions, environ: Mapping[str, str]) -> tuple[LaunchC
         from elaunch.config.logs_specs import find_logs_specs
 
         find_logs_specs(o.logs_specs)
-    from elaunch.agent.events import EVENT_LOG_HANDLERS
-
     if o.event_log_handler not in EVENT_LOG_HANDLERS:  # torchrun: a KeyError at its first event
         raise ConfigError(f"--event-log-handler={o.event_log_handler}: not a torch event handler "
                           f"(one of {', '.join(EVENT_LOG_HANDLERS)})")

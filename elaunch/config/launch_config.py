@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from elaunch.agent.node_verdict import DEFAULT_SLOW_FACTOR
-from elaunch.agent.stragglers import StragglerSettings
 from elaunch.config.errors import ConfigError
 from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
+from elaunch.features.node_check import DEFAULT_SLOW_FACTOR
+from elaunch.features.stragglers import StragglerSettings
 
 #: The standalone rendezvous' endpoint: loopback, the port picked at bind time.
 STANDALONE_ENDPOINT = "127.0.0.1:0"
@@ -59,7 +59,7 @@ class LaunchConfig:
             (default 2): a node's check time above this many times the median is slow.
         stragglers: the straggler watch's ``--rdzv-conf`` keys ``straggler_window`` (seconds, 0: off),
             ``straggler_factor``, ``straggler_windows``, ``straggler_exclude`` (elaunch only;
-            ``elaunch.agent.stragglers.StragglerSettings``).
+            ``elaunch.features.stragglers.StragglerSettings``).
         metrics_port: the TCP port this agent serves its Prometheus ``/metrics`` on (``--metrics-port``,
             elaunch only), 0-65535 (0: a free port, logged); None: no metrics server.
         event_log_handler: torch event handler name (``--event-log-handler``).

@@ -17,13 +17,13 @@ Then (the agent imports no torch):
    (so the slow start of one interpreter is not taken for a slow link);
 2. times the compute probe: :data:`PROBE_MATMULS` matmuls in a row of :data:`PROBE_N` x
    :data:`PROBE_N` float32 matrices (one stretch, so a CPU quota shows);
-3. pairing round 1 (``node_verdict.first_pairs``): one all-reduce group of two
+3. pairing round 1 (``features.node_check.first_pairs``): one all-reduce group of two
    (``ProcessGroupGloo``/``ProcessGroupNCCL`` on a ``PrefixStore`` of the store) per
    pair, a first all-reduce of :data:`BUFFER_BYTES` to connect, then timed ones (the
    median of up to :data:`TIMED_OPS`, fewer once :data:`TIMED_SECONDS` are spent);
    node 0 runs its pairs one after the other, in the order of the list on every node;
 4. publishes its round-1 times in the store; node 0 computes round 2's pairs
-   (``node_verdict.second_pairs``; a node without times counts as failed) and
+   (``features.node_check.second_pairs``; a node without times counts as failed) and
    publishes them; the others wait for that list;
 5. pairing round 2 as round 1.
 
@@ -137,7 +137,7 @@ def _barrier(store, key: str, n: int, deadline: float) -> bool:
 
 def _second_round(store, rank: int, n: int, mine: dict, deadline: float) -> list[tuple[int, int]]:
     """Publish this node's round-1 times; node 0 plans round 2 from everyone's, the others wait for its plan."""
-    from elaunch.agent.node_verdict import first_pairs, second_pairs
+    from elaunch.features.node_check import first_pairs, second_pairs
 
     store.set(f"r1/{rank}", json.dumps([[a, b, t] for (a, b), t in mine.items()]))
     if rank == 0:
@@ -165,7 +165,7 @@ def _second_round(store, rank: int, n: int, mine: dict, deadline: float) -> list
 
 def check(torch, dist, args: dict) -> dict:
     """Run the check as the module docstring says; return the document to send."""
-    from elaunch.agent.node_verdict import first_pairs
+    from elaunch.features.node_check import first_pairs
 
     started = time.monotonic()
     budget, ready_wait = float(args["budget"]), float(args.get("ready_wait", 30.0))

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from elaunch.agent.node_verdict import (FAILED, OK, SLOW, first_pairs, judge, parse_slow_factor, second_pairs,
-                                        sitting_out)
+from elaunch.agent.node_verdict import FAILED, OK, SLOW, judge, sitting_out
+from elaunch.features.node_check import first_pairs, parse_slow_factor, second_pairs
 
 F, S = 0.010, 0.400  # seconds of one all-reduce: a fast pairing and one with a slow link in it
 

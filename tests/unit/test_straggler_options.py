@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elaunch.agent.stragglers import StragglerSettings
+from elaunch.features.stragglers import StragglerSettings
 from elaunch.cli import parse_config, run_argv
 from elaunch.launch import rendezvous_parameters
 

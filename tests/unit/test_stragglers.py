@@ -13,8 +13,6 @@ import random
 import pytest
 
 from elaunch.agent.stragglers import (
-    DEFAULT_FACTOR,
-    DEFAULT_WINDOWS,
     SAMPLES_PER_WINDOW,
     Sample,
     StragglerState,
@@ -23,6 +21,7 @@ from elaunch.agent.stragglers import (
     samples_from_doc,
     window_lateness,
 )
+from elaunch.features.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOWS
 
 WINDOW = 10.0
 PERIOD = WINDOW / SAMPLES_PER_WINDOW
@@ -154,7 +153,7 @@ def test_lateness_values_and_the_exchanged_document_round_trip():
 
 
 def test_settings_from_rdzv_conf():
-    from elaunch.agent.stragglers import StragglerSettings
+    from elaunch.features.stragglers import StragglerSettings
 
     assert StragglerSettings.from_conf({}) == StragglerSettings(10.0, 0.25, 2, False)
     got = StragglerSettings.from_conf({"straggler_window": "3", "straggler_factor": "0.5", "straggler_windows": "3",
@@ -173,7 +172,7 @@ def test_settings_from_rdzv_conf():
     ("straggler_exclude", "yes", "--rdzv-conf straggler_exclude=yes: must be 0 or 1"),
 ])
 def test_bad_settings_name_the_key_and_value(key, value, message):
-    from elaunch.agent.stragglers import StragglerSettings
+    from elaunch.features.stragglers import StragglerSettings
 
     with pytest.raises(ValueError) as info:
         StragglerSettings.from_conf({key: value})
