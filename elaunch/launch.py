@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
 from elaunch.agent.heap import freeze_startup_heap
-from elaunch.config.errors import EXIT_USAGE
+from elaunch.config.errors import EXIT_USAGE, ConfigError
 from elaunch.config import LaunchConfig
 from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
@@ -174,9 +174,12 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
                             config.local_ranks_filter)
     metrics = None
     if config.metrics_port is not None:  # the module imports prometheus_client: only when asked
-        from elaunch.agent.metrics_server import start_metrics
+        from elaunch.agent.metrics_server import MetricsPortError, start_metrics
 
-        metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet
+        try:
+            metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet
+        except MetricsPortError as exc:
+            raise ConfigError(str(exc)) from None
     was_subreaper = is_subreaper()
     try:
         return _run_agent(config, specs, base_env, fork_target, own_process, metrics)

@@ -12,7 +12,11 @@ from elaunch.agent.metrics import ALL_INTERFACES, AgentMetrics
 
 log = logging.getLogger("elaunch.agent")
 
-__all__ = ["serve_metrics", "start_metrics"]
+__all__ = ["MetricsPortError", "serve_metrics", "start_metrics"]
+
+
+class MetricsPortError(ValueError):
+    """``--metrics-port``'s port cannot be bound: bad input (``elaunch.launch`` reports it as a ``ConfigError``)."""
 
 
 def start_metrics(config) -> AgentMetrics | None:
@@ -27,7 +31,7 @@ def start_metrics(config) -> AgentMetrics | None:
         :meth:`AgentMetrics.close`), or None without ``--metrics-port``.
 
     Raises:
-        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).
+        MetricsPortError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).
     """
     if config.metrics_port is None:
         return None
@@ -40,14 +44,12 @@ def serve_metrics(metrics: AgentMetrics, port: int, addr: str | None) -> None:
     """Start ``metrics``' server for ``--metrics-port`` and log its URL (WARNING: shown by default).
 
     Raises:
-        ConfigError: the port cannot be bound (taken, or ``--local-addr`` is not this host's): bad input.
+        MetricsPortError: the port cannot be bound (taken, or ``--local-addr`` is not this host's): bad input.
     """
-    from elaunch.config.errors import ConfigError
-
     try:
         host, bound = metrics.serve(port, addr)
     except OSError as exc:
         where = f"{addr or ALL_INTERFACES}:{port}"
-        raise ConfigError(f"--metrics-port={port}: cannot listen on {where}: {exc.strerror or exc}") from None
+        raise MetricsPortError(f"--metrics-port={port}: cannot listen on {where}: {exc.strerror or exc}") from None
     shown = socket.gethostname() if host == ALL_INTERFACES else (f"[{host}]" if ":" in host else host)
     log.warning("metrics on http://%s:%d/metrics%s", shown, bound, " (every interface)" if host == ALL_INTERFACES else "")

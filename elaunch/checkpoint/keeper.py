@@ -131,10 +131,8 @@ class CheckpointKeeper:
     def for_launch(cls, config, run_id: str, channel: Callable[[], object]) -> "CheckpointKeeper":
         """The keeper of a launch's options (``LaunchConfig``: ``checkpoint_replicas``, ``checkpoint_dir``,
         ``checkpoint_persist_interval``, ``checkpoint_timeout``, ``checkpoint_exchange_timeout``, ``max_nodes``)."""
-        from elaunch.config.options import replicas_for
-
         wait = config.checkpoint_timeout
-        return cls(run_id, replicas_for(config.checkpoint_replicas, config.max_nodes), config.checkpoint_dir,
+        return cls(run_id, config.checkpoint_replicas, config.checkpoint_dir,
                    config.checkpoint_persist_interval, channel, exchange_timeout=config.checkpoint_exchange_timeout,
                    fetch_timeout=wait, persist_wait=wait, secret=config.job_secret)
 

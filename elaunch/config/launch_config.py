@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from elaunch.config.errors import ConfigError
-from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of
+from elaunch.config.options import DEFAULT_FORWARD_SIGNALS, DEFAULT_SHUTDOWN_TIMEOUT, default_of, replicas_for
 from elaunch.features.node_check import DEFAULT_SLOW_FACTOR
 from elaunch.features.stragglers import StragglerSettings
 
@@ -77,8 +77,9 @@ class LaunchConfig:
             import in advance (``--warm-start-modules``, default ``("torch", "torch._dynamo")``), or
             None when warm start is off (the default; also with ``--no-python``).
         checkpoint_replicas: peer nodes that keep a copy of each node's in-memory snapshots
-            (``--checkpoint-replicas``, >= 0; 0 is off); None: auto, 1 when ``max_nodes`` > 1
-            (``options.replicas_for``). In-memory snapshots themselves are always on.
+            (``--checkpoint-replicas``, >= 0; 0 is off); None or ``"auto"``: auto, resolved on
+            construction to 1 when ``max_nodes`` > 1, else 0 (``options.replicas_for``). In-memory
+            snapshots themselves are always on.
         checkpoint_dir: absolute directory the agent persists snapshots to (``--checkpoint-dir``),
             or None: nothing is persisted.
         checkpoint_persist_interval: seconds between background persists, >= 0; 0: only when a
@@ -135,7 +136,8 @@ class LaunchConfig:
     job_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        """Resolve ``forward_signals`` against ``signals_to_handle``: a signal is a stop or a notice, not both.
+        """Resolve ``forward_signals`` against ``signals_to_handle`` (a signal is a stop or a notice, not both),
+        and ``checkpoint_replicas``' auto.
 
         The one place the default of ``--forward-signals`` is resolved (the command,
         ``elaunch.run`` and ``elaunch.launcher`` all make a LaunchConfig).
@@ -155,3 +157,5 @@ class LaunchConfig:
                 )
         object.__setattr__(self, "signals_to_handle", handle)
         object.__setattr__(self, "forward_signals", tuple(forward))
+        # the one place --checkpoint-replicas' auto is resolved: the keeper gets a number
+        object.__setattr__(self, "checkpoint_replicas", replicas_for(self.checkpoint_replicas, self.max_nodes))
