@@ -174,7 +174,7 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
                             config.local_ranks_filter)
     metrics = None
     if config.metrics_port is not None:  # the module imports prometheus_client: only when asked
-        from elaunch.agent.metrics_server import MetricsPortError, start_metrics
+        from elaunch.agent.metrics import MetricsPortError, start_metrics
 
         try:
             metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet

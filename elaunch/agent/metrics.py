@@ -1,5 +1,11 @@
 """``--metrics-port``: the agent's Prometheus metrics, served at ``/metrics`` through ``prometheus_client``.
 
+A launch starts the server (:func:`start_metrics`) before the rendezvous handler, the
+log directory or any helper exists, and logs its URL: a port that cannot be bound
+raises :class:`MetricsPortError`, bad input (``elaunch.launch`` reports it as a
+``ConfigError``) with nothing to undo. The agent then hands its event log and the
+scrape-time sources to :meth:`AgentMetrics.watch`.
+
 What follows from events (restarts, rounds, membership, hangs, the goodput
 ledger) is folded from the agent's event log as it is written: :class:`AgentMetrics`
 is an observer of :class:`~elaunch.agent.events.EventLog` (``add_observer``) and
@@ -37,6 +43,7 @@ looked at (no metric counts them).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elaunch.agent")
 
-__all__ = ["ALL_INTERFACES", "BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics"]
+__all__ = ["ALL_INTERFACES", "BUCKETS", "CAUSES", "LABELS", "WORKER_STATES", "AgentMetrics", "MetricsPortError",
+           "serve_metrics", "start_metrics"]
 
 #: The labels of every metric (per-rank gauges add ``local_rank``).
 LABELS = ("run_id", "node", "role")
@@ -345,8 +353,6 @@ def _shutdown(server, timeout: float = 5.0) -> None:
         server: the serving ``WSGIServer``.
         timeout: seconds to wait for the loop to end.
     """
-    import socket
-
     host, port = server.server_address[:2]
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     stopper = threading.Thread(target=server.shutdown, name="elaunch-metrics-stop", daemon=True)
@@ -359,6 +365,46 @@ def _shutdown(server, timeout: float = 5.0) -> None:
                 socket.create_connection((host, port), timeout=0.1).close()
             except OSError:  # nothing listens any more, or refused: the loop's own look will do
                 stopper.join(0.05)
+
+
+class MetricsPortError(ValueError):
+    """``--metrics-port``'s port cannot be bound: bad input (``elaunch.launch`` reports it as a ``ConfigError``)."""
+
+
+def start_metrics(config) -> AgentMetrics | None:
+    """The metrics of a launch (``LaunchConfig``: ``metrics_port``, ``local_addr``, ``run_id``, ``role``), serving.
+
+    Called before the rendezvous handler, the log directory or any helper exists: a port that
+    cannot be bound is bad input, and nothing has to be undone. The URL is logged at WARNING
+    (shown by default), with the port actually bound (``--metrics-port=0``).
+
+    Returns:
+        The serving :class:`AgentMetrics` (the agent calls :meth:`AgentMetrics.watch`; the caller
+        :meth:`AgentMetrics.close`), or None without ``--metrics-port``.
+
+    Raises:
+        MetricsPortError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).
+    """
+    if config.metrics_port is None:
+        return None
+    metrics = AgentMetrics(config.run_id, None, config.role)
+    serve_metrics(metrics, config.metrics_port, config.local_addr)
+    return metrics
+
+
+def serve_metrics(metrics: AgentMetrics, port: int, addr: str | None) -> None:
+    """Start ``metrics``' server for ``--metrics-port`` and log its URL (WARNING: shown by default).
+
+    Raises:
+        MetricsPortError: the port cannot be bound (taken, or ``--local-addr`` is not this host's): bad input.
+    """
+    try:
+        host, bound = metrics.serve(port, addr)
+    except OSError as exc:
+        where = f"{addr or ALL_INTERFACES}:{port}"
+        raise MetricsPortError(f"--metrics-port={port}: cannot listen on {where}: {exc.strerror or exc}") from None
+    shown = socket.gethostname() if host == ALL_INTERFACES else (f"[{host}]" if ":" in host else host)
+    log.warning("metrics on http://%s:%d/metrics%s", shown, bound, " (every interface)" if host == ALL_INTERFACES else "")
 
 
 class _ScrapeTime:
