@@ -24,6 +24,10 @@ A spare of function workers holds a barrier lock from its start (``<lock fd>``, 
 fourth descriptor with a template's request): the handoff's ``ELAUNCH_RETURN_BARRIER``
 then names this spare's descriptor (``elaunch.procs.return_barrier``).
 
+While it waits, a spare runs the hook the agent named in ``ELAUNCH_WARM_HOOK``
+(``module:function``, called with a wait in seconds): the checkpoint keeper names the
+mapping of the spare's snapshot slots (``elaunch.checkpoint.spare``).
+
 Stdlib only and nothing beyond what the interpreter has loaded at start-up, so
 the worker's ``sys.modules`` is the cold worker's plus ``<modules>``.
 """
@@ -36,6 +40,8 @@ import sys
 IMPORT_NICE = 19
 #: elaunch.procs.return_barrier.ENV (this file imports nothing of elaunch's): ``<fd>:<rank file>``
 _BARRIER_ENV = b"ELAUNCH_RETURN_BARRIER"
+#: elaunch.procs.warm.WARM_HOOK_ENV: ``module:function``, called with a wait in seconds while the spare waits
+_HOOK_ENV = "ELAUNCH_WARM_HOOK"
 
 
 def _read_all(fd):
@@ -125,8 +131,8 @@ def _importer_gone(wait):
 
 
 def _import_all(names, done, nice=IMPORT_NICE, premap=True):
-    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), map the snapshot slots
-    (``premap``: a spare, not a template), then release ``done``."""
+    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), run the spare's hook
+    (``premap``: a spare, not a template; :func:`_hook`), then release ``done``."""
     _IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
     try:
         try:
@@ -139,66 +145,56 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
                 __import__(name)
             except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
                 pass
-        if premap:
-            _premap()
+        hook = _hook() if premap else None
+        if hook is not None:
+            _run_hook(hook)
     finally:
         done.release()
 
 
-def _premap(wait=0.0):
-    """Map the snapshot slots of this worker's local rank and fault them in (``elaunch.checkpoint``).
+def _hook():
+    """The spare's hook that the agent named in ``ELAUNCH_WARM_HOOK`` (``module:function``), imported; or None.
 
-    A restarted worker's first two ``ckpt.save`` calls took 0.3 s each instead of 0.05 s:
-    every page of the two slot files faulted into the new process's mapping. The slots
-    exist from the second attempt on (the workers before saved into them); a spare maps
-    them while it waits, and the worker it becomes finds them mapped. With ``wait``, up
-    to that many seconds for the workers before to create them. Nothing when the job
-    saves no snapshot, or elaunch is not importable.
+    The warm pool knows no feature: the checkpoint keeper names its slot pre-mapping
+    (``elaunch.checkpoint.spare:premap``). A hook that cannot be imported is no hook.
     """
-    import time
-
-    shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
-    if not shm:
-        return
+    spec = os.environ.get(_HOOK_ENV, "")
+    module, _, name = spec.partition(":")
+    if not (module and name):
+        return None
     try:
-        from elaunch.checkpoint import slotfile  # no torch
-    except ImportError:
-        return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    slots = slotfile.slot_paths(shm, local_rank)
-    deadline = time.monotonic() + wait
-    while not all(os.path.exists(p) for p in slots) and time.monotonic() < deadline:
-        time.sleep(0.25)
-    if not any(os.path.exists(p) for p in slots):
-        return
-    try:
-        from elaunch.checkpoint import _shm
+        import importlib
 
-        _shm.premap(shm, local_rank)
-    except Exception:  # noqa: BLE001 - the worker's save maps them itself
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
+        return None
+
+
+def _run_hook(hook, wait=0.0):
+    try:
+        hook(wait)
+    except Exception:  # noqa: BLE001 - a hook only saves the worker time later
         pass
 
 
-def _premap_later():
-    """:func:`_premap` in a thread of the lowest CPU priority (a forked spare, beside the group it serves next)."""
+def _hook_later():
+    """The hook in a thread of the lowest CPU priority (a forked spare, beside the group it serves next).
+
+    The hook's module is imported here, in the spare's main thread, before the script
+    runs: a nice-19 thread that imports beside the script's main thread could hold a
+    module's import lock while it waits for a CPU.
+    """
+    hook = _hook()
+    if hook is None:
+        return
 
     def run():
         try:
             os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), IMPORT_NICE)
         except OSError:
             pass
-        _premap(wait=60.0)  # a spare forked before the first saves of the workers it replaces
+        _run_hook(hook, 60.0)  # a spare forked before the first saves of the workers it replaces
 
-    if not os.environ.get("ELAUNCH_CHECKPOINT_SHM"):
-        return
-    # what _premap imports, imported here, before the spare runs the script: a nice-19 thread that
-    # imports beside the script's main thread could hold a module's import lock while it waits for a CPU
-    try:
-        __import__("elaunch.checkpoint.slotfile")
-        if "torch" in sys.modules:
-            __import__("elaunch.checkpoint._shm")
-    except ImportError:
-        return
     _thread.start_new_thread(run, ())
 
 
@@ -300,7 +296,7 @@ def _become_spare(agent, middle, sock, fds):
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # a cold worker's global RandomState is seeded afresh
         numpy_random.seed()
-    _premap_later()
+    _hook_later()
 
 
 def main():

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: A worker variable naming the hook (``module:function``) a spare calls while it waits, with a wait in
+#: seconds: a feature's preparation of the worker the spare becomes (the checkpoint keeper names its
+#: slot pre-mapping). ``_warm_child.py`` repeats the name.
+WARM_HOOK_ENV = "ELAUNCH_WARM_HOOK"
 #: Worker variables that may change from one round to the next: set only at handoff.
 ROUND_KEYS = frozenset(
     {

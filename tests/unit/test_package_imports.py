@@ -13,9 +13,8 @@ import pathlib
 import elaunch
 
 ROOT = pathlib.Path(elaunch.__file__).parent
-#: Cycles still to break (issue 36): ``procs/_warm_child.py`` maps the checkpoint's snapshot slots
-#: (``checkpoint.slotfile``, ``checkpoint._shm``) while ``checkpoint/`` runs its helpers with ``procs``.
-KNOWN = {("checkpoint", "procs")}
+#: Cycles still to break (none left: a cycle found later must be broken, not listed here).
+KNOWN: set[tuple[str, ...]] = set()
 
 
 def _top(parts: tuple[str, ...]) -> str:

@@ -1,0 +1,55 @@
+"""The checkpoint feature's warm-spare hook: a spare maps its local rank's snapshot slots while it waits.
+
+A restarted worker's first two ``ckpt.save`` calls took 0.3 s each instead of 0.05 s:
+every page of the two slot files faulted into the new process's mapping. The slots
+exist from the second attempt on (the workers before saved into them); a spare maps
+them while it waits (:func:`premap`), and the worker it becomes finds them mapped.
+
+The warm pool knows nothing of checkpoints: the keeper names this hook in the workers'
+environment (``procs.warm.WARM_HOOK_ENV``: ``elaunch.checkpoint.spare:premap``), and a
+spare calls whatever hook is named there (``procs/_warm_child.py``). Stdlib only when
+imported (the spare imports it in its main thread before the script runs); ``_shm``
+(torch) is imported with it only when torch is already there, so that a low-priority
+thread never imports torch while holding the import lock the script needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from elaunch.checkpoint import slotfile
+
+if "torch" in sys.modules:
+    from elaunch.checkpoint import _shm  # noqa: F401 - imported here, in the spare's main thread
+
+#: What the keeper puts in ``procs.warm.WARM_HOOK_ENV`` (``module:function``).
+HOOK = "elaunch.checkpoint.spare:premap"
+
+
+def premap(wait: float = 0.0) -> None:
+    """Map this worker's local rank's slots (``ELAUNCH_CHECKPOINT_SHM``, ``LOCAL_RANK``) and fault them in.
+
+    Args:
+        wait: seconds to wait for the workers before to create the slots (a spare forked
+            before the first saves of the workers it replaces); 0: only slots already there.
+
+    Nothing when the job saves no snapshot; never raises (the worker's save maps them itself).
+    """
+    shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
+    if not shm:
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    slots = slotfile.slot_paths(shm, local_rank)
+    deadline = time.monotonic() + wait
+    while not all(os.path.exists(p) for p in slots) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    if not any(os.path.exists(p) for p in slots):
+        return
+    try:
+        from elaunch.checkpoint import _shm
+
+        _shm.premap(shm, local_rank)
+    except Exception:  # noqa: BLE001 - the worker's save maps them itself
+        pass
