@@ -11,16 +11,12 @@ closed unread. A client never sends to a server that cannot prove the key.
 
 from __future__ import annotations
 
-import io
 import json
-import mmap
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 
 import psutil
@@ -32,38 +28,11 @@ from elaunch.checkpoint._replica_child import MAX_PEERS, MAX_PENDING, is_member,
 from elaunch.checkpoint.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS
+from tests.slots import KEY, node, shm, write_slot  # noqa: F401 - fixtures; KEY: the attacker does not hold it
 
-KEY = bytes(range(32))  #: the job's key: the services and the test know it, the attacker does not
 WRONG = b"w" * 32
 DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)
 ATTACKER = str(SCRIPTS / "replica_attacker.py")
-
-
-@pytest.fixture
-def shm():
-    path = tempfile.mkdtemp(prefix="elaunch-test-security-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def node(shm):
-    """``node(name) -> (node_dir, ReplicaService)`` on 127.0.0.1 with :data:`KEY`; all closed after the test."""
-    services = []
-
-    def make(name: str):
-        node_dir = os.path.join(shm, name)
-        os.makedirs(os.path.join(node_dir, "slots"), mode=0o700)
-        service = ReplicaService(node_dir, "127.0.0.1", key=KEY)
-        services.append(service)
-        service.start()
-        return node_dir, service
-
-    yield make
-    for service in services:
-        service.close()
 
 
 class Boom:
@@ -74,23 +43,6 @@ class Boom:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def write_slot(path: str, step: int, meta: bytes, data: bytes, rank: int = 0, replicated: bool = True) -> None:
-    """A committed slot file of the documented layout (``slotfile``'s docstring)."""
-    size = slotfile.file_size(len(meta), len(data))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as buf:
-            seq = slotfile.begin(buf)
-            buf[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
-            at = slotfile.data_offset(len(meta))
-            buf[at:at + len(data)] = data
-            slotfile.commit(buf, seq, step=step, rank=rank, world_size=2, replicated=replicated,
-                            meta_len=len(meta), data_len=len(data))
-    finally:
-        os.close(fd)
 
 
 def attack(port: int, *args: str, timeout: float = 60) -> dict:
@@ -122,7 +74,7 @@ def recorded_answer(port: int) -> str:
 
 def test_nothing_is_served_without_the_key_nor_with_a_wrong_or_replayed_answer(node):
     a_dir, a = node("a")
-    write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, b"m" * 100, os.urandom(1 << 20))
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, os.urandom(1 << 20), replicated=True)
     assert attack(a.port, "get", "0", "3", KEY.hex())["served"] > (1 << 20)  # the probe works with the key
     for how in ("-", WRONG.hex()):
         assert attack(a.port, "get", "0", "3", how) == {"served": 0, "closed": True}, how
@@ -135,7 +87,7 @@ def test_a_forged_snapshot_put_without_the_key_never_lands_and_runs_nothing(node
     b_dir, b = node("b")
     marker = os.path.join(shm, "pwned")
     forged = os.path.join(shm, "forged")
-    write_slot(forged, 10**9, pickle.dumps({"x": Boom(marker)}), b"", replicated=True)
+    write_slot(forged, 10**9, b"", meta=pickle.dumps({"x": Boom(marker)}), world_size=2, replicated=True)
     for how in ("-", WRONG.hex()):
         verdict = attack(b.port, "put", forged, str(10**9), how)
         assert verdict["closed"] and not verdict.get("answered"), verdict
@@ -157,7 +109,7 @@ def test_a_flood_of_idle_connections_is_bounded_and_the_jobs_peers_still_get_thr
     b_dir, b = node("b")
     a.set_ring([("127.0.0.1", b.port, KEY)])
     slot0, slot1 = slotfile.slot_paths(a_dir, 0)
-    write_slot(slot0, 1, b"m", os.urandom(1 << 16), replicated=False)
+    write_slot(slot0, 1, os.urandom(1 << 16))
     wait_for(lambda: slotfile.read_info(os.path.join(b_dir, "replicas", "r0")), DEADLINE, what="the first copy")
     result: list[dict] = []
     flood = threading.Thread(target=lambda: result.append(attack(b.port, "flood", "300", "12")))
@@ -166,7 +118,7 @@ def test_a_flood_of_idle_connections_is_bounded_and_the_jobs_peers_still_get_thr
         wait_for(lambda: b.stats()["evicted"] > 0, DEADLINE, what="the flood to fill the pending connections")
         most = MAX_PENDING + MAX_PEERS + 8  # accept, prune, the main thread and a few ending their reads
         assert _child_threads(b) <= most
-        write_slot(slot1, 2, b"m", os.urandom(1 << 16), replicated=False)  # the ring's open connection
+        write_slot(slot1, 2, os.urandom(1 << 16))  # the ring's open connection
         wait_for(lambda: (slotfile.read_info(os.path.join(b_dir, "replicas", "r0")) or slotfile.read_info(
             slot0)).step == 2, DEADLINE, what="step 2's copy during the flood")
         dest = os.path.join(shm, "fetched")
@@ -179,7 +131,7 @@ def test_a_flood_of_idle_connections_is_bounded_and_the_jobs_peers_still_get_thr
 
 def test_connections_from_addresses_outside_the_round_are_closed_unread(node, shm):
     a_dir, a = node("a")
-    write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, b"m", os.urandom(1 << 10))
+    write_slot(slotfile.slot_paths(a_dir, 0)[0], 3, os.urandom(1 << 10), replicated=True)
     dest = os.path.join(shm, "fetched")
     a.set_members(["192.0.2.1"])  # TEST-NET-1: a member that is not this host; applied when it returns
     assert not fetch("127.0.0.1", a.port, 0, 3, dest, timeout=10, key=KEY)
@@ -314,7 +266,7 @@ def test_an_attacker_of_a_running_job_gets_nothing_and_the_job_restores_its_own_
         assert len(ports) == 2
         key = wire.job_key(secret.encode(), "attacked")
         forged = tmp_path / "forged"
-        write_slot(str(forged), 10**9, pickle.dumps({"w": Boom(str(marker))}), b"", replicated=True)
+        write_slot(str(forged), 10**9, b"", meta=pickle.dumps({"w": Boom(str(marker))}), world_size=2, replicated=True)
         for port in ports:
             assert attack(port, "get", "0", "3", key.hex())["served"] > 0  # the probe reaches the service
             for rank in ("0", "1"):

@@ -9,12 +9,9 @@ child is restarted by ``check()`` and serves again; ``close()`` leaves no proces
 
 from __future__ import annotations
 
-import mmap
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 
@@ -25,60 +22,10 @@ from elaunch.checkpoint import slotfile
 from elaunch.checkpoint._replica_child import superseded
 from elaunch.checkpoint.replicas import ReplicaService, fetch
 from tests.conftest import wait_for
+from tests.slots import KEY, node, shm, write_slot  # noqa: F401 - fixtures
 
 DEADLINE = 20.0  #: seconds a copy may take to appear (the machine is shared and noisy)
-KEY = b"k" * 32  #: the key every service of these tests holds (a job's nodes share one with ELAUNCH_JOB_SECRET)
 BIG = os.urandom(1 << 20) * 256  #: 256 MiB of data: a send long enough to be caught in the middle
-
-
-@pytest.fixture
-def shm():
-    """A scratch directory in /dev/shm, removed after the test."""
-    path = tempfile.mkdtemp(prefix="elaunch-test-replicas-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def node(shm):
-    """``node(name) -> (node_dir, ReplicaService)`` started on 127.0.0.1; every one closed after the test."""
-    services = []
-
-    def make(name: str):
-        node_dir = os.path.join(shm, name)
-        os.makedirs(os.path.join(node_dir, "slots"), mode=0o700)
-        service = ReplicaService(node_dir, "127.0.0.1", key=KEY)
-        services.append(service)
-        service.start()
-        return node_dir, service
-
-    yield make
-    for service in services:
-        service.close()
-
-
-def write_slot(path: str, step: int, data: bytes, rank: int = 0, commit: bool = True,
-               replicated: bool = False) -> None:
-    """Write a snapshot of ``rank`` at ``step`` into the slot file ``path`` (sized to fit); ``commit=False``:
-    begin the write and leave it under way (odd seq)."""
-    meta = f"meta of rank {rank} step {step}".encode()
-    size = slotfile.file_size(len(meta), len(data))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as buf:
-            seq = slotfile.begin(buf)
-            buf[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
-            at = slotfile.data_offset(len(meta))
-            buf[at:at + len(data)] = data
-            if commit:
-                slotfile.commit(buf, seq, step=step, rank=rank, world_size=8, replicated=replicated,
-                                meta_len=len(meta), data_len=len(data))
-    finally:
-        os.close(fd)
 
 
 def read(path: str) -> bytes:

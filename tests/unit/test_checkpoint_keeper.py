@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import stat
 
@@ -23,24 +22,10 @@ from elaunch.procs.warm import WARM_HOOK_ENV
 from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
 from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
 from elaunch.spec import Worker
+from tests.slots import write_slot
 
 HOOKED = {WARM_HOOK_ENV: "elaunch.checkpoint.spare:premap"}  #: a warm spare maps its slots while it waits
 KEYS = {"0": b"0" * 32, "1": b"1" * 32, "2": b"2" * 32}  #: each node's replica key, by group rank
-
-
-def write_slot(path: str, step: int, rank: int, world_size: int, replicated: bool = True) -> None:
-    meta, data = b"meta", b"x" * 64
-    size = slotfile.file_size(len(meta), len(data))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as buf:
-            seq = slotfile.begin(buf)
-            buf[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
-            slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
-                            meta_len=len(meta), data_len=len(data))
-    finally:
-        os.close(fd)
 
 
 class Launcher:
@@ -118,9 +103,9 @@ def test_single_node_restores_the_newest_step_every_rank_has_from_its_own_slots(
     assert k.env(0) == {ENV_SHM: shm, **HOOKED} and k.env(1) == {ENV_SHM: shm, **HOOKED}  # nothing saved yet: nothing to restore
     a0, b0 = slotfile.slot_paths(shm, 0)
     a1, b1 = slotfile.slot_paths(shm, 1)
-    write_slot(a0, 4, 0, 2, replicated=False)
-    write_slot(b0, 5, 0, 2, replicated=False)
-    write_slot(a1, 4, 1, 2, replicated=False)  # rank 1 died before saving step 5
+    write_slot(a0, 4, rank=0, world_size=2)
+    write_slot(b0, 5, rank=0, world_size=2)
+    write_slot(a1, 4, rank=1, world_size=2)  # rank 1 died before saving step 5
     k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
     assert k.env(0) == {ENV_SHM: shm, **HOOKED, ENV_RESTORE: a0, ENV_STEP: "4"}  # the step every rank has, not 5
     assert k.env(1) == {ENV_SHM: shm, **HOOKED, ENV_RESTORE: a1, ENV_STEP: "4"}
@@ -134,7 +119,7 @@ def test_replicated_state_serves_a_local_rank_from_another_ranks_slot(tmp_path):
     k = keeper(tmp_path, LocalJobChannel(), [])
     shm = k.node_dir.path
     a0, _ = slotfile.slot_paths(shm, 0)
-    write_slot(a0, 9, 0, 2)
+    write_slot(a0, 9, rank=0, world_size=2, replicated=True)
     k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
     assert k.env(1)[ENV_RESTORE] == a0 and k.env(1)[ENV_STEP] == "9"
     record = k.status_record()
@@ -145,7 +130,7 @@ def test_replicated_state_serves_a_local_rank_from_another_ranks_slot(tmp_path):
 def test_several_nodes_without_an_exchange_restore_nothing_alike(tmp_path):
     """A static job of two nodes: each would choose from its own memory alone, so none restores."""
     k = keeper(tmp_path, LocalJobChannel(), [])
-    write_slot(slotfile.slot_paths(k.node_dir.path, 0)[0], 3, 0, 4)
+    write_slot(slotfile.slot_paths(k.node_dir.path, 0)[0], 3, rank=0, world_size=4, replicated=True)
     k.prepare(info(1, 0, 2, 2), workers(2, 2, 0), 2)
     assert ENV_RESTORE not in k.env(0) and ENV_RESTORE not in k.env(1)
     k.close()
