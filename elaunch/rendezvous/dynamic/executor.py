@@ -4,10 +4,13 @@ Mirrors torch's ``_DistributedRendezvousOpExecutor``: a flat loop reads the
 state, decides, and calls one method per action, until the operation finishes
 or fails; a write is a compare-and-set, and a lost race decides again on
 whatever is stored now. Where the backend keeps an intent log, joins and exits
-are batched (``batching.py``): chosen once, when the executor is made; the
-batched steps are in ``batched_steps.py``, writing through :meth:`OpExecutor.commit`
-and :meth:`OpExecutor.write`. Reading lives in ``reading.py``. Stdlib only; the
-clock and sleep are injectable for tests.
+are batched (``batching.py`` decides): chosen once, when the executor is made.
+Every step, plain or batched, is a method here that does what one decision asks:
+a plain step writes the state ``ops.apply`` implies, beats, polls or raises; a
+batched one posts an intent, waits for the combiner or the round's notice
+(through the call's :class:`~elaunch.rendezvous.dynamic.batching.BatchedJoin`),
+or writes a state ``merge.py`` combined. Reading lives in ``reading.py``. Stdlib
+only; the clock and sleep are injectable for tests.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from elaunch.rendezvous.contract import (
 )
 from elaunch.rendezvous.dynamic import batching, merge, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend, Token
-from elaunch.rendezvous.dynamic.batched_steps import BatchedSteps
 from elaunch.rendezvous.dynamic.batching import BatchedJoin, Step
 from elaunch.rendezvous.dynamic.ops import Action, OpContext
 from elaunch.rendezvous.dynamic.wait_report import WaitReporter
@@ -99,8 +101,18 @@ class OpExecutor:
             Action.ERROR_CLOSED: self._closed,
             Action.ERROR_GRACEFUL_EXIT: self._graceful_exit,
             Action.ERROR_TIMEOUT: self._timed_out,
+            Step.POST_JOIN: self._post_join,
+            Step.AWAIT_COMBINER: self._await_combiner,
+            Step.AWAIT_ROUND: self._await_round,
+            Step.COMBINE_JOINS: self._combine_joins,
+            Step.COMBINE_PENDING: self._combine_pending,
+            Step.POST_EXIT: self._post_exit,
+            Step.COMBINE_EXITS: self._combine_exits,
+            Step.AWAIT_LEAVERS: self._await_leavers,
+            Step.LEAVE_ALONE: self._leave_alone,
+            Step.LEAVE_TIMEOUT: self._leave_timed_out,
+            Step.FORGET_EXIT: self._forget_exit,
         })
-        steps.update(BatchedSteps(self, node_id, settings).table())
         self._steps = steps
 
     @property
@@ -320,7 +332,97 @@ class OpExecutor:
             f"{call.timeout_name}={call.timeout:g} s ({len(state.participants)} node(s) joined, "
             f"--nnodes={s.min_nodes}:{s.max_nodes})")
 
-    # -- writing (also for the batched steps) -----------------------------------------------
+    # -- steps of a batched join (batching.py) ------------------------------------------
+
+    def _post_join(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """Post our join intent; a non-combiner then waits for the combiner to add it (or for the grace)."""
+        assert call.batch is not None
+        call.batch.post(self._state.round, now, call.deadline, self._token)
+        if not call.batch.combiner:
+            # the combiner adds us; nothing to read until the round's notice (or its grace ends)
+            return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
+        return True
+
+    def _await_combiner(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """Posted (a join or an exit): the combiner adds or removes us; wait for it, at most until the grace ends."""
+        assert call.batch is not None
+        return call.batch.wait(self._state, call.batch.grace_left(now, call.deadline))
+
+    def _await_round(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of a participant of a forming round: block for its notice (the combiner: the next post).
+
+        At most until the last call ends, this node's next heartbeat is due or
+        its join deadline passes, and never longer than ``keep_alive_interval``.
+        """
+        assert call.batch is not None
+        s, settings = self._state, self._settings
+        due = [call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval]
+        if s.deadline is not None:
+            due.append(s.deadline)
+        return call.batch.wait(s, min(max(0.01, min(due) - now + 0.005), settings.keep_alive_interval))
+
+    def _combine_joins(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """ADD_TO_PARTICIPANTS, batched: add ourselves and every pending intent in one write."""
+        assert call.batch is not None
+        state = self._state
+        return self.commit(call, Step.COMBINE_JOINS, state, merge.combine_joins(state, ctx, call.batch.intents, now))
+
+    def _combine_pending(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of the combiner: add every node that posted since in one write, or wait for the next post."""
+        assert call.batch is not None
+        combined = merge.combine_pending(self._state, call.batch.intents, self._settings, now, self._node_id)
+        if combined is None:
+            return self._await_round(call, ctx, now)
+        return self.commit(call, Step.COMBINE_PENDING, self._state, combined)
+
+    # -- steps of a batched exit ----------------------------------------------------------
+
+    def _post_exit(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """Leave a complete round by posting our join of the next one; its combiner removes us from this one."""
+        assert call.batch is not None
+        state = self._state
+        call.batch.post(state.round + 1, now, call.deadline, self._token)  # the exit's deadline: the join's is later
+        log.debug("node %s: posted its exit from round %d%s", self._node_id, state.round,
+                  " (the combiner)" if call.batch.combiner else "")
+        return False
+
+    def _combine_exits(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """The next round's combiner removes every participant that posted its exit, in one write."""
+        assert call.batch is not None
+        state = self._state
+        combined = merge.combine_exits(state, call.batch.intents, self._settings)
+        assert combined is not None  # decided on merge.leavers
+        return not self.write(Step.COMBINE_EXITS, state, combined)  # lost the race: read again, with the log
+
+    def _await_leavers(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """SYNC of the exit combiner: woken by the next node that leaves, to remove it.
+
+        Otherwise every ``poll_interval`` seconds like any waiting node (probes,
+        dead members), and by the time this node's next heartbeat is due.
+        """
+        assert call.batch is not None
+        s, settings = self._state, self._settings
+        due = min(call.deadline, s.last_heartbeats.get(self._node_id, now) + settings.keep_alive_interval)
+        call.batch.wait_for_post(min(max(0.01, due - now + 0.005), settings.poll_interval))
+        return True
+
+    def _leave_alone(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """The combiner did not remove us within the grace: leave with our own write (REMOVE_FROM_PARTICIPANTS)."""
+        state, remove = self._state, Action.REMOVE_FROM_PARTICIPANTS
+        return not self.write(remove, state, ops.apply(remove, state, ctx, now))  # lost the race: read again
+
+    def _leave_timed_out(self, call: Call, ctx: OpContext, now: float) -> NoReturn:
+        raise RendezvousTimeoutError(
+            f"rendezvous {self._settings.run_id!r} round {self._state.round}: could not leave it within "
+            f"{call.timeout_name}={call.timeout:g} s")
+
+    def _forget_exit(self, call: Call, ctx: OpContext, now: float) -> bool:
+        """The combiner moved us to the wait list: our exit post is spent; join the next round anew."""
+        assert call.batch is not None
+        call.batch.forget()
+        return False
+
+    # -- writing --------------------------------------------------------------------------
 
     def commit(self, call: Call, what: Action | Step, state: RendezvousState, new_state: RendezvousState) -> bool:
         """Write ``new_state`` (decided on ``state``) for ``call``; True when the next decision needs a fresh read."""
