@@ -32,6 +32,7 @@ from elaunch.agent.watchdogs import open_watchdogs
 from elaunch.agent.env import EnvOptions
 from elaunch.agent.group_start import GroupStarter
 from elaunch.checkpoint.keeper import CheckpointKeeper
+from elaunch.checkpoint.spare import HOOK as SPARE_HOOK
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
 from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import (
@@ -115,7 +116,8 @@ class ElasticAgent:
         self._metrics = metrics
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
-        self._launcher = WorkerLauncher(logs, env_opts.run_id, config.warm_start_modules, fork_target=fork_target)
+        self._launcher = WorkerLauncher(logs, env_opts.run_id, config.warm_start_modules, fork_target=fork_target,
+                                        spare_hook=SPARE_HOOK)
         self._procs: WorkerProcesses | None = None
         self._exits_told: WorkerProcesses | None = None  # the procs whose exits are in the event log
         self._group: WorkerGroup | None = None

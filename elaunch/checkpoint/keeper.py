@@ -47,9 +47,7 @@ from typing import NamedTuple
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
-from elaunch.checkpoint.spare import HOOK
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
-from elaunch.procs.warm import WARM_HOOK_ENV
 from elaunch.rendezvous.job_channel import publish
 
 log = logging.getLogger("elaunch.agent")
@@ -262,11 +260,10 @@ class CheckpointKeeper:
     def env(self, local_rank: int) -> dict[str, str]:
         """``ELAUNCH_CHECKPOINT_*`` of ``local_rank``'s worker ({} when off): the directory, the
         same in every round (before the first too: warm spares start early), and this round's
-        restore, if any; and ``ELAUNCH_WARM_HOOK``: a warm spare maps its slots while it waits
-        (``checkpoint.spare``)."""
+        restore, if any."""
         if self.node_dir is None:
             return {}
-        return {ENV_SHM: self.node_dir.path, WARM_HOOK_ENV: HOOK, **self._env.get(local_rank, {})}
+        return {ENV_SHM: self.node_dir.path, **self._env.get(local_rank, {})}
 
     def new_attempt(self, round: int) -> None:
         """Nothing: :meth:`prepare` did the round's work."""

@@ -5,9 +5,10 @@ every page of the two slot files faulted into the new process's mapping. The slo
 exist from the second attempt on (the workers before saved into them); a spare maps
 them while it waits (:func:`premap`), and the worker it becomes finds them mapped.
 
-The warm pool knows nothing of checkpoints: the keeper names this hook in the workers'
-environment (``procs.warm.WARM_HOOK_ENV``: ``elaunch.checkpoint.spare:premap``), and a
-spare calls whatever hook is named there (``procs/_warm_child.py``). Stdlib only when
+The warm pool knows nothing of checkpoints: the agent names this hook (:data:`HOOK`) to
+its launcher, the warm pool puts it in the spares' own environment
+(``procs.warm.WARM_HOOK_ENV``; never in a worker's), and a spare calls whatever hook is
+named there (``procs/_warm_child.py``). Stdlib only when
 imported (the spare imports it in its main thread before the script runs); ``_shm``
 (torch) is imported with it only when torch is already there, so that a low-priority
 thread never imports torch while holding the import lock the script needs.
@@ -24,7 +25,7 @@ from elaunch.checkpoint import slotfile
 if "torch" in sys.modules:
     from elaunch.checkpoint import _shm  # noqa: F401 - imported here, in the spare's main thread
 
-#: What the keeper puts in ``procs.warm.WARM_HOOK_ENV`` (``module:function``).
+#: The hook the agent names to its warm pool (``module:function``).
 HOOK = "elaunch.checkpoint.spare:premap"
 
 

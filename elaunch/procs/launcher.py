@@ -68,6 +68,8 @@ class WorkerLauncher:
             each worker is a fork of this process (``elaunch.procs.forked``) that
             calls ``fork_target(local_rank)`` and exits with the status it returns;
             the worker argv is not run. None (default): every worker execs its argv.
+        spare_hook: ``module:function`` each warm spare calls while it waits
+            (``warm.WARM_HOOK_ENV``; the agent names the checkpoint feature's), or None.
 
     Attributes:
         pool: the warm pool (a :class:`NoWarmPool` when warm start is off, or before
@@ -81,8 +83,10 @@ class WorkerLauncher:
         warm_modules: tuple[str, ...] | None = None,
         reaper_factory: Callable[[], Reaper] = start_reaper,
         fork_target: Callable[[int], int] | None = None,
+        spare_hook: str | None = None,
     ) -> None:
         self._logs = logs
+        self._spare_hook = spare_hook
         self._run_id = run_id
         self._warm_modules = warm_modules
         self._reaper_factory = reaper_factory
@@ -116,7 +120,7 @@ class WorkerLauncher:
         self._log_dir = RunLogDir(self._logs, self._run_id) if specs is None else SpecsLogDir(specs)
         self._reaper = self._reaper_factory()
         if self._warm_modules is not None and specs is None:
-            self.pool = WarmPool(self._warm_modules, self._reaper)
+            self.pool = WarmPool(self._warm_modules, self._reaper, hook=self._spare_hook)
         elif self._warm_modules is not None:
             log.warning("--warm-start is off with --logs-specs: spares cannot open the files a LogsSpecs names")
 

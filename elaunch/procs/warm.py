@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: A worker variable naming the hook (``module:function``) a spare calls while it waits, with a wait in
-#: seconds: a feature's preparation of the worker the spare becomes (the checkpoint keeper names its
-#: slot pre-mapping). ``_warm_child.py`` repeats the name.
+#: A spare's variable naming the hook (``module:function``) it calls while it waits, with a wait in
+#: seconds: a feature's preparation of the worker the spare becomes (the agent names the checkpoint
+#: feature's slot pre-mapping). Only the spare's own environment has it: the handoff replaces that
+#: environment with the worker's. ``_warm_child.py`` repeats the name.
 WARM_HOOK_ENV = "ELAUNCH_WARM_HOOK"
 #: Worker variables that may change from one round to the next: set only at handoff.
 ROUND_KEYS = frozenset(
@@ -179,11 +180,14 @@ class WarmPool:
     Args:
         modules: modules each spare imports before it waits (e.g. ``("torch",)``).
         reaper: watchdog that kills the spares if the agent is killed, or None.
+        hook: ``module:function`` a spare calls while it waits (:data:`WARM_HOOK_ENV`), or None. It is
+            in the spares' own environment only: the worker a spare becomes, like a cold one, never sees it.
     """
 
-    def __init__(self, modules: tuple[str, ...], reaper: "Reaper | None" = None) -> None:
+    def __init__(self, modules: tuple[str, ...], reaper: "Reaper | None" = None, hook: str | None = None) -> None:
         self._modules = tuple(modules)
         self._reaper = reaper
+        self._extra = {WARM_HOOK_ENV: hook} if hook else {}  # the spares' own variables
         self._attempt: int | None = None
         self._logs: "AttemptLogs | None" = None
         self._spares: dict[int, _Spare] = {}
@@ -265,7 +269,7 @@ class WarmPool:
             if nice is None or lr in self._no_template or self._reaper is None or not become_subreaper():
                 return None
             tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
-                                                       self._modules, cmd, env, nice)
+                                                       self._modules, cmd, env, nice, self._extra)
             self._reaper.watch([tmpl.proc.pid])
         lock_fd, lock = _new_lock(lock_dir)
         try:
@@ -315,8 +319,8 @@ class WarmPool:
         try:
             argv = [target.python, *target.flags, CHILD, str(rfd), target.path0, ",".join(self._modules), str(nice)]
             fds = (rfd,) if lock_fd is None else (rfd, lock_fd)
-            proc = popen_worker(argv + [str(fd) for fd in fds[1:]], env, logs.stdout.get(lr), logs.stderr.get(lr),
-                                pass_fds=fds)
+            proc = popen_worker(argv + [str(fd) for fd in fds[1:]], {**env, **self._extra}, logs.stdout.get(lr),
+                                logs.stderr.get(lr), pass_fds=fds)
         except OSError:
             os.close(wfd)
             _Spare(None, -1, cmd, env, target, lock=lock).drop_lock()

@@ -80,8 +80,11 @@ class Template:
 
     @classmethod
     def start(cls, argv_head: list[str], path0: str, modules: tuple[str, ...], cmd: list[str],
-              env: Mapping[str, str], nice: int) -> "Template":
+              env: Mapping[str, str], nice: int, extra_env: Mapping[str, str] | None = None) -> "Template":
         """Start a template: ``argv_head`` is the interpreter and its options (``python -u``).
+
+        ``env`` is the pre-round environment it serves (compared at each request);
+        ``extra_env`` is added to its process's environment only (the spares' hook).
 
         Raises:
             OSError: the interpreter could not be started.
@@ -89,7 +92,8 @@ class Template:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [*argv_head, CHILD, "--template", str(child.fileno()), path0, ",".join(modules), str(nice)]
-            proc = popen_worker(argv, dict(env), os.devnull, os.devnull, pass_fds=(child.fileno(),))
+            proc = popen_worker(argv, {**env, **(extra_env or {})}, os.devnull, os.devnull,
+                                pass_fds=(child.fileno(),))
         except BaseException:
             parent.close()
             raise

@@ -18,13 +18,11 @@ from elaunch.agent.events import AgentEvents
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.procs import snapshot_dir
-from elaunch.procs.warm import WARM_HOOK_ENV
 from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
 from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
 from elaunch.spec import Worker
 from tests.slots import write_slot
 
-HOOKED = {WARM_HOOK_ENV: "elaunch.checkpoint.spare:premap"}  #: a warm spare maps its slots while it waits
 KEYS = {"0": b"0" * 32, "1": b"1" * 32, "2": b"2" * 32}  #: each node's replica key, by group rank
 
 
@@ -100,15 +98,15 @@ def test_single_node_restores_the_newest_step_every_rank_has_from_its_own_slots(
     k = keeper(tmp_path, LocalJobChannel(), lines)
     shm = k.node_dir.path
     k.prepare(info(0, 0, 1, 2), workers(1, 2, 0), 2)
-    assert k.env(0) == {ENV_SHM: shm, **HOOKED} and k.env(1) == {ENV_SHM: shm, **HOOKED}  # nothing saved yet: nothing to restore
+    assert k.env(0) == {ENV_SHM: shm} and k.env(1) == {ENV_SHM: shm}  # nothing saved yet: nothing to restore
     a0, b0 = slotfile.slot_paths(shm, 0)
     a1, b1 = slotfile.slot_paths(shm, 1)
     write_slot(a0, 4, rank=0, world_size=2)
     write_slot(b0, 5, rank=0, world_size=2)
     write_slot(a1, 4, rank=1, world_size=2)  # rank 1 died before saving step 5
     k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
-    assert k.env(0) == {ENV_SHM: shm, **HOOKED, ENV_RESTORE: a0, ENV_STEP: "4"}  # the step every rank has, not 5
-    assert k.env(1) == {ENV_SHM: shm, **HOOKED, ENV_RESTORE: a1, ENV_STEP: "4"}
+    assert k.env(0) == {ENV_SHM: shm, ENV_RESTORE: a0, ENV_STEP: "4"}  # the step every rank has, not 5
+    assert k.env(1) == {ENV_SHM: shm, ENV_RESTORE: a1, ENV_STEP: "4"}
     (event,) = [json.loads(x) for x in lines if b"checkpoint_restore" in x]
     assert event["round"] == 1 and event["step"] == 4 and event["sources"] == {"0": "memory", "1": "memory"}
     k.close()
