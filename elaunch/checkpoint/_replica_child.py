@@ -144,26 +144,29 @@ def member_ips(hosts: list[str] | None) -> frozenset[str] | None:
     return frozenset(ips)
 
 
-def _is_loopback(ip: str) -> bool:
+def _address(ip: str):
+    """``ip`` as an ``ipaddress`` address, an IPv4-mapped IPv6 one as its IPv4 address (a dual-stack socket's
+    peer); None when it is no address."""
     try:
         addr = ipaddress.ip_address(ip.split("%")[0])
     except ValueError:
-        return False
-    mapped = getattr(addr, "ipv4_mapped", None)
-    return (mapped or addr).is_loopback
+        return None
+    return getattr(addr, "ipv4_mapped", None) or addr
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = _address(ip)
+    return addr is not None and addr.is_loopback
 
 
 def is_member(ip: str, members: frozenset[str] | None) -> bool:
     """Whether a connection from ``ip`` comes from a member (:func:`member_ips`; None: anyone)."""
     if members is None:
         return True
-    try:
-        addr = ipaddress.ip_address(ip.split("%")[0])
-    except ValueError:
+    addr = _address(ip)
+    if addr is None:
         return False
-    mapped = getattr(addr, "ipv4_mapped", None)
-    plain = str(mapped or addr)
-    return plain in members or ip in members or ("loopback" in members and (mapped or addr).is_loopback)
+    return str(addr) in members or ip in members or ("loopback" in members and addr.is_loopback)
 
 
 class Server:
@@ -181,6 +184,7 @@ class Server:
         self.gate = Gate(stats)
         self._lock = threading.Lock()  # one rename decision at a time
         self._n = 0
+        self._warn_lock = threading.Lock()
         self._warned = (float("-inf"), 0)  # (when the last warning about refused connections was, refusals since)
 
     def configure(self, key: bytes, members: frozenset[str] | None) -> None:
@@ -208,12 +212,13 @@ class Server:
     def _refused(self, counter: str, ip: str, why: str) -> None:
         """Count a refused connection; warn at most every :data:`WARN_EVERY` seconds."""
         self.stats.add(counter)
-        last, since = self._warned
         now = time.monotonic()
-        if now - last < WARN_EVERY:
-            self._warned = (last, since + 1)
-            return
-        self._warned = (now, 0)
+        with self._warn_lock:  # the accept thread and every connection's thread refuse
+            last, since = self._warned
+            if now - last < WARN_EVERY:
+                self._warned = (last, since + 1)
+                return
+            self._warned = (now, 0)
         more = f" ({since} more refused since the last warning)" if since else ""
         log.warning("replica service: refused a connection from %s: %s%s", ip, why, more)
 

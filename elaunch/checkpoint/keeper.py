@@ -113,7 +113,6 @@ class CheckpointKeeper:
         self._exchange_timeout, self._fetch_timeout, self._persist_wait = exchange_timeout, fetch_timeout, persist_wait
         self._clock = clock
         self._secret = secret
-        self._key: bytes | None = None  # this node's replica service's key, made with the service
         self.node_dir: NodeDir | None = None
         self._launcher = None
         self._persister = None
@@ -201,7 +200,7 @@ class CheckpointKeeper:
         addr = self._start_service(info) if multi and self._replicas > 0 else ""
         doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr)
         if addr and self._secret is None:
-            doc["key"] = self._key.hex()  # the round's nodes authenticate to this node's service with it
+            doc["key"] = self._service.key.hex()  # the round's nodes authenticate to this node's service with it
         docs = self._exchange(info.round, {**doc, "group_rank": info.rank}) if multi else {me: doc}
         docs[me] = doc
         keys = {g: self._peer_key(d) for g, d in docs.items()}
@@ -297,13 +296,11 @@ class CheckpointKeeper:
         """Start the replica service at the first multi-node round; return ``host:port`` ("" when off)."""
         if self._service is None and self._launcher is not None:
             host = info.nodes[info.rank].addr if info.nodes else "127.0.0.1"
+            key = self._job_key() if self._secret is not None else None  # None: the service makes a random one
             try:
                 from elaunch.checkpoint.replicas import ReplicaService
 
-                self._key = self._job_key() if self._secret is not None else None
-                service = ReplicaService(self.node_dir.path, host, self._launcher.reaper, key=self._key)
-                self._key = service.key
-                service.set_members([n.addr for n in info.nodes] if info.nodes else None)
+                service = ReplicaService(self.node_dir.path, host, self._launcher.reaper, key=key)
                 service.start()
                 if self._secret is None:
                     log.info("replica service: peers authenticate with keys shared through the rendezvous; set "
@@ -320,6 +317,7 @@ class CheckpointKeeper:
         if service is None or service.port is None:
             return ""
         service.set_members([n.addr for n in info.nodes] if info.nodes else None)  # this round's nodes only
+        # (before this node's document names the port: no peer connects before the child has the list)
         host = service.host
         return f"[{host}]:{service.port}" if ":" in host else f"{host}:{service.port}"
 

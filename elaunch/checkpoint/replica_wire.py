@@ -46,6 +46,7 @@ child uses it as ``wire.slotfile``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -156,8 +157,8 @@ def connect(peer: tuple[str, int], key: bytes, timeout: float, source: str | Non
     """
     try:
         sock = socket.create_connection(peer, timeout=timeout, source_address=(source, 0) if source else None)
-    except OSError:
-        if not source:
+    except OSError as exc:
+        if not source or exc.errno != errno.EADDRNOTAVAIL:
             raise
         sock = socket.create_connection(peer, timeout=timeout)  # that address is not this host's: no binding
     try:

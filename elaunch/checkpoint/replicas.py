@@ -152,7 +152,10 @@ class ReplicaService:
         member (agents on one machine). None (the default until called): any address, still
         authenticated.
         """
-        self._members = None if hosts is None else sorted({str(h) for h in hosts})
+        members = None if hosts is None else sorted({str(h) for h in hosts})
+        if members == self._members and self._listener is not None:
+            return  # the child has this list (a restarted child is handed it again by check())
+        self._members = members
         self._send_conf()
 
     def set_ring(self, peers: list[tuple[str, int, bytes]]) -> None:
