@@ -30,9 +30,9 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 import torch
@@ -153,7 +153,8 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any):
         if not isinstance(obj, torch.Tensor):
-            self.types.add(type(obj))
+            # a class or function held as a value is pickled as a global of its own: it is the key, not its type
+            self.types.add(obj if isinstance(obj, (type, FunctionType, BuiltinFunctionType)) else type(obj))
             return None
         pid = self._seen.get(id(obj))
         if pid is None:

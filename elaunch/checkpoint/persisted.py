@@ -107,12 +107,13 @@ def write_rank_file(directory: str, step: int, rank: int, world_size: int, repli
     return final
 
 
-def load_rank_file(path: str, map_location=None) -> dict:
+def load_rank_file(path: str, map_location=None, *, mmap: bool = False) -> dict:
     """The dict a rank file holds (keys ``step``, ``rank``, ``world_size``, ``replicated``, ``state``).
 
     Uses ``torch.load(weights_only=True)``: whoever wrote the file, loading it runs no
     code; classes of the user's own must be allowed first
-    (``torch.serialization.add_safe_globals``). ``map_location`` is ``torch.load``'s.
+    (``torch.serialization.add_safe_globals``). ``map_location`` and ``mmap`` are ``torch.load``'s
+    (``mmap=True``: the tensors' bytes are not read).
 
     Raises:
         UnsafeStateError: the file needs a class weights-only loading does not allow (the
@@ -124,7 +125,7 @@ def load_rank_file(path: str, map_location=None) -> dict:
     from elaunch.checkpoint import UnsafeStateError, _tree
 
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
@@ -165,7 +166,7 @@ def _is_replicated(path: str) -> bool:
     if key not in _REPLICATED:
         flag = _flag_from_pickle(path)
         if flag is None:  # another payload layout: torch alone, weights-only, reads it
-            flag = bool(load_rank_file(path, map_location="cpu")["replicated"])
+            flag = bool(load_rank_file(path, map_location="cpu", mmap=True)["replicated"])  # no tensor bytes read
         _REPLICATED[key] = flag
     return _REPLICATED[key]
 

@@ -48,7 +48,6 @@ Stdlib only: the agent (no torch) reads headers to know what its node holds.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -136,9 +135,6 @@ def fence(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:  # an exclusive lock elsewhere: the attempt took the spinlock all the same
         pass
-    except OSError as exc:
-        if exc.errno != errno.EWOULDBLOCK:
-            raise
     fcntl.flock(fd, fcntl.LOCK_UN)
 
 

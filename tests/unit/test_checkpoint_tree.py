@@ -91,6 +91,15 @@ def test_a_local_container_type_is_named_when_its_leaves_are_fine():
         _tree.pack({"x": Local(a=torch.ones(1))})
 
 
+def test_a_class_held_as_a_value_is_checked_even_after_an_allowed_one_passed():
+    """The save-time check is skipped only for the same set of types: two classes held as values differ."""
+    import argparse
+
+    _tree.pack({"c": torch.Size, "w": torch.ones(1)})  # torch allows torch.Size
+    with pytest.raises(TypeError, match="Namespace"):
+        _tree.pack({"c": argparse.Namespace, "w": torch.ones(1)})
+
+
 @pytest.mark.parametrize("saved, map_location, want", [
     ("cpu", None, "cpu"),
     ("cuda:1", None, "cuda:1"),
