@@ -33,7 +33,18 @@ import os
 import pickle
 from typing import Any, NamedTuple
 
-__all__ = ["Snapshot", "CheckpointError", "UnsafeStateError", "SnapshotTooLarge", "save", "load", "read_slot"]
+__all__ = ["Snapshot", "CheckpointError", "UnsafeStateError", "SnapshotTooLarge", "save", "load", "read_slot",
+           "SnapshotWriter", "SnapshotReader"]
+
+
+def __getattr__(name: str):
+    """``SnapshotWriter`` and ``SnapshotReader`` (``elaunch.checkpoint.dcp``), imported on first use: they import
+    torch and ``torch.distributed.checkpoint``, which the agent (that imports this package) must not."""
+    if name in ("SnapshotWriter", "SnapshotReader"):
+        from elaunch.checkpoint import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Snapshot(NamedTuple):

@@ -71,6 +71,9 @@ _CRC_AT = 16 + _FIELDS.size
 
 #: ``flags`` bit: the state is the same on every rank (DDP): any rank's snapshot serves any rank.
 REPLICATED = 1
+#: ``flags`` bit: one rank's part of a ``torch.distributed.checkpoint`` save (``elaunch.checkpoint.SnapshotWriter``):
+#: it holds the job's whole layout, so the snapshots of all saved ranks of one step restore any world size.
+RESHARDABLE = 2
 
 
 def data_offset(meta_len: int) -> int:
@@ -95,6 +98,8 @@ class SlotInfo:
         replicated: True when every rank's state is the same (any rank's serves any).
         meta_len, data_len: bytes of meta and tensor data.
         time: when it was committed (seconds since the epoch).
+        reshardable: True for a rank's part of a ``torch.distributed.checkpoint`` save
+            (:data:`RESHARDABLE`): with its step's other ranks' parts it serves any world size.
     """
 
     path: str
@@ -106,6 +111,7 @@ class SlotInfo:
     meta_len: int
     data_len: int
     time: float
+    reshardable: bool = False
 
     @property
     def data_at(self) -> int:
@@ -159,14 +165,16 @@ def begin(buf, fd: int | None = None) -> int:
 
 
 def commit(buf, seq: int, *, step: int, rank: int, world_size: int, replicated: bool, meta_len: int,
-           data_len: int, stamp: float | None = None, fd: int | None = None) -> int:
+           data_len: int, stamp: float | None = None, fd: int | None = None, reshardable: bool = False) -> int:
     """Write the header's fields and checksum, then the even ``seq + 1``: the commit. Return it.
 
     The meta must be at :data:`META_AT` and the data at ``data_offset(meta_len)`` already
     (their stores done, by whichever threads made them, before this call). ``fd``: the
-    file's descriptor, fenced before the even seq (:func:`fence`): pass it.
+    file's descriptor, fenced before the even seq (:func:`fence`): pass it. ``reshardable``: sets
+    :data:`RESHARDABLE`.
     """
-    fields = _FIELDS.pack(step, rank, world_size, REPLICATED if replicated else 0, meta_len, data_len)
+    flags = (REPLICATED if replicated else 0) | (RESHARDABLE if reshardable else 0)
+    fields = _FIELDS.pack(step, rank, world_size, flags, meta_len, data_len)
     stamp = time.time() if stamp is None else stamp
     crc = _crc(fields, stamp, buf[META_AT:META_AT + meta_len])
     buf[_FIELDS_AT:_FIELDS_AT + _FIELDS.size] = fields
@@ -203,7 +211,8 @@ def parse(buf, path: str = "", fd: int | None = None) -> SlotInfo | None:
         fence(fd)  # the fields and the meta before the seq read again
     if seq_of(buf) != seq:  # a writer began while we summed
         return None
-    return SlotInfo(path, seq, step, rank, world, bool(flags & REPLICATED), meta_len, data_len, stamp)
+    return SlotInfo(path, seq, step, rank, world, bool(flags & REPLICATED), meta_len, data_len, stamp,
+                    bool(flags & RESHARDABLE))
 
 
 def still(buf, info: SlotInfo, fd: int | None = None) -> bool:
