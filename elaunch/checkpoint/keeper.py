@@ -8,13 +8,15 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   signal), and by the reaper after a ``kill -9`` of the agent. Without a writable
   ``/dev/shm``: one warning, in-memory checkpoints are off (no variable is set).
 * **each round's restore** (:meth:`CheckpointKeeper.prepare`, before the workers
-  start): what this node holds (``slotfile.inventory``, and the newest complete step
-  in ``--checkpoint-dir``) is exchanged with the round's other nodes through the job
+  start): what this node holds (``slotfile.inventory``, the newest complete step
+  in ``--checkpoint-dir`` and its newest complete DCP directory) is exchanged with the round's other nodes through the job
   channel (one round trip; it returns once every node's document is in, or after
   ``--checkpoint-exchange-timeout`` seconds without the missing ones; a single-node
   round plans from its own inventory), every node runs the same pure
   ``checkpoint.plan.choose`` on the same documents, and this node fetches what its
-  ranks need from peers' memory (``checkpoint.replicas.fetch``) into ``restore/``.
+  ranks need from peers' memory (``checkpoint.replicas.fetch``) into ``restore/``: its
+  ranks' own parts, or, when a ``torch.distributed.checkpoint`` step is resharded to a
+  new world size, every saved rank's part (``SnapshotReader`` reads them all).
   Each worker gets ``ELAUNCH_CHECKPOINT_SHM`` (the directory) and, when the job
   restores, ``ELAUNCH_CHECKPOINT_RESTORE`` (its file) and ``ELAUNCH_CHECKPOINT_STEP``.
   **A fetch that fails** falls back to another holder of the same step (a peer, then
@@ -198,7 +200,7 @@ class CheckpointKeeper:
         me = str(info.rank)
         multi = info.world_size > 1
         addr = self._start_service(info) if multi and self._replicas > 0 else ""
-        doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr)
+        doc = planner.inventory_doc(slotfile.inventory(nd.path), self._persisted(), addr, dcp=self._persisted_dcp())
         if addr and self._secret is None:
             doc["key"] = self._service.key.hex()  # the round's nodes authenticate to this node's service with it
         docs = self._exchange(info.round, {**doc, "group_rank": info.rank}) if multi else {me: doc}
@@ -209,6 +211,10 @@ class CheckpointKeeper:
         plan = self._plan(info, restore, workers, local_world_size)
         if plan.reason:
             log.warning("checkpoint restore: %s", plan.reason)
+        if plan.parts:
+            log.info("checkpoint restore: step %d saved at world size %d is resharded from memory to world size %d "
+                     "(this node gathers every saved rank's part)", plan.step, plan.saved_world_size,
+                     len(plan.sources))
         for line in plan.refused:
             log.warning("checkpoint restore: refused %s", line)
         files = restore.gather(plan) if plan.step is not None else {}
@@ -275,6 +281,18 @@ class CheckpointKeeper:
 
         try:
             return persisted.newest_complete(self._ckpt_dir)
+        except OSError as exc:
+            log.warning("checkpoint restore: cannot read %s (%s)", self._ckpt_dir, exc)
+            return None
+
+    def _persisted_dcp(self) -> tuple[int, str] | None:
+        """``persisted.newest_dcp(--checkpoint-dir)``: the newest complete persisted DCP directory, or None."""
+        if not self._ckpt_dir:
+            return None
+        from elaunch.checkpoint import persisted
+
+        try:
+            return persisted.newest_dcp(self._ckpt_dir)
         except OSError as exc:
             log.warning("checkpoint restore: cannot read %s (%s)", self._ckpt_dir, exc)
             return None

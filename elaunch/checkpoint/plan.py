@@ -13,11 +13,22 @@ The rules:
   different steps. No such step: start fresh (``Plan.step`` is None).
 * **Replicated state** (DDP: every rank saved the same state, ``replicated``):
   any one snapshot of ``S``, anywhere, serves every rank, whatever the world size.
-* **Sharded state** (FSDP, TP: each rank its own): step ``S`` serves only when the
-  new world size equals the saved one and, for every rank ``r``, a snapshot
-  ``(rank r, step S)`` exists somewhere. When the world size changed, memory
-  cannot reshard: if that is the only blocker of a step, ``Plan.reason`` says so
-  (load the persisted checkpoint with ``torch.distributed.checkpoint``, which reshards).
+* **Sharded state** (FSDP, TP: each rank its own): step ``S`` serves, at the
+  cheapest, when the new world size equals the saved one and, for every rank ``r``, a
+  snapshot ``(rank r, step S)`` exists somewhere: each rank restores its own part.
+* **Reshardable state** (saved through ``torch.distributed.checkpoint`` with
+  ``elaunch.checkpoint.SnapshotWriter``: each rank's part holds the job's whole layout,
+  ``reshardable``): when the own-part rule above does not serve, a step ``S`` saved at
+  world size ``Ws`` serves a new world of *any* size once a part of every saved rank
+  ``0 .. Ws-1`` of ``S`` is held in some node's memory (slot or replica). Every node then
+  gathers every saved rank's part into its own memory (``Plan.parts``: per node, each
+  saved rank's best source, own memory first, else a peer, fetches spread as below), and
+  each new rank's file is one of its node's parts: DCP's planner reshards from them. When
+  memory lacks a saved rank's part, a complete persisted DCP directory of ``S`` (a
+  ``disk`` entry flagged ``reshardable``; any rank reads it) serves each node that lists it
+  (or any node, when ``shared``). Other sharded state (``ckpt.save``'s) cannot reshard:
+  when another world size is the only blocker of a step, ``Plan.reason`` says so (load the
+  persisted checkpoint with ``torch.distributed.checkpoint``, which reshards).
 * **Where from**, best first, for a rank that runs on node ``n``: a snapshot in
   ``n``'s own memory (its slot, then a replica it holds) > a peer's memory (slot
   or replica, fetched from that peer) > a persisted file (``disk``). A disk entry
@@ -32,6 +43,8 @@ The rules:
   in ascending order, so one node's copy is not read by every newcomer.
 
 An inventory entry is a :class:`Held`; a rank's source a :class:`Source`.
+When several rules could serve a step, the first of: replicated, own parts, parts
+gathered from memory, a persisted DCP directory.
 """
 
 from __future__ import annotations
@@ -46,8 +59,10 @@ from elaunch.checkpoint.persisted import rank_and_world
 #: Where a snapshot lies: a worker's slot, a replica a peer sent, a persisted torch file.
 SLOT, REPLICA, DISK = "slot", "replica", "disk"
 MEMORY = (SLOT, REPLICA)
-#: Version of the exchanged document (:func:`inventory_doc`).
-DOC_VERSION = 1
+#: Version of the exchanged document (:func:`inventory_doc`). 2: an entry has an 8th field, ``reshardable``;
+#: documents of version 1 (7 fields) are still read, their entries not reshardable.
+DOC_VERSION = 2
+_READ_VERSIONS = (1, 2)
 
 
 class Held(NamedTuple):
@@ -58,8 +73,11 @@ class Held(NamedTuple):
         rank: the global rank that saved it; world_size: the world size then.
         replicated: True when every rank's state was the same (any rank's serves any).
         where: :data:`SLOT`, :data:`REPLICA` or :data:`DISK`.
-        locator: the file's path on its node (a slot file, a replica, a ``.pt`` file).
+        locator: the file's path on its node (a slot file, a replica, a ``.pt`` file, a DCP directory).
         shared: for a disk entry, True when the path is on storage every node sees.
+        reshardable: a rank's part of a ``torch.distributed.checkpoint`` save (``SnapshotWriter``), which
+            with the step's other parts serves any world size; on a disk entry: a complete persisted DCP
+            directory of the step (``rank`` 0, ``world_size`` 0: it serves every rank).
     """
 
     step: int
@@ -69,6 +87,11 @@ class Held(NamedTuple):
     where: str
     locator: str
     shared: bool = False
+    reshardable: bool = False
+
+
+def _is_dcp_dir(h: Held) -> bool:
+    return h.where == DISK and h.reshardable
 
 
 class Source(NamedTuple):
@@ -90,6 +113,11 @@ class Plan:
         reason: why a newer snapshot could not serve ("" when none was blocked that way), for the agent's log.
         refused: one line per replica refused because it is ahead of every node's own snapshots (see the
             module's rules), for the agent's log.
+        parts: when the step is resharded from memory: node -> saved rank -> the :class:`Source` of that
+            saved rank's part the node gathers, for every node and every saved rank (else empty).
+            Each rank's entry in ``sources`` is then one of its node's parts.
+        saved_world_size: the world size the step was saved at, when it is resharded from memory or from a
+            persisted DCP directory whose world size is known (else None).
     """
 
     step: int | None
@@ -97,10 +125,16 @@ class Plan:
     mine: dict[int, Source] = field(default_factory=dict)
     reason: str = ""
     refused: tuple[str, ...] = ()
+    parts: dict[str, dict[int, Source]] = field(default_factory=dict)
+    saved_world_size: int | None = None
 
     def fetches(self, me: str) -> dict[int, Source]:
         """This node's ranks whose source is in another node's memory (to fetch from that peer)."""
         return {r: s for r, s in self.mine.items() if s.node != me}
+
+    def parts_of(self, me: str) -> dict[int, Source]:
+        """Saved rank -> the source of the part node ``me`` gathers ({} unless resharded from memory)."""
+        return self.parts.get(me, {})
 
 
 def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterable[Held]], world_size: int,
@@ -114,8 +148,9 @@ def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterab
         me: this node's id; its ranks' sources are ``Plan.mine``.
 
     Returns:
-        The plan; ``Plan(step=None)`` (with a ``reason`` when a sharded snapshot's world
-        size was the only blocker of a step) when no step serves every rank.
+        The plan; ``Plan(step=None)`` when no step serves every rank. ``reason`` names the
+        newest step that could not serve when that was only for its world size (sharded
+        state saved by ``ckpt.save``) or for a reshardable part in no node's memory.
 
     Raises:
         ValueError: ``ranks_by_node`` does not give each rank of ``0 .. world_size - 1`` exactly one node.
@@ -127,19 +162,31 @@ def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterab
         for h in held[node]:
             by_step.setdefault(h.step, []).append((node, h))
     reason = ""
+    nodes = sorted(set(node_of.values()))  # the nodes that run ranks: each gathers the parts it needs
     for step in sorted(by_step, reverse=True):
-        entries = by_step[step]
-        replicated = [(n, h) for n, h in entries if h.replicated]
-        if replicated:
-            sources = _assign(node_of, lambda r: replicated)
-        else:
-            sources = _sharded(node_of, entries, world_size)
-            if sources is None and not reason:
-                reason = _mismatch(step, entries, world_size)
-        if sources is not None:
-            mine = {r: s for r, s in sources.items() if node_of[r] == me}
-            return Plan(step, sources, mine, refused=refused)
+        sources, parts, saved = _serve(node_of, nodes, by_step[step], world_size)
+        if sources is None:
+            reason = reason or _mismatch(step, by_step[step], world_size)
+            continue
+        mine = {r: s for r, s in sources.items() if node_of[r] == me}
+        return Plan(step, sources, mine, reason, refused, parts, saved)
     return Plan(None, reason=reason, refused=refused)
+
+
+def _serve(node_of: dict[int, str], nodes: list[str], entries: list[tuple[str, Held]], world_size: int):
+    """``(sources, parts, saved world size)`` by the first rule that serves a step (replicated, own parts, parts
+    gathered from memory, a persisted DCP directory); ``(None, {}, None)`` when none does."""
+    replicated = [(n, h) for n, h in entries if h.replicated]
+    if replicated:
+        return _assign(node_of, lambda r: replicated), {}, None
+    sources = _sharded(node_of, entries, world_size)
+    if sources is not None:
+        return sources, {}, None
+    saved, parts = _gathered(nodes, entries)
+    if parts:
+        return _from_parts(node_of, parts, saved), parts, saved
+    dirs = [(n, h) for n, h in entries if _is_dcp_dir(h)]
+    return (_assign(node_of, lambda r: dirs) if dirs else None), {}, None
 
 
 def _without_leading_replicas(held: Mapping[str, Iterable[Held]]) -> tuple[dict[str, list[Held]], tuple[str, ...]]:
@@ -181,17 +228,45 @@ def _sharded(node_of: dict[int, str], entries: list[tuple[str, Held]],
 
 def _assign(node_of: dict[int, str], candidates) -> dict[int, Source] | None:
     """Pick each rank's best source among ``candidates(rank)``; None when a rank has none it can use."""
-    load: dict[str, int] = {}
-    sources: dict[int, Source] = {}
-    for rank in sorted(node_of):
-        best = _best(node_of[rank], candidates(rank), load)
+    picked = _pick([(node_of[rank], rank) for rank in sorted(node_of)], candidates, {})
+    return None if picked is None else {rank: s for (_at, rank), s in picked.items()}
+
+
+def _pick(wants: list[tuple[str, int]], candidates, load: dict[str, int]) -> dict[tuple[str, int], Source] | None:
+    """``(node, key)`` -> the best source for that node among ``candidates(key)``, ``wants`` taken in order,
+    each pick from a peer counted in ``load``; None when one has no source it can use."""
+    out: dict[tuple[str, int], Source] = {}
+    for at, key in wants:
+        best = _best(at, candidates(key), load)
         if best is None:
             return None
         node, h = best
-        if node != node_of[rank]:
+        if node != at:
             load[node] = load.get(node, 0) + 1
-        sources[rank] = Source(node, h.where, h.locator)
-    return sources
+        out[(at, key)] = Source(node, h.where, h.locator)
+    return out
+
+
+def _gathered(nodes: list[str], entries: list[tuple[str, Held]]) -> tuple[int | None, dict[str, dict[int, Source]]]:
+    """``(saved world size, node -> saved rank -> source)`` when a reshardable step's parts of every saved rank
+    are in some node's memory (the largest such world size), else ``(None, {})``."""
+    parts = [(n, h) for n, h in entries if h.reshardable and h.where in MEMORY]
+    for saved in sorted({h.world_size for _, h in parts}, reverse=True):
+        of = [(n, h) for n, h in parts if h.world_size == saved]
+        wants = [(node, r) for node in nodes for r in range(saved)]
+        picked = _pick(wants, lambda r: [(n, h) for n, h in of if h.rank == r], {})
+        if saved <= 0 or picked is None:  # None: a saved rank's part is in no node's memory
+            continue
+        out: dict[str, dict[int, Source]] = {}
+        for (node, r), src in picked.items():
+            out.setdefault(node, {})[r] = src
+        return saved, out
+    return None, {}
+
+
+def _from_parts(node_of: dict[int, str], parts: dict[str, dict[int, Source]], saved: int) -> dict[int, Source]:
+    """Each new rank's file: its node's part of saved rank ``rank % saved`` (its own when it saved one)."""
+    return {rank: parts[node][rank % saved] for rank, node in node_of.items()}
 
 
 def _best(at: str, candidates: list[tuple[str, Held]], load: dict[str, int]) -> tuple[str, Held] | None:
@@ -212,6 +287,10 @@ def _best(at: str, candidates: list[tuple[str, Held]], load: dict[str, int]) -> 
 
 def _mismatch(step: int, entries: list[tuple[str, Held]], world_size: int) -> str:
     """The reason when a sharded ``step`` is whole for another world size (all its ranks held), else ""."""
+    entries = [(n, h) for n, h in entries if not _is_dcp_dir(h)]
+    missing = _missing_parts(entries)
+    if missing:
+        return missing
     for saved in sorted({h.world_size for _, h in entries if h.world_size != world_size}):
         ranks = {h.rank for _, h in entries if h.world_size == saved}
         if ranks >= set(range(saved)):
@@ -220,47 +299,69 @@ def _mismatch(step: int, entries: list[tuple[str, Held]], world_size: int) -> st
     return ""
 
 
+def _missing_parts(entries: list[tuple[str, Held]]) -> str:
+    """The reason when a reshardable step lacks some saved rank's part in memory and no DCP directory serves."""
+    parts = [h for _, h in entries if h.reshardable and h.where in MEMORY]
+    for saved in sorted({h.world_size for h in parts}, reverse=True):
+        lacking = sorted(set(range(saved)) - {h.rank for h in parts if h.world_size == saved})
+        if lacking:
+            shown = ", ".join(map(str, lacking[:8])) + (", ..." if len(lacking) > 8 else "")
+            return (f"reshardable step {entries[0][1].step} of world size {saved}: the part of saved rank(s) "
+                    f"{shown} is in no node's memory, and no complete persisted DCP directory of that step is on "
+                    f"a disk every node reads")
+    return ""
+
+
 def inventory_doc(infos: Iterable[Any], persisted: tuple[int, Mapping[int, str], bool] | None, node_addr: str,
-                  *, shared: bool = False) -> dict:
+                  *, shared: bool = False, dcp: tuple[int, str] | None = None) -> dict:
     """The JSON-safe document a node publishes in the round's exchange: its address and what it holds.
 
     Args:
         infos: the node's committed snapshots (``slotfile.SlotInfo``: ``path``, ``step``, ``rank``,
-            ``world_size``, ``replicated``), e.g. ``slotfile.inventory(node_dir)``; a path in a
-            ``replicas`` directory is a :data:`REPLICA`, any other a :data:`SLOT`.
+            ``world_size``, ``replicated``, ``reshardable``), e.g. ``slotfile.inventory(node_dir)``; a path
+            in a ``replicas`` directory is a :data:`REPLICA`, any other a :data:`SLOT`.
         persisted: ``persisted.newest_complete(dir)``: ``(step, {rank: path}, replicated)`` or None; the
             world size is read from each file's name (``rank_<r>_of_<world_size>.pt``).
         node_addr: the address peers fetch from (the replica service's ``host:port``).
         shared: True when the persisted files are on storage every node sees.
+        dcp: ``persisted.newest_dcp(dir)``: ``(step, path)`` of the newest complete persisted DCP
+            directory, or None; listed as a reshardable :data:`DISK` entry (rank 0, world size 0).
 
     Returns:
-        ``{"v": 1, "addr": node_addr, "held": [[step, rank, world_size, replicated, where, locator, shared], ...]}``.
+        ``{"v": 2, "addr": node_addr, "held": [[step, rank, world_size, replicated, where, locator, shared,
+        reshardable], ...]}``.
     """
     held = []
     for info in infos:
         where = REPLICA if os.path.basename(os.path.dirname(info.path)) == "replicas" else SLOT
-        held.append(Held(info.step, info.rank, info.world_size, bool(info.replicated), where, info.path))
+        held.append(Held(info.step, info.rank, info.world_size, bool(info.replicated), where, info.path,
+                         reshardable=bool(getattr(info, "reshardable", False))))
     if persisted is not None:
         step, paths, replicated = persisted
         for rank, path in sorted(paths.items()):
             named = rank_and_world(path)
             ws = named[1] if named else 0
             held.append(Held(step, rank, ws, bool(replicated), DISK, path, shared))
+    if dcp is not None:
+        step, path = dcp
+        held.append(Held(step, 0, 0, False, DISK, path, shared, True))
     return {"v": DOC_VERSION, "addr": node_addr, "held": [list(h) for h in held]}
 
 
 def held_from_doc(doc: Any) -> list[Held]:
-    """The :class:`Held` entries of a document from :func:`inventory_doc`; malformed entries or documents: skipped."""
-    if not isinstance(doc, dict) or doc.get("v") != DOC_VERSION or not isinstance(doc.get("held"), list):
+    """The :class:`Held` entries of a document from :func:`inventory_doc` (version 1 or 2; a 7-field entry is not
+    reshardable); malformed entries or documents: skipped."""
+    if not isinstance(doc, dict) or doc.get("v") not in _READ_VERSIONS or not isinstance(doc.get("held"), list):
         return []
     out = []
     for e in doc["held"]:
-        if not (isinstance(e, list) and len(e) == 7):
+        if not (isinstance(e, list) and (len(e) == 7 or (len(e) == 8 and doc["v"] >= 2))):
             continue
-        step, rank, ws, replicated, where, locator, shared = e
+        step, rank, ws, replicated, where, locator, shared = e[:7]
+        reshardable = e[7] if len(e) == 8 else False
         if (all(type(x) is int for x in (step, rank, ws)) and where in (SLOT, REPLICA, DISK)
-                and isinstance(locator, str) and isinstance(replicated, bool) and isinstance(shared, bool)):
-            out.append(Held(step, rank, ws, replicated, where, locator, shared))
+                and isinstance(locator, str) and all(isinstance(x, bool) for x in (replicated, shared, reshardable))):
+            out.append(Held(step, rank, ws, replicated, where, locator, shared, reshardable))
     return out
 
 

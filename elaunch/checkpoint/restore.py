@@ -111,10 +111,12 @@ class RoundRestore:
     def gather(self, plan: planner.Plan) -> dict[int, tuple[str, str]]:
         """This node's ranks -> (the file its worker restores, its kind: :data:`MEMORY`, :data:`PEER`,
         :data:`DISK`, or :data:`MISSING` when no holder of the step could be read)."""
+        if plan.parts:
+            return self._gather_parts(plan)
         files = {}
         for rank, source in sorted(plan.mine.items()):
             for cand in [source, *self._alternatives(plan.step, rank, source)]:
-                path = self._obtain(cand, plan.step, rank)
+                path = self._obtain(cand, plan.step, f"r{rank}")
                 if path:
                     files[rank] = (path, source_kind(cand, self._me))
                     break
@@ -124,22 +126,75 @@ class RoundRestore:
                 files[rank] = (os.path.join(self._dir, f"r{rank}"), MISSING)
         return files
 
-    def _alternatives(self, step: int, rank: int, first: planner.Source) -> list[planner.Source]:
-        """Other sources of ``step`` for ``rank``: own memory, peers' memory, own disk, shared disk."""
+    def _gather_parts(self, plan: planner.Plan) -> dict[int, tuple[str, str]]:
+        """Every saved rank's part of the step into this node's memory; each local rank's file one of them.
+
+        The kind is :data:`PEER` for every local rank when some part was fetched, else :data:`MEMORY`;
+        :data:`DISK` when a part could not be had and a persisted DCP directory of the step serves instead.
+        """
+        got: dict[int, tuple[str, str]] = {}
+        lacking = []
+        for saved, source in sorted(plan.parts_of(self._me).items()):
+            for cand in [source, *self._part_alternatives(plan.step, saved, source)]:
+                path = self._obtain(cand, plan.step, f"s{saved}")
+                if path:
+                    got[saved] = (path, source_kind(cand, self._me))
+                    break
+            else:
+                lacking.append(saved)
+        if lacking:
+            for d in self._dirs(plan.step):
+                if os.path.exists(d.locator):
+                    log.warning("checkpoint restore: the part of saved rank(s) %s of step %d could not be had; "
+                                "this node's ranks read the persisted DCP directory %s", lacking, plan.step, d.locator)
+                    return {rank: (d.locator, DISK) for rank in plan.mine}
+            log.error("checkpoint restore: the part of saved rank(s) %s of step %d could not be had from any holder; "
+                      "this node's workers' dcp.load() fails so that no rank resumes from another step",
+                      lacking, plan.step)
+            return {rank: (os.path.join(self._dir, f"r{rank}"), MISSING) for rank in plan.mine}
+        kind = PEER if any(k == PEER for _p, k in got.values()) else MEMORY
+        saved_world = plan.saved_world_size or len(got)
+        return {rank: (got[rank % saved_world][0], kind) for rank in plan.mine}
+
+    def _part_alternatives(self, step: int, saved: int, first: planner.Source) -> list[planner.Source]:
+        """Other holders of saved rank ``saved``'s reshardable part of ``step`` in memory: own first, then peers."""
         found = []
         for node in sorted(self.held, key=int):
             for h in self.held[node]:
-                if h.step != step or not (h.replicated or h.rank == rank):
+                if h.step == step and h.rank == saved and h.reshardable and h.where in planner.MEMORY:
+                    src = planner.Source(node, h.where, h.locator)
+                    if src != first and src not in found:
+                        found.append(src)
+        return sorted(found, key=lambda s: s.node != self._me)
+
+    def _dirs(self, step: int) -> list[planner.Source]:
+        """The persisted DCP directories of ``step`` this node reads: its own, then shared ones of others."""
+        found = [planner.Source(node, h.where, h.locator) for node in sorted(self.held, key=int)
+                 for h in self.held[node] if h.step == step and h.where == planner.DISK and h.reshardable
+                 and (node == self._me or h.shared)]
+        return sorted(found, key=lambda s: s.node != self._me)
+
+    def _alternatives(self, step: int, rank: int, first: planner.Source) -> list[planner.Source]:
+        """Other sources of ``step`` for ``rank``: own memory, peers' memory, own disk, shared disk; when ``first`` is
+        a persisted DCP directory, only other such directories (a part alone serves no other world size)."""
+        dirs = self._dirs(step)
+        if first in dirs:
+            return [d for d in dirs if d != first]
+        found = []
+        for node in sorted(self.held, key=int):
+            for h in self.held[node]:
+                if h.step != step or not (h.replicated or h.rank == rank) or (h.where == planner.DISK and h.reshardable):
                     continue
                 if h.where == planner.DISK and not (node == self._me or h.shared):
                     continue
                 src = planner.Source(node, h.where, h.locator)
                 if src != first and src not in found:
                     found.append(src)
+        found += [d for d in dirs if d != first]  # a whole DCP save of the step: it serves any rank
         return sorted(found, key=lambda s: (s.where == planner.DISK, s.node != self._me))
 
-    def _obtain(self, source: planner.Source, step: int, rank: int) -> str:
-        """The local path of ``source``'s snapshot (fetched into ``restore/r<rank>`` from a peer's memory), or ""."""
+    def _obtain(self, source: planner.Source, step: int, name: str) -> str:
+        """The local path of ``source``'s snapshot (fetched into ``restore/<name>`` from a peer's memory), or ""."""
         if source.where == planner.DISK or source.node == self._me:
             return source.locator if os.path.exists(source.locator) else ""
         saved = next((h.rank for h in self.held.get(source.node, ()) if h.locator == source.locator), None)
@@ -147,6 +202,6 @@ class RoundRestore:
         key = self._keys.get(source.node)
         if saved is None or not host or not port.isdigit() or not key:
             return ""
-        dest = os.path.join(self._dir, f"r{rank}")
+        dest = os.path.join(self._dir, name)
         ok = self._fetch(host.strip("[]"), int(port), saved, step, dest, self._timeout, key=key, source=self._source)
         return dest if ok else ""

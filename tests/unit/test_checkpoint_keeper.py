@@ -306,3 +306,114 @@ def test_the_status_record_is_published_every_few_seconds_one_write_at_a_time(tm
     wait.join(5)
     assert calls == ["checkpoint", "checkpoint"]
     k.close()
+
+
+# -- resharding a torch.distributed.checkpoint step (SnapshotWriter's parts, flagged reshardable) ---------------
+
+def write_part(path: str, step: int, rank: int, world_size: int) -> None:
+    """A reshardable part of ``rank`` at ``step`` (the header as ``SnapshotWriter`` commits it; the meta is text)."""
+    write_slot(path, step, rank=rank, world_size=world_size)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        import mmap
+
+        with mmap.mmap(fd, os.fstat(fd).st_size) as buf:
+            info = slotfile.parse(buf, path)
+            seq = slotfile.begin(buf)
+            slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=False,
+                            meta_len=info.meta_len, data_len=info.data_len, reshardable=True)
+    finally:
+        os.close(fd)
+    assert slotfile.read_info(path).reshardable
+
+
+def test_a_shrink_restores_each_local_rank_from_the_parts_in_its_nodes_memory(tmp_path):
+    """World 4 saved step 5 (two nodes); the survivor alone holds its slots and the peer's replicas: world 2."""
+    lines: list = []
+    k = keeper(tmp_path, LocalJobChannel(), lines)
+    shm = k.node_dir.path
+    slots = [slotfile.slot_paths(shm, lr)[0] for lr in (0, 1)]
+    for r in (0, 1):
+        write_part(slots[r], 5, r, 4)
+        write_part(os.path.join(shm, "replicas", f"r{r + 2}"), 5, r + 2, 4)
+    write_part(slotfile.slot_paths(shm, 0)[1], 4, 0, 4)  # an older step of rank 0: not complete
+    k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(0) == {ENV_SHM: shm, ENV_RESTORE: slots[0], ENV_STEP: "5"}
+    assert k.env(1) == {ENV_SHM: shm, ENV_RESTORE: slots[1], ENV_STEP: "5"}
+    (event,) = [json.loads(x) for x in lines if b"checkpoint_restore" in x]
+    assert event["sources"] == {"0": "memory", "1": "memory"}
+    k.close()
+
+
+def _grow_docs(tmp_path, peer_parts=((0, "/a/slots/0.0"), (1, "/a/slots/1.0")), extra=()):
+    return {"0": {"v": 2, "addr": "10.0.0.1:5", "held": [[5, r, 2, False, "slot", p, False, True]
+                                                          for r, p in peer_parts]},
+            "1": {"v": 2, "addr": "", "held": [list(e) for e in extra]}}
+
+
+def test_a_grow_fetches_every_saved_rank_s_part_into_restore(tmp_path):
+    calls = []
+
+    def fetch(host, port, rank, step, dest, timeout, *, key, source=None):
+        calls.append((host, rank, step, os.path.basename(dest)))
+        open(dest, "wb").close()
+        return True
+
+    restore = R.RoundRestore(_grow_docs(tmp_path), "1", str(tmp_path), 1.0, fetch=fetch, keys=KEYS)
+    plan = restore.plan({"0": [0, 1], "1": [2, 3]}, 4)
+    assert plan.step == 5 and plan.saved_world_size == 2
+    files = restore.gather(plan)
+    assert calls == [("10.0.0.1", 0, 5, "s0"), ("10.0.0.1", 1, 5, "s1")]  # the whole step, by saved rank
+    assert files == {2: (str(tmp_path / "s0"), R.PEER), 3: (str(tmp_path / "s1"), R.PEER)}
+
+
+def test_a_part_a_holder_cannot_give_comes_from_another_holder_of_it(tmp_path):
+    docs = _grow_docs(tmp_path)
+    docs["2"] = {"v": 2, "addr": "10.0.0.3:5", "held": [[5, 1, 2, False, "replica", "/c/replicas/r1", False, True]]}
+    calls = []
+
+    def fetch(host, port, rank, step, dest, timeout, *, key, source=None):
+        calls.append((host, rank))
+        if (host, rank) == ("10.0.0.3", 1):
+            return False  # the least-picked holder of part 1 is gone
+        open(dest, "wb").close()
+        return True
+
+    restore = R.RoundRestore(docs, "1", str(tmp_path), 1.0, fetch=fetch, keys=KEYS)
+    files = restore.gather(restore.plan({"0": [0], "1": [1], "2": [2]}, 3))
+    assert calls == [("10.0.0.1", 0), ("10.0.0.3", 1), ("10.0.0.1", 1)]
+    assert files == {1: (str(tmp_path / "s1"), R.PEER)}
+
+
+def test_a_part_no_holder_can_give_is_read_from_this_nodes_dcp_directory_else_missing(tmp_path):
+    d = tmp_path / "dcp" / "step_000000000005"
+    d.mkdir(parents=True)
+    own_dir = (5, 0, 0, False, "disk", str(d), False, True)
+    restore = R.RoundRestore(_grow_docs(tmp_path, extra=[own_dir]), "1", str(tmp_path), 1.0,
+                             fetch=lambda *a, **k: False, keys=KEYS)
+    plan = restore.plan({"0": [0, 1], "1": [2, 3]}, 4)
+    assert plan.parts  # memory holds every part: the plan gathers; the fetch fails, the directory serves
+    assert restore.gather(plan) == {2: (str(d), R.DISK), 3: (str(d), R.DISK)}
+    restore = R.RoundRestore(_grow_docs(tmp_path), "1", str(tmp_path), 1.0, fetch=lambda *a, **k: False, keys=KEYS)
+    files = restore.gather(restore.plan({"0": [0, 1], "1": [2, 3]}, 4))
+    assert files == {2: (str(tmp_path / "r2"), R.MISSING), 3: (str(tmp_path / "r3"), R.MISSING)}
+
+
+def test_a_step_memory_lacks_a_part_of_is_restored_from_the_persisted_dcp_directory(tmp_path):
+    """Only rank 0's part survived in memory; the newest complete DCP directory in --checkpoint-dir serves."""
+    lines: list = []
+    k = keeper(tmp_path, LocalJobChannel(), lines)
+    ckpt_dir = tmp_path / "ckpt"
+    done, torn = ckpt_dir / "dcp" / "step_000000000005", ckpt_dir / "dcp" / "step_000000000006"
+    for d in (done, torn):
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x")
+    (done / ".metadata").write_bytes(b"m")  # step 6 has no .metadata: not complete
+    k._ckpt_dir = str(ckpt_dir)  # after open(): no persister process for this test
+    write_part(slotfile.slot_paths(k.node_dir.path, 0)[0], 5, 0, 2)
+    k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
+    assert k.env(0)[ENV_RESTORE] == k.env(1)[ENV_RESTORE] == str(done) and k.env(0)[ENV_STEP] == "5"
+    (event,) = [json.loads(x) for x in lines if b"checkpoint_restore" in x]
+    assert event["sources"] == {"0": "disk", "1": "disk"}
+    k._ckpt_dir = None
+    k.close()

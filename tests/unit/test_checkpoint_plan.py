@@ -26,6 +26,16 @@ def shard(step, rank, ws, where=SLOT, loc=None, shared=False):
     return Held(step, rank, ws, False, where, loc or f"{where}/{rank}@{step}", shared)
 
 
+def part(step, rank, ws, where=SLOT, loc=None):
+    """A reshardable part (``SnapshotWriter``) of ``rank`` saved at world size ``ws``."""
+    return Held(step, rank, ws, False, where, loc or f"{where}/{rank}@{step}", False, True)
+
+
+def dcp_dir(step, loc=None, shared=False):
+    """A complete persisted DCP directory of ``step`` (serves every rank)."""
+    return Held(step, 0, 0, False, DISK, loc or f"dcp/step_{step}", shared, True)
+
+
 TWO = {"a": [0, 1], "b": [2, 3]}
 
 # (name, ranks_by_node, held, world_size, expected step, {rank: (node, where)} or None, reason substring)
@@ -92,9 +102,41 @@ CASES = [
      {"a": [0, 1], "c": [2]}, {"a": [shard(5, r, 4) for r in range(3)]}, 3, None, None, ""),
     ("sharded: a shard of another world size never serves the same rank number",
      {"a": [0, 1]}, {"a": [shard(5, 0, 2), shard(5, 1, 3)]}, 2, None, None, ""),
-    ("sharded: an older step saved at this world size serves",
+    ("sharded: an older step saved at this world size serves; the reason names the newer one's world size",
      {"a": [0, 1]}, {"a": [shard(9, r, 4) for r in range(4)] + [shard(3, 0, 2), shard(3, 1, 2, DISK)]}, 2, 3,
-     {0: ("a", SLOT), 1: ("a", DISK)}, ""),
+     {0: ("a", SLOT), 1: ("a", DISK)}, "sharded snapshot of step 9 of world size 4 cannot serve world size 2"),
+    ("reshardable, shrink 4 -> 2: the survivor's slots and replicas hold every saved rank's part",
+     {"a": [0, 1]}, {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 2, 4, REPLICA), part(5, 3, 4, REPLICA)]}, 2, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT)}, ""),
+    ("reshardable, grow 2 -> 4: the new node's ranks get the peer's parts",
+     TWO, {"a": [part(5, 0, 2), part(5, 1, 2)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", SLOT), 3: ("a", SLOT)}, ""),
+    ("reshardable, unchanged world size with every own part: the own-part plan",
+     TWO, {"a": [part(5, 0, 4), part(5, 1, 4)], "b": [part(5, 2, 4), part(5, 3, 4)]}, 4, 5,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("b", SLOT), 3: ("b", SLOT)}, ""),
+    ("reshardable: a part in no memory: the complete DCP directory of the step, on every node's disk",
+     {"a": [0, 1]}, {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 2, 4, REPLICA), dcp_dir(5)]}, 2, 5,
+     {0: ("a", DISK), 1: ("a", DISK)}, ""),
+    ("reshardable: a part in no memory, a shared DCP directory serves the other node too",
+     TWO, {"a": [part(5, 0, 2), dcp_dir(5, shared=True)]}, 4, 5,
+     {0: ("a", DISK), 1: ("a", DISK), 2: ("a", DISK), 3: ("a", DISK)}, ""),
+    ("reshardable: a part in no memory, another node's unshared DCP directory serves nobody else: the older step",
+     TWO, {"a": [part(5, 0, 2), dcp_dir(5), part(4, 0, 2), part(4, 1, 2)]}, 4, 4,
+     {0: ("a", SLOT), 1: ("a", SLOT), 2: ("a", SLOT), 3: ("a", SLOT)},
+     "reshardable step 5 of world size 2: the part of saved rank(s) 1 is in no node's memory"),
+    ("reshardable: a part in no memory and no DCP directory: fresh, with the reason",
+     {"a": [0, 1]}, {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 3, 4, REPLICA)]}, 2, None, None,
+     "reshardable step 5 of world size 4: the part of saved rank(s) 2 is in no node's memory, and no complete "
+     "persisted DCP directory of that step is on a disk every node reads"),
+    ("reshardable: parts of every rank only as replicas ahead of the own step are refused; the own step reshards",
+     {"a": [0]}, {"a": [part(6, 0, 2), part(6, 1, 2, REPLICA), part(10**9, 0, 2, REPLICA),
+                        part(10**9, 1, 2, REPLICA)]}, 1, 6, {0: ("a", SLOT)}, ""),
+    ("reshardable: a DCP directory of a newer step than memory's complete one wins",
+     {"a": [0, 1]}, {"a": [dcp_dir(9), part(7, 0, 4), part(7, 1, 4), part(7, 2, 4), part(7, 3, 4)]}, 2, 9,
+     {0: ("a", DISK), 1: ("a", DISK)}, ""),
+    ("sharded (ckpt.save, not reshardable) parts of every rank still cannot reshard",
+     {"a": [0, 1]}, {"a": [shard(5, r, 4) for r in range(4)]}, 2, None, None,
+     "sharded snapshot of step 5 of world size 4 cannot serve world size 2"),
     ("sharded: own disk shards are used when memory is gone",
      {"a": [0], "b": [1]}, {"a": [shard(5, 0, 2, DISK)], "b": [shard(5, 1, 2, DISK)]}, 2, 5,
      {0: ("a", DISK), 1: ("b", DISK)}, ""),
@@ -112,6 +154,36 @@ def test_choose(name, ranks, held, ws, step, sources, reason):
         assert {r: (s.node, s.where) for r, s in got.sources.items()} == sources
         assert got.mine == {r: s for r, s in got.sources.items() if r in ranks[me]}
     assert reason in got.reason and bool(got.reason) == bool(reason)
+
+
+def test_a_shrink_gathers_every_saved_rank_on_the_survivor_from_its_own_memory():
+    held = {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 2, 4, REPLICA), part(5, 3, 4, REPLICA)]}
+    got = choose({"a": [0, 1]}, held, 2, "a")
+    assert got.saved_world_size == 4
+    assert got.parts == {"a": {0: Source("a", SLOT, "slot/0@5"), 1: Source("a", SLOT, "slot/1@5"),
+                               2: Source("a", REPLICA, "replica/2@5"), 3: Source("a", REPLICA, "replica/3@5")}}
+    assert got.sources == {0: got.parts["a"][0], 1: got.parts["a"][1]}  # each new rank's file: a part of its node
+
+
+def test_a_grow_has_every_node_gather_every_part_fetches_spread_over_the_holders():
+    held = {"a": [part(5, 0, 2), part(5, 1, 2)], "b": [part(5, 0, 2, REPLICA), part(5, 1, 2, REPLICA)], "new": []}
+    ranks = {"a": [0, 1], "b": [2, 3], "new": [4, 5]}
+    plans = {me: choose(ranks, held, 6, me) for me in ranks}
+    assert len({repr(sorted(p.parts.items())) for p in plans.values()}) == 1  # every node computes the same
+    got = plans["new"]
+    assert {n: {r: (s.node, s.where) for r, s in ps.items()} for n, ps in got.parts.items()} == {
+        "a": {0: ("a", SLOT), 1: ("a", SLOT)}, "b": {0: ("b", REPLICA), 1: ("b", REPLICA)},
+        "new": {0: ("a", SLOT), 1: ("b", REPLICA)}}  # the newcomer's two fetches go to two peers
+    assert got.parts_of("new") == got.parts["new"] and got.parts_of("nobody") == {}
+    assert {r: s.node for r, s in got.mine.items()} == {4: "a", 5: "b"}  # rank 4: part 0, rank 5: part 1
+
+
+def test_an_unchanged_world_with_every_own_part_gathers_nothing():
+    held = {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 2, 4, REPLICA), part(5, 3, 4, REPLICA)],
+            "b": [part(5, 2, 4), part(5, 3, 4)]}
+    got = choose(TWO, held, 4, "b")
+    assert got.parts == {} and got.saved_world_size is None
+    assert got.mine == {2: Source("b", SLOT, "slot/2@5"), 3: Source("b", SLOT, "slot/3@5")}
 
 
 def test_every_node_computes_the_same_plan_and_fetches_only_from_peers():
@@ -162,7 +234,22 @@ def test_inventory_doc_round_trips_through_json():
     assert plan.held_from_doc(plan.inventory_doc([], None, "")) == []
 
 
-@pytest.mark.parametrize("doc", [None, [], {"v": 2, "held": []}, {"v": 1}, {"v": 1, "held": "x"},
+def test_a_reshardable_part_and_a_dcp_directory_round_trip_through_json():
+    infos = [SlotInfo("/dev/shm/d/slots/0.1", 2, 7, 0, 4, False, 10, 20, 1.0, True)]
+    doc = json.loads(json.dumps(plan.inventory_doc(infos, None, "h:1", dcp=(6, "/ck/dcp/step_000000000006"))))
+    assert doc["v"] == plan.DOC_VERSION == 2
+    assert plan.held_from_doc(doc) == [Held(7, 0, 4, False, SLOT, "/dev/shm/d/slots/0.1", False, True),
+                                       Held(6, 0, 0, False, DISK, "/ck/dcp/step_000000000006", False, True)]
+
+
+def test_an_older_document_of_seven_field_entries_is_read_as_not_reshardable():
+    old = {"v": 1, "addr": "h:1", "held": [[7, 0, 2, False, "slot", "/a/slots/0.0", False]]}
+    assert plan.held_from_doc(old) == [Held(7, 0, 2, False, SLOT, "/a/slots/0.0", False, False)]
+    assert plan.held_from_doc({"v": 1, "held": [[7, 0, 2, False, "slot", "/a", False, True]]}) == []
+
+
+@pytest.mark.parametrize("doc", [None, [], {"v": 3, "held": [[1, 0, 2, True, "slot", "p", False]]}, {"v": 1},
+                                 {"v": 1, "held": "x"}, {"v": 2, "held": [[1, 0, 2, True, "slot", "p", False, 1]]},
                                  {"v": 1, "held": [[1, 0, 2, True, "cloud", "p", False]]},
                                  {"v": 1, "held": [[1.5, 0, 2, True, "slot", "p", False]]},
                                  {"v": 1, "held": [[1, 0, 2, True, "slot", "p"]]}])
