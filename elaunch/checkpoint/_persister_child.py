@@ -99,6 +99,8 @@ class NodePersister:
         if pick is None:
             return None
         step, slots = pick
+        if all(i.reshardable for i in slots):  # DCP parts: an ordinary DCP directory
+            return self._persist_dcp(step, slots)
         todo = [i for i in slots if (step, i.rank, i.world_size) not in self._written
                 and not os.path.exists(persisted.rank_file(self.ckpt_dir, step, i.rank, i.world_size))]
         if not todo:
@@ -116,13 +118,63 @@ class NodePersister:
         persisted.prune(self.ckpt_dir, step if previous is None else previous[0])  # the previous one stays
         return step, persisted.step_dir(self.ckpt_dir, step), time.monotonic() - began
 
+    def _persist_dcp(self, step: int, slots: list[slotfile.SlotInfo]) -> tuple[int, str, float] | None:
+        """Write this node's ranks' parts of a DCP save into ``dcp/step_<step>/``; its ``.metadata`` once all are there.
+
+        A chunk a sidecar of the same save already holds (a replicated tensor another rank
+        wrote) is not written again. Older DCP steps are pruned once a newer one is complete.
+
+        Returns:
+            As :meth:`persist_once`: ``(step, step_dir, seconds)`` when this node's files were written.
+
+        Raises:
+            OSError: a file cannot be written. RuntimeError: a part holds no whole layout, or
+            the parts of a whole save leave a chunk out.
+        """
+        from elaunch.checkpoint import persisted
+        from elaunch.checkpoint.dcp import FORMAT, persisted_dir
+
+        d = persisted_dir(self.ckpt_dir, step)
+        if os.path.exists(os.path.join(d, persisted.DCP_METADATA)):
+            return None  # complete: nothing is rewritten in it
+        have = persisted.read_sidecars(d)
+        todo = [i for i in slots if (step, i.rank, i.world_size) not in self._written
+                and have.get(i.rank, {}).get("world_size") != i.world_size]
+        began = time.monotonic()
+        for info in todo:
+            state = _read(info)
+            if state is None:
+                return None  # overwritten since chosen: the next persist takes the newer step
+            if not (isinstance(state, dict) and state.get("format") == FORMAT):
+                raise RuntimeError(f"rank {info.rank}'s snapshot of step {step} is flagged DCP but is not a DCP part")
+            layout = state["layout"]
+            if layout.get("partial"):
+                raise RuntimeError(f"rank {info.rank}'s DCP part of step {step} holds its own layout only (the save's "
+                                   "planner dropped SnapshotWriter's storage data): not persisted")
+            skip = persisted.held_keys(persisted.read_sidecars(d), info.world_size, persisted.layout_digest(layout))
+            path = persisted.write_dcp_part(self.ckpt_dir, step, info.rank, info.world_size, layout,
+                                            state["items"], skip, time=info.time)
+            del state
+            _remove_stale_temporaries(path)
+            _remove_stale_temporaries(os.path.join(d, persisted.dcp_sidecar_name(info.rank)))
+            self._written.add((step, info.rank, info.world_size))
+        try:
+            persisted.finish_dcp_step(self.ckpt_dir, step)
+        except ValueError as exc:
+            raise RuntimeError(f"step {step}: {exc}") from exc
+        keep = persisted.newest_dcp(self.ckpt_dir, at_most=step)
+        persisted.prune_dcp(self.ckpt_dir, step if keep is None else keep[0])  # a complete one stays until superseded
+        return (step, d, time.monotonic() - began) if todo else None
+
 
 def _read(info: slotfile.SlotInfo):
     """The state in ``info``'s slot if it still holds that very commit, else None."""
-    from elaunch.checkpoint import CheckpointError, read_slot
+    from elaunch.checkpoint import CheckpointError, Snapshot, _tree
+    from elaunch.checkpoint._read import read as read_slot_file
 
-    try:
-        snap = read_slot(info.path)
+    try:  # a DTensor is written as a dict of primitives and its local shard: this process has no mesh
+        got, state = read_slot_file(info.path, "cpu", dtensors=_tree.as_entry)
+        snap = Snapshot(got.step, state)
     except CheckpointError:  # written to while read (seqlock), or emptied; other errors are reported
         return None
     except (AttributeError, ImportError) as exc:  # unpickling the structure needs the state's classes

@@ -234,3 +234,304 @@ def steps_on_disk(directory: str) -> list[int]:
         return [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(directory)) if m]
     except FileNotFoundError:
         return []
+
+
+# -- the persisted DCP directory (``torch.distributed.checkpoint`` saves through ``SnapshotWriter``) ---------------
+#
+#     DIR/dcp/step_<step:012d>/                    (``elaunch.checkpoint.dcp.persisted_dir``)
+#         __<rank>_0.distcp                        one per saved rank, as DCP's FileSystemWriter writes it
+#         .metadata                                DCP's Metadata (pickle), written last: the step is complete
+#         .__<rank>_0.index.json                   sidecar: where each of the rank's items lies in its file
+#         .layout-<digest>.json                    the job's layout (the same in every rank's snapshot)
+#
+# Each node's persister writes its own ranks' files and sidecars; whichever persister finds the
+# sidecars of every rank ``0 .. world_size-1`` (one world size, one layout) writes ``.metadata``.
+# A chunk another sidecar of the step already holds (a replicated tensor, saved by every rank)
+# is not written again, and ``.metadata`` points each chunk at the lowest rank's file holding it.
+
+_DCP_SIDECAR = re.compile(r"^\.__(\d+)_0\.index\.json$")
+#: The ``format`` of a sidecar.
+DCP_INDEX_FORMAT = "elaunch.dcp-index/1"
+DCP_METADATA = ".metadata"
+
+
+def dcp_data_name(rank: int) -> str:
+    """The name of ``rank``'s data file in a DCP step directory (FileSystemWriter's, one file per rank)."""
+    return f"__{rank}_0.distcp"
+
+
+def dcp_sidecar_name(rank: int) -> str:
+    """The name of ``rank``'s sidecar (its items' places in its data file) in a DCP step directory."""
+    return f".__{rank}_0.index.json"
+
+
+def layout_digest(layout: Any) -> str:
+    """A digest of a DCP snapshot's layout (primitives): ranks of one save share it."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _layout_name(digest: str) -> str:
+    return f".layout-{digest[:32]}.json"
+
+
+def _atomic_write(path: str, write) -> None:
+    """``write(f)`` into ``.NAME.tmp-<pid>`` beside ``path``, fsync, rename onto ``path`` (nothing torn is left)."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _make_dirs(path: str) -> None:
+    """``os.makedirs`` with each directory made fsynced into its parent."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        _make_dirs(parent)
+    if not os.path.isdir(path):
+        os.makedirs(path, exist_ok=True)
+        _fsync_dir(parent)
+
+
+def read_sidecars(step_dir_path: str) -> dict[int, dict]:
+    """The sidecars in a DCP step directory, by rank (unreadable or foreign ones left out)."""
+    import json
+
+    found: dict[int, dict] = {}
+    try:
+        names = os.listdir(step_dir_path)
+    except OSError:
+        return found
+    for name in names:
+        m = _DCP_SIDECAR.match(name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(step_dir_path, name), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("format") == DCP_INDEX_FORMAT and doc.get("rank") == int(m.group(1)):
+            found[int(m.group(1))] = doc
+    return found
+
+
+def _key(fqn: str, offsets) -> tuple:
+    return (fqn, None if offsets is None else tuple(offsets))
+
+
+def held_keys(sidecars: dict[int, dict], world_size: int, digest: str) -> set[tuple]:
+    """The ``(fqn, offsets or None)`` of every item the sidecars of one save (world size, layout) hold."""
+    return {_key(fqn, offs) for doc in sidecars.values()
+            if doc.get("world_size") == world_size and doc.get("layout") == digest
+            for fqn, offs, _at, _len in doc.get("items", ())}
+
+
+def whole_save(sidecars: dict[int, dict]) -> tuple[int, str, dict[int, dict]] | None:
+    """``(world_size, layout digest, {rank: sidecar})`` of a save every rank ``0 .. world_size-1`` has a sidecar of.
+
+    Sidecars of another world size or layout (a step saved again after a restart) are left
+    aside; when two saves are whole, the one with the newer commits is taken.
+    """
+    groups: dict[tuple[int, str], dict[int, dict]] = {}
+    for rank, doc in sidecars.items():
+        world, digest = doc.get("world_size"), doc.get("layout")
+        if isinstance(world, int) and isinstance(digest, str) and 0 <= rank < world:
+            groups.setdefault((world, digest), {})[rank] = doc
+    whole = [(min(float(d.get("time", 0)) for d in docs.values()), key, docs) for key, docs in groups.items()
+             if len(docs) == key[0]]
+    if not whole:
+        return None
+    _t, (world, digest), docs = max(whole, key=lambda w: w[0])
+    return world, digest, docs
+
+
+def dcp_storage(layout: dict, sidecars: dict[int, dict]) -> dict[tuple, tuple[str, int, int]]:
+    """Where each chunk of ``layout`` lies: ``{(fqn, offsets or None): (file name, offset, length)}``.
+
+    The lowest rank's file holding a chunk is taken.
+
+    Raises:
+        ValueError: a chunk of the layout is in no sidecar (named), or the layout is malformed.
+    """
+    where: dict[tuple, tuple[str, int, int]] = {}
+    for rank in sorted(sidecars, reverse=True):  # the lowest rank's last: it wins
+        doc = sidecars[rank]
+        for fqn, offs, at, length in doc["items"]:
+            where[_key(fqn, offs)] = (doc["file"], int(at), int(length))
+    storage, missing = {}, []
+    for fqn, entry in layout["fqns"].items():
+        keys = [(fqn, None)] if entry[0] == "bytes" else [(fqn, tuple(offs)) for offs, _sizes in entry[3]]
+        for key in keys:
+            if key in where:
+                storage[key] = where[key]
+            else:
+                missing.append(f"{fqn} at {list(key[1]) if key[1] is not None else 'bytes'}")
+    if missing:
+        raise ValueError(f"{len(missing)} chunk(s) of the layout are in no rank's file ({', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''})")
+    return storage
+
+
+def write_dcp_part(directory: str, step: int, rank: int, world_size: int, layout: dict, items: list,
+                   skip: set[tuple] = frozenset(), time: float = 0.0) -> str:
+    """Write one rank's part of a DCP save as FileSystemWriter does, then its sidecar; return the data file's path.
+
+    Args:
+        directory: the checkpoint directory (``--checkpoint-dir``); the step's directory is made.
+        step, rank, world_size: the save's. layout: the job's layout (``SnapshotWriter``'s, primitives).
+        items: ``[fqn, offsets or None, tensor]`` (a bytes item is a uint8 tensor, offsets None), CPU tensors.
+        skip: ``(fqn, offsets or None)`` of items another rank's file of this save holds already.
+        time: the snapshot's commit time (seconds since the epoch), kept in the sidecar.
+
+    Bytes items come first, raw; then each tensor, ``torch.save``d (DCP's TORCH_SAVE format).
+    The data file and the sidecar are each written to a temporary name, fsynced and renamed.
+
+    Raises:
+        OSError: the file system refused; no partial file is left under a final name.
+    """
+    import json
+
+    import torch
+
+    from elaunch.checkpoint.dcp import persisted_dir
+
+    d = persisted_dir(directory, step)
+    _make_dirs(d)
+    digest = layout_digest(layout)
+    layout_path = os.path.join(d, _layout_name(digest))
+    if not os.path.exists(layout_path):
+        _atomic_write(layout_path, lambda f: f.write(json.dumps(layout, sort_keys=True).encode()))
+    todo = [it for it in items if _key(it[0], it[1]) not in skip]
+    todo.sort(key=lambda it: it[1] is not None)  # bytes first, as FileSystemWriter writes them
+    index: list = []
+
+    def write(f) -> None:
+        for fqn, offsets, t in todo:
+            at = f.tell()
+            if offsets is None:
+                f.write(t.contiguous().numpy().tobytes())
+            else:
+                t = t.detach().cpu()
+                if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    t = t.clone()  # as DCP's loader does: torch.save writes a view's whole storage
+                torch.save(t, f)
+            index.append([fqn, offsets, at, f.tell() - at])
+
+    data = os.path.join(d, dcp_data_name(rank))
+    _atomic_write(data, write)
+    doc = {"format": DCP_INDEX_FORMAT, "step": step, "rank": rank, "world_size": world_size, "layout": digest,
+           "file": dcp_data_name(rank), "size": os.path.getsize(data), "time": time, "items": index}
+    _atomic_write(os.path.join(d, dcp_sidecar_name(rank)), lambda f: f.write(json.dumps(doc).encode()))
+    _fsync_dir(d)
+    return data
+
+
+def finish_dcp_step(directory: str, step: int) -> bool:
+    """Write the step's ``.metadata`` once every saved rank's sidecar is there; True when the step is complete.
+
+    Idempotent: two persisters doing it write the same file (each renames its own temporary).
+    Nothing is written while a rank's sidecar is missing, its data file is not the size it
+    records, or the layout's file is missing.
+
+    Raises:
+        OSError: the file system refused.
+        ValueError: the sidecars of a whole save leave a chunk of the layout out (named).
+    """
+    import json
+    import pickle as pickle_mod
+
+    from elaunch.checkpoint.dcp import persisted_dir
+
+    d = persisted_dir(directory, step)
+    if os.path.exists(os.path.join(d, DCP_METADATA)):
+        return True
+    whole = whole_save(read_sidecars(d))
+    if whole is None:
+        return False
+    _world, digest, docs = whole
+    for doc in docs.values():
+        try:
+            if os.path.getsize(os.path.join(d, doc["file"])) != doc["size"]:
+                return False  # rewritten since (its new sidecar is not there yet)
+        except OSError:
+            return False
+    try:
+        with open(os.path.join(d, _layout_name(digest)), encoding="utf-8") as f:
+            layout = json.load(f)
+    except OSError:
+        return False
+    metadata = dcp_metadata(layout, docs, digest)
+    _atomic_write(os.path.join(d, DCP_METADATA), lambda f: pickle_mod.dump(metadata, f))
+    _fsync_dir(d)
+    return True
+
+
+def dcp_metadata(layout: dict, sidecars: dict[int, dict], digest: str = ""):
+    """DCP's ``Metadata`` of a whole save: the layout, each chunk's ``_StorageInfo``, FileSystemWriter's version.
+
+    Raises:
+        ValueError: as :func:`dcp_storage`.
+    """
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+
+    from elaunch.checkpoint.dcp import decode_layout
+
+    metadata = decode_layout(layout)
+    metadata.storage_data = {MetadataIndex(fqn, offsets): filesystem._StorageInfo(name, at, length)
+                             for (fqn, offsets), (name, at, length) in dcp_storage(layout, sidecars).items()}
+    metadata.version = filesystem.CURRENT_DCP_VERSION
+    metadata.storage_meta = StorageMeta(save_id=digest[:32])
+    return metadata
+
+
+def dcp_steps(directory: str) -> dict[int, bool]:
+    """Every DCP step directory under ``directory/dcp``: ``{step: complete}`` (complete: ``.metadata`` there)."""
+    root = os.path.join(directory, "dcp")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    return {int(m.group(1)): os.path.exists(os.path.join(root, name, DCP_METADATA))
+            for name in names if (m := _STEP_DIR.match(name))}
+
+
+def newest_dcp(directory: str, at_most: int | None = None) -> tuple[int, str] | None:
+    """The newest complete DCP step directory under ``directory`` (no newer than ``at_most`` when given).
+
+    Returns:
+        ``(step, path)`` (``path`` is ``directory/dcp/step_<step:012d>``, which ``dcp.load`` with a
+        ``FileSystemReader`` reads), or None when no DCP step is complete. Stdlib only.
+    """
+    done = [s for s, complete in dcp_steps(directory).items() if complete and (at_most is None or s <= at_most)]
+    if not done:
+        return None
+    step = max(done)
+    return step, os.path.join(directory, "dcp", f"step_{step:012d}")
+
+
+def prune_dcp(directory: str, keep_from_step: int) -> list[int]:
+    """Remove every DCP step directory older than ``keep_from_step``; return the steps removed.
+
+    Call it with the newest complete step (or, when none is, the step just written), so a
+    complete step goes only once a newer one is complete.
+    """
+    removed = []
+    for step in sorted(dcp_steps(directory)):
+        if step < keep_from_step:
+            shutil.rmtree(os.path.join(directory, "dcp", f"step_{step:012d}"), ignore_errors=True)
+            removed.append(step)
+    return removed
