@@ -33,9 +33,10 @@ saved chunks each rank reads (resharding). Only the storage is elaunch's:
   job agreed on (``ELAUNCH_CHECKPOINT_STEP``): the file the agent chose for this rank
   (``ELAUNCH_CHECKPOINT_RESTORE``) and every snapshot of that step in the node directory
   (``slots/``, ``replicas/``, and ``restore/``, where the agent fetched peers' snapshots
-  before the workers started). Every chunk of the layout must be in one of them (else
-  :class:`~elaunch.checkpoint.CheckpointError`, naming the first missing chunks; DCP would
-  otherwise leave those parts of the state as they were). :meth:`SnapshotReader.read_data`
+  before the workers started). Every chunk this rank's load plan asks for must be in one
+  of them (else :class:`~elaunch.checkpoint.CheckpointError`, naming the first missing
+  chunks; DCP would otherwise leave those parts of the state as they were); the others
+  need not be (at an unchanged world size each rank is given its own part alone). :meth:`SnapshotReader.read_data`
   copies each chunk DCP asks for from the mapping, and checks afterwards that no file
   was rewritten while it was read. When the agent chose a persisted DCP directory
   (no copy of some rank's part survived in memory), the reader reads it with DCP's
@@ -478,20 +479,14 @@ class SnapshotReader(StorageReader):
         for p in parts:
             for key, ref in p.refs.items():
                 index.setdefault(key, (p, ref))
-        missing = []
         storage_data = {}
         for fqn, md in metadata.state_dict_metadata.items():
             keys = [(fqn, None)] if isinstance(md, BytesStorageMetadata) else [(fqn, tuple(c.offsets)) for c in md.chunks]
             for key in keys:
                 if key in index:
                     storage_data[MetadataIndex(fqn, key[1])] = key
-                else:
-                    missing.append(f"{fqn} at {list(key[1]) if key[1] is not None else 'bytes'}")
-        if missing:
-            raise CheckpointError(
-                f"step {self.step}: {len(missing)} chunk(s) of the checkpoint are in none of this node's snapshots "
-                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the agent did not gather every "
-                f"rank's part; nothing was loaded")
+        # a chunk this node lacks is an error only when this rank's load plan asks for it (prepare_local_plan):
+        # at an unchanged world size each rank is given its own part alone, and other nodes' parts are not here
         metadata.storage_data = storage_data
         self._parts, self._index = parts, index
         return metadata
@@ -501,7 +496,28 @@ class SnapshotReader(StorageReader):
             self._fs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self._fs.prepare_local_plan(plan) if self._fs is not None else plan
+        """This rank's plan as it is, once every chunk it asks for is in one of this node's snapshots.
+
+        Raises:
+            CheckpointError: some are in none (named): nothing is loaded.
+        """
+        if self._fs is not None:
+            return self._fs.prepare_local_plan(plan)
+        from elaunch.checkpoint import CheckpointError
+
+        missing = []
+        for req in plan.items:
+            offsets = None if req.type == LoadItemType.BYTE_IO else tuple(req.storage_index.offset)
+            if (req.storage_index.fqn, offsets) not in self._index:
+                what = f"{req.storage_index.fqn} at {list(offsets) if offsets is not None else 'bytes'}"
+                if what not in missing:
+                    missing.append(what)
+        if missing:
+            raise CheckpointError(
+                f"step {self.step}: {len(missing)} chunk(s) this rank loads are in none of this node's snapshots "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the agent did not gather every "
+                f"rank's part; nothing was loaded")
+        return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return self._fs.prepare_global_plan(plans) if self._fs is not None else plans
