@@ -474,7 +474,8 @@ def finish_dcp_step(directory: str, step: int) -> bool:
     except OSError:
         return False
     metadata = dcp_metadata(layout, docs, digest)
-    _atomic_write(os.path.join(d, DCP_METADATA), lambda f: pickle_mod.dump(metadata, f))
+    # protocol 2, torch.save's: torch's weights-only unpickler (elaunch's reader) takes no protocol-4 frames
+    _atomic_write(os.path.join(d, DCP_METADATA), lambda f: pickle_mod.dump(metadata, f, protocol=2))
     _fsync_dir(d)
     return True
 
