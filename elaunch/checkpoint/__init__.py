@@ -113,16 +113,24 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
             restores any rank, at any world size; a restore hands every rank the one
             snapshot chosen (the lowest rank's), so per-rank entries (an RNG state) come
             back as that rank's. False for per-rank state (one snapshot per rank, restored
-            only at the same world size). Neither takes DTensors or ShardedTensors yet
-            (FSDP2, tensor parallelism): save those with ``torch.distributed.checkpoint``.
+            only at the same world size), and for DTensors (FSDP2's ``fully_shard``, tensor
+            parallelism: ``model.state_dict()``, ``get_state_dict(model, optim)``): each rank
+            saves its local shard (``to_local()``) with its placements (``Shard``,
+            ``Replicate``, ``Partial``), the global shape and stride and its device mesh's
+            shape, dimension names, ranks and device type, as
+            ``torch.distributed.checkpoint.save`` keeps each rank's shards; ``load``
+            makes them DTensors again at the same world size. ShardedTensors (the
+            deprecated ``torch.distributed._shard``) are refused.
 
     Raises:
         TypeError: a leaf cannot be saved; the message names its key path, e.g.
             ``state['optimizer']['param_groups'][0]['fn']``. Nothing is written. Also
             raised when a leaf would not load weights-only (a class not allowed with
             ``torch.serialization.add_safe_globals``: checked when the state's pickled
-            structure differs from the last one checked), and for a DTensor or
-            ShardedTensor leaf (use ``torch.distributed.checkpoint``).
+            structure differs from the last one checked); for a DTensor leaf with
+            ``replicated=True`` (a DTensor is not the same on every rank: save it with
+            ``replicated=False``); for a ShardedTensor leaf, or a DTensor placed otherwise
+            than ``Shard``, ``_StridedShard``, ``Replicate`` or ``Partial``.
         SnapshotTooLarge: the snapshot is larger than the free shared memory. Nothing is
             written; both slots keep what they held.
         CheckpointError: the agent's directory (``ELAUNCH_CHECKPOINT_SHM``) is gone.
@@ -144,7 +152,7 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
         _local.save(state, step, replicated=replicated, local_rank=local_rank, **_ranks())
 
 
-def load(map_location=None, *, into: Any = None) -> Snapshot | None:
+def load(map_location=None, *, into: Any = None, mesh: Any = None) -> Snapshot | None:
     """The snapshot this worker resumes from, or None when there is none.
 
     Under elaunch: the file the agent chose (``ELAUNCH_CHECKPOINT_RESTORE``: a slot file
@@ -163,6 +171,17 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
         snap = ckpt.load(into={"model": model.state_dict(), "optimizer": optimizer.state_dict()})
         # the model's parameters and the optimizer's moments now hold the saved values
 
+    DTensors (saved with ``replicated=False``) come back as DTensors, at the world size
+    they were saved at only: each rank takes back its own shards, as
+    ``torch.distributed.checkpoint.load`` does with an unchanged world. Into ``into``'s
+    DTensors (an FSDP2 model's ``state_dict()``) when they fit: their local shards
+    take the saved ones in place. The others are made with ``DTensor.from_local`` on
+    the saved device mesh, rebuilt with ``init_device_mesh(device_type, shape,
+    mesh_dim_names=...)`` (a mesh sliced from a larger one, ``mesh_2d["dp"]``: that one
+    rebuilt, then sliced by name), or taken from ``mesh``. At another world size, load
+    through ``torch.distributed.checkpoint`` with ``elaunch.checkpoint.SnapshotReader``,
+    which reshards.
+
     Args:
         map_location: like ``torch.load``'s: None (each tensor where it was saved), a
             device string or ``torch.device``, a dict from saved device strings to
@@ -175,7 +194,16 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
             dtype in ``into`` (any device) is copied into that tensor, and the returned
             state holds that very object (not an ``nn.Parameter`` made anew, whatever
             was saved). Other tensors are restored fresh, as without ``into``. Without
-            elaunch's shared memory the state is loaded as usual, then copied in.
+            elaunch's shared memory the state is loaded as usual, then copied in. A
+            saved DTensor goes into a DTensor there of the same global shape, dtype,
+            placements and local shape on a mesh of the same shape and ranks: its
+            local shard (``_local_tensor``) is filled, and the state holds that very
+            DTensor (or the ``nn.Parameter`` that is one).
+        mesh: None, or a ``DeviceMesh`` (or a list of them) for DTensors not loaded
+            into ``into``: each takes the one whose device type, shape, dimension names
+            and ranks are those of the mesh it was saved on, instead of a mesh rebuilt.
+            Needed only for a mesh ``init_device_mesh`` does not rebuild (ranks in
+            another order than ``0 .. world_size-1``, a flattened mesh).
 
     Returns:
         Snapshot or None (then ``into`` is untouched).
@@ -193,14 +221,18 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
             the job agreed on, or was overwritten while it was read (then ``into``'s
             tensors may hold parts of two steps, or of a step and what they held: load
             again or do not use them); without elaunch, a sharded checkpoint saved at
-            another world size.
+            another world size. With DTensors: saved at another world size than this
+            process's, or ``torch.distributed`` not initialized (the message says the
+            saved world size, and that resharding goes through
+            ``torch.distributed.checkpoint`` with ``SnapshotReader``); a saved device mesh
+            that cannot be rebuilt and is not in ``mesh``.
     """
     shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
     if not shm:
         from elaunch.checkpoint import _local
 
         found = _local.load(map_location, **_ranks())
-        return None if found is None else Snapshot(found[0], _copy_into(found[1], into))
+        return None if found is None else Snapshot(found[0], _copy_into(found[1], into, mesh))
     path = os.environ.get("ELAUNCH_CHECKPOINT_RESTORE", "")
     if not path:
         return None
@@ -208,20 +240,20 @@ def load(map_location=None, *, into: Any = None) -> Snapshot | None:
     expect_step = int(expect) if expect else None
     if path.endswith(".pt"):
         snap = _load_persisted(path, map_location, expect_step)
-        return Snapshot(snap.step, _copy_into(snap.state, into))
-    from elaunch.checkpoint import _read
+        return Snapshot(snap.step, _copy_into(snap.state, into, mesh))
+    from elaunch.checkpoint import _read, _tree
 
-    info, state = _read.read(path, map_location, expect_step, into)
+    info, state = _read.read(path, map_location, expect_step, into, dtensors=_tree.DTensorMaker(mesh))
     return Snapshot(info.step, state)
 
 
-def _copy_into(state: Any, into: Any) -> Any:
-    """``state`` as loaded, or with its tensors copied into ``into``'s twins (see :func:`load`)."""
-    if into is None:
-        return state
+def _copy_into(state: Any, into: Any, mesh: Any = None) -> Any:
+    """``state`` as loaded from a ``torch.save`` file: its DTensor entries made DTensors again (or copied into
+    ``into``'s), and its tensors copied into ``into``'s twins (see :func:`load`)."""
     from elaunch.checkpoint import _tree
 
-    return _tree.copy_into(state, into)
+    state = _tree.decode_dtensors(state, _tree.DTensorMaker(mesh), into)
+    return state if into is None else _tree.copy_into(state, into)
 
 
 def _load_persisted(path: str, map_location, expect_step: int | None) -> Snapshot:

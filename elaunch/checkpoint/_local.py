@@ -7,6 +7,10 @@ does); sharded state by every rank. Once a step is complete, the writer prunes t
 older than the complete one before it: two complete steps stay, so ranks whose saves
 are one step apart (a rank killed between its save and its peer's) still agree on one.
 
+A DTensor (sharded state) is written as a dict of primitives and its local shard
+(``_tree.encode_dtensors``), as the persister writes it, so the file needs no process
+group to load; ``ckpt.load`` makes it a DTensor again.
+
 On load, each rank finds its newest complete step; when ``torch.distributed`` is
 initialized, the ranks agree on the smallest of them (one ``all_reduce(MIN)``), so they
 never resume from different steps.
@@ -38,6 +42,8 @@ def save(state: Any, step: int, *, replicated: bool, rank: int, world_size: int,
     _tree.pack(state, replicated)  # the same TypeErrors as under elaunch (DTensor, weights-only), before any write
     if replicated and local_rank != 0:
         return None
+    if not replicated:
+        state = _tree.encode_dtensors(state)  # the state itself is not changed
     d = directory()
     path = persisted.write_rank_file(d, step, rank, world_size, replicated, state)
     done = persisted.newest_complete(d)
@@ -82,7 +88,10 @@ def _agree(step: int) -> int:
 
 
 def load(map_location, *, rank: int, world_size: int):
-    """This rank's state at the newest step every rank has: ``(step, state)`` or None."""
+    """This rank's state at the newest step every rank has: ``(step, state)`` or None.
+
+    DTensors come back as the entries ``_tree.encode_dtensors`` wrote (``ckpt.load`` decodes them).
+    """
     from elaunch.checkpoint import CheckpointError
 
     d = directory()

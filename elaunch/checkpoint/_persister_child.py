@@ -169,10 +169,12 @@ class NodePersister:
 
 def _read(info: slotfile.SlotInfo):
     """The state in ``info``'s slot if it still holds that very commit, else None."""
-    from elaunch.checkpoint import CheckpointError, read_slot
+    from elaunch.checkpoint import CheckpointError, Snapshot, _tree
+    from elaunch.checkpoint._read import read as read_slot_file
 
-    try:
-        snap = read_slot(info.path)
+    try:  # a DTensor is written as a dict of primitives and its local shard: this process has no mesh
+        got, state = read_slot_file(info.path, "cpu", dtensors=_tree.as_entry)
+        snap = Snapshot(got.step, state)
     except CheckpointError:  # written to while read (seqlock), or emptied; other errors are reported
         return None
     except (AttributeError, ImportError) as exc:  # unpickling the structure needs the state's classes

@@ -46,11 +46,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def read(path: str, map_location=None, expect_step: int | None = None, into: Any = None):
+def read(path: str, map_location=None, expect_step: int | None = None, into: Any = None, *, dtensors=None):
     """The committed snapshot in the slot file ``path``, its tensors copied out: ``(SlotInfo, state)``.
 
     ``into``: tensors at the same key paths, of the same shapes and dtypes, are filled in
-    place and put in the state (the others are new, on ``map_location``).
+    place and put in the state (the others are new, on ``map_location``); a DTensor there
+    that fits a saved one (``_tree.dtensor_fits``) has its local shard filled.
+    ``dtensors``: as ``_tree.unpack``'s (None: DTensors, on meshes rebuilt; ``_tree.as_entry``:
+    dicts of primitives and the local shard, for a ``torch.save`` file).
 
     Raises:
         CheckpointError: ``path`` holds no committed snapshot, holds another step than
@@ -58,6 +61,7 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
             may hold parts of two steps).
         UnsafeStateError: its structure needs a class weights-only loading does not allow
             (a ``CheckpointError`` and a ``pickle.UnpicklingError``).
+        CheckpointError: it holds DTensors saved at another world size than this process's.
     """
     from elaunch.checkpoint import CheckpointError
 
@@ -74,7 +78,7 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
             raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
         if expect_step is not None and info.step != expect_step:
             raise CheckpointError(f"{path} holds step {info.step}, the job agreed on step {expect_step}")
-        return info, _copy_out(fd, mm, info, map_location, into)
+        return info, _copy_out(fd, mm, info, map_location, into, dtensors)
     finally:
         os.close(fd)
         if mm is not None:
@@ -197,7 +201,8 @@ def _fill(fd: int, gpu: _Registered, threads: _Threads, at: int, ref: _tree.Tens
     return t.copy_(src)
 
 
-def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, into: Any = None) -> Any:
+def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, into: Any = None,
+              dtensors=None) -> Any:
     from elaunch.checkpoint import CheckpointError
 
     meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
@@ -205,8 +210,10 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
     matched = _tree.match(meta, into) if into is not None else {}
 
     def make(ref: _tree.TensorRef) -> torch.Tensor:
-        if ref.index in matched:
-            return _fill(fd, gpu, threads, info.data_at + ref.offset, ref, matched[ref.index])
+        if ref.index in matched:  # a DTensor's local shard is filled, the DTensor itself returned
+            target = matched[ref.index]
+            _fill(fd, gpu, threads, info.data_at + ref.offset, ref, _tree.local_of(target))
+            return target
         if _is_function(map_location):
             t = torch.empty(ref.shape, dtype=ref.torch_dtype)
             _read_into(fd, t, info.data_at + ref.offset)
@@ -223,7 +230,8 @@ def _copy_out(fd: int, mm: mmap.mmap, info: slotfile.SlotInfo, map_location, int
 
     try:
         state = _tree.unpack(meta, make, as_is=matched, data_len=info.data_len,
-                             source=f"the snapshot {info.path} (step {info.step}, rank {info.rank})")
+                             source=f"the snapshot {info.path} (step {info.step}, rank {info.rank})",
+                             dtensors=dtensors)
     except Exception as exc:
         if not slotfile.still(mm, info, fd):
             raise CheckpointError(f"{info.path} was written to while it was read (step {info.step})") from exc

@@ -18,6 +18,18 @@ reference is therefore a tuple of primitives, which that unpickler accepts as a
 persistent id: ``("storage", "elaunch.t2", offset, nbytes, dtype, shape, device, grad,
 index)`` (the first item must be ``"storage"`` for torch's unpickler).
 
+A DTensor (FSDP2's ``fully_shard``, tensor parallelism; sharded state only,
+``replicated=False``) is saved as its rank's local shard with a reference tagged
+``"elaunch.dt1"``: the nine items above (of the local shard), then the global shape and
+stride, the placements (``("S", dim)``, ``("SS", dim, split_factor)`` for a
+``_StridedShard``, ``("R",)``, ``("P", reduce_op)``) and the device mesh (:func:`encode_mesh`:
+device type, shape, dimension names, the global ranks of its layout, the world size, and
+the same for the mesh it was sliced from), all primitives. Loading makes it a DTensor
+again on a mesh rebuilt from these (:class:`DTensorMaker`), at the saved world size only.
+In ``torch.save`` files (the persisted layout) a DTensor is written as a plain dict of the
+same primitives and its local shard (:func:`encode_dtensors`), which any
+``torch.load(weights_only=True)`` reads without a process group.
+
 :func:`pack` checks at save time that the meta will load under these rules (again only when
 the kinds of objects in the state change), so a state that could not be restored fails at its first
 save with a ``TypeError`` naming its key path, not at the restore.
@@ -44,6 +56,11 @@ TENSOR_ALIGN = 64
 PROTOCOL = 2
 _STORAGE = "storage"
 _TAG = "elaunch.t2"  # elaunch.t (format 1) pickled a TensorRef object: refused now, as any class is
+_DT_TAG = "elaunch.dt1"  # a DTensor's local shard, its placements, global shape and stride, and its mesh
+#: the key that marks a DTensor written into a torch.save file as a dict of primitives (:func:`encode_dtensors`)
+DTENSOR_KEY = "elaunch.dtensor"
+#: Partial's reduce ops a reference may name
+_REDUCE_OPS = frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"})
 #: dtype name (``"bfloat16"``) -> dtype, for the names a reference may carry (nothing else is looked up)
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 #: modules whose globals torch's weights-only unpickler refuses even when allow-listed
@@ -64,6 +81,9 @@ class TensorRef:
         device: the device it was on when saved (``"cpu"``, ``"cuda:0"``).
         grad: bit 0: it required grad; bit 1: it was an ``nn.Parameter``.
         index: its place among the snapshot's tensors (one per tensor object saved).
+        dt: for a DTensor (then the fields above describe its local shard):
+            ``(global_shape, global_stride, placements, mesh)``, primitives (see the module's text);
+            None for a plain tensor.
     """
 
     offset: int
@@ -73,6 +93,7 @@ class TensorRef:
     device: str
     grad: int = 0
     index: int = 0
+    dt: tuple | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -80,6 +101,9 @@ class TensorRef:
 
     def pid(self) -> tuple:
         """The persistent id that stands for the tensor in the meta."""
+        if self.dt is not None:
+            return (_STORAGE, _DT_TAG, self.offset, self.nbytes, self.dtype, self.shape, self.device, self.grad,
+                    self.index, *self.dt)
         return (_STORAGE, _TAG, self.offset, self.nbytes, self.dtype, self.shape, self.device, self.grad, self.index)
 
     @classmethod
@@ -90,17 +114,60 @@ class TensorRef:
             pickle.UnpicklingError: ``pid`` is not a well-formed reference (a forged or
                 foreign meta), or its bytes lie beyond ``data_len``.
         """
-        if not (type(pid) is tuple and len(pid) == 9 and pid[:2] == (_STORAGE, _TAG)):
+        plain = type(pid) is tuple and len(pid) == 9 and pid[:2] == (_STORAGE, _TAG)
+        if not (plain or type(pid) is tuple and len(pid) == 13 and pid[:2] == (_STORAGE, _DT_TAG)):
             raise pickle.UnpicklingError(f"not an elaunch tensor reference: persistent id {pid!r:.200}")
-        _, _, offset, nbytes, dtype, shape, device, grad, index = pid
+        offset, nbytes, dtype, shape, device, grad, index = pid[2:9]
+        dt = None if plain else tuple(pid[9:])
         ints = (offset, nbytes, grad, index)
-        ok = (all(type(v) is int and v >= 0 for v in ints) and grad <= 3 and dtype in _DTYPES
-              and type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape) and type(device) is str
+        ok = (all(type(v) is int and v >= 0 for v in ints) and grad <= 3 and type(dtype) is str and dtype in _DTYPES
+              and _is_shape(shape) and type(device) is str
               and nbytes == math.prod(shape) * _DTYPES[dtype].itemsize
-              and (data_len is None or offset + nbytes <= data_len))
+              and (data_len is None or offset + nbytes <= data_len) and (dt is None or _dt_ok(dt, len(shape))))
         if not ok:
             raise pickle.UnpicklingError(f"a malformed tensor reference in the meta: {pid!r:.200}")
-        return cls(offset, nbytes, dtype, shape, device, grad, index)
+        return cls(offset, nbytes, dtype, shape, device, grad, index, dt)
+
+
+def _is_shape(shape: Any, positive: bool = False) -> bool:
+    return type(shape) is tuple and all(type(n) is int and n >= int(positive) for n in shape)
+
+
+def _placement_ok(p: Any, ndim: int) -> bool:
+    if type(p) is not tuple or not p or type(p[0]) is not str:
+        return False
+    if p[0] == "R":
+        return len(p) == 1
+    if p[0] == "P":
+        return len(p) == 2 and type(p[1]) is str and p[1] in _REDUCE_OPS
+    if p[0] in ("S", "SS"):
+        ints = p[1:]
+        return (len(p) == (2 if p[0] == "S" else 3) and all(type(v) is int for v in ints) and 0 <= p[1] < ndim
+                and all(v >= 1 for v in ints[1:]))
+    return False
+
+
+def mesh_ok(mesh: Any, root: bool = False) -> bool:
+    """True when ``mesh`` is a well-formed encoding of a device mesh (:func:`encode_mesh`)."""
+    if not (type(mesh) is tuple and len(mesh) == 6):
+        return False
+    device_type, shape, names, ranks, world, parent = mesh
+    return (type(device_type) is str and _is_shape(shape, positive=True) and len(shape) >= 1
+            and (names is None or type(names) is tuple and len(names) == len(shape)
+                 and all(type(n) is str for n in names))
+            and type(world) is int and world >= 1 and _is_shape(ranks) and len(ranks) == math.prod(shape)
+            and all(r < world for r in ranks)
+            and (parent is None if root else parent is None or mesh_ok(parent, root=True) and parent[4] == world))
+
+
+def _dt_ok(dt: tuple, local_ndim: int) -> bool:
+    """True when ``dt`` (a DTensor reference's last four items) is well formed for a local shard of ``local_ndim``."""
+    if len(dt) != 4:
+        return False
+    shape, stride, placements, mesh = dt
+    return (_is_shape(shape) and len(shape) == local_ndim and _is_shape(stride) and len(stride) == len(shape)
+            and mesh_ok(mesh) and type(placements) is tuple and len(placements) == len(mesh[1])
+            and all(_placement_ok(p, len(shape)) for p in placements))
 
 
 @dataclass
@@ -130,17 +197,313 @@ def _check_tensor(t: torch.Tensor, replicated: bool) -> None:
     if kind is not None and replicated:
         raise _Unsupported(
             f"a {kind} is one rank's part of a tensor spread over ranks (FSDP2, tensor parallelism), not the same "
-            f"on every rank, so it cannot be saved as replicated state (replicated=True, the default). Save "
-            f"sharded state with torch.distributed.checkpoint (dcp.save, dcp.async_save): in-memory snapshots do "
-            f"not take {kind}s yet. If every rank should hold the whole state, save full tensors instead "
-            f"(get_state_dict(..., options=StateDictOptions(full_state_dict=True)), or DTensor.full_tensor())")
-    if kind is not None:
+            f"on every rank, so it cannot be saved as replicated state (replicated=True, the default). "
+            + ("Save it with ckpt.save(state, step, replicated=False): each rank keeps its own shard, restored at "
+               "the same world size (torch.distributed.checkpoint reshards). " if kind == "DTensor" else "")
+            + "If every rank should hold the whole state, save full tensors instead (get_state_dict(..., "
+              "options=StateDictOptions(full_state_dict=True)), or DTensor.full_tensor())")
+    if kind == "ShardedTensor":
         raise _Unsupported(
-            f"in-memory snapshots of sharded state (replicated=False) do not take {kind}s yet: save sharded "
-            f"state with torch.distributed.checkpoint (dcp.save, dcp.async_save) for now")
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        raise _Unsupported(f"only dense tensors with storage can be saved, not layout={t.layout}, "
-                           f"quantized={t.is_quantized}, device={t.device}")
+            "a ShardedTensor (the deprecated torch.distributed._shard API) cannot be saved in a snapshot: use "
+            "DTensors (FSDP2, tensor parallelism) with replicated=False, or save it with "
+            "torch.distributed.checkpoint (dcp.save)")
+    local = t._local_tensor if kind == "DTensor" else t
+    if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+        raise _Unsupported(f"only dense tensors with storage can be saved, not layout={local.layout}, "
+                           f"quantized={local.is_quantized}, device={local.device}"
+                           + (" (the local shard of a DTensor)" if local is not t else ""))
+
+
+# ---------------------------------------------------------------- DTensors as primitives
+
+
+def encode_placement(p: Any) -> tuple:
+    """A DTensor placement as primitives: ``("S", dim)``, ``("SS", dim, split_factor)``, ``("R",)``, ``("P", op)``.
+
+    Raises:
+        TypeError: a placement of another kind.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # an older torch
+        _StridedShard = ()
+    if _StridedShard and isinstance(p, _StridedShard):
+        return ("SS", int(p.dim), int(p.split_factor))
+    if isinstance(p, Shard):
+        return ("S", int(p.dim))
+    if isinstance(p, Replicate):
+        return ("R",)
+    if type(p) is Partial:  # a subclass (MaskPartial) holds more than its reduce op
+        return ("P", str(p.reduce_op))
+    raise _Unsupported(f"a DTensor placed as {p!r} cannot be saved: Shard, Replicate and Partial placements only")
+
+
+def decode_placement(p: tuple) -> Any:
+    """The placement :func:`encode_placement` encoded (``p`` already checked well formed)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if p[0] == "S":
+        return Shard(p[1])
+    if p[0] == "SS":
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return _StridedShard(p[1], split_factor=p[2])
+    return Replicate() if p[0] == "R" else Partial(p[1])
+
+
+def encode_mesh(mesh: Any, parent: bool = True) -> tuple:
+    """A device mesh as primitives: ``(device_type, shape, dim_names, ranks, world_size, root)``.
+
+    ``ranks``: the global ranks of its layout, row-major; ``world_size``: the default
+    group's; ``root``: the same tuple (its own root None) for the mesh it was sliced from
+    (``mesh_2d["dp"]``), None when it is its own root.
+    """
+    import torch.distributed as dist
+
+    root = mesh._get_root_mesh() if parent and hasattr(mesh, "_get_root_mesh") else mesh
+    names = None if mesh.mesh_dim_names is None else tuple(str(n) for n in mesh.mesh_dim_names)
+    return (str(mesh.device_type), tuple(int(n) for n in mesh.shape), names,
+            tuple(int(r) for r in mesh.mesh.flatten().tolist()), dist.get_world_size(),
+            None if root is mesh else encode_mesh(root, parent=False))
+
+
+def dtensor_info(t: Any, meshes: dict[int, tuple] | None = None) -> tuple:
+    """The ``dt`` of a :class:`TensorRef` for the DTensor ``t``: global shape and stride, placements, mesh.
+
+    ``meshes``: encodings already made, by ``id`` of the mesh (the same tuple object for
+    the same mesh, so the pickle holds it once).
+    """
+    mesh = t.device_mesh
+    if meshes is None:
+        meshes = {}
+    enc = meshes.get(id(mesh))
+    if enc is None:
+        enc = meshes[id(mesh)] = encode_mesh(mesh)
+    return (tuple(int(n) for n in t.shape), tuple(int(n) for n in t.stride()),
+            tuple(encode_placement(p) for p in t.placements), enc)
+
+
+class DTensorMaker:
+    """Makes DTensors from local shards and their references' ``dt``, on meshes rebuilt once per load.
+
+    Args:
+        mesh: None (rebuild each saved mesh with ``init_device_mesh``, slicing a
+            sub-mesh out of its rebuilt root by its dimension names), or a ``DeviceMesh``
+            or a list of them to use instead (each DTensor takes the one whose device type,
+            shape, dimension names and ranks are the saved mesh's).
+    """
+
+    def __init__(self, mesh: Any = None):
+        self.given = [] if mesh is None else list(mesh) if isinstance(mesh, (list, tuple)) else [mesh]
+        self._meshes: dict[tuple, Any] = {}
+
+    def __call__(self, local: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        shape, stride, placements, mesh = ref.dt
+        dt = DTensor.from_local(local, self.mesh(mesh), [decode_placement(p) for p in placements],
+                                run_check=False, shape=torch.Size(shape), stride=stride)
+        return _with_grad(dt, ref.grad)
+
+    def mesh(self, enc: tuple) -> Any:
+        """The device mesh for the saved one ``enc`` (well formed), found or rebuilt.
+
+        Raises:
+            CheckpointError: the world is another than the saved one, or the mesh cannot
+                be rebuilt and none given matches it.
+        """
+        check_world(enc[4])
+        found = self._meshes.get(enc)
+        if found is None:
+            found = self._meshes[enc] = self._find(enc)
+        return found
+
+    def _find(self, enc: tuple) -> Any:
+        from elaunch.checkpoint import CheckpointError
+
+        what = (f"the device mesh a DTensor was saved on ({enc[0]}, shape {enc[1]}, dimension names {enc[2]}, "
+                f"ranks {_short(enc[3])})")
+        if self.given:
+            for m in self.given:
+                if encode_mesh(m)[:4] == enc[:4]:
+                    return m
+            raise CheckpointError(f"none of the meshes given to ckpt.load(mesh=...) is {what}")
+        root = enc[5] or enc
+        mesh = None
+        if root[3] == tuple(range(root[4])) and (enc[5] is None or enc[2] is not None):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = self._meshes.get(root)
+            if mesh is None:
+                mesh = self._meshes[root] = init_device_mesh(root[0], root[1], mesh_dim_names=root[2])
+            if enc[5] is not None:
+                mesh = mesh[enc[2]]
+        if mesh is None or encode_mesh(mesh)[:4] != enc[:4]:
+            raise CheckpointError(f"cannot rebuild {what} with init_device_mesh: pass that mesh as "
+                                  f"ckpt.load(mesh=...)")
+        return mesh
+
+
+def _short(ranks: tuple) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"({', '.join(map(str, ranks[:8]))}, ... {len(ranks)} in all)"
+
+
+def world_size_now() -> int | None:
+    """The default process group's size, or None when ``torch.distributed`` is not initialized."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def check_world(saved: int) -> None:
+    """Raise ``CheckpointError`` unless this process is in a world of ``saved`` ranks (``torch.distributed``)."""
+    from elaunch.checkpoint import CheckpointError
+
+    now = world_size_now()
+    if now != saved:
+        here = "torch.distributed is not initialized here" if now is None else f"this run has {now}"
+        raise CheckpointError(
+            f"the snapshot holds DTensors saved by a world of {saved} ranks and {here}: restore it at {saved} ranks "
+            f"(after init_process_group), or reshard it through torch.distributed.checkpoint with "
+            f"elaunch.checkpoint.SnapshotReader")
+
+
+def dtensor_fits(ref: TensorRef, target: Any, meshes: dict[int, tuple] | None = None) -> bool:
+    """True when the DTensor ``target`` can take the saved DTensor ``ref`` in place, its local shard in its own.
+
+    Same global shape, dtype, placements and local shape, on a mesh of the saved layout
+    (same shape and ranks: this rank holds the same part), in a world of the saved size.
+    """
+    if _distributed_kind(target) != "DTensor" or ref.dt is None:
+        return False
+    local = target._local_tensor
+    shape, _, placements, mesh = ref.dt
+    if not (tuple(target.shape) == shape and target.dtype == ref.torch_dtype and tuple(local.shape) == ref.shape
+            and local.layout == torch.strided and local.device.type != "meta" and world_size_now() == mesh[4]):
+        return False
+    try:
+        here = dtensor_info(target, meshes)
+    except TypeError:  # a placement that cannot be encoded: not the saved one
+        return False
+    return here[2] == placements and here[3][1:4] == mesh[1:4] and here[3][0] == mesh[0]
+
+
+def as_entry(local: torch.Tensor, ref: TensorRef) -> dict:
+    """The dict that stands for a DTensor in a ``torch.save`` file: its local shard and the primitives of its reference."""
+    shape, stride, placements, mesh = ref.dt
+    return {DTENSOR_KEY: _DT_TAG, "local": local, "shape": shape, "stride": stride, "placements": placements,
+            "mesh": mesh, "grad": ref.grad}
+
+
+def _is_entry(obj: Any) -> bool:
+    return type(obj) is dict and obj.get(DTENSOR_KEY) == _DT_TAG
+
+
+def entry_ref(entry: dict) -> TensorRef:
+    """The reference an entry (:func:`as_entry`) stands for, checked as a reference in a meta is.
+
+    Raises:
+        pickle.UnpicklingError: the entry is malformed.
+    """
+    local = entry.get("local")
+    if not isinstance(local, torch.Tensor) or _distributed_kind(local) is not None or set(entry) != {
+            DTENSOR_KEY, "local", "shape", "stride", "placements", "mesh", "grad"}:
+        raise pickle.UnpicklingError(f"a malformed DTensor entry: {entry!r:.200}")
+    dtype = str(local.dtype).removeprefix("torch.")
+    return TensorRef.from_pid((_STORAGE, _DT_TAG, 0, local.numel() * local.element_size(), dtype, tuple(local.shape),
+                               str(local.device), entry["grad"], 0, entry["shape"], entry["stride"],
+                               entry["placements"], entry["mesh"]))
+
+
+def encode_dtensors(state: Any) -> Any:
+    """``state`` with each DTensor reached through dicts, lists and tuples replaced by its entry (:func:`as_entry`).
+
+    For ``torch.save`` files: an entry holds primitives and a plain tensor, which any
+    ``torch.load(weights_only=True)`` reads, without a process group. ``state`` is not
+    changed: containers on the way to a DTensor are copied (``copy.copy``: an
+    OrderedDict keeps its ``_metadata``); a DTensor found twice becomes one entry.
+    """
+    import copy
+
+    memo: dict[int, Any] = {}
+    meshes: dict[int, tuple] = {}
+
+    def walk(obj: Any) -> Any:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        new = obj
+        if isinstance(obj, torch.Tensor):
+            if _distributed_kind(obj) == "DTensor":
+                grad = (2 if isinstance(obj, torch.nn.Parameter) else 0) | int(obj.requires_grad)
+                local = obj._local_tensor.detach()
+                ref = TensorRef(0, 0, "", (), "", grad, 0, dtensor_info(obj, meshes))
+                new = as_entry(local, ref)
+        elif isinstance(obj, dict):
+            changed = {k: w for k, v in obj.items() if (w := walk(v)) is not v}
+            if changed:
+                new = copy.copy(obj)
+                new.update(changed)
+        elif isinstance(obj, (list, tuple)):
+            items = [walk(v) for v in obj]
+            if any(a is not b for a, b in zip(items, obj)):
+                new = items if isinstance(obj, list) else tuple(items) if type(obj) is tuple else (
+                    type(obj)._make(items) if hasattr(type(obj), "_make") else obj)
+        memo[id(obj)] = new
+        return new
+
+    return walk(state)
+
+
+@torch.no_grad()
+def decode_dtensors(state: Any, make: Callable[[torch.Tensor, TensorRef], Any] | None, into: Any = None) -> Any:
+    """``state`` as loaded from a ``torch.save`` file, each DTensor entry (:func:`as_entry`) a DTensor again.
+
+    An entry whose key path in ``into`` holds a DTensor that fits it (:func:`dtensor_fits`)
+    is copied into that DTensor's local shard, and that DTensor takes its place; the
+    others are made by ``make(local, ref)`` (a :class:`DTensorMaker`), or left as entries
+    when ``make`` is None. Dicts and lists are changed in place, tuples rebuilt.
+
+    Raises:
+        CheckpointError: an entry is malformed; as ``make`` raises (another world size).
+    """
+    from elaunch.checkpoint import CheckpointError
+
+    memo: dict[int, Any] = {}
+    meshes: dict[int, tuple] = {}
+
+    def walk(obj: Any, target: Any) -> Any:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        new = obj
+        if _is_entry(obj):
+            try:
+                ref = entry_ref(obj)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(f"cannot load a DTensor: {exc}") from exc
+            if dtensor_fits(ref, target, meshes):
+                target._local_tensor.copy_(obj["local"])
+                new = target
+            elif make is not None:
+                new = make(obj["local"], ref)
+        elif isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                w = walk(v, target[k] if isinstance(target, dict) and k in target else None)
+                if w is not v:
+                    obj[k] = w
+        elif isinstance(obj, (list, tuple)):
+            tl = target if isinstance(target, (list, tuple)) else ()
+            items = [walk(v, tl[i] if i < len(tl) else None) for i, v in enumerate(obj)]
+            if isinstance(obj, list):
+                obj[:] = items
+            elif any(a is not b for a, b in zip(items, obj)):
+                new = tuple(items) if type(obj) is tuple else (
+                    type(obj)._make(items) if hasattr(type(obj), "_make") else obj)
+        memo[id(obj)] = new
+        return new
+
+    return walk(state, into)
 
 
 class _Pickler(pickle.Pickler):
@@ -149,6 +512,8 @@ class _Pickler(pickle.Pickler):
         self.replicated = replicated
         self.packed = Packed(b"")
         self._seen: dict[int, tuple] = {}
+        self._meshes: dict[int, tuple] = {}  # id(mesh) -> its encoding, one tuple per mesh (pickled once)
+        self._keep: list[Any] = []  # the meshes encoded, alive while their ids are keys
         self.types: set[type] = set()  # of every object pickled (pickle asks persistent_id about each one)
 
     def persistent_id(self, obj: Any):
@@ -164,10 +529,15 @@ class _Pickler(pickle.Pickler):
 
     def _place(self, t: torch.Tensor) -> TensorRef:
         p = self.packed
-        nbytes = t.numel() * t.element_size()
         grad = (2 if isinstance(t, torch.nn.Parameter) else 0) | int(t.requires_grad)
+        dt = None
+        if _distributed_kind(t) == "DTensor":  # its local shard goes to the data, the rest into the reference
+            self._keep.append(t.device_mesh)
+            dt = dtensor_info(t, self._meshes)
+            t = t._local_tensor
+        nbytes = t.numel() * t.element_size()
         ref = TensorRef(p.data_len, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device), grad,
-                        len(p.tensors))
+                        len(p.tensors), dt)
         p.tensors.append((t, ref))
         p.data_len += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
         return ref
@@ -283,14 +653,19 @@ def how_to_allow(names: list[str], where: str = "in the loading process, before 
 
 
 class _Unpickler(_wo.Unpickler):
-    """torch's weights-only unpickler, whose persistent ids are elaunch tensor references."""
+    """torch's weights-only unpickler, whose persistent ids are elaunch tensor references.
+
+    ``dtensors(local, ref)`` makes what a DTensor reference stands for from its local
+    shard (default: a :class:`DTensorMaker` made at the first one).
+    """
 
     def __init__(self, file, make: Callable[[TensorRef], torch.Tensor], as_is: Container[int] = (),
-                 data_len: int | None = None):
+                 data_len: int | None = None, dtensors: Callable[[torch.Tensor, TensorRef], Any] | None = None):
         super().__init__(file, encoding="utf-8")
         self._make = make
         self._as_is = as_is
         self._data_len = data_len
+        self._dtensors = dtensors
         self._made: dict[int, torch.Tensor] = {}
         self.make_failed: BaseException | None = None
 
@@ -300,10 +675,18 @@ class _Unpickler(_wo.Unpickler):
         if t is None:
             try:
                 t = self._make(ref)
+                if ref.index in self._as_is:
+                    pass
+                elif ref.dt is not None:
+                    if self._dtensors is None:
+                        self._dtensors = DTensorMaker()
+                    t = self._dtensors(t, ref)
+                else:
+                    t = _with_grad(t, ref.grad)
             except BaseException as exc:
-                self.make_failed = exc  # the reader's own error (I/O, CUDA), not the meta's
+                self.make_failed = exc  # the reader's own error (I/O, CUDA, another world size), not the meta's
                 raise
-            t = self._made[ref.index] = t if ref.index in self._as_is else _with_grad(t, ref.grad)
+            self._made[ref.index] = t
         return t
 
 
@@ -326,7 +709,8 @@ def _load(unpickler: _Unpickler) -> Any:
 
 
 def unpack(meta: bytes, make: Callable[[TensorRef], torch.Tensor], as_is: Container[int] = (), *,
-           data_len: int | None = None, source: str = "the snapshot") -> Any:
+           data_len: int | None = None, source: str = "the snapshot",
+           dtensors: Callable[[torch.Tensor, TensorRef], Any] | None = None) -> Any:
     """The state whose structure ``meta`` holds, each tensor made by ``make(ref)``.
 
     Unpickles ``meta`` as ``torch.load(weights_only=True)`` does (torch's weights-only
@@ -334,7 +718,10 @@ def unpack(meta: bytes, make: Callable[[TensorRef], torch.Tensor], as_is: Contai
     ``torch.serialization.get_safe_globals()``), whoever wrote it: no code named by the
     meta runs. A tensor whose ``ref.index`` is in ``as_is`` is put in the state as
     ``make`` returned it; the others become an ``nn.Parameter`` or require grad as the
-    saved tensor did.
+    saved tensor did. A DTensor reference's local shard (``make`` makes it) becomes
+    ``dtensors(local, ref)``: by default a DTensor (:class:`DTensorMaker`, which needs
+    ``torch.distributed`` initialized at the saved world size); :func:`as_entry` makes the
+    dict a ``torch.save`` file holds instead.
 
     Args:
         meta: the pickle (protocol 2) :func:`pack` made.
@@ -342,16 +729,18 @@ def unpack(meta: bytes, make: Callable[[TensorRef], torch.Tensor], as_is: Contai
         as_is: indices of tensors to leave as ``make`` returned them.
         data_len: bytes of data the references may point into (None: not checked).
         source: what the meta came from, for messages (``"the snapshot /dev/shm/.../0.1"``).
+        dtensors: makes what a DTensor reference stands for; None: a :class:`DTensorMaker`.
 
     Raises:
         UnsafeStateError: the meta names a class weights-only loading does not allow
             (the message names it and how to allow it), or holds a malformed reference.
         CheckpointError: the meta is not a pickle this unpickler can read (a forged or
-            foreign file), or an allowed class's ``__setstate__`` failed.
+            foreign file), or an allowed class's ``__setstate__`` failed; it holds
+            DTensors saved at another world size (:func:`check_world`).
     """
     from elaunch.checkpoint import CheckpointError, UnsafeStateError
 
-    unpickler = _Unpickler(io.BytesIO(meta), make, as_is, data_len)
+    unpickler = _Unpickler(io.BytesIO(meta), make, as_is, data_len, dtensors)
     try:
         return _load(unpickler)
     except Exception as exc:
@@ -431,30 +820,44 @@ def check_loads(meta: bytes, state: Any, types: set[type] | None = None) -> None
 
 
 def twin(saved: Any, target: Any) -> bool:
-    """True when ``target`` can take ``saved``'s values in place: a dense tensor of its shape and dtype."""
-    return (isinstance(saved, torch.Tensor) and isinstance(target, torch.Tensor) and target.layout == torch.strided
-            and target.device.type != "meta" and target.shape == saved.shape and target.dtype == saved.dtype)
+    """True when ``target`` can take ``saved``'s values in place: a dense tensor of its shape and dtype.
+
+    Two DTensors are twins when ``target`` fits ``saved`` as :func:`dtensor_fits` says
+    (the values go from local shard to local shard); a DTensor and a plain tensor never are.
+    """
+    if not (isinstance(saved, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    kind = _distributed_kind(saved)
+    if kind != _distributed_kind(target):
+        return False
+    if kind == "DTensor":
+        return saved is target or dtensor_fits(TensorRef(0, 0, str(saved.dtype).removeprefix("torch."),
+                                                         tuple(saved._local_tensor.shape), "", 0, 0,
+                                                         dtensor_info(saved)), target)
+    return (target.layout == torch.strided and target.device.type != "meta" and target.shape == saved.shape
+            and target.dtype == saved.dtype)
 
 
-def graft(saved: Any, target: Any, take: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-    """``saved`` with each tensor that has a :func:`twin` at its key path in ``target`` replaced by ``take(it, twin)``.
+def graft(saved: Any, target: Any, take: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          fits: Callable[[Any, Any], bool] = twin) -> Any:
+    """``saved`` with each tensor that ``fits`` (a :func:`twin`) at its key path in ``target`` replaced by ``take(it, twin)``.
 
     Key paths run through dicts (by key), lists and tuples (by index) on both sides, the
     way :func:`find_bad_leaf` names them; tensors inside other objects are left as they
     are. Dicts and lists are changed in place; tuples (namedtuples too) are rebuilt.
     """
     if isinstance(saved, torch.Tensor):
-        return take(saved, target) if twin(saved, target) else saved
+        return take(saved, target) if fits(saved, target) else saved
     if isinstance(saved, dict) and isinstance(target, dict):
         for key, value in list(saved.items()):
             if key in target:
-                new = graft(value, target[key], take)
+                new = graft(value, target[key], take, fits)
                 if new is not value:
                     saved[key] = new
         return saved
     if not (isinstance(saved, (list, tuple)) and isinstance(target, (list, tuple))):
         return saved
-    items = [graft(a, b, take) for a, b in zip(saved, target)] + list(saved[len(target):])
+    items = [graft(a, b, take, fits) for a, b in zip(saved, target)] + list(saved[len(target):])
     if all(a is b for a, b in zip(items, saved)):
         return saved
     if isinstance(saved, list):
@@ -472,25 +875,50 @@ def match(meta: bytes, into: Any) -> dict[int, torch.Tensor]:
     The structure is unpickled once (weights-only, as :func:`unpack`) with tensors on the meta device (no data). A saved
     tensor found at several key paths takes the twin of the first. A state whose
     unpickling needs its tensors' data (a user's object reading them in ``__setstate__``)
-    matches nothing: all of it is restored into fresh tensors.
+    matches nothing: all of it is restored into fresh tensors. A saved DTensor's twin is
+    a DTensor that fits it (:func:`dtensor_fits`); its local shard takes the saved one.
     """
-    unpickler = _Unpickler(io.BytesIO(meta), _meta_tensor)
+    refs: dict[int, TensorRef] = {}  # id of the meta tensor standing for a DTensor -> its reference
+
+    def stand_in(local: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+        t = torch.empty(ref.dt[0], dtype=ref.torch_dtype, device="meta")
+        refs[id(t)] = ref
+        return t
+
+    unpickler = _Unpickler(io.BytesIO(meta), _meta_tensor, dtensors=stand_in)
     try:
         skeleton = _load(unpickler)
     except Exception:  # noqa: BLE001 - a user's __setstate__ on a meta tensor; an unsafe meta (unpack says why)
         return {}
     index = {id(t): i for i, t in unpickler._made.items()}
     found: dict[int, torch.Tensor] = {}
+    meshes: dict[int, tuple] = {}
+
+    def fits(saved: torch.Tensor, target: Any) -> bool:
+        ref = refs.get(id(saved))
+        if ref is not None:
+            return dtensor_fits(ref, target, meshes)
+        return _distributed_kind(target) is None and twin(saved, target)
 
     def take(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         found.setdefault(index[id(saved)], target)
         return saved
 
-    graft(skeleton, into, take)
+    graft(skeleton, into, take, fits)
     return found
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds ``t``'s values here: a DTensor's local shard, else ``t``."""
+    return t._local_tensor if _distributed_kind(t) == "DTensor" else t
 
 
 @torch.no_grad()
 def copy_into(state: Any, into: Any) -> Any:
     """``state`` (already loaded), each tensor with a :func:`twin` in ``into`` copied into it and replaced by it."""
-    return graft(state, into, lambda saved, target: target.copy_(saved))
+    def take(saved: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if saved is not target:
+            local_of(target).copy_(local_of(saved))
+        return target
+
+    return graft(state, into, take)
