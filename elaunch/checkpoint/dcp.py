@@ -593,35 +593,58 @@ def _newest_dir(directory: str) -> str:
     return os.path.join(root, steps[-1][1]) if steps else ""
 
 
-# -- reading a DCP directory's .metadata weights-only ------------------------------------------------------------
+# -- reading a DCP directory's .metadata without running code ------------------------------------------------------
 
-def _metadata_classes() -> list:
-    from torch.distributed.checkpoint import filesystem, metadata
+#: (module, name) of every global a DCP ``.metadata`` names (torch 2.x): DCP's metadata classes, torch's Size,
+#: layouts (by name) and dtypes (:func:`_find`), and the path class of ``StorageMeta.checkpoint_id``.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
-    names = ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-    classes = [getattr(metadata, n) for n in names if hasattr(metadata, n)]
-    return classes + [filesystem._StorageInfo]
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`_METADATA_GLOBALS` and torch's dtypes: nothing else can be called.
+
+    torch's own weights-only unpickler would be the first choice, but it reads protocol 2
+    only, and DCP writes ``.metadata`` with ``pickle.dump``'s default (protocol 4, FRAME
+    opcodes). The rule is the same: an allow-list of classes whose construction runs no
+    code of the file's choosing.
+    """
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a class a DCP .metadata may name")
 
 
 def load_metadata(path: str) -> Metadata:
-    """A DCP directory's ``.metadata``, unpickled as ``torch.load(weights_only=True)`` does, DCP's classes allowed.
+    """A DCP directory's ``.metadata``, unpickled with only DCP's metadata classes (and torch's Size, dtypes,
+    layouts) allowed: what DCP's ``FileSystemReader`` reads with a plain ``pickle.load``.
+
+    Args:
+        path: the DCP directory.
 
     Raises:
-        UnsafeStateError: it names another class (a forged file).
+        UnsafeStateError: it names another global (a forged file: nothing of it ran), or is not a pickle of
+            DCP's ``Metadata``.
         OSError: it cannot be read.
     """
-    from torch import _weights_only_unpickler as wo
-
     from elaunch.checkpoint import UnsafeStateError
 
     with open(os.path.join(path, ".metadata"), "rb") as f:
         raw = f.read()
-    with torch.serialization.safe_globals(_metadata_classes()):
-        try:
-            return wo.Unpickler(io.BytesIO(raw), encoding="utf-8").load()
-        except pickle.UnpicklingError as exc:
-            raise UnsafeStateError(f"cannot load {path}/.metadata weights-only ({exc})") from exc
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise UnsafeStateError(f"cannot load {path}/.metadata: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise UnsafeStateError(f"{path}/.metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
 
 
 class _SafeFileSystemReader(FileSystemReader):
