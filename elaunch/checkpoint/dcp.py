@@ -290,9 +290,18 @@ class SnapshotWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Nothing in memory (each rank committed its part in ``write_data``); the DCP directory's ``.metadata`` without elaunch."""
-        if self._fs is not None:
-            self._fs.finish(metadata, results)
+        """Nothing in memory (each rank committed its part in ``write_data``). Without elaunch: the DCP
+        directory's ``.metadata`` (coordinator), then, in the default directory, the removal of the steps
+        older than the complete one before this (two complete steps stay)."""
+        if self._fs is None:
+            return
+        self._fs.finish(metadata, results)
+        if not _is_path(self._checkpoint_id):  # the default directory: keep this step and the complete one before
+            from elaunch.checkpoint import persisted
+
+            before = persisted.newest_dcp(_local_dir(), self.step - 1)
+            if before is not None:
+                persisted.prune_dcp(_local_dir(), before[0])
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -583,14 +592,10 @@ class SnapshotReader(StorageReader):
 
 def _newest_dir(directory: str) -> str:
     """The newest complete DCP directory (``.metadata`` present) under ``directory/dcp``, or ""."""
-    root = os.path.join(directory, "dcp")
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return ""
-    steps = sorted((int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step_(\d{12,})", n))
-                   and os.path.exists(os.path.join(root, n, ".metadata")))
-    return os.path.join(root, steps[-1][1]) if steps else ""
+    from elaunch.checkpoint import persisted
+
+    found = persisted.newest_dcp(directory)
+    return found[1] if found else ""
 
 
 # -- reading a DCP directory's .metadata without running code ------------------------------------------------------

@@ -1,0 +1,270 @@
+"""FSDP2 training of a small transformer, checkpointed every step to memory through ``torch.distributed.checkpoint``.
+
+Runs unchanged under ``elaunch``, ``torchrun`` and with no launcher::
+
+    elaunch  --standalone --nproc-per-node=2 examples/fsdp2_dcp.py
+    elaunch  --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
+             --checkpoint-replicas=1 --checkpoint-dir=/shared/ckpt examples/fsdp2_dcp.py
+    torchrun --standalone --nproc-per-node=2 examples/fsdp2_dcp.py
+
+The model (``--layers`` transformer encoder layers of width ``--dim``) is sharded with
+``fully_shard`` over a 1-D device mesh of every rank (CPU and gloo here; ``cuda`` and
+nccl when CUDA is available). The data is synthetic and a function of ``(--seed, step)``
+only: each rank takes its slice of the step's batch, so a run interrupted any number of
+times ends with the same parameters as an uninterrupted one (``--final-params`` writes
+their SHA-256 to compare), at the same world size.
+
+Checkpoints. After every ``--save-every`` steps every rank calls::
+
+    dcp.save(state, storage_writer=SnapshotWriter(step=step))
+
+``state`` is ``get_state_dict(model, optimizer)`` (DTensors: each rank's shards). Under
+elaunch the call returns once this rank's part is in the agent's shared memory; the agent
+copies it to peers (``--checkpoint-replicas``) and to ``--checkpoint-dir`` as an ordinary
+DCP directory. On start every rank asks ``SnapshotReader().step``: the step the whole job
+resumes from (None: a fresh start), then ``dcp.load(state, storage_reader=reader)`` fills
+the model's and the optimizer's shards, resharded by DCP when the world size changed (a
+node lost and not replaced). Under torchrun the same calls write and read DCP
+directories in ``$ELAUNCH_CHECKPOINT_DIR/dcp`` (default ``./elaunch_checkpoints``).
+``--async-save`` uses ``dcp.async_save`` instead (the write goes on in DCP's thread, whose
+planning collectives run on a gloo group of their own, as DCP asks).
+
+Test and benchmark aids: ``--crash-at RANK:STEP,...`` (the i-th entry: on the i-th
+attempt (``TORCHELASTIC_RESTART_COUNT`` = i), global rank RANK kills itself with SIGKILL
+right after saving STEP), ``--disk DIR`` (also ``dcp.save`` every step to
+``DIR/step_<step>`` with DCP's FileSystemWriter, to compare with), ``--verify-out FILE``
+(after a restore, load the same step from ``--disk`` too and write, per rank, whether
+every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
+``--timings FILE`` (per rank, seconds spent in each save and in the restore).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from elaunch.checkpoint import SnapshotReader, SnapshotWriter
+
+try:
+    from elaunch import progress
+except ImportError:  # pragma: no cover - elaunch is what provides SnapshotWriter
+    def progress(step=None):
+        return None
+
+
+# FSDP2 warns when a wrapped module returns a view (the last Linear on a 3-D input); this script makes no
+# in-place change to one
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size, split over the ranks (default 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    p.add_argument("--save-every", type=int, default=1, metavar="STEPS", help="steps between saves (default 1)")
+    p.add_argument("--async-save", action="store_true", help="save with dcp.async_save")
+    p.add_argument("--disk", default=None, metavar="DIR", help="also save every step to DIR/step_<step> (DCP)")
+    p.add_argument("--verify-out", default=None, metavar="FILE", help="compare a restore with --disk's copy")
+    p.add_argument("--final-params", default=None, metavar="FILE", help="write the parameters' SHA-256 (rank 0)")
+    p.add_argument("--crash-at", type=parse_crashes, default=(), metavar="RANK:STEP,...",
+                   help="the i-th attempt's crash: RANK kills itself after saving STEP ('none': no crash)")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS", help="sleep after each step")
+    p.add_argument("--timings", default=None, metavar="FILE", help="write save/restore seconds to FILE.<rank>.json")
+    return p.parse_args(argv)
+
+
+def parse_crashes(text: str) -> tuple[tuple[int, int] | None, ...]:
+    out = []
+    for entry in filter(None, text.split(",")):
+        if entry == "none":
+            out.append(None)
+            continue
+        try:
+            rank, step = (int(v) for v in entry.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not RANK:STEP (integers) or 'none'") from None
+        out.append((rank, step))
+    return tuple(out)
+
+
+def build(args: argparse.Namespace, device: torch.device, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(args.seed)
+    layers = [nn.TransformerEncoderLayer(args.dim, args.heads, 4 * args.dim, dropout=0.0, batch_first=True)
+              for _ in range(args.layers)]
+    model = nn.Sequential(*layers, nn.Linear(args.dim, args.dim)).to(device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def batch(args: argparse.Namespace, step: int, rank: int, world: int, device: torch.device):
+    """This rank's slice of the step's batch: a function of (seed, step) only, split by rank."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    x = torch.randn(args.batch, args.seq, args.dim, generator=g)
+    y = torch.randn(args.batch, args.seq, args.dim, generator=g)
+    per = args.batch // world
+    return x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
+
+
+def state_of(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def restore(model, optim, reader: SnapshotReader) -> None:
+    state = state_of(model, optim)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def verify(args, model, optim, step: int, rank: int) -> None:
+    """Load ``step`` from ``--disk`` into a fresh state and compare it, tensor by tensor, with the restored one."""
+    mine, disk = state_of(model, optim), state_of(model, optim)
+    disk = {k: _clone(v) for k, v in disk.items()}
+    dcp.load(disk, checkpoint_id=os.path.join(args.disk, f"step_{step}"))
+    flat_a, flat_b = _flat(mine), _flat(disk)
+    unequal = sorted(k for k in flat_a if not _equal(flat_a[k], flat_b.get(k)))
+    with open(f"{args.verify_out}.{rank}.json", "w") as f:
+        json.dump({"step": step, "tensors": len(flat_a), "unequal": unequal,
+                   "world_size": dist.get_world_size(), "source": SnapshotReader().source}, f)
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if not isinstance(obj, DTensor) else DTensor.from_local(
+            obj.to_local().clone(), obj.device_mesh, obj.placements, shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}/{k}"))
+        return out
+    if isinstance(obj, list):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flat(v, f"{prefix}/{i}"))
+        return out
+    return {prefix: obj}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, DTensor):
+        a = a.to_local()
+    if isinstance(b, DTensor):
+        b = b.to_local()
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        h.update(name.encode())
+        h.update(full.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if args.batch % world:
+        sys.exit(f"--batch {args.batch} does not split over {world} ranks")
+    mesh = init_device_mesh(device.type, (world,))
+    model, optim = build(args, device, mesh)
+    # dcp.async_save plans in a thread of its own: its collectives need a group of their own (gloo), or they
+    # interleave with training's on the default group
+    ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
+    timings: dict = {"saves": [], "restore": None, "source": None}
+
+    start = 0
+    reader = SnapshotReader()
+    if reader.step is not None:
+        t0 = time.perf_counter()
+        restore(model, optim, reader)
+        timings["restore"], timings["source"] = time.perf_counter() - t0, reader.source
+        start = reader.step + 1
+        if rank == 0:
+            print(f"restored step {reader.step} from {reader.source} (world size {world})", flush=True)
+        if args.verify_out and args.disk:
+            verify(args, model, optim, reader.step, rank)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    crash = args.crash_at[attempt] if attempt < len(args.crash_at) else None
+    pending = None
+
+    for step in range(start, args.steps):
+        x, y = batch(args, step, rank, world, device)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if (step + 1) % args.save_every == 0 or step == args.steps - 1:
+            t0 = time.perf_counter()
+            state = state_of(model, optim)
+            if args.async_save:
+                if pending is not None:
+                    pending.result()
+                pending = dcp.async_save(state, storage_writer=SnapshotWriter(step=step), process_group=ckpt_group)
+            else:
+                dcp.save(state, storage_writer=SnapshotWriter(step=step))
+            timings["saves"].append(time.perf_counter() - t0)
+            if args.disk:
+                dcp.save(state, checkpoint_id=os.path.join(args.disk, f"step_{step}"))
+            if crash is not None and crash == (rank, step):
+                if pending is not None:
+                    pending.result()
+                os.kill(os.getpid(), signal.SIGKILL)
+        progress(step=step + 1)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    if pending is not None:
+        pending.result()
+    if args.timings:
+        with open(f"{args.timings}.{rank}.json", "w") as f:
+            json.dump(timings, f)
+    final = digest(model)
+    if rank == 0:
+        print(f"done: {args.steps} steps, loss {loss.item():.6f}", flush=True)
+        if args.final_params:
+            with open(args.final_params, "w") as f:
+                f.write(final + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
