@@ -166,8 +166,11 @@ def check_space(shm_dir: str, path: str, need: int) -> None:
 
 
 def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: int, rank: int,
-         world_size: int) -> str:
+         world_size: int, reshardable: bool = False) -> str:
     """Copy ``state`` into the slot of ``local_rank`` that does not hold its newest commit; return its path.
+
+    ``reshardable``: the state is this rank's part of a ``torch.distributed.checkpoint`` save
+    (``elaunch.checkpoint.dcp``); its header says so (``slotfile.RESHARDABLE``).
 
     Raises:
         TypeError: a leaf cannot be saved or would not load (weights-only), or a tensor is a
@@ -189,7 +192,7 @@ def save(state: Any, step: int, *, replicated: bool, shm_dir: str, local_rank: i
         buf[slotfile.META_AT:slotfile.META_AT + len(packed.meta)] = packed.meta
         copy_in(slot, slotfile.data_offset(len(packed.meta)), packed.tensors)
         slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=replicated,
-                        meta_len=len(packed.meta), data_len=packed.data_len, fd=slot.fd)
+                        meta_len=len(packed.meta), data_len=packed.data_len, fd=slot.fd, reshardable=reshardable)
     return path
 
 

@@ -320,25 +320,9 @@ def _commit(state: dict, step: int, *, rank: int, world_size: int) -> str:
         CheckpointError: the agent's directory is gone.
     """
     from elaunch.checkpoint import _shm as shm_mod
-    from elaunch.checkpoint import _tree
 
-    shm_dir, local_rank = _shm(), int(os.environ.get("LOCAL_RANK", "0") or 0)
-    packed = _tree.pack(state, replicated=False)
-    need = slotfile.file_size(len(packed.meta), packed.data_len)
-    shm_mod._make_slots_dir(shm_dir)
-    with shm_mod._LOCK:
-        path = slotfile.slot_to_write(shm_dir, local_rank)
-        shm_mod.check_space(shm_dir, path, need)
-        slot = shm_mod._slot(path)
-        if slot.size < need:
-            shm_mod._grow(slot, shm_dir, need)
-        buf = slot.mm
-        seq = slotfile.begin(buf, slot.fd)
-        buf[slotfile.META_AT:slotfile.META_AT + len(packed.meta)] = packed.meta
-        shm_mod.copy_in(slot, slotfile.data_offset(len(packed.meta)), packed.tensors)
-        slotfile.commit(buf, seq, step=step, rank=rank, world_size=world_size, replicated=False,
-                        meta_len=len(packed.meta), data_len=packed.data_len, fd=slot.fd, reshardable=True)
-    return path
+    return shm_mod.save(state, step, replicated=False, reshardable=True, shm_dir=_shm(),
+                        local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0), rank=rank, world_size=world_size)
 
 
 # -- the reader ------------------------------------------------------------------------------------------------
