@@ -121,8 +121,9 @@ class NodePersister:
     def _persist_dcp(self, step: int, slots: list[slotfile.SlotInfo]) -> tuple[int, str, float] | None:
         """Write this node's ranks' parts of a DCP save into ``dcp/step_<step>/``; its ``.metadata`` once all are there.
 
-        A chunk a sidecar of the same save already holds (a replicated tensor another rank
-        wrote) is not written again. Older DCP steps are pruned once a newer one is complete.
+        Each rank's file holds the items DCP's plan gave that rank (``SnapshotWriter`` marks
+        them), so a replicated tensor is written once, as DCP's ``FileSystemWriter`` would; a
+        chunk a sidecar of the same save already holds is not written again either. Older DCP steps are pruned once a newer one is complete.
 
         Returns:
             As :meth:`persist_once`: ``(step, step_dir, seconds)`` when this node's files were written.
@@ -152,8 +153,10 @@ class NodePersister:
                 raise RuntimeError(f"rank {info.rank}'s DCP part of step {step} holds its own layout only (the save's "
                                    "planner dropped SnapshotWriter's storage data): not persisted")
             skip = persisted.held_keys(persisted.read_sidecars(d), info.world_size, persisted.layout_digest(layout))
-            path = persisted.write_dcp_part(self.ckpt_dir, step, info.rank, info.world_size, layout,
-                                            state["items"], skip, time=info.time)
+            # the items DCP's plan gave this rank (a part keeps the others too, for its own restore)
+            items = [it[:3] for it in state["items"] if len(it) < 4 or it[3]]
+            path = persisted.write_dcp_part(self.ckpt_dir, step, info.rank, info.world_size, layout, items, skip,
+                                            time=info.time)
             del state
             _remove_stale_temporaries(path)
             _remove_stale_temporaries(os.path.join(d, persisted.dcp_sidecar_name(info.rank)))

@@ -82,7 +82,9 @@ from elaunch.checkpoint import slotfile
 
 __all__ = ["SnapshotWriter", "SnapshotReader", "step_of", "persisted_dir", "FORMAT"]
 
-#: The marker of a DCP snapshot's state (a rank's part): ``{"format": FORMAT, "layout": ..., "items": [...]}``.
+#: The marker of a DCP snapshot's state (a rank's part): ``{"format": FORMAT, "rank": r, "world_size": w,
+#: "layout": ..., "items": [[fqn, offsets or None (bytes), tensor, planned], ...]}``; ``planned``: DCP's plan gave
+#: the item to this rank (False for a replicated tensor DCP's dedup left to another rank; the persister skips it).
 FORMAT = "elaunch.dcp/1"
 _ID_STEP = re.compile(r"(\d+)$")
 
@@ -275,11 +277,11 @@ class SnapshotWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 saved.append([item.index.fqn, None, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                              if raw else torch.empty(0, dtype=torch.uint8)])
+                              if raw else torch.empty(0, dtype=torch.uint8), item.index in in_plan])
                 nbytes = len(raw)
             else:
                 t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(data)
-                saved.append([item.index.fqn, list(item.index.offset), t])
+                saved.append([item.index.fqn, list(item.index.offset), t, item.index in in_plan])
                 nbytes = t.numel() * t.element_size()
             if item.index in in_plan:
                 results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
@@ -357,7 +359,7 @@ def _open_part(path: str, step: int) -> _Part | None:
     if not (isinstance(state, dict) and state.get("format") == FORMAT):
         return None
     refs = {}
-    for fqn, offsets, t in state["items"]:
+    for fqn, offsets, t, *_planned in state["items"]:
         refs[(fqn, None if offsets is None else tuple(offsets))] = made[id(t)]
     return _Part(info, refs, state["layout"])
 

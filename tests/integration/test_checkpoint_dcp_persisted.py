@@ -70,6 +70,14 @@ def test_a_dcp_save_is_persisted_as_a_dcp_directory_dcp_loads_without_elaunch_at
     assert sorted(n for n in os.listdir(step_dir) if not n.startswith(".")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not [n for n in os.listdir(step_dir) if ".tmp-" in n]
     assert load_metadata(step_dir).version == "1.0.0"  # what SnapshotReader reads, weights-only
+    # each chunk is in the file of the rank DCP's plan gave it to, as in DCP's own directory of the same save
+    # (a replicated tensor once), whatever order this node's persister wrote its ranks' parts in
+    placed = {(fqn, str(offsets)): side["file"] for side in persisted.read_sidecars(step_dir).values()
+              for fqn, offsets, *_ in side["items"]}
+    reference = {(k.fqn, str(list(k.offset)) if k.offset is not None else "None"): v.relative_path
+                 for k, v in load_metadata(str(out / "reference")).storage_data.items()}
+    assert sum(len(side["items"]) for side in persisted.read_sidecars(step_dir).values()) == len(placed)
+    assert placed == reference
     expected = str(out / "expected.pt")
     ok = f"ok {len(torch.load(expected))}"
     # DCP's own directory of the same state, written by the job's FileSystemWriter, reads the same: the check is sound
