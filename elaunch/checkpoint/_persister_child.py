@@ -242,6 +242,10 @@ def main(fd: int, node_dir: str, ckpt_dir: str, interval: float) -> int:
                 tick = _next_tick(interval)
     except (_Stop, BrokenPipeError, ConnectionResetError):
         pass
+    finally:
+        # past the loop a SIGTERM just ends the process: raised as _Stop during the interpreter's teardown it
+        # printed a traceback of its own
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0
 
 
