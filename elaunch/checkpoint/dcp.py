@@ -183,6 +183,10 @@ def decode_layout(layout: Any) -> Metadata:
     return Metadata(state_dict_metadata=md, planner_data=planner_data)
 
 
+#: planner class -> the items of the last usable local plan this process saved with it (see prepare_local_plan)
+_LAST_LOCAL_ITEMS: dict[str, list] = {}
+
+
 # -- the writer ------------------------------------------------------------------------------------------------
 
 class SnapshotWriter(StorageWriter):
@@ -213,7 +217,7 @@ class SnapshotWriter(StorageWriter):
         self.step: int | None = step
         self._rank = int(os.environ.get("RANK", "0") or 0)
         self._world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        self._local_items: list = []
+        self._local_items: list | None = None
         self._fs: FileSystemWriter | None = None
         self._checkpoint_id = None
         self.path: str | None = None  #: the slot file (or DCP directory) the last save wrote
@@ -238,7 +242,7 @@ class SnapshotWriter(StorageWriter):
         if self.step is None:
             raise ValueError(f"SnapshotWriter needs the step: SnapshotWriter(step=...) or a checkpoint_id ending in it "
                              f"(like 'step-120'), not {self._checkpoint_id!r}")
-        self._local_items = []
+        self._local_items = None
         self._fs = None
         if not _shm():
             cid = self._checkpoint_id
@@ -250,7 +254,10 @@ class SnapshotWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self._fs is not None:
             return self._fs.prepare_local_plan(plan)
-        self._local_items = list(plan.items)  # all of them: DCP's dedup may leave a replicated tensor to one rank
+        # all of them: DCP's dedup may leave a replicated tensor to one rank. A cached plan (DefaultSavePlanner's
+        # enable_plan_caching: no change since the last save) comes empty and unusable: write_data takes the items
+        # of the last usable one
+        self._local_items = list(plan.items) if plan.usable else None
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -267,7 +274,10 @@ class SnapshotWriter(StorageWriter):
         if self._fs is not None:
             return self._fs.write_data(plan, planner)
         layout = plan.storage_data if isinstance(plan.storage_data, dict) and "fqns" in plan.storage_data else None
-        items = self._local_items or list(plan.items)
+        key = f"{type(planner).__module__}.{type(planner).__qualname__}"  # DCP caches plans per planner class too
+        if self._local_items is not None:
+            _LAST_LOCAL_ITEMS[key] = self._local_items
+        items = _LAST_LOCAL_ITEMS.get(key, list(plan.items))
         if layout is None:  # a planner that dropped the storage data: this rank's own layout (still readable here)
             layout = {**encode_layout([items], plan.planner_data or {}), "partial": True}
         saved, results = [], []
