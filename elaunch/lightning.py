@@ -31,12 +31,13 @@ from typing import Any
 
 try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("elaunch.lightning needs the `lightning` package (pip install lightning)") from exc
 
 import elaunch.checkpoint as ckpt
 
-__all__ = ["RESUME", "SnapshotCheckpointIO", "resume_path"]
+__all__ = ["RESUME", "SnapshotCheckpointIO", "SnapshotModelParallelStrategy", "resume_path"]
 
 #: The ``ckpt_path`` that names "the snapshot the job agreed on"; what :func:`resume_path` returns.
 RESUME = "elaunch://snapshot"
@@ -173,3 +174,91 @@ class SnapshotCheckpointIO(CheckpointIO):
 def _cpu(storage, location):
     return storage
 
+
+
+class SnapshotModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with its checkpoints in elaunch's memory.
+
+    ``Trainer(strategy=SnapshotModelParallelStrategy(...))`` in place of
+    ``ModelParallelStrategy(...)`` (same arguments). Lightning's strategy writes a DCP
+    directory itself (``torch.distributed.checkpoint.save(..., checkpoint_id=path)``) and
+    refuses a ``CheckpointIO``; this one overrides its ``save_checkpoint`` and
+    ``load_checkpoint`` only:
+
+    * ``save_checkpoint(checkpoint, path)`` (on every rank, as Lightning calls it) saves the
+      sharded ``state_dict`` and ``optimizer_<i>`` states through ``dcp.save`` with
+      :class:`elaunch.checkpoint.SnapshotWriter` at ``checkpoint["global_step"]``, and the rest
+      of the checkpoint (loops, callbacks, ``global_step``...; what Lightning puts in
+      ``meta.pt``) as a ``torch.save`` byte string in a ``uint8`` tensor ``lightning_meta``,
+      rank 0's on every rank. ``path`` is not written.
+    * ``load_checkpoint(RESUME)`` loads them back with ``dcp.load`` and
+      :class:`elaunch.checkpoint.SnapshotReader` (resharded by DCP when the world size
+      changed), the metadata weights-only; another path loads as Lightning's does.
+
+    Needs ``save_distributed_checkpoint=True`` (Lightning's default); full state gathered on
+    rank 0 (False) is not supported.
+
+    Attributes:
+        restored: after a load from snapshots, ``{"step": int, "source": "memory" or "disk"}``; else None.
+
+    Raises:
+        ValueError: ``save_distributed_checkpoint=False``.
+        TypeError: ``storage_options`` given (as Lightning's strategy).
+        FileNotFoundError: ``load_checkpoint(RESUME)`` with no snapshot to resume from.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self._save_distributed_checkpoint:
+            raise ValueError(f"{type(self).__name__} saves sharded state only: save_distributed_checkpoint=True "
+                             f"(Lightning's default), not False")
+        self.restored: dict[str, Any] | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported")
+        step = int(checkpoint["global_step"])
+        import io
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        from elaunch.checkpoint import SnapshotWriter
+
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        meta = self.broadcast(buf.getvalue())  # one value for the job: a plain tensor is the same on every rank in DCP
+        state["lightning_meta"] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        dcp.save(state, storage_writer=SnapshotWriter(step=step))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not _is_resume(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import io
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict)
+
+        from elaunch.checkpoint import SnapshotReader
+
+        reader = SnapshotReader()
+        if reader.step is None:
+            raise FileNotFoundError(f"{RESUME}: no elaunch snapshot to resume from")
+        size = reader.read_metadata().state_dict_metadata["lightning_meta"].size
+        optimizers = list(self.optimizers)
+        state = {"state_dict": get_model_state_dict(self.model),
+                 **{f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optimizers)},
+                 "lightning_meta": torch.empty(size, dtype=torch.uint8)}
+        dcp.load(state, storage_reader=reader)
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for i, o in enumerate(optimizers):
+            set_optimizer_state_dict(self.model, o, optim_state_dict=state[f"optimizer_{i}"])
+        meta = torch.load(io.BytesIO(state["lightning_meta"].numpy().tobytes()), weights_only=True)
+        self.restored = {"step": reader.step, "source": reader.source}
+        return meta

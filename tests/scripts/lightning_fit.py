@@ -9,7 +9,8 @@ run sees (whatever Lightning does with the loader's position on a resume).
 
 Each rank of each attempt writes ``OUT/attempt<A>_rank<R>.json``: ``start_step`` (the
 ``global_step`` at ``on_train_start``, after any restore), ``start_digest`` (the SHA-256 of the
-full parameters then), ``digests`` (``{step: digest}`` at the start of each batch), ``restored``
+full parameters then), ``dtensors`` (every parameter a DTensor: ``--strategy fsdp``, FSDP2 through
+``SnapshotModelParallelStrategy``), ``digests`` (``{step: digest}`` at the start of each batch), ``restored``
 (the plugin's ``restored``), ``resume`` (what ``resume_path()`` returned). At the end rank 0
 writes ``OUT/final.json``: ``{"digest", "global_step"}``. On attempt 0, with ``--kill-at K``,
 rank 1 SIGKILLs itself at the start of the batch at ``global_step == K`` (after the checkpoint of
@@ -91,6 +92,7 @@ class Tiny(L.LightningModule):
     def on_train_start(self) -> None:
         self.record["start_step"] = self.global_step
         self.record["start_digest"] = digest(self)
+        self.record["dtensors"] = all(hasattr(p, "full_tensor") for p in self.parameters())
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.record["digests"][str(self.global_step)] = digest(self)
