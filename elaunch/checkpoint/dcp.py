@@ -530,6 +530,7 @@ class SnapshotReader(StorageReader):
     @torch.no_grad()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Copy each chunk DCP asks for from its snapshot's mapping, then check no snapshot changed meanwhile."""
+        planner = _WeightsOnlyBytes(planner)
         if self._fs is not None:
             return self._fs.read_data(plan, planner)
         from elaunch.checkpoint import CheckpointError
@@ -584,6 +585,36 @@ class SnapshotReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """False: DCP never picks this reader by itself; pass it as ``storage_reader``."""
         return False
+
+
+class _WeightsOnlyBytes:
+    """A load planner whose ``load_bytes`` gets only bytes that ``torch.load(weights_only=True)`` loads.
+
+    DCP's ``DefaultLoadPlanner.load_bytes`` unpickles a non-tensor item (an int, a string, a
+    dict of them) with ``torch.load(weights_only=False)``; its bytes may come from a peer's
+    replica, or a persisted directory other nodes write. Each is first loaded weights-only
+    (torch's allow-list, with the classes of ``torch.serialization.add_safe_globals``); a
+    refusal raises :class:`~elaunch.checkpoint.UnsafeStateError` and the planner never sees
+    the bytes. Every other attribute is the planner's.
+    """
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+
+    def __getattr__(self, name: str):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from elaunch.checkpoint import UnsafeStateError
+
+        data = value.getvalue() if isinstance(value, io.BytesIO) else value.read()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeStateError(f"the checkpoint item {read_item.dest_index.fqn!r} does not load weights-only "
+                                   f"(as torch.load(weights_only=True)); allow its classes with "
+                                   f"torch.serialization.add_safe_globals([...]) before dcp.load ({exc})") from exc
+        self._planner.load_bytes(read_item, io.BytesIO(data))
 
 
 def _newest_dir(directory: str) -> str:
