@@ -35,7 +35,10 @@ right after saving STEP), ``--disk DIR`` (also ``dcp.save`` every step to
 ``DIR/step_<step>`` with DCP's FileSystemWriter, to compare with), ``--verify-out FILE``
 (after a restore, load the same step from ``--disk`` too and write, per rank, whether
 every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
-``--timings FILE`` (per rank, seconds spent in each save and in the restore).
+``--timings FILE`` (per rank, seconds spent in each save and in the restore), ``--journal FILE``
+(every rank appends a JSON line to FILE when it starts: its attempt, rank, group rank, world
+size, and the step restored with its source, or null; and one just before a ``--crash-at``
+SIGKILL: the rank and step; each with the time).
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the i-th attempt's crash: RANK kills itself after saving STEP ('none': no crash)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS", help="sleep after each step")
     p.add_argument("--timings", default=None, metavar="FILE", help="write save/restore seconds to FILE.<rank>.json")
+    p.add_argument("--journal", default=None, metavar="FILE",
+                   help="append a JSON line to FILE at each start (step restored, source) and before each crash")
     return p.parse_args(argv)
 
 
@@ -186,6 +191,16 @@ def _equal(a, b) -> bool:
     return a == b
 
 
+def journal(path: str | None, **record) -> None:
+    """Append ``record`` as one JSON line to ``path`` (one short O_APPEND write: lines of ranks do not mix)."""
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps({**record, "time": time.time()}) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
 def digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
@@ -225,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             verify(args, model, optim, reader.step, rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     crash = args.crash_at[attempt] if attempt < len(args.crash_at) else None
+    journal(args.journal, event="start", attempt=attempt, rank=rank, world_size=world,
+            group_rank=int(os.environ.get("GROUP_RANK", "0") or 0), step=reader.step, source=reader.source)
     pending = None
 
     for step in range(start, args.steps):
@@ -248,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             if crash is not None and crash == (rank, step):
                 if pending is not None:
                     pending.result()
+                journal(args.journal, event="crash", attempt=attempt, rank=rank, step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
         progress(step=step + 1)
         if args.step_sleep:
