@@ -28,12 +28,13 @@ from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.stopped import Stopped, unstartable
 from elaunch.agent.watchdog import Watchdog
-from elaunch.agent.watchdogs import open_watchdogs
+from elaunch.agent.watchdogs import HelperChecks, open_watchdogs
 from elaunch.agent.env import EnvOptions
 from elaunch.agent.group_start import GroupStarter
 from elaunch.checkpoint.keeper import CheckpointKeeper
 from elaunch.checkpoint.spare import HOOK as SPARE_HOOK
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
+from elaunch.procs.supervisor import SERVICES
 from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import (
     FailureRecord,
@@ -165,12 +166,16 @@ class ElasticAgent:
                                 progress_files=lambda: self._progress.files if self._progress else None,
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
-        # the notices first: their persist request is seen by the keeper's poll of the same look
+        # the notices first: their persist request is seen by the keeper's poll of the same look;
+        # the helpers' health just before the keeper (a dead persister is restarted or off when it asks)
         self._watchdogs.insert(0, self._notices)
+        self._watchdogs.append(HelperChecks(self._launcher.supervisor))
         self._watchdogs.append(self._keeper)
         self._starter = GroupStarter(self._spec, self._launcher, self._env_opts, self._base_env,
                                      self._logs.line_prefix_template, self._watchdogs)
         self._node_check = node_check_for(self._config, self._rdzv.job_channel, self._events, self._launcher.reaper)
+        if self._node_check is not None:  # its waiting child: closed in forked workers, stopped with the helpers
+            self._launcher.supervisor.add(self._node_check, SERVICES, watched=False)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
                                      self._watchdogs)
         try:
@@ -192,9 +197,7 @@ class ElasticAgent:
             self._stop_workers(signal.SIGKILL, grace=0.0)
             self._notices.take()  # one that came after the job's end event (the exit barrier): the log line
             self._keeper.close()  # before the helpers and the reaper go: it awaits a persist, then removes its dir
-            if self._node_check is not None:
-                self._node_check.close()
-            self._launcher.close()
+            self._launcher.close()  # every helper (the node check's child too), then the reaper
             for watchdog in self._watchdogs:
                 watchdog.close()
             self._events.close()

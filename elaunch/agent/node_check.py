@@ -53,6 +53,11 @@ _CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 class NodeCheck:
     """Runs the node check of each round for one agent.
 
+    One helper of the agent's supervisor (``procs.supervisor``, tier ``SERVICES``): a worker
+    forked from the agent closes the channel to a child waiting for the next check
+    (:meth:`private_fds`), and the supervisor stops it at the run's end (:meth:`close`).
+    A child that died is found by :meth:`run` ("the check exited"), not by the monitor.
+
     Args:
         factor: ``node_check_slow_factor`` (> 1).
         exclude: True when the faulty nodes sit out (the conf key ``exclude_after`` was given, > 0).
@@ -64,6 +69,8 @@ class NodeCheck:
         device: the child's ``device`` (``"auto"``: nccl on a GPU when torch sees one, else gloo).
         script: the child's program (``procs/_node_check_child.py``; tests give a broken one).
     """
+
+    name = "node check"
 
     def __init__(self, factor: float, exclude: bool, min_nodes: int, channel: Callable[[], object], events,
                  reaper=None, *, budget: float = CHECK_BUDGET, grace: float = IMPORT_GRACE,
@@ -207,6 +214,15 @@ class NodeCheck:
                     ", ".join(out))
         self._events.restart(False, job.restarts, "node_check")
         return None
+
+    def check(self) -> bool:
+        """Nothing to restart: a child that died names this node failed at :meth:`run`."""
+        return False
+
+    def private_fds(self) -> tuple[int, ...]:
+        """The channel to a child waiting for the next check: a worker forked from the agent closes it."""
+        child = self._child
+        return child.private_fds() if child is not None else ()
 
     def close(self) -> None:
         """Stop a child still waiting (idempotent)."""

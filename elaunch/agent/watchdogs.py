@@ -4,8 +4,8 @@ torch's file timer (``TORCHELASTIC_ENABLE_FILE_TIMER``), stuck (D-state) workers
 (``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``), the progress files' watch (the
 ``training``/``caught_up`` events; always), hangs (``--hang-timeout``) and stragglers
 (the ``straggler_*`` rdzv-conf keys): each is a :class:`~elaunch.agent.watchdog.Watchdog`
-that the monitor polls and that returns failures. The agent adds its checkpoint keeper
-after them.
+that the monitor polls and that returns failures. The agent adds the checks of its
+helpers (:class:`HelperChecks`) and its checkpoint keeper after them.
 """
 
 from __future__ import annotations
@@ -54,6 +54,46 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
         watchdogs.append(StragglerWatch(config.stragglers, lambda: progress.files, rdzv.job_channel, events,
                                         hostname, min_nodes=config.min_nodes))
     return progress, watchdogs
+
+
+class HelperChecks:
+    """The agent's helpers' health at each look of the monitor: ``procs.supervisor.Supervisor.check_all``.
+
+    A watchdog that never raises an alarm: a helper whose policy is to report raises its
+    ``HelperDied`` out of the monitor; one whose policy is off is stopped with a warning.
+    It polls while a watched helper runs (the checkpoint persister, the replica service).
+
+    Args:
+        supervisor: the run's ``Supervisor`` (the launcher's); the launcher stops it, not :meth:`close`.
+    """
+
+    interval = None
+
+    def __init__(self, supervisor) -> None:
+        self._supervisor = supervisor
+
+    @property
+    def polls(self) -> bool:
+        """True while a helper the monitor must check runs."""
+        return self._supervisor.polls
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """Nothing for the workers."""
+        return {}
+
+    def new_attempt(self, round: int) -> None:
+        """Nothing: the helpers live across attempts."""
+
+    def poll(self, watched=None) -> None:
+        """Check every watched helper and apply its policy; never an alarm.
+
+        Raises:
+            OSError: a helper whose policy is to report died (``HelperDied``).
+        """
+        self._supervisor.check_all()
+
+    def close(self) -> None:
+        """Nothing: the launcher's close stops the helpers."""
 
 
 def _file_timer(base_env: Mapping[str, str]) -> list[Watchdog]:

@@ -24,7 +24,9 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   does not exist, so its ``ckpt.load()`` raises and the round fails (a counted
   restart, after which every node plans again): ranks never resume from different
   steps, and a node never silently starts fresh beside peers that restored.
-* **the helpers**: the replica service (``checkpoint.replicas``, with
+* **the helpers** (added to the launcher's supervisor, ``procs.supervisor``: checked at
+  each look of the monitor, a dead one restarted, then turned off with one warning; the
+  keeper stops them itself at its close, before the directory goes): the replica service (``checkpoint.replicas``, with
   ``--checkpoint-replicas`` > 0 once a round has more than one node; its ring is the
   next N nodes by group rank) and the persister (``checkpoint.persister``, with
   ``--checkpoint-dir``), asked to persist at once when a worker fails, on a forwarded
@@ -50,6 +52,7 @@ from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
+from elaunch.procs.supervisor import OFF, SERVICES
 from elaunch.rendezvous.job_channel import publish
 
 log = logging.getLogger("elaunch.agent")
@@ -64,6 +67,7 @@ FETCH_TIMEOUT = PERSIST_WAIT = 30.0
 #: Most seconds between two ``checkpoint`` node records (status).
 STATUS_EVERY = 5.0
 ENV_SHM, ENV_RESTORE, ENV_STEP = "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_CHECKPOINT_RESTORE", "ELAUNCH_CHECKPOINT_STEP"
+_GOES_ON = "in-memory checkpoints go on without it"  #: the warning's tail when a helper is turned off
 
 
 class NodeSnapshot(NamedTuple):
@@ -143,7 +147,7 @@ class CheckpointKeeper:
         """Make the node directory (the reaper removes it if the agent dies); start the persister if asked.
 
         Args:
-            launcher: the agent's ``WorkerLauncher``, opened (its reaper; it keeps the helpers).
+            launcher: the agent's ``WorkerLauncher``, opened (its reaper; its supervisor owns the helpers).
             events: the run's event log (``AgentEvents``).
         """
         self._launcher, self._events = launcher, events
@@ -162,8 +166,8 @@ class CheckpointKeeper:
                 log.warning("checkpoint persister could not start (%s): nothing is persisted to %s", exc,
                             self._ckpt_dir)
             else:
-                self._persister = persister
-                launcher.add_helper(persister)
+                self._persister = launcher.supervisor.add(persister, SERVICES, on_death=OFF, note=_GOES_ON,
+                                                          turned_off=self._persister_off)
                 self.polls = True
 
     def close(self) -> None:
@@ -174,10 +178,10 @@ class CheckpointKeeper:
             if self._signalled:
                 self._await_persist(persister)
             self._report_persisted(persister)
-            persister.close()
+            self._launcher.supervisor.stop(persister)  # before its directory goes
         service, self._service = self._service, None
         if service is not None:
-            service.close()
+            self._launcher.supervisor.stop(service)
         if self.node_dir is not None:
             self.node_dir.remove()
             self.node_dir = None
@@ -328,8 +332,9 @@ class CheckpointKeeper:
                             host, exc)
                 self._replicas = 0
                 return ""
-            self._service = service
-            self._launcher.add_helper(service)
+            # its check never raises: a service past its restarts turns itself off with a warning
+            self._service = self._launcher.supervisor.add(service, SERVICES, on_death=OFF, note=_GOES_ON,
+                                                          turned_off=self._service_off)
             self.polls = True
         service = self._service
         if service is None or service.port is None:
@@ -341,10 +346,16 @@ class CheckpointKeeper:
 
     # -- while the group runs ----------------------------------------------------------------------------------
 
+    def _persister_off(self) -> None:
+        """The supervisor turned the persister off (it died past its restarts): nothing is persisted any more."""
+        self._persister = None
+
+    def _service_off(self) -> None:
+        """The supervisor turned the replica service off; the next multi-node round starts a new one."""
+        self._service = None
+
     def poll(self, watched=None) -> None:
-        """Check the helpers (a dead one is restarted or turned off), log persists, publish the status record."""
-        self._persister = _checked(self._persister)
-        self._service = _checked(self._service)
+        """Log persists, publish the status record (the supervisor checked the helpers just before)."""
         if self._asked is not None:
             why, self._asked = self._asked, None
             self.persist_now(why)
@@ -414,15 +425,3 @@ class CheckpointKeeper:
         times = [i.time for i in infos if i.step == step]
         return max(times) if times else fallback
 
-
-def _checked(helper):
-    """``helper`` after its ``check()`` (a dead child restarted); None once it died for good (logged)."""
-    if helper is None:
-        return None
-    try:
-        helper.check()
-    except OSError as exc:
-        log.warning("%s; in-memory checkpoints go on without it", exc)
-        helper.close()
-        return None
-    return helper

@@ -67,6 +67,11 @@ class Persister:
         self._error = ""  # the child's last error report
 
     @property
+    def name(self) -> str:
+        """How the supervisor (``procs.supervisor``) and its warnings name it."""
+        return self._helper.name
+
+    @property
     def pid(self) -> int | None:
         """The child's process id while it runs, else None."""
         return self._helper.pid

@@ -83,6 +83,11 @@ class ReplicaService:
         self.port: int | None = None  #: the port peers reach this node's service on, once started
 
     @property
+    def name(self) -> str:
+        """How the supervisor (``procs.supervisor``) and its warnings name it."""
+        return self._helper.name
+
+    @property
     def pid(self) -> int | None:
         """The child's process id while it runs."""
         return self._helper.pid

@@ -26,14 +26,15 @@ and the replica service. Every helper is a :class:`HelperProcess`, and so:
 The helpers today: the store host (``store_host.py``: report), the replica service
 (``replicas.py``: restart 3 times, then off, since a dead one loses no training) and
 the checkpoint persister (``persister.py``: restart 3 times, then report; the keeper
-turns it off with a warning and the job goes on). Adding one
+turns it off with a warning and the job goes on). The node
+check's child (``agent/node_check.py``) is one too, started for each round. Adding one
 is: a ``_NAME_child.py`` whose ``main(fd)`` serves its channel until end of file; a
-``NAME.py`` with the logic, owning one ``HelperProcess(...)`` and offering
-``private_fds()`` and ``close()``; and adding it to ``WorkerLauncher._helpers``
-(their channels are closed in forked workers, and each is closed at the end of the
-run). Each helper's ``check()`` runs from the agent's monitor (the checkpoint keeper,
-``checkpoint/keeper.py``, is one of its watchdogs and checks its two at each poll;
-the store host is checked at each round's ``serve``), and the reaper's ``d PATH``
+``NAME.py`` with the logic, owning one ``HelperProcess(...)`` and offering ``name``,
+``check()``, ``private_fds()`` and ``close()``; and adding it to the run's supervisor
+(``procs/supervisor.py``, ``WorkerLauncher.supervisor.add``) with its stop tier and
+policy: its channels are then closed in forked workers, it is checked at each look of
+the agent's monitor (unless its feature checks it where it uses it: the store host at
+each round's ``serve``), and stopped at the end of the run in its tier's turn. The reaper's ``d PATH``
 command removes the node directory of shared memory segments the helpers and
 workers leave behind after a ``kill -9`` of the agent.
 

@@ -4,7 +4,11 @@ One :class:`WorkerLauncher` per agent run holds the run's log directory
 (:class:`~elaunch.procs.logs.RunLogDir`), the watchdog that kills the workers if
 the agent dies (:mod:`elaunch.procs.reaper`) and the warm pool
 (:class:`~elaunch.procs.warm.WarmPool`, or :class:`NoWarmPool` when
-``--warm-start`` is off), so the agent only says *what* to start. torch's
+``--warm-start`` is off), so the agent only says *what* to start. Every helper
+process of the run, and the watchdog last, is owned by its one
+:class:`~elaunch.procs.supervisor.Supervisor` (:attr:`WorkerLauncher.supervisor`):
+a worker forked from the agent closes the descriptors it names, and
+:meth:`WorkerLauncher.close` stops them all in their declared order. torch's
 ``LocalElasticAgent`` keeps these in the agent itself.
 
 No torch import here: the agent imports this module.
@@ -24,6 +28,7 @@ from .forked import ForkedProcess, fork_worker
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
+from .supervisor import SPARES, STORE, Supervisor
 from .warm import WarmPool
 from .spawn import marker_entries, popen_worker
 from .workers import WorkerProcesses
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 class NoWarmPool:
     """The warm pool when ``--warm-start`` is off: never has a spare, prepares none."""
 
+    name = "warm pool"
     enabled = False
     used = 0
 
@@ -74,6 +80,8 @@ class WorkerLauncher:
     Attributes:
         pool: the warm pool (a :class:`NoWarmPool` when warm start is off, or before
             :meth:`open`).
+        supervisor: the owner of the run's helpers and, last, of its watchdog: features add
+            theirs to it (``supervisor.add``); it lives until :meth:`close`.
     """
 
     def __init__(
@@ -96,9 +104,7 @@ class WorkerLauncher:
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
         self._store_host: StoreHost | None = None
         self._barrier_root: str | None = None  # return_barrier's files, made when first needed
-        #: the owners of the run's helper processes (``procs.helper_process``): each has
-        #: ``private_fds()`` and ``close()``, and lives until :meth:`close`
-        self._helpers: list = []
+        self.supervisor = Supervisor()  # open() gives it the watchdog
 
     @property
     def log_root(self) -> str | None:
@@ -119,8 +125,10 @@ class WorkerLauncher:
         specs = self._logs.specs
         self._log_dir = RunLogDir(self._logs, self._run_id) if specs is None else SpecsLogDir(specs)
         self._reaper = self._reaper_factory()
+        self.supervisor = Supervisor(self._reaper)
         if self._warm_modules is not None and specs is None:
             self.pool = WarmPool(self._warm_modules, self._reaper, hook=self._spare_hook)
+            self.supervisor.add(self.pool, SPARES, watched=False)  # a dead spare is found at its handoff
         elif self._warm_modules is not None:
             log.warning("--warm-start is off with --logs-specs: spares cannot open the files a LogsSpecs names")
 
@@ -250,8 +258,8 @@ class WorkerLauncher:
             OSError: the port cannot be bound or the child cannot be started.
         """
         if self._store_host is None:
-            self._store_host = StoreHost(self._reaper)
-            self._helpers.append(self._store_host)
+            # a dead store host is reported at the next round's serve, not by the monitor
+            self._store_host = self.supervisor.add(StoreHost(self._reaper), STORE, watched=False)
         return self._store_host.serve(host, port)
 
     @property
@@ -259,19 +267,12 @@ class WorkerLauncher:
         """The watchdog that outlives the agent, once :meth:`open` started it."""
         return self._reaper
 
-    def add_helper(self, owner) -> None:
-        """Keep a helper's owner (``private_fds()``, ``close()``): forked workers close its descriptors,
-        :meth:`close` closes it (after the helpers added later)."""
-        self._helpers.append(owner)
-
     def _forker(self, logs: AttemptLogs, barrier: return_barrier.AttemptBarrier | None = None,
                 ) -> Callable[[int, list[str], dict[str, str]], ForkedProcess]:
         """The ``adopt`` hook that forks each worker of ``logs``' attempt to run the fork target
         (closing its siblings' barrier locks in the child)."""
         target, reaper = self._fork_target, self._reaper
-        private = reaper.private_fds() if reaper is not None else ()
-        for helper in self._helpers:
-            private = (*private, *helper.private_fds())
+        private = self.supervisor.private_fds()  # every helper's channels and the watchdog's pipes
 
         def fork(local_rank: int, argv: list[str], env: dict[str, str]) -> ForkedProcess:
             # the watchdog knows the worker before it runs a line of the target: a child it
@@ -293,17 +294,14 @@ class WorkerLauncher:
             self._log_dir.remove_if_temporary()
 
     def close(self) -> None:
-        """Kill the spares, stop the helpers and the watchdog. Idempotent; the log directory is kept."""
-        self.pool.close()
+        """Stop every helper (the spares among them) in the supervisor's order, then the watchdog.
+        Idempotent; the log directory is kept."""
         if self._barrier_root is not None:  # first: nothing below that raises leaves it behind
             shutil.rmtree(self._barrier_root, ignore_errors=True)
             self._barrier_root = None
-        while self._helpers:
-            self._helpers.pop().close()
         self._store_host = None
-        if self._reaper is not None:
-            self._reaper.close()
-            self._reaper = None
+        self._reaper = None
+        self.supervisor.close()
 
     def _run_dir(self) -> RunLogDir | SpecsLogDir:
         if self._log_dir is None:

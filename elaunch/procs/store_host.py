@@ -92,6 +92,19 @@ class StoreHost:
             # an earlier "ok PORT" answer: read on to this one's
         self._port = None
 
+    @property
+    def name(self) -> str:
+        """``"store host"``: how the supervisor names it."""
+        return self._helper.name
+
+    def check(self) -> bool:
+        """Its policy is report (see :meth:`serve`, which checks it at each round).
+
+        Raises:
+            HelperDied: the child exited (an OSError).
+        """
+        return self._helper.check()
+
     def private_fds(self) -> tuple[int, ...]:
         """File descriptors a worker forked from the agent must close (the channel to the child)."""
         return self._helper.private_fds()

@@ -14,8 +14,8 @@ reaper (``reaper.py``). Each is added to the run's one :class:`Supervisor`
   reaper is not a tier: it is the supervisor's own last stop, since it must outlive
   everything it watches (and the agent itself: it is no :class:`Helper`, it has no
   ``PR_SET_PDEATHSIG``).
-* **its health and policy**: :meth:`Supervisor.check_all`, one pass of the agent's
-  monitor (the supervisor is polled as a watchdog, before the checkpoint keeper), calls
+* **its health and policy**: :meth:`Supervisor.check_all`, at each pass of the agent's
+  monitor (``agent.watchdogs.HelperChecks``, polled before the checkpoint keeper), calls
   each watched helper's ``check()``. A helper restarts itself there while its budget lasts
   (``HelperProcess.check``); once it raises, its policy applies: :data:`REPORT` (the
   error, a one-line :class:`~elaunch.procs.helper_process.HelperDied`, goes out of the
@@ -106,14 +106,11 @@ class Supervised:
 class Supervisor:
     """Owns one agent run's helpers and, last, its reaper (see the module docstring).
 
-    Use from the agent's main thread. It has a watchdog's shape (``polls``, ``interval``,
-    ``poll``, ``close``), so the agent's monitor polls it while a group runs.
+    Use from the agent's main thread.
 
     Args:
         reaper: the run's watchdog (``Reaper``), stopped after every helper; or None.
     """
-
-    interval = None  #: the monitor's interval is fine
 
     def __init__(self, reaper: "Reaper | None" = None) -> None:
         self.reaper = reaper
@@ -163,10 +160,6 @@ class Supervisor:
                 self.stop(entry.helper)
                 if entry.turned_off is not None:
                     entry.turned_off()
-
-    def poll(self, watched=None) -> None:
-        """:meth:`check_all`, as a watchdog's poll: never an alarm."""
-        self.check_all()
 
     def private_fds(self) -> tuple[int, ...]:
         """Every descriptor a worker forked from the agent must close: each helper's, then the reaper's."""

@@ -175,6 +175,10 @@ def _new_lock(lock_dir: str | None) -> tuple[int | None, str | None]:
 class WarmPool:
     """One attempt's worth of warm spares, prepared while the current attempt runs.
 
+    One helper of the run's supervisor (``procs.supervisor``, tier ``SPARES``): its templates and
+    spares are stopped together by :meth:`close`, and a worker forked from the agent closes the
+    descriptors :meth:`private_fds` names.
+
     Use from the agent's main thread (``PR_SET_PDEATHSIG`` follows the starting thread).
 
     Args:
@@ -194,6 +198,7 @@ class WarmPool:
         self._templates: dict[int, Template] = {}
         self._no_template: set[int] = set()  # local ranks whose template could not fork
         self._warned = False
+        self.name = "warm pool"
         self.enabled = True  # False once the workers turned out not to be warmable
         self.used = 0  # spares handed a worker so far (for tests and logs)
 
@@ -400,6 +405,16 @@ class WarmPool:
             self._end_template(lr)
         if logs is not None and logs.dir != os.devnull:
             shutil.rmtree(logs.dir, ignore_errors=True)
+
+    def check(self) -> bool:
+        """Nothing to restart: a spare that died is found at its handoff and its worker starts cold."""
+        return False
+
+    def private_fds(self) -> tuple[int, ...]:
+        """Descriptors a worker forked from the agent must close: the spares' handoff pipes, the templates' channels."""
+        fds = [s.wfd for s in self._spares.values() if s.wfd >= 0]
+        fds.extend(fd for t in self._templates.values() for fd in t.private_fds())
+        return tuple(fds)
 
     def pids(self) -> list[int]:
         """Return the pids of the spares waiting for a worker (not those a template has yet to fork)."""

@@ -187,6 +187,10 @@ class Template:
         self._state = False
         end(self.proc)
 
+    def private_fds(self) -> tuple[int, ...]:
+        """The channel to the template (a worker forked from the agent closes it), while open."""
+        return () if self._chan.fileno() < 0 else (self._chan.fileno(),)
+
     def close(self) -> None:
         """Stop the template; reap the spares it forked that nothing collected. Idempotent."""
         end(self.proc)

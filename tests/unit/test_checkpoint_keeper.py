@@ -18,6 +18,7 @@ from elaunch.agent.events import AgentEvents
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.procs import snapshot_dir
+from elaunch.procs.supervisor import Supervisor
 from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
 from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
 from elaunch.spec import Worker
@@ -27,15 +28,12 @@ KEYS = {"0": b"0" * 32, "1": b"1" * 32, "2": b"2" * 32}  #: each node's replica 
 
 
 class Launcher:
-    """What the keeper needs of a WorkerLauncher: a reaper (none here) and a place for helpers."""
+    """What the keeper needs of a WorkerLauncher: a reaper (none here) and the supervisor of the helpers."""
 
     reaper = None
 
     def __init__(self) -> None:
-        self.helpers = []
-
-    def add_helper(self, owner) -> None:
-        self.helpers.append(owner)
+        self.supervisor = Supervisor()
 
 
 def keeper(tmp_path, channel, lines: list) -> CheckpointKeeper:

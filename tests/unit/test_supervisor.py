@@ -102,7 +102,7 @@ def test_a_report_helper_that_died_raises_its_one_line():
     sup.check_all()
     h.dies = HelperDied("store host (pid 12) was killed by SIGKILL")
     with pytest.raises(HelperDied, match=r"^store host \(pid 12\) was killed by SIGKILL$"):
-        sup.poll(None)
+        sup.check_all()
     assert sup.has(h)  # the agent's run ends; close() stops it
 
 
