@@ -168,3 +168,52 @@ def test_merging_a_later_run_drops_the_notes_of_the_rows_it_replaces():
     assert [n.split(":")[0] for n in partly["meta"]["notes"] if n.startswith("rows of ")] == \
         ["rows of job_abort, hang", "rows of hang"]
     assert [s["name"] for s in twice["scenarios"]] == ["launch", "job_abort", "job_abort_etcd_v2", "hang"]
+
+
+#: Rows of benchmarks/fsdp2_dcp.py that its --smoke run must fill with a number (issue 36).
+FSDP2_DCP_ROWS = [*(f"save.{k}" for k in ("snapshot", "snapshot_cached", "snapshot_async_blocking", "fs_async_blocking",
+                                           "fs_sync", "null", "null_cached")),
+                  *(f"{phase}.{k}" for phase in ("kill", "replace", "lost") for k in ("first", "memory", "disk")),
+                  "replace.agent_prepare"]
+
+
+@pytest.mark.multinode
+def test_fsdp2_dcp_smoke_fills_every_row_and_restores_what_disk_holds(tmp_path):
+    """``benchmarks.fsdp2_dcp --smoke``: FSDP2 through DCP on 2 namespace hosts, a tiny state, one repetition
+    (rows 1-4; no goodput); every restore from memory equals DCP's load of the same step from disk. It took
+    ~57 s here (2 shared cores); no time is asserted."""
+    from tests.multinode import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "fsdp2_dcp.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fsdp2_dcp", "--smoke", f"--json={out}",
+                             f"--work-dir={tmp_path / 'work'}"], cwd=REPO, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"benchmarks.fsdp2_dcp --smoke timed out\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["key"]: r for r in result["rows"]}
+    for key in FSDP2_DCP_ROWS:
+        assert key in rows and isinstance(rows[key]["median"], float), f"{key}: {rows.get(key)}\n{stderr[-3000:]}"
+    # nothing else: no job that did not complete, no save way that failed, no restore that differs from disk
+    assert result["meta"]["notes"] == ["goodput: not run (--smoke, or --only without it)"], result["meta"]["notes"]
+    raw = result["raw"]
+    assert raw["a"]["replace_events"]["sources"] and set(raw["a"]["replace_events"]["sources"].values()) == {"peer"}
+    assert set(raw["b"]["survivor_events"]["sources"].values()) == {"memory"}  # 4 -> 2 from memory, never disk
+    for phase, docs in (("kill", raw["a"]["kill"]), ("replace", raw["a"]["replace"]), ("lost", raw["b"]["lost"])):
+        for name, doc in docs.items():
+            assert doc["source"] == "memory" and doc["tensors"] > 0 and doc["unequal_to_disk"] == [], (phase, name, doc)
+    assert all(c in (0, None) for c in raw["a"]["exit_codes"] + raw["b"]["exit_codes"]), raw
+    assert "| dcp.save, SnapshotWriter (committed on return) |" in stdout
+    res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    assert not [line for line in res.stdout.splitlines() if line.startswith(f"elt-{proc.pid}-")]
+    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(f"elaunch-d36{proc.pid}")}
+    assert not left, left
