@@ -7,7 +7,7 @@ The model is examples/fsdp2_dcp.py's (``--layers`` transformer encoder layers of
 taken so that the optimizer's moments exist. Then, by what ``SnapshotReader`` finds:
 
 * nothing to restore (the job's first round): with ``--save-reps``, ``--reps`` rounds of every
-  way of saving, interleaved (each round starts with the next way), each after a barrier and
+  way of saving, interleaved (each round in a shuffled order, the same on every rank), each after a barrier and
   timed on every rank (``save_<rank>.json``); then the step :data:`FINAL` saved to memory
   (``SnapshotWriter``) and to ``DISK/step_<FINAL>`` (``FileSystemWriter``);
 * a step to restore (a later round): the first ``dcp.load`` from ``SnapshotReader`` timed
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -166,9 +167,12 @@ def save_reps(args, model, optim, ckpt_group, rank: int) -> dict:
             "fs_async_blocking": fs_async, "fs_sync": fs_sync, "null": null, "null_cached": null_cached}
     out: dict = {k: [] for k in ways}
     out.update(snapshot_async_total=[], fs_async_total=[], errors={})
-    names = list(ways)
     for r in range(args.reps + 1):  # round 0 warms every way up (first slot pages, planners' caches): not kept
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        # each round in its own order, the same on every rank (the calls are collective): a rotation would keep
+        # each way behind the same one every round (the planning-only save always after the disk save's fsyncs)
+        names = list(ways)
+        random.Random(r).shuffle(names)
+        for name in names:
             t0 = time.perf_counter()
             try:
                 blocked = timed(ways[name])
