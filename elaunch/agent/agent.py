@@ -162,7 +162,7 @@ class ElasticAgent:
                                                          self._events, self._hostname, self._base_env,
                                                          self._config.monitor_interval, self._launcher.reaper)
         if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
-            self._metrics.watch(self._events, node, snapshot=self._keeper.snapshot_facts,
+            self._metrics.watch(self._events, node, self._launcher.supervisor, snapshot=self._keeper.snapshot_facts,
                                 progress_files=lambda: self._progress.files if self._progress else None,
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)

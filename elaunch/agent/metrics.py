@@ -54,6 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from elaunch.agent.ledger import CATEGORIES, Ledger
 from elaunch.agent.progress_sampler import ProgressSampler
+from elaunch.procs.supervisor import OFF, THREADS
 
 if TYPE_CHECKING:
     from elaunch.checkpoint.keeper import NodeSnapshot
@@ -121,7 +122,6 @@ class AgentMetrics:
         self._group: dict[int, str] = {}  # local rank -> state, from the events of this node's last group
         self._ledger_shown = dict.fromkeys(CATEGORIES, 0.0)  # what the counters said last: they never go down
         self._server = self._thread = None
-        self._sampler: ProgressSampler | None = None
         self.address: tuple[str, int] | None = None
         # the event-fed counters, exported by the collector (_event_families)
         self._restarts = dict.fromkeys(CAUSES, 0)
@@ -132,7 +132,7 @@ class AgentMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_ScrapeTime(self))
 
-    def watch(self, events, node: str, *, progress_files: Callable[[], Any] | None = None,
+    def watch(self, events, node: str, supervisor, *, progress_files: Callable[[], Any] | None = None,
               exit_codes: Callable[[], Mapping[int, int | None]] | None = None,
               snapshot: Callable[[], NodeSnapshot | None] | None = None) -> None:
         """Observe ``events`` (an ``EventLog``) from now on, as node ``node``; set the scrape-time sources given.
@@ -141,14 +141,18 @@ class AgentMetrics:
         so that a taken port is bad input before anything else starts).
 
         Args:
+            supervisor: the run's ``procs.supervisor.Supervisor``: it starts the sampler's thread and
+                stops it with the run's other threads (policy off: a sampler that died is one warning,
+                and each scrape still reads the counters once).
             progress_files: returns the node's ``ProgressFiles`` (or None): a
                 :class:`ProgressSampler` reads them for the progress gauges.
             exit_codes, snapshot: as the constructor's.
         """
         if progress_files is not None:
-            self._sampler = ProgressSampler(progress_files)
-            self._sampler.start()
-            self._progress = self._sampler.table
+            sampler = ProgressSampler(progress_files)
+            supervisor.add(sampler.thread, THREADS, on_death=OFF, wakes=False, start=True,
+                           note="the progress gauges' ages are dated at each scrape only")
+            self._progress = sampler.table
         self._exit_codes = exit_codes or self._exit_codes
         self._snapshot = snapshot or self._snapshot
         self._const = {**self._const, "node": node}
@@ -328,10 +332,9 @@ class AgentMetrics:
         return self.address
 
     def close(self) -> None:
-        """Stop the server and close its socket (the port is free once this returns), and the sampler. Idempotent."""
-        sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.close()
+        """Stop the server and close its socket (the port is free once this returns). Idempotent.
+
+        The sampler's thread is the run's supervisor's: it stopped at the agent run's end."""
         server, self._server = self._server, None
         if server is not None:
             _shutdown(server)

@@ -5,7 +5,8 @@ agent dates a call when it sees the counter move. The agent's own progress watch
 (:mod:`elaunch.agent.progress_watch`) stops looking once its events are written, to
 keep an idle agent asleep; the metrics need a look all along, so with
 ``--metrics-port`` a :class:`ProgressSampler` reads the mapped counters from a thread
-of its own. Stdlib only.
+of its own (:attr:`ProgressSampler.thread`, started and stopped by the agent's
+supervisor). Stdlib only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from elaunch.procs.supervisor import HelperThread
 
 #: Seconds between the sampler's looks at the counters: the most ``elaunch_progress_age_seconds``
 #: can read short (a look costs no system call).
@@ -34,6 +37,10 @@ class ProgressSampler:
         files: returns the node's ``ProgressFiles`` (``read()``, ``steps()``), or None.
         every: seconds between the thread's looks.
         clock: monotonic seconds (injectable for tests).
+
+    Attributes:
+        thread: the sampling thread (a ``procs.supervisor.HelperThread``, a daemon: it never holds the
+            agent's exit), for the run's supervisor to start and stop; :meth:`table` works without it.
     """
 
     def __init__(self, files: Callable[[], Any], every: float | None = None,
@@ -42,8 +49,7 @@ class ProgressSampler:
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # local rank -> (counter, when it was first seen at it)
         self._steps: dict[int, int | None] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.thread = HelperThread("progress sampler", self._run, thread_name="elaunch-progress-sampler")
 
     def sample(self) -> None:
         """Read the counters and steps once; a counter seen at a new value is dated now."""
@@ -70,17 +76,6 @@ class ProgressSampler:
             return {lr: (now - at if value > 0 else None, self._steps.get(lr))
                     for lr, (value, at) in sorted(self._seen.items())}
 
-    def start(self) -> None:
-        """Start the sampling thread (a daemon: it never holds the agent's exit)."""
-        self._thread = threading.Thread(target=self._run, name="elaunch-progress-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self._every):
             self.sample()
-
-    def close(self) -> None:
-        """Stop the thread. Idempotent."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)

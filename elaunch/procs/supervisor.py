@@ -26,8 +26,15 @@ reaper (``reaper.py``). Each is added to the run's one :class:`Supervisor`
   the reaper's included, which a worker forked from the agent closes (``procs.forked``),
   so no forked worker keeps a helper's channel open after the agent let go of it.
 
-Threads take the same shape: :class:`HelperThread` (a stop event, ``is_alive`` as health,
-a report when it died of an exception, a join with a timeout at close).
+The agent's long-lived threads take the same shape, :class:`HelperThread` (a stop event,
+``is_alive`` as health, a report when it died of an exception, a join with a timeout at
+close), and the first tier, :data:`THREADS`: they read what the helper processes serve, so
+they stop before them. Each is declared ``on_death=OFF, wakes=False``: a thread that died
+is one WARNING line at the monitor's next look (its traceback at DEBUG) and the job goes on
+without it, as it did when such a thread died on its own; ``wakes=False`` keeps an idle
+standalone agent asleep (a thread's death is no reason to wake every interval). Today: the
+``--metrics-port`` progress sampler (``agent.progress_sampler``, added by
+``AgentMetrics.watch``).
 
 One owner stops each helper: the supervisor, at :meth:`~Supervisor.close`, or earlier at
 the request of the helper's feature (:meth:`Supervisor.stop`: the checkpoint keeper stops
@@ -50,7 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Stop tiers (lowest first): the checkpoint services and the node check's child.
+#: Stop tiers (lowest first): the agent's long-lived threads (they read what the helpers below serve) ...
+THREADS = 5
+#: ... the checkpoint services and the node check's child ...
 SERVICES = 10
 #: The warm pool's templates and spares.
 SPARES = 20
@@ -93,6 +102,8 @@ class Supervised:
         watched: False when its feature checks it where it uses it, not :meth:`Supervisor.check_all`.
         note: for :data:`OFF`, what the warning adds after the error (what goes on without it).
         turned_off: called once :data:`OFF` stopped it (its owner lets go of it), or None.
+        wakes: False when its death may wait for the monitor's next look (a thread's): it does
+            not make the monitor wake every interval (:attr:`Supervisor.polls`).
     """
 
     helper: Helper
@@ -101,6 +112,7 @@ class Supervised:
     watched: bool = True
     note: str = ""
     turned_off: Callable[[], None] | None = None
+    wakes: bool = True
 
 
 class Supervisor:
@@ -117,7 +129,7 @@ class Supervisor:
         self._entries: list[Supervised] = []
 
     def add(self, helper: Helper, tier: int, *, on_death: str = REPORT, watched: bool = True, note: str = "",
-            turned_off: Callable[[], None] | None = None, start: bool = False) -> Helper:
+            turned_off: Callable[[], None] | None = None, wakes: bool = True, start: bool = False) -> Helper:
         """Take ``helper`` (started already, or started here with ``start=True``); return it.
 
         Raises:
@@ -130,7 +142,7 @@ class Supervisor:
             raise ValueError(f"{helper.name} is supervised already")
         if start:
             helper.start()
-        self._entries.append(Supervised(helper, tier, on_death, watched, note, turned_off))
+        self._entries.append(Supervised(helper, tier, on_death, watched, note, turned_off, wakes))
         return helper
 
     def has(self, helper: Helper) -> bool:
@@ -139,8 +151,8 @@ class Supervisor:
 
     @property
     def polls(self) -> bool:
-        """True while a watched helper runs: the monitor must call :meth:`poll` every interval."""
-        return any(e.watched for e in self._entries)
+        """True while a watched helper that ``wakes`` runs: the monitor must call :meth:`check_all` every interval."""
+        return any(e.watched and e.wakes for e in self._entries)
 
     def check_all(self) -> None:
         """Check every watched helper and apply its policy (one pass of the agent's monitor).
@@ -207,19 +219,22 @@ class HelperThread:
     ``threading.Event`` set at :meth:`close`, which the target watches (``stop.wait(s)``
     as its sleep). Its health is ``is_alive``: :meth:`check` raises
     :class:`~elaunch.procs.helper_process.HelperDied` once when the target died of an
-    exception (one line: the thread's name, the exception's type and text); a target
-    that returned is simply done.
+    exception (one line: the thread's name, the exception's type and text; the traceback
+    is logged at DEBUG when it dies); a target that returned is simply done.
 
     Args:
-        name: the thread's name and how errors name it.
+        name: how errors name it (``"progress sampler"``).
         target: the thread's body, given the stop event.
         join_timeout: seconds :meth:`close` waits for the thread after setting the event.
+        thread_name: the ``threading.Thread``'s name (as ``py-spy`` shows it); ``name`` when None.
     """
 
-    def __init__(self, name: str, target: Callable[[threading.Event], None], join_timeout: float = 5.0) -> None:
+    def __init__(self, name: str, target: Callable[[threading.Event], None], join_timeout: float = 5.0,
+                 thread_name: str | None = None) -> None:
         self.name = name
         self._target = target
         self._join_timeout = join_timeout
+        self._thread_name = thread_name or name
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -228,13 +243,14 @@ class HelperThread:
     def start(self) -> None:
         """Start the thread (once; a second call does nothing)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
         try:
             self._target(self.stopping)
         except BaseException as exc:  # noqa: BLE001 - reported by check()
+            log.debug("the %s thread died", self.name, exc_info=True)
             self._error = exc
 
     def is_alive(self) -> bool:

@@ -181,6 +181,33 @@ def test_progress_sampler_dates_each_counter_move_and_reports_steps(tmp_path):
     assert sampler.table() == {0: (None, None), 1: (None, None)}  # closed files: the last look stays, no error
 
 
+def test_watch_gives_the_sampler_thread_to_the_supervisor_which_stops_it_and_never_wakes_the_monitor():
+    from elaunch.agent.events import EventLog
+    from elaunch.procs.supervisor import Supervisor
+
+    class Files:
+        looks = 0
+
+        def read(self):
+            Files.looks += 1
+            return {0: Files.looks}
+
+        def steps(self):
+            return {0: None}
+
+    sup = Supervisor()
+    m = metrics()
+    m.watch(EventLog(None, "n1", "h"), "n1", sup, progress_files=Files)
+    [entry] = sup._entries
+    thread = entry.helper
+    assert thread.name == "progress sampler" and thread.is_alive()
+    assert not sup.polls  # a dead sampler waits for the monitor's next look: no wake-up every interval
+    assert value(m, "elaunch_progress_age_seconds", local_rank="0") is not None  # the scrape reads through it
+    sup.close()
+    assert not thread.is_alive()
+    m.close()
+
+
 def test_keeper_snapshot_facts_newest_slot_and_the_persisted_steps_commit(tmp_path):
     from elaunch.checkpoint.keeper import CheckpointKeeper
     from elaunch.agent.events import AgentEvents

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from elaunch.procs.helper_process import HelperDied
-from elaunch.procs.supervisor import OFF, REPORT, SERVICES, SPARES, STORE, HelperThread, Supervisor
+from elaunch.procs.supervisor import OFF, REPORT, SERVICES, SPARES, STORE, THREADS, HelperThread, Supervisor
 
 
 class Fake:
@@ -159,3 +159,30 @@ def test_a_thread_that_raises_is_reported_once_and_a_stopped_one_joins():
     t.close()
     assert not t.is_alive()
     t.close()
+
+
+def test_a_dead_thread_off_is_one_warning_at_the_next_look_and_threads_stop_first(caplog):
+    stops: list = []
+
+    def boom(stop):
+        raise RuntimeError("files gone")
+
+    sup = Supervisor(FakeReaper(stops))
+    sup.add(Fake("persister", stops), SERVICES, watched=False)
+    t = sup.add(HelperThread("progress sampler", boom, thread_name="elaunch-progress-sampler"), THREADS,
+                on_death=OFF, wakes=False, note="the gauges are dated at each scrape only", start=True)
+    t._thread.join(5)
+    assert t._thread.name == "elaunch-progress-sampler"
+    assert not sup.polls  # a thread never makes the monitor wake every interval
+    with caplog.at_level(logging.WARNING):
+        sup.check_all()
+        sup.check_all()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert lines == ["progress sampler thread died: RuntimeError: files gone; the gauges are dated at each scrape only"]
+    assert not sup.has(t)
+
+    loop = sup.add(HelperThread("straggler watch", lambda stop: stop.wait(30) and stops.append("straggler watch")),
+                   THREADS, on_death=OFF, wakes=False, start=True)
+    sup.add(Fake("store host", stops), STORE, watched=False)
+    sup.close()
+    assert not loop.is_alive() and stops == ["straggler watch", "persister", "store host", "reaper"]
