@@ -160,7 +160,8 @@ class ElasticAgent:
         # the progress files exist whenever workers run (training/caught_up events); hang verdicts need --hang-timeout
         self._progress, self._watchdogs = open_watchdogs(self._config, self._spec.local_world_size, self._rdzv,
                                                          self._events, self._hostname, self._base_env,
-                                                         self._config.monitor_interval, self._launcher.reaper)
+                                                         self._config.monitor_interval, self._launcher.reaper,
+                                                         self._launcher.supervisor)
         if self._metrics is not None:  # --metrics-port: the events from now on; the state read at each scrape
             self._metrics.watch(self._events, node, self._launcher.supervisor, snapshot=self._keeper.snapshot_facts,
                                 progress_files=lambda: self._progress.files if self._progress else None,

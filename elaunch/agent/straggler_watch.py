@@ -46,12 +46,13 @@ from elaunch.agent.stragglers import (
 )
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.features.stragglers import StragglerSettings
+from elaunch.procs.supervisor import OFF, THREADS, HelperThread
 
 log = logging.getLogger("elaunch.agent")
 
 #: The most seconds a window's exchange waits for the other nodes' documents (it waits at most twice this).
 MAX_EXCHANGE_WAIT = 2.0
-#: The most seconds :meth:`StragglerWatch.close` waits for the thread.
+#: The most seconds the run's supervisor waits for the thread at its close.
 CLOSE_WAIT = 0.2
 
 
@@ -64,12 +65,16 @@ class StragglerWatch:
         channel: returns the rendezvous' job channel (``exchange``, ``publish_node_record``, ``node_id``).
         events: the node's event log (``emit``).
         hostname: this host's name (in the exchanged documents, for the log lines).
+        supervisor: the run's ``procs.supervisor.Supervisor``: the monitor's first look adds the thread
+            to it (started there, stopped with the run's other threads; policy off: a thread that died is
+            one warning and the job goes on unwatched).
         min_nodes: ``--nnodes``' MIN: a straggler's node sits out (``straggler_exclude``) only when the
             others still make it.
         clock: seconds since the epoch (injectable for tests).
 
     Attributes:
         polls: False (the watch has its own thread); interval: None.
+        thread: the watch's thread (a ``procs.supervisor.HelperThread``).
         state: the decision after the last window (:class:`~elaunch.agent.stragglers.StragglerState`).
     """
 
@@ -77,7 +82,7 @@ class StragglerWatch:
     interval = None
 
     def __init__(self, settings: StragglerSettings, files: Callable[[], Any], channel: Callable[[], Any], events,
-                 hostname: str, min_nodes: int = 1, clock: Callable[[], float] = time.time) -> None:
+                 hostname: str, supervisor, min_nodes: int = 1, clock: Callable[[], float] = time.time) -> None:
         self._settings = settings
         self._min_nodes = min_nodes
         self._leave: str | None = None  # why this node sits out, for the monitor's next look (straggler_exclude)
@@ -90,8 +95,12 @@ class StragglerWatch:
         self._asked: int | None = None  # the instant of the pending stamp request
         self.state = StragglerState()
         self._where: dict[int, tuple[str, str]] = {}  # global rank -> (node id, host) of the named ranks
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._supervisor = supervisor
+        # an exchange in flight (waiting for nodes that already left) ends on its own within
+        # 2 * MAX_EXCHANGE_WAIT seconds, and the thread is a daemon: the agent's exit never waits for it
+        self.thread = HelperThread("straggler watch", self._run, join_timeout=CLOSE_WAIT, warn_late=False,
+                                   thread_name="elaunch-straggler-watch")
+        self._started = False
 
     def env(self, local_rank: int) -> dict[str, str]:
         return {}
@@ -110,9 +119,10 @@ class StragglerWatch:
             if not self._ranks or self._round != group.round:
                 self._ranks = {w.local_rank: w.global_rank for w in group.workers}
                 self._round = group.round
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="elaunch-straggler-watch", daemon=True)
-            self._thread.start()
+        if not self._started:
+            self._started = True
+            self._supervisor.add(self.thread, THREADS, on_death=OFF, wakes=False, start=True,
+                                 note="the straggler watch is off for the rest of the run")
         with self._lock:
             leave, self._leave = self._leave, None
         if leave is not None:
@@ -121,28 +131,22 @@ class StragglerWatch:
         return None
 
     def close(self) -> None:
-        """Stop the thread. Idempotent. Waits at most :data:`CLOSE_WAIT` seconds: an exchange in flight
-        (waiting for nodes that already left) ends on its own within ``2 * MAX_EXCHANGE_WAIT`` seconds,
-        and the thread is a daemon, so the agent's exit never waits for it."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=CLOSE_WAIT)
+        """Nothing: the run's supervisor stops the thread (waiting at most :data:`CLOSE_WAIT` seconds)."""
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         while True:
             now = self._clock()
             instant = math.floor(now / self._period) + 1
             if not self._training():  # nothing to sample: wake at the window's end only (its exchange)
                 instant = -(-instant // SAMPLES_PER_WINDOW) * SAMPLES_PER_WINDOW
-            if self._stop.wait(max(0.0, instant * self._period - now)):
+            if stop.wait(max(0.0, instant * self._period - now)):
                 return
             try:
                 self.tick(instant)
             except Exception:  # never the agent's end: the watch goes quiet for this instant
-                if self._stop.is_set():
+                if stop.is_set():
                     return  # closed under it (the files, the rendezvous): the run is over
                 log.exception("straggler watch: instant %d failed", instant)
 

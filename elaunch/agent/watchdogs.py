@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 
 def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "RendezvousHandler", events,
                    hostname: str, base_env: Mapping[str, str],
-                   interval: float, reaper=None) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
+                   interval: float, reaper=None, supervisor=None) -> tuple[ProgressWatchdog | None, list[Watchdog]]:
     """Create this run's watchdogs (some create files: call once the log directory exists).
 
     ``interval`` is the monitor's (``--monitor-interval``, seconds). ``reaper``: the
     agent's watchdog process (``procs.reaper.Reaper``), which removes the workers'
-    progress files' directory if the agent is killed (``kill -9``), or None.
+    progress files' directory if the agent is killed (``kill -9``), or None. ``supervisor``: the
+    run's ``procs.supervisor.Supervisor``, which owns the straggler watch's thread (required
+    when the ``straggler_*`` keys are on).
 
     Returns:
         ``(progress, watchdogs)``: the progress files' watch (None when the files could not be
@@ -52,7 +54,7 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
         from elaunch.agent.straggler_watch import StragglerWatch
 
         watchdogs.append(StragglerWatch(config.stragglers, lambda: progress.files, rdzv.job_channel, events,
-                                        hostname, min_nodes=config.min_nodes))
+                                        hostname, supervisor, min_nodes=config.min_nodes))
     return progress, watchdogs
 
 

@@ -34,7 +34,8 @@ is one WARNING line at the monitor's next look (its traceback at DEBUG) and the 
 without it, as it did when such a thread died on its own; ``wakes=False`` keeps an idle
 standalone agent asleep (a thread's death is no reason to wake every interval). Today: the
 ``--metrics-port`` progress sampler (``agent.progress_sampler``, added by
-``AgentMetrics.watch``).
+``AgentMetrics.watch``) and the straggler watch (``agent.straggler_watch``, added at the
+monitor's first look of a group).
 
 One owner stops each helper: the supervisor, at :meth:`~Supervisor.close`, or earlier at
 the request of the helper's feature (:meth:`Supervisor.stop`: the checkpoint keeper stops
@@ -227,14 +228,17 @@ class HelperThread:
         target: the thread's body, given the stop event.
         join_timeout: seconds :meth:`close` waits for the thread after setting the event.
         thread_name: the ``threading.Thread``'s name (as ``py-spy`` shows it); ``name`` when None.
+        warn_late: log a WARNING when the thread outlives ``join_timeout`` at :meth:`close` (False: a
+            thread known to end on its own soon after, a daemon the agent's exit does not wait for).
     """
 
     def __init__(self, name: str, target: Callable[[threading.Event], None], join_timeout: float = 5.0,
-                 thread_name: str | None = None) -> None:
+                 thread_name: str | None = None, warn_late: bool = True) -> None:
         self.name = name
         self._target = target
         self._join_timeout = join_timeout
         self._thread_name = thread_name or name
+        self._warn_late = warn_late
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -278,5 +282,5 @@ class HelperThread:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._join_timeout)
-            if thread.is_alive():
+            if thread.is_alive() and self._warn_late:
                 log.warning("the %s thread did not stop within %g s", self.name, self._join_timeout)

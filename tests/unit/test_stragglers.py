@@ -194,3 +194,24 @@ def test_a_window_without_enough_stamps_keeps_the_streak():
                           ({0: 0.0, 1: 0.1}, [])]:
         state = judge(state, WindowLateness(0.2, window))
         assert sorted(state.named) == named, (window, state)
+
+
+def test_the_watch_thread_is_the_run_supervisors_added_once_at_the_first_look_and_stopped_by_it():
+    from types import SimpleNamespace
+
+    from elaunch.agent.straggler_watch import StragglerWatch
+    from elaunch.features.stragglers import StragglerSettings
+    from elaunch.procs.supervisor import Supervisor
+
+    sup = Supervisor()
+    watch = StragglerWatch(StragglerSettings(window=600.0), lambda: None, lambda: None, None, "h", sup)
+    group = SimpleNamespace(round=0, workers=[SimpleNamespace(local_rank=0, global_rank=0)])
+    assert not watch.thread.is_alive()
+    assert watch.poll(SimpleNamespace(group=group)) is None
+    watch.poll(SimpleNamespace(group=group))  # once
+    assert [e.helper for e in sup._entries] == [watch.thread] and watch.thread.is_alive()
+    assert not sup.polls  # its death waits for the monitor's next look
+    watch.close()  # the watchdog's close leaves the thread to the supervisor
+    assert watch.thread.is_alive()
+    sup.close()
+    assert not watch.thread.is_alive()
