@@ -29,13 +29,24 @@ reaper (``reaper.py``). Each is added to the run's one :class:`Supervisor`
 The agent's long-lived threads take the same shape, :class:`HelperThread` (a stop event,
 ``is_alive`` as health, a report when it died of an exception, a join with a timeout at
 close), and the first tier, :data:`THREADS`: they read what the helper processes serve, so
-they stop before them. Each is declared ``on_death=OFF, wakes=False``: a thread that died
-is one WARNING line at the monitor's next look (its traceback at DEBUG) and the job goes on
-without it, as it did when such a thread died on its own; ``wakes=False`` keeps an idle
+they stop before them. Each is declared ``on_death=OFF, wakes=False``: the job goes on
+without a thread that died, as it did before it was supervised, but where the interpreter
+printed its traceback, it is now one WARNING line at the monitor's next look naming it and
+what goes on without it (the traceback at DEBUG); ``wakes=False`` keeps an idle
 standalone agent asleep (a thread's death is no reason to wake every interval). Today: the
 ``--metrics-port`` progress sampler (``agent.progress_sampler``, added by
 ``AgentMetrics.watch``) and the straggler watch (``agent.straggler_watch``, added at the
 monitor's first look of a group).
+
+Not here, each for its lifetime: the ``--metrics-port`` server (``agent.metrics``: bound
+before the rendezvous handler or this supervisor exists, so a taken port is bad input, and
+closed by the launch after the rendezvous is left); the rendezvous' threads (the dynamic
+handler's keep-alive, per round and stopped by the handler before it writes its leave;
+etcd-v3's presence lease and watches; the c10d store's start-up thread, one-shot): they
+live from the handler's creation, before the run, to its ``shutdown``/``leave``, after the
+run's end, and ``rendezvous/`` does not import ``procs/``; tee's copier
+(``procs.tee``), one attempt's, stopped by that attempt's ``WorkerProcesses``; and the job
+channel's fire-and-forget publishes, one-shot and bounded.
 
 One owner stops each helper: the supervisor, at :meth:`~Supervisor.close`, or earlier at
 the request of the helper's feature (:meth:`Supervisor.stop`: the checkpoint keeper stops
