@@ -227,11 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
     timings: dict = {"saves": [], "restore": None, "source": None}
 
-    start = 0
+    start, restored = 0, None
     reader = SnapshotReader()
     if reader.step is not None:
         t0 = time.perf_counter()
         restore(model, optim, reader)
+        restored = reader.step
         timings["restore"], timings["source"] = time.perf_counter() - t0, reader.source
         start = reader.step + 1
         if rank == 0:
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     crash = args.crash_at[attempt] if attempt < len(args.crash_at) else None
     journal(args.journal, event="start", attempt=attempt, rank=rank, world_size=world,
-            group_rank=int(os.environ.get("GROUP_RANK", "0") or 0), step=reader.step, source=reader.source)
+            group_rank=int(os.environ.get("GROUP_RANK", "0") or 0), step=restored,
+            source=None if restored is None else reader.source)
     pending = None
 
     for step in range(start, args.steps):
