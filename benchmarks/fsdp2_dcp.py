@@ -10,7 +10,8 @@ blocked until it, or waits for it at the next collective).
 1. **Save, training blocked** (job A, first round; ``benchmarks/workers/fsdp2_dcp_bench.py``):
    ``dcp.save`` with ``SnapshotWriter`` (with and without ``DefaultSavePlanner(enable_plan_caching=True)``),
    ``dcp.async_save`` with ``SnapshotWriter`` (its blocking part), against ``dcp.async_save``
-   to a ``FileSystemWriter`` (its blocking part: plan and stage) and ``dcp.save`` to disk;
+   to a ``FileSystemWriter`` (its blocking part: in torch 2.13 the staging copy alone, DCP's
+   planning runs in its thread) and ``dcp.save`` to disk;
    DCP's planning alone is a save whose writer stores nothing (with and without plan caching).
 2. **Restore after a worker SIGKILL** (job A): the driver SIGKILLs rank 1; in the restarted
    workers, the first ``dcp.load`` from ``SnapshotReader`` (the restore a restart pays), then
@@ -423,7 +424,8 @@ def rows_of(res: dict) -> list[dict]:
         labels = {"snapshot": "dcp.save, SnapshotWriter (committed on return)",
                   "snapshot_cached": "dcp.save, SnapshotWriter, plan caching",
                   "snapshot_async_blocking": "dcp.async_save, SnapshotWriter: blocking part",
-                  "fs_async_blocking": "dcp.async_save, FileSystemWriter: blocking part (plan + stage)",
+                  "fs_async_blocking": "dcp.async_save, FileSystemWriter: blocking part (torch 2.13: the staging copy; "
+                                       "DCP plans in its thread)",
                   "fs_sync": "dcp.save, FileSystemWriter (disk)",
                   "null": "DCP planning alone (a writer that stores nothing)",
                   "null_cached": "DCP planning alone, plan caching",
