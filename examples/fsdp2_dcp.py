@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(timings, f)
     final = digest(model)
     if rank == 0:
-        print(f"done: {args.steps} steps, loss {loss.item():.6f}", flush=True)
+        last = f", loss {loss.item():.6f}" if start < args.steps else " (restored after the last step: none left)"
+        print(f"done: {args.steps} steps{last}", flush=True)
         if args.final_params:
             with open(args.final_params, "w") as f:
                 f.write(final + "\n")

@@ -60,6 +60,9 @@ def test_under_torchrun_the_same_calls_write_and_resume_from_dcp_directories(tmp
     assert first.returncode == 0, first.stderr[-4000:]
     kept = sorted(os.listdir(tmp_path / "ckpt" / "dcp"))
     assert kept == ["step_000000000004", "step_000000000005"], kept  # two complete steps stay
+    # restored after the last step: nothing left to train, and the run still ends cleanly
+    again = run("torchrun", "--standalone", "--nproc-per-node=2", EXAMPLE, "--steps", "6", timeout=300, env=env)
+    assert again.returncode == 0 and "restored step 5 from disk" in again.stdout, again.stderr[-4000:]
     digest, logs = _digest(tmp_path, "resumed", which="torchrun", env=env)
     assert "restored step 5 from disk" in logs, logs[-3000:]
     assert digest == uninterrupted
