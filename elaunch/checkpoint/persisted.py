@@ -89,20 +89,8 @@ def write_rank_file(directory: str, step: int, rank: int, world_size: int, repli
     if made:
         _fsync_dir(directory)
     final = rank_file(directory, step, rank, world_size)
-    tmp = os.path.join(d, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     payload = {"step": step, "rank": rank, "world_size": world_size, "replicated": replicated, "state": state}
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    _atomic_write(final, lambda f: torch.save(payload, f))
     _fsync_dir(d)
     return final
 
