@@ -417,6 +417,7 @@ class SnapshotReader(StorageReader):
         super().__init__()
         self._parts: list[_Part] = []
         self._index: dict[tuple, tuple[_Part, Any]] = {}
+        self._unopened: list[str] = []
         self._fs: FileSystemReader | None = None
         self._rank = int(os.environ.get("RANK", "0") or 0)
         self.step, self.source = None, None
@@ -465,7 +466,16 @@ class SnapshotReader(StorageReader):
         if self.step is None:
             raise CheckpointError("there is no snapshot to load (SnapshotReader().step is None: a fresh start)")
         files = [self._restore] + [p for p in _node_files(_shm()) if p != self._restore]
-        parts = [p for p in (_open_part(f, self.step) for f in files if os.path.exists(f)) if p is not None]
+        # The agent's file for this rank first: its part holds the job's whole layout and, at an unchanged world
+        # size, every chunk this rank loads. Other parts are opened only when the layout needs them (a part of
+        # its own rank's layout only) or, in prepare_local_plan, when the rank's plan asks for chunks the opened
+        # ones lack (resharding): unpickling a part's structure costs milliseconds per hundred tensors.
+        parts: list[_Part] = []
+        while files and not any(not p.layout.get("partial") for p in parts):
+            f = files.pop(0)
+            part = _open_part(f, self.step) if os.path.exists(f) else None
+            if part is not None:
+                parts.append(part)
         if not parts:
             raise CheckpointError(f"no DCP snapshot of step {self.step} is on this node ({_shm()}); the agent chose "
                                   f"{self._restore}")
@@ -478,23 +488,22 @@ class SnapshotReader(StorageReader):
                     if e[0] == "tensor":
                         got[3] += [c for c in e[3] if c not in got[3]]
         metadata = decode_layout(layout)
-        # holders, best first: this rank's own part, then the rest as found (restore file, slots, replicas, fetched)
-        parts.sort(key=lambda p: p.info.rank != self._rank)
-        index: dict[tuple, tuple[_Part, Any]] = {}
-        for p in parts:
-            for key, ref in p.refs.items():
-                index.setdefault(key, (p, ref))
-        storage_data = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            keys = [(fqn, None)] if isinstance(md, BytesStorageMetadata) else [(fqn, tuple(c.offsets)) for c in md.chunks]
-            for key in keys:
-                if key in index:
-                    storage_data[MetadataIndex(fqn, key[1])] = key
+        self._parts, self._index, self._unopened = [], {}, files
+        for p in sorted(parts, key=lambda p: p.info.rank != self._rank):  # this rank's own part first
+            self._add(p)
+        metadata.storage_data = {
+            MetadataIndex(fqn, key[1]): key for fqn, md in metadata.state_dict_metadata.items()
+            for key in ([(fqn, None)] if isinstance(md, BytesStorageMetadata) else
+                        [(fqn, tuple(c.offsets)) for c in md.chunks])}
         # a chunk this node lacks is an error only when this rank's load plan asks for it (prepare_local_plan):
         # at an unchanged world size each rank is given its own part alone, and other nodes' parts are not here
-        metadata.storage_data = storage_data
-        self._parts, self._index = parts, index
         return metadata
+
+    def _add(self, part: _Part) -> None:
+        """Make ``part``'s chunks readable (a chunk already held by a part added before stays with that one)."""
+        self._parts.append(part)
+        for key, ref in part.refs.items():
+            self._index.setdefault(key, (part, ref))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._fs is not None:
@@ -510,13 +519,19 @@ class SnapshotReader(StorageReader):
             return self._fs.prepare_local_plan(plan)
         from elaunch.checkpoint import CheckpointError
 
-        missing = []
-        for req in plan.items:
-            offsets = None if req.type == LoadItemType.BYTE_IO else tuple(req.storage_index.offset)
-            if (req.storage_index.fqn, offsets) not in self._index:
-                what = f"{req.storage_index.fqn} at {list(offsets) if offsets is not None else 'bytes'}"
-                if what not in missing:
-                    missing.append(what)
+        def lacking() -> list[tuple]:
+            keys = [(req.storage_index.fqn, None if req.type == LoadItemType.BYTE_IO
+                     else tuple(req.storage_index.offset)) for req in plan.items]
+            return list(dict.fromkeys(k for k in keys if k not in self._index))
+
+        missing = lacking()
+        while missing and self._unopened:  # open this node's other parts of the step until none is missing
+            f = self._unopened.pop(0)
+            part = _open_part(f, self.step) if os.path.exists(f) else None
+            if part is not None:
+                self._add(part)
+                missing = lacking()
+        missing = [f"{fqn} at {list(offsets) if offsets is not None else 'bytes'}" for fqn, offsets in missing]
         if missing:
             raise CheckpointError(
                 f"step {self.step}: {len(missing)} chunk(s) this rank loads are in none of this node's snapshots "
@@ -551,7 +566,7 @@ class SnapshotReader(StorageReader):
                         warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": read only
                         base = torch.frombuffer(mm, dtype=torch.uint8)
                     try:
-                        self._copy(base, info, reqs, planner)
+                        self._copy(base, info, reqs, planner, fd)
                     finally:
                         del base
                     if not slotfile.still(mm, info, fd):
@@ -563,7 +578,12 @@ class SnapshotReader(StorageReader):
         return fut
 
     @staticmethod
-    def _copy(base: torch.Tensor, info: slotfile.SlotInfo, reqs: list, planner: LoadPlanner) -> None:
+    def _copy(base: torch.Tensor, info: slotfile.SlotInfo, reqs: list, planner: LoadPlanner, fd: int) -> None:
+        """Each request's chunk into its target: a whole saved tensor bound for a contiguous CPU target is read
+        with ``preadv`` straight into it (no page fault per 4 KiB of a fresh mapping: about 2x faster), any other
+        through the mapping (``base``)."""
+        from elaunch.checkpoint import _read
+
         for req, _part, ref in reqs:
             raw = base[info.data_at + ref.offset:info.data_at + ref.offset + ref.nbytes]
             if req.type == LoadItemType.BYTE_IO:
@@ -578,7 +598,12 @@ class SnapshotReader(StorageReader):
 
                 raise CheckpointError(f"chunk {req.storage_index.fqn} at {list(req.storage_offsets)}: the snapshot "
                                       f"holds {list(src.size())}, the state wants {list(target.size())}")
-            target.copy_(src)
+            whole = tuple(src.shape) == tuple(ref.shape) and not any(req.storage_offsets)
+            if (whole and target.device.type == "cpu" and target.dtype == ref.torch_dtype and target.is_contiguous()
+                    and not (target.is_conj() or target.is_neg()) and ref.nbytes):
+                _read._pread(fd, target.data_ptr(), ref.nbytes, info.data_at + ref.offset)
+            else:
+                target.copy_(src)
             planner.commit_tensor(req, target)
 
     @classmethod
