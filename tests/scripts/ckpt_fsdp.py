@@ -248,3 +248,7 @@ try:
 finally:
     if dist.is_initialized():
         dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # no interpreter teardown: gloo's threads can abort it (a known torch/gloo race at exit)
+

@@ -32,3 +32,7 @@ for step in range(3):
 with open(os.path.join(out, f"items_{rank}.json"), "w") as f:
     json.dump(held, f)
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # no interpreter teardown: gloo's threads can abort it (a known torch/gloo race at exit)
+
