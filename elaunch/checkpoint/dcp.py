@@ -349,15 +349,27 @@ class _Part:
 
 
 def _open_part(path: str, step: int) -> _Part | None:
-    """The DCP snapshot of ``step`` in ``path`` (header and meta only), or None (another step, not DCP, torn)."""
+    """The DCP snapshot of ``step`` in ``path`` (header and meta only), or None (another step, not DCP, torn,
+    or rewritten while its meta was read: the meta is copied under the slot's sequence lock)."""
     from elaunch.checkpoint import _tree
 
-    info = slotfile.read_info(path)
-    if info is None or info.step != step or not info.reshardable:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return None
-    with open(path, "rb") as f:
-        f.seek(slotfile.META_AT)
-        meta = f.read(info.meta_len)
+    try:
+        size = os.fstat(fd).st_size
+        if size < slotfile.HEADER_SIZE:
+            return None
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            info = slotfile.parse(mm, path, fd)
+            if info is None or info.step != step or not info.reshardable:
+                return None
+            meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
+            if not slotfile.still(mm, info, fd):
+                return None
+    finally:
+        os.close(fd)
     made: dict[int, Any] = {}
 
     def make(ref):
@@ -382,18 +394,6 @@ class _All:
 _ALL = _All()
 
 
-def _node_files(shm: str) -> list[str]:
-    out = []
-    for sub in ("slots", "replicas", "restore"):
-        d = os.path.join(shm, sub)
-        try:
-            names = sorted(os.listdir(d))
-        except OSError:
-            continue
-        out += [os.path.join(d, n) for n in names if not n.startswith(".")]
-    return out
-
-
 class SnapshotReader(StorageReader):
     """A DCP ``StorageReader`` over the snapshots of the step the job agreed on (see the module's text).
 
@@ -415,7 +415,6 @@ class SnapshotReader(StorageReader):
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().__init__()
-        self._parts: list[_Part] = []
         self._index: dict[tuple, tuple[_Part, Any]] = {}
         self._unopened: list[str] = []
         self._fs: FileSystemReader | None = None
@@ -465,7 +464,8 @@ class SnapshotReader(StorageReader):
             return self._fs.read_metadata()
         if self.step is None:
             raise CheckpointError("there is no snapshot to load (SnapshotReader().step is None: a fresh start)")
-        files = [self._restore] + [p for p in _node_files(_shm()) if p != self._restore]
+        files = [self._restore] + [p for p in slotfile.files(_shm(), ("slots", "replicas", "restore"))
+                                   if p != self._restore]
         # The agent's file for this rank first: its part holds the job's whole layout and, at an unchanged world
         # size, every chunk this rank loads. Other parts are opened only when the layout needs them (a part of
         # its own rank's layout only) or, in prepare_local_plan, when the rank's plan asks for chunks the opened
@@ -473,7 +473,7 @@ class SnapshotReader(StorageReader):
         parts: list[_Part] = []
         while files and not any(not p.layout.get("partial") for p in parts):
             f = files.pop(0)
-            part = _open_part(f, self.step) if os.path.exists(f) else None
+            part = _open_part(f, self.step)
             if part is not None:
                 parts.append(part)
         if not parts:
@@ -488,7 +488,7 @@ class SnapshotReader(StorageReader):
                     if e[0] == "tensor":
                         got[3] += [c for c in e[3] if c not in got[3]]
         metadata = decode_layout(layout)
-        self._parts, self._index, self._unopened = [], {}, files
+        self._index, self._unopened = {}, files
         for p in sorted(parts, key=lambda p: p.info.rank != self._rank):  # this rank's own part first
             self._add(p)
         metadata.storage_data = {
@@ -501,7 +501,6 @@ class SnapshotReader(StorageReader):
 
     def _add(self, part: _Part) -> None:
         """Make ``part``'s chunks readable (a chunk already held by a part added before stays with that one)."""
-        self._parts.append(part)
         for key, ref in part.refs.items():
             self._index.setdefault(key, (part, ref))
 
@@ -527,7 +526,7 @@ class SnapshotReader(StorageReader):
         missing = lacking()
         while missing and self._unopened:  # open this node's other parts of the step until none is missing
             f = self._unopened.pop(0)
-            part = _open_part(f, self.step) if os.path.exists(f) else None
+            part = _open_part(f, self.step)
             if part is not None:
                 self._add(part)
                 missing = lacking()

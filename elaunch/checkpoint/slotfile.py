@@ -285,18 +285,19 @@ def slot_to_write(node_dir: str, local_rank: int) -> str:
     return b if newest([ia, ib]) is ia else a
 
 
-def inventory(node_dir: str, subdirs: tuple[str, ...] = ("slots", "replicas")) -> list[SlotInfo]:
-    """Every committed snapshot under ``node_dir``'s ``subdirs`` (default ``slots/`` and ``replicas/``), in no order."""
+def files(node_dir: str, subdirs: tuple[str, ...] = ("slots", "replicas")) -> list[str]:
+    """The snapshot files under ``node_dir``'s ``subdirs``, each directory's in name order (names starting
+    with ``.``, a replica being received, left out; a missing directory holds none)."""
     found = []
     for sub in subdirs:
         try:
-            names = os.listdir(os.path.join(node_dir, sub))
+            names = sorted(os.listdir(os.path.join(node_dir, sub)))
         except OSError:
             continue
-        for name in names:
-            if name.startswith("."):
-                continue  # a replica being received
-            info = read_info(os.path.join(node_dir, sub, name))
-            if info is not None:
-                found.append(info)
+        found += [os.path.join(node_dir, sub, name) for name in names if not name.startswith(".")]
     return found
+
+
+def inventory(node_dir: str, subdirs: tuple[str, ...] = ("slots", "replicas")) -> list[SlotInfo]:
+    """Every committed snapshot under ``node_dir``'s ``subdirs`` (default ``slots/`` and ``replicas/``)."""
+    return [info for info in map(read_info, files(node_dir, subdirs)) if info is not None]
