@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from elaunch.checkpoint import persisted
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
@@ -279,24 +280,18 @@ class CheckpointKeeper:
 
     def _persisted(self):
         """``persisted.newest_complete(--checkpoint-dir)``, or None (no directory, nothing complete, unreadable)."""
-        if not self._ckpt_dir:
-            return None
-        from elaunch.checkpoint import persisted
-
-        try:
-            return persisted.newest_complete(self._ckpt_dir)
-        except OSError as exc:
-            log.warning("checkpoint restore: cannot read %s (%s)", self._ckpt_dir, exc)
-            return None
+        return self._from_ckpt_dir(persisted.newest_complete)
 
     def _persisted_dcp(self) -> tuple[int, str] | None:
         """``persisted.newest_dcp(--checkpoint-dir)``: the newest complete persisted DCP directory, or None."""
+        return self._from_ckpt_dir(persisted.newest_dcp)
+
+    def _from_ckpt_dir(self, reader: Callable[[str], object]):
+        """``reader(--checkpoint-dir)``, or None: no directory, or it cannot be read (logged)."""
         if not self._ckpt_dir:
             return None
-        from elaunch.checkpoint import persisted
-
         try:
-            return persisted.newest_dcp(self._ckpt_dir)
+            return reader(self._ckpt_dir)
         except OSError as exc:
             log.warning("checkpoint restore: cannot read %s (%s)", self._ckpt_dir, exc)
             return None
