@@ -212,14 +212,20 @@ def _worker_args(s: Sizes, out: Path, disk: Path) -> list[str]:
             "--reps", str(s.reps)]
 
 
+def _job_dirs(name: str, root: Path, disk_root: Path) -> tuple[Path, Path, Path]:
+    """Job ``name``'s work directory, its workers' output directory (at phase p0) and its disk checkpoints'."""
+    work, out, disk = root / name, root / name / "out", disk_root / name
+    for d in (out, disk):
+        d.mkdir(parents=True)
+    _phase(out, "p0")
+    return work, out, disk
+
+
 def job_a(s: Sizes, root: Path, disk_root: Path) -> dict:
     """Rows 1-3: save reps, a worker SIGKILL, a node replaced."""
     from tests.multinode import netns
 
-    work, out, disk = root / "a", root / "a" / "out", disk_root / "a"
-    for d in (out, disk):
-        d.mkdir(parents=True)
-    _phase(out, "p0")
+    work, out, disk = _job_dirs("a", root, disk_root)
     res: dict = {}
     with netns.Network("-d36a") as net:
         job = Job(netns, net, "a", "2", work, _worker_args(s, out, disk) + ["--save-reps"])
@@ -273,10 +279,7 @@ def job_b(s: Sizes, root: Path, disk_root: Path) -> dict:
     """Row 4: a node lost and not replaced, 4 ranks -> 2 from memory vs from disk."""
     from tests.multinode import netns
 
-    work, out, disk = root / "b", root / "b" / "out", disk_root / "b"
-    for d in (out, disk):
-        d.mkdir(parents=True)
-    _phase(out, "p0")
+    work, out, disk = _job_dirs("b", root, disk_root)
     res: dict = {}
     with netns.Network("-d36b") as net:
         job = Job(netns, net, "b", "1:2", work, _worker_args(s, out, disk))
