@@ -125,7 +125,7 @@ class WorkerLauncher:
         specs = self._logs.specs
         self._log_dir = RunLogDir(self._logs, self._run_id) if specs is None else SpecsLogDir(specs)
         self._reaper = self._reaper_factory()
-        self.supervisor = Supervisor(self._reaper)
+        self.supervisor.reaper = self._reaper  # the one supervisor of __init__: nothing added before is dropped
         if self._warm_modules is not None and specs is None:
             self.pool = WarmPool(self._warm_modules, self._reaper, hook=self._spare_hook)
             self.supervisor.add(self.pool, SPARES, watched=False)  # a dead spare is found at its handoff
