@@ -34,7 +34,7 @@ from elaunch.agent.group_start import GroupStarter
 from elaunch.checkpoint.keeper import CheckpointKeeper
 from elaunch.checkpoint.spare import HOOK as SPARE_HOOK
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
-from elaunch.procs.supervisor import SERVICES
+from elaunch.supervision import SERVICES
 from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import (
     FailureRecord,

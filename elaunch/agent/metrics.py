@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from elaunch.agent.ledger import CATEGORIES, Ledger
 from elaunch.agent.progress_sampler import ProgressSampler
-from elaunch.procs.supervisor import OFF, THREADS
+from elaunch.supervision import OFF, THREADS
 
 if TYPE_CHECKING:
     from elaunch.checkpoint.keeper import NodeSnapshot
@@ -141,7 +141,7 @@ class AgentMetrics:
         so that a taken port is bad input before anything else starts).
 
         Args:
-            supervisor: the run's ``procs.supervisor.Supervisor``: it starts the sampler's thread and
+            supervisor: the run's ``elaunch.supervision.Supervisor``: it starts the sampler's thread and
                 stops it with the run's other threads (policy off: a sampler that died is one warning,
                 and each scrape still reads the counters once).
             progress_files: returns the node's ``ProgressFiles`` (or None): a

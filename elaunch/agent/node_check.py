@@ -53,7 +53,7 @@ _CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 class NodeCheck:
     """Runs the node check of each round for one agent.
 
-    One helper of the agent's supervisor (``procs.supervisor``, tier ``SERVICES``): a worker
+    One helper of the agent's supervisor (``elaunch.supervision``, tier ``SERVICES``): a worker
     forked from the agent closes the channel to a child waiting for the next check
     (:meth:`private_fds`), and the supervisor stops it at the run's end (:meth:`close`).
     A child that died is found by :meth:`run` ("the check exited"), not by the monitor.

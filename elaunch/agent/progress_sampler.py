@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elaunch.procs.supervisor import HelperThread
+from elaunch.supervision import HelperThread
 
 #: Seconds between the sampler's looks at the counters: the most ``elaunch_progress_age_seconds``
 #: can read short (a look costs no system call).
@@ -39,7 +39,7 @@ class ProgressSampler:
         clock: monotonic seconds (injectable for tests).
 
     Attributes:
-        thread: the sampling thread (a ``procs.supervisor.HelperThread``, a daemon: it never holds the
+        thread: the sampling thread (a ``elaunch.supervision.HelperThread``, a daemon: it never holds the
             agent's exit), for the run's supervisor to start and stop; :meth:`table` works without it.
     """
 

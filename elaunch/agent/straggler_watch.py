@@ -46,7 +46,7 @@ from elaunch.agent.stragglers import (
 )
 from elaunch.agent.watchdog import Alarm, Watched
 from elaunch.features.stragglers import StragglerSettings
-from elaunch.procs.supervisor import OFF, THREADS, HelperThread
+from elaunch.supervision import OFF, THREADS, HelperThread
 
 log = logging.getLogger("elaunch.agent")
 
@@ -65,7 +65,7 @@ class StragglerWatch:
         channel: returns the rendezvous' job channel (``exchange``, ``publish_node_record``, ``node_id``).
         events: the node's event log (``emit``).
         hostname: this host's name (in the exchanged documents, for the log lines).
-        supervisor: the run's ``procs.supervisor.Supervisor``: the monitor's first look adds the thread
+        supervisor: the run's ``elaunch.supervision.Supervisor``: the monitor's first look adds the thread
             to it (started there, stopped with the run's other threads; policy off: a thread that died is
             one warning and the job goes on unwatched).
         min_nodes: ``--nnodes``' MIN: a straggler's node sits out (``straggler_exclude``) only when the
@@ -74,7 +74,7 @@ class StragglerWatch:
 
     Attributes:
         polls: False (the watch has its own thread); interval: None.
-        thread: the watch's thread (a ``procs.supervisor.HelperThread``).
+        thread: the watch's thread (a ``elaunch.supervision.HelperThread``).
         state: the decision after the last window (:class:`~elaunch.agent.stragglers.StragglerState`).
     """
 

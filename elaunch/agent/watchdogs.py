@@ -31,7 +31,7 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
     ``interval`` is the monitor's (``--monitor-interval``, seconds). ``reaper``: the
     agent's watchdog process (``procs.reaper.Reaper``), which removes the workers'
     progress files' directory if the agent is killed (``kill -9``), or None. ``supervisor``: the
-    run's ``procs.supervisor.Supervisor``, which owns the straggler watch's thread (required
+    run's ``elaunch.supervision.Supervisor``, which owns the straggler watch's thread (required
     when the ``straggler_*`` keys are on).
 
     Returns:
@@ -59,7 +59,7 @@ def open_watchdogs(config: "LaunchConfig", local_world_size: int, rdzv: "Rendezv
 
 
 class HelperChecks:
-    """The agent's helpers' health at each look of the monitor: ``procs.supervisor.Supervisor.check_all``.
+    """The agent's helpers' health at each look of the monitor: ``elaunch.supervision.Supervisor.check_all``.
 
     A watchdog that never raises an alarm: a helper whose policy is to report raises its
     ``HelperDied`` out of the monitor; one whose policy is off is stopped with a warning.

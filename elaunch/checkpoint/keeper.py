@@ -24,7 +24,7 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   does not exist, so its ``ckpt.load()`` raises and the round fails (a counted
   restart, after which every node plans again): ranks never resume from different
   steps, and a node never silently starts fresh beside peers that restored.
-* **the helpers** (added to the launcher's supervisor, ``procs.supervisor``: checked at
+* **the helpers** (added to the launcher's supervisor, ``elaunch.supervision``: checked at
   each look of the monitor, a dead one restarted, then turned off with one warning; the
   keeper stops them itself at its close, before the directory goes): the replica service (``checkpoint.replicas``, with
   ``--checkpoint-replicas`` > 0 once a round has more than one node; its ring is the
@@ -53,7 +53,7 @@ from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
-from elaunch.procs.supervisor import OFF, SERVICES
+from elaunch.supervision import OFF, SERVICES
 from elaunch.rendezvous.job_channel import publish
 
 log = logging.getLogger("elaunch.agent")

@@ -68,7 +68,7 @@ class Persister:
 
     @property
     def name(self) -> str:
-        """How the supervisor (``procs.supervisor``) and its warnings name it."""
+        """How the supervisor (``elaunch.supervision``) and its warnings name it."""
         return self._helper.name
 
     @property

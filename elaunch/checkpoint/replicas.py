@@ -84,7 +84,7 @@ class ReplicaService:
 
     @property
     def name(self) -> str:
-        """How the supervisor (``procs.supervisor``) and its warnings name it."""
+        """How the supervisor (``elaunch.supervision``) and its warnings name it."""
         return self._helper.name
 
     @property

@@ -31,7 +31,7 @@ check's child (``agent/node_check.py``) is one too, started for each round. Addi
 is: a ``_NAME_child.py`` whose ``main(fd)`` serves its channel until end of file; a
 ``NAME.py`` with the logic, owning one ``HelperProcess(...)`` and offering ``name``,
 ``check()``, ``private_fds()`` and ``close()``; and adding it to the run's supervisor
-(``procs/supervisor.py``, ``WorkerLauncher.supervisor.add``) with its stop tier and
+(``elaunch/supervision.py``, ``WorkerLauncher.supervisor.add``) with its stop tier and
 policy: its channels are then closed in forked workers, it is checked at each look of
 the agent's monitor (unless its feature checks it where it uses it: the store host at
 each round's ``serve``), and stopped at the end of the run in its tier's turn. The reaper's ``d PATH``
@@ -60,6 +60,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elaunch.spec import signal_name
+from elaunch.supervision import HelperDied  # noqa: F401 - raised here, defined with the supervisor
 
 from . import _proctree
 from .spawn import popen_worker
@@ -70,13 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PAUSE = 0.01  #: seconds between looks at a child given a grace period, where pidfds are unavailable
-
-
-class HelperDied(ChildProcessError):
-    """A helper exited while the agent needed it, and its policy says report (an ``OSError``).
-
-    Its text is one line: the helper's name, its pid and its exit status or signal.
-    """
 
 
 def how_it_ended(code: int) -> str:

@@ -6,7 +6,7 @@ the agent dies (:mod:`elaunch.procs.reaper`) and the warm pool
 (:class:`~elaunch.procs.warm.WarmPool`, or :class:`NoWarmPool` when
 ``--warm-start`` is off), so the agent only says *what* to start. Every helper
 process of the run, and the watchdog last, is owned by its one
-:class:`~elaunch.procs.supervisor.Supervisor` (:attr:`WorkerLauncher.supervisor`):
+:class:`~elaunch.supervision.Supervisor` (:attr:`WorkerLauncher.supervisor`):
 a worker forked from the agent closes the descriptors it names, and
 :meth:`WorkerLauncher.close` stops them all in their declared order. torch's
 ``LocalElasticAgent`` keeps these in the agent itself.
@@ -28,7 +28,7 @@ from .forked import ForkedProcess, fork_worker
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
-from .supervisor import SPARES, STORE, Supervisor
+from elaunch.supervision import SPARES, STORE, Supervisor
 from .warm import WarmPool
 from .spawn import marker_entries, popen_worker
 from .workers import WorkerProcesses

@@ -175,7 +175,7 @@ def _new_lock(lock_dir: str | None) -> tuple[int | None, str | None]:
 class WarmPool:
     """One attempt's worth of warm spares, prepared while the current attempt runs.
 
-    One helper of the run's supervisor (``procs.supervisor``, tier ``SPARES``): its templates and
+    One helper of the run's supervisor (``elaunch.supervision``, tier ``SPARES``): its templates and
     spares are stopped together by :meth:`close`, and a worker forked from the agent closes the
     descriptors :meth:`private_fds` names.
 

@@ -8,7 +8,7 @@ from elaunch.agent.events import EventLog
 from elaunch.agent.node_check import NodeCheck
 from elaunch.procs import LogsSpec, WorkerLauncher
 from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
-from elaunch.procs.supervisor import SERVICES
+from elaunch.supervision import SERVICES
 from elaunch.rendezvous.job_channel import InMemoryJobChannel
 from tests.conftest import wait_for
 

@@ -18,7 +18,7 @@ from elaunch.agent.events import AgentEvents
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.procs import snapshot_dir
-from elaunch.procs.supervisor import Supervisor
+from elaunch.supervision import Supervisor
 from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
 from elaunch.rendezvous.job_channel import InMemoryJobChannel, LocalJobChannel
 from elaunch.spec import Worker

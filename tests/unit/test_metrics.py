@@ -183,7 +183,7 @@ def test_progress_sampler_dates_each_counter_move_and_reports_steps(tmp_path):
 
 def test_watch_gives_the_sampler_thread_to_the_supervisor_which_stops_it_and_never_wakes_the_monitor():
     from elaunch.agent.events import EventLog
-    from elaunch.procs.supervisor import Supervisor
+    from elaunch.supervision import Supervisor
 
     class Files:
         looks = 0

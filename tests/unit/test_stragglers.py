@@ -201,7 +201,7 @@ def test_the_watch_thread_is_the_run_supervisors_added_once_at_the_first_look_an
 
     from elaunch.agent.straggler_watch import StragglerWatch
     from elaunch.features.stragglers import StragglerSettings
-    from elaunch.procs.supervisor import Supervisor
+    from elaunch.supervision import Supervisor
 
     sup = Supervisor()
     watch = StragglerWatch(StragglerSettings(window=600.0), lambda: None, lambda: None, None, "h", sup)

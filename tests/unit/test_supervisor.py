@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from elaunch.procs.helper_process import HelperDied
-from elaunch.procs.supervisor import OFF, REPORT, SERVICES, SPARES, STORE, THREADS, HelperThread, Supervisor
+from elaunch.supervision import OFF, REPORT, SERVICES, SPARES, STORE, THREADS, HelperThread, Supervisor
 
 
 class Fake:

@@ -62,10 +62,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .helper_process import HelperDied
-
 if TYPE_CHECKING:
-    from .reaper import Reaper
+    from elaunch.procs.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +80,15 @@ STORE = 30
 REPORT = "report"
 #: ... or the helper is stopped with one warning and the job goes on without it.
 OFF = "off"
+
+
+class HelperDied(ChildProcessError):
+    """A helper died while the agent needed it, and its policy says report (an ``OSError``).
+
+    Its text is one line: the helper's name and how it ended (a process's pid and exit status or
+    signal; a thread's exception). Defined here, below both ``procs/`` and ``rendezvous/``, whose
+    helpers raise it; ``procs.helper_process`` re-exports it.
+    """
 
 
 class Helper(Protocol):
