@@ -60,10 +60,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from elaunch.procs.reaper import Reaper
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +107,16 @@ class Helper(Protocol):
         """Stop it and release what it holds. Idempotent."""
 
 
+class Watchdog(Protocol):
+    """What the supervisor needs of the run's reaper (``procs.reaper.Reaper``), its last stop."""
+
+    def private_fds(self) -> tuple[int, ...]:
+        """Descriptors a worker forked from the agent must close."""
+
+    def close(self) -> None:
+        """Stop it."""
+
+
 @dataclass
 class Supervised:
     """One helper as declared to the supervisor (see the module docstring).
@@ -143,7 +150,7 @@ class Supervisor:
         reaper: the run's watchdog (``Reaper``), stopped after every helper; or None.
     """
 
-    def __init__(self, reaper: "Reaper | None" = None) -> None:
+    def __init__(self, reaper: Watchdog | None = None) -> None:
         self.reaper = reaper
         self._entries: list[Supervised] = []
 
