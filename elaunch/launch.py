@@ -32,6 +32,7 @@ from elaunch.rendezvous.contract import (
 from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
 from elaunch.rendezvous.registry import create_handler
 from elaunch.spec import RunResult, WorkerSpec
+from elaunch.supervision import METRICS, OFF, Supervisor
 
 log = logging.getLogger("elaunch")
 
@@ -172,6 +173,9 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
     # torchrun instantiates its LogsSpecs before the rendezvous too
     specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
                             config.local_ranks_filter)
+    # the launch's one supervisor: the metrics server and the rendezvous' threads from now on, the
+    # run's helpers and reaper once the agent runs (elaunch.supervision); closed last
+    supervisor = Supervisor()
     metrics = None
     if config.metrics_port is not None:  # the module imports prometheus_client: only when asked
         from elaunch.agent.metrics import MetricsPortError, start_metrics
@@ -180,21 +184,22 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
             metrics = start_metrics(config)  # a port that cannot be bound is bad input: nothing else started yet
         except MetricsPortError as exc:
             raise ConfigError(str(exc)) from None
+        supervisor.add(metrics, METRICS, on_death=OFF, wakes=False, note="/metrics is not served any more")
     was_subreaper = is_subreaper()
     try:
-        return _run_agent(config, specs, base_env, fork_target, own_process, metrics)
+        return _run_agent(config, specs, base_env, fork_target, own_process, metrics, supervisor)
     finally:
-        if metrics is not None:
-            metrics.close()  # the port closes with the agent's run
+        supervisor.close()  # what the run left (the rendezvous' threads), then the metrics port
         if not was_subreaper and not own_process:  # the API: the caller's later orphans go to init again
             stop_being_subreaper()
 
 
 def _run_agent(config: LaunchConfig, specs, base_env: dict[str, str], fork_target: Callable[[int], int] | None,
-               own_process: bool, metrics) -> RunResult | None:
-    """:func:`run_job` from the rendezvous handler on (arguments as it has them; ``metrics``: serving, or None)."""
-    handler = create_handler(rendezvous_parameters(config), store_in_background=True)
-    agent = _build_agent(config, handler, specs, base_env, fork_target, metrics)
+               own_process: bool, metrics, supervisor: Supervisor) -> RunResult | None:
+    """:func:`run_job` from the rendezvous handler on (arguments as it has them; ``metrics``: serving, or None;
+    ``supervisor``: the launch's)."""
+    handler = create_handler(rendezvous_parameters(config), store_in_background=True, supervisor=supervisor)
+    agent = _build_agent(config, handler, specs, base_env, fork_target, metrics, supervisor)
     if own_process:
         freeze_startup_heap()
     try:
@@ -229,7 +234,7 @@ def _warn_about(config: LaunchConfig) -> None:
 
 
 def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
-                 fork_target: Callable[[int], int] | None, metrics=None) -> ElasticAgent:
+                 fork_target: Callable[[int], int] | None, metrics=None, supervisor=None) -> ElasticAgent:
     """The node's ElasticAgent for ``config`` (arguments as :func:`run_job` has them)."""
     return ElasticAgent(
         build_spec(config),
@@ -253,6 +258,7 @@ def _build_agent(config: LaunchConfig, handler, specs, base_env: dict[str, str],
         base_env=base_env,
         fork_target=fork_target,
         metrics=metrics,
+        supervisor=supervisor,
     )
 
 

@@ -1,57 +1,74 @@
-"""The agent's one supervisor: every helper process and thread, started, checked and stopped in one place.
+"""The launch's one supervisor: every helper process and thread of the agent, started, checked and stopped in one place.
 
-An agent keeps small helpers beside its workers for the whole run: the store host
-(``store_host.py``), the checkpoint persister and replica service
-(``checkpoint/persister.py``, ``checkpoint/replicas.py``), the node check's child
-(``agent/node_check.py``), the warm pool's templates and spares (``warm.py``), and the
-reaper (``reaper.py``). Each is added to the run's one :class:`Supervisor`
-(``WorkerLauncher.supervisor``) and declares there, once (:class:`Supervised`):
+An agent keeps small helpers beside its workers: the store host (``procs/store_host.py``),
+the checkpoint persister and replica service (``checkpoint/persister.py``,
+``checkpoint/replicas.py``), the node check's child (``agent/node_check.py``), the warm
+pool's templates and spares (``procs/warm.py``), the reaper (``procs/reaper.py``), the
+``--metrics-port`` server and the rendezvous' keep-alive. ``elaunch.launch.run_job`` makes
+one :class:`Supervisor` for the whole launch, before anything else starts, and hands it to
+the metrics server, the rendezvous handler (``registry.create_handler(supervisor=)``) and the
+agent, whose launcher keeps it (``WorkerLauncher.supervisor``). Each helper declares there,
+once (:class:`Supervised`):
 
-* **its stop order**: a numeric tier; the supervisor's :meth:`~Supervisor.close` stops the
-  lowest tier first, and within a tier the one added last first. :data:`SERVICES` (they
-  read the node directory and the round's store) before :data:`SPARES` before
-  :data:`STORE` (the workers' store stays up until every other helper is gone); the
-  reaper is not a tier: it is the supervisor's own last stop, since it must outlive
+* **its stop order**: a numeric tier; :meth:`~Supervisor.close` stops the lowest tier first,
+  and within a tier the one added last first. A run's helpers: :data:`THREADS` (they read what
+  the helpers below serve) before :data:`SERVICES` (they read the node directory and the
+  round's store) before :data:`SPARES` before :data:`STORE` (the workers' store stays up
+  until every other helper of the run is gone); the run's end (``close(below=LAUNCH)``, the
+  launcher's close) stops these and then the reaper, which is not a tier: it must outlive
   everything it watches (and the agent itself: it is no :class:`Helper`, it has no
-  ``PR_SET_PDEATHSIG``).
+  ``PR_SET_PDEATHSIG``). The launch's helpers, from :data:`LAUNCH` on, live from before the
+  run to after it: :data:`RENDEZVOUS` (the keep-alive, which its handler stops before it
+  writes its leave; here only what is left at the launch's end) before :data:`METRICS`
+  (``/metrics`` answers until the very end); the launch's close (``close()``, after the
+  rendezvous was shut down or left) stops them.
 * **its health and policy**: :meth:`Supervisor.check_all`, at each pass of the agent's
   monitor (``agent.watchdogs.HelperChecks``, polled before the checkpoint keeper), calls
   each watched helper's ``check()``. A helper restarts itself there while its budget lasts
   (``HelperProcess.check``); once it raises, its policy applies: :data:`REPORT` (the
-  error, a one-line :class:`~elaunch.procs.helper_process.HelperDied`, goes out of the
-  monitor) or :data:`OFF` (one WARNING line, the helper stopped and forgotten, its owner
-  told through ``turned_off``: the job goes on without it). A helper checked where it is
-  used (the store host, at each round's ``serve``) says ``watched=False``.
+  error, a one-line :class:`HelperDied`, goes out of the monitor) or :data:`OFF` (one
+  WARNING line, the helper stopped and forgotten, its owner told through ``turned_off``:
+  the job goes on without it). A helper checked where it is used (the store host, at each
+  round's ``serve``) says ``watched=False``. Only a running agent looks: before the first
+  round and after the run nothing is checked.
 * **its descriptors**: ``private_fds()``; :meth:`Supervisor.private_fds` is their union,
   the reaper's included, which a worker forked from the agent closes (``procs.forked``),
-  so no forked worker keeps a helper's channel open after the agent let go of it.
+  so no forked worker keeps a helper's channel (or the metrics port) open after the agent
+  let go of it.
 
 The agent's long-lived threads take the same shape, :class:`HelperThread` (a stop event,
 ``is_alive`` as health, a report when it died of an exception, a join with a timeout at
-close), and the first tier, :data:`THREADS`: they read what the helper processes serve, so
-they stop before them. Each is declared ``on_death=OFF, wakes=False``: the job goes on
-without a thread that died, as it did before it was supervised, but where the interpreter
-printed its traceback, it is now one WARNING line at the monitor's next look naming it and
-what goes on without it (the traceback at DEBUG); ``wakes=False`` keeps an idle
-standalone agent asleep (a thread's death is no reason to wake every interval). Today: the
-``--metrics-port`` progress sampler (``agent.progress_sampler``, added by
-``AgentMetrics.watch``) and the straggler watch (``agent.straggler_watch``, added at the
-monitor's first look of a group).
+close). Each is declared ``on_death=OFF, wakes=False``: the job goes on without a thread
+that died, as it did before it was supervised, but where the interpreter printed its
+traceback, it is now one WARNING line at the monitor's next look naming it and what goes
+on without it (the traceback at DEBUG); ``wakes=False`` keeps an idle standalone agent
+asleep (a thread's death is no reason to wake every interval). Today: the ``--metrics-port``
+progress sampler (``agent.progress_sampler``, added by ``AgentMetrics.watch``) and the
+straggler watch (``agent.straggler_watch``, added at the monitor's first look of a group),
+tier :data:`THREADS`; the dynamic rendezvous' keep-alive (``rendezvous.dynamic.keepalive``,
+c10d and etcd: added when a round starts, stopped with ``Supervisor.stop`` when the handler
+leaves it), tier :data:`RENDEZVOUS`; and the ``--metrics-port`` server
+(``agent.metrics.AgentMetrics``, prometheus_client's own thread: ``check()`` reports it
+gone, ``private_fds()`` is its listening socket), tier :data:`METRICS`, added by the launch
+right after it was bound (a taken port is bad input before anything else starts).
 
-Not here, each for its lifetime: the ``--metrics-port`` server (``agent.metrics``: bound
-before the rendezvous handler or this supervisor exists, so a taken port is bad input, and
-closed by the launch after the rendezvous is left); the rendezvous' threads (the dynamic
-handler's keep-alive, per round and stopped by the handler before it writes its leave;
-etcd-v3's presence lease and watches; the c10d store's start-up thread, one-shot): they
-live from the handler's creation, before the run, to its ``shutdown``/``leave``, after the
-run's end, and ``rendezvous/`` does not import ``procs/``; tee's copier
-(``procs.tee``), one attempt's, stopped by that attempt's ``WorkerProcesses``; and the job
-channel's fire-and-forget publishes, one-shot and bounded.
+Not here, each for a reason: etcd-v3's presence lease and its watches' opener
+(``rendezvous/etcd``): started and stopped with the etcd client by the backend's round
+stores (``on_close``), whose lifetime is the client's, not a tier's; the c10d store's
+start-up thread (``rendezvous/c10d_agent_store.py``: one-shot, its result and error waited
+for at the handler's first use of the store) and the job channel's fire-and-forget
+publishes (``rendezvous/job_channel.py``: one-shot daemon threads, each write bounded by the
+backend's ``read_timeout``, never waited for); tee's copier (``procs/tee.py``): one attempt's, stopped by
+that attempt's ``WorkerProcesses`` after the final copy of its workers' output, and its
+failure is already one logged line.
 
 One owner stops each helper: the supervisor, at :meth:`~Supervisor.close`, or earlier at
 the request of the helper's feature (:meth:`Supervisor.stop`: the checkpoint keeper stops
-its persister after the last persist and before it removes the node directory).
-torchrun has no helpers to supervise. Stdlib only (the agent imports this module).
+its persister after the last persist and before it removes the node directory; the
+rendezvous handler its keep-alive before it writes its leave). A supervisor made by a
+launcher, or a handler, without one given is its own (tests, programs that build their
+own). torchrun has no helpers to supervise. Stdlib only, and it imports nothing of
+elaunch: ``procs/``, ``rendezvous/`` and ``agent/`` all import it.
 """
 
 from __future__ import annotations
@@ -70,8 +87,16 @@ THREADS = 5
 SERVICES = 10
 #: The warm pool's templates and spares.
 SPARES = 20
-#: The store host: the workers' store outlives every other helper.
+#: The store host: the workers' store outlives every other helper of the run.
 STORE = 30
+#: The launch's helpers, from here on: they live from before the run to after it, and only the
+#: launch's :meth:`Supervisor.close` stops them; the run's end (``close(below=LAUNCH)``) stops the rest.
+LAUNCH = 40
+#: The rendezvous handler's threads (the dynamic handler's keep-alive), stopped by the handler
+#: itself before it writes its leave, or here, after the rendezvous was shut down ...
+RENDEZVOUS = LAUNCH
+#: ... and the ``--metrics-port`` server: it answers scrapes until the very end of the launch.
+METRICS = 50
 
 #: Policies when a helper's ``check()`` raises: the error goes out of :meth:`Supervisor.check_all` ...
 REPORT = "report"
@@ -144,7 +169,9 @@ class Supervised:
 class Supervisor:
     """Owns one agent run's helpers and, last, its reaper (see the module docstring).
 
-    Use from the agent's main thread.
+    Checked (:meth:`check_all`) and closed from the agent's main thread; :meth:`add` and
+    :meth:`stop` may come from another (the rendezvous' keep-alive starts and stops where its
+    round is joined or left).
 
     Args:
         reaper: the run's watchdog (``Reaper``), stopped after every helper; or None.
@@ -153,6 +180,7 @@ class Supervisor:
     def __init__(self, reaper: Watchdog | None = None) -> None:
         self.reaper = reaper
         self._entries: list[Supervised] = []
+        self._lock = threading.Lock()  # the list only: a rendezvous thread may start or stop its keep-alive
 
     def add(self, helper: Helper, tier: int, *, on_death: str = REPORT, watched: bool = True, note: str = "",
             turned_off: Callable[[], None] | None = None, wakes: bool = True, start: bool = False) -> Helper:
@@ -168,7 +196,8 @@ class Supervisor:
             raise ValueError(f"{helper.name} is supervised already")
         if start:
             helper.start()
-        self._entries.append(Supervised(helper, tier, on_death, watched, note, turned_off, wakes))
+        with self._lock:
+            self._entries.append(Supervised(helper, tier, on_death, watched, note, turned_off, wakes))
         return helper
 
     def has(self, helper: Helper) -> bool:
@@ -208,19 +237,25 @@ class Supervisor:
 
     def stop(self, helper: Helper) -> None:
         """Stop ``helper`` now and forget it (its feature is done with it before the run's end). Idempotent."""
-        for i, entry in enumerate(self._entries):
-            if entry.helper is helper:
-                del self._entries[i]
-                helper.close()
-                return
+        with self._lock:
+            found = [e for e in self._entries if e.helper is helper]
+            self._entries = [e for e in self._entries if e.helper is not helper]
+        if found:
+            helper.close()
 
-    def close(self) -> None:
+    def close(self, below: int | None = None) -> None:
         """Stop every helper in tier order (within a tier, the last added first), then the reaper. Idempotent.
 
         Every one is stopped even when one raises; the first error is raised after the last stop.
+
+        Args:
+            below: stop only the helpers of a lower tier (the run's end: ``below=LAUNCH``, the
+                launcher's close), and the reaper; the others stay for the launch's close. None: all.
         """
-        order = sorted(enumerate(self._entries), key=lambda ie: (ie[1].tier, -ie[0]))
-        self._entries = []
+        with self._lock:
+            mine = [e for e in self._entries if below is None or e.tier < below]
+            self._entries = [e for e in self._entries if not (below is None or e.tier < below)]
+        order = sorted(enumerate(mine), key=lambda ie: (ie[1].tier, -ie[0]))
         first: BaseException | None = None
         for _, entry in order:
             try:
@@ -281,6 +316,11 @@ class HelperThread:
         except BaseException as exc:  # noqa: BLE001 - reported by check()
             log.debug("the %s thread died", self.name, exc_info=True)
             self._error = exc
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The ``threading.Thread`` once :meth:`start` made it."""
+        return self._thread
 
     def is_alive(self) -> bool:
         """True while the thread runs."""

@@ -89,6 +89,8 @@ class ElasticAgent:
             ``start_method="fork"``; see ``WorkerLauncher``); None: exec ``spec.cmd``.
         metrics: ``--metrics-port``'s serving ``elaunch.agent.metrics.AgentMetrics``
             (``run()`` has it watch the run's events and state), or None.
+        supervisor: the launch's ``elaunch.supervision.Supervisor`` (the run's helpers join the
+            launch's own on it; ``run()`` stops the run's at its end), or None for one of the run's own.
 
     Raises:
         ValueError: ``event_log_handler`` is not a torch event handler name.
@@ -107,6 +109,7 @@ class ElasticAgent:
         hostname: str | None = None,
         fork_target: Callable[[int], int] | None = None,
         metrics=None,
+        supervisor=None,
     ) -> None:
         self._spec = spec
         self._rdzv = rdzv
@@ -118,7 +121,7 @@ class ElasticAgent:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._hostname = hostname or socket.gethostname()
         self._launcher = WorkerLauncher(logs, env_opts.run_id, config.warm_start_modules, fork_target=fork_target,
-                                        spare_hook=SPARE_HOOK)
+                                        spare_hook=SPARE_HOOK, supervisor=supervisor)
         self._procs: WorkerProcesses | None = None
         self._exits_told: WorkerProcesses | None = None  # the procs whose exits are in the event log
         self._group: WorkerGroup | None = None

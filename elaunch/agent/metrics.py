@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from elaunch.agent.ledger import CATEGORIES, Ledger
 from elaunch.agent.progress_sampler import ProgressSampler
-from elaunch.supervision import OFF, THREADS
+from elaunch.supervision import OFF, THREADS, HelperDied
 
 if TYPE_CHECKING:
     from elaunch.checkpoint.keeper import NodeSnapshot
@@ -122,6 +122,7 @@ class AgentMetrics:
         self._group: dict[int, str] = {}  # local rank -> state, from the events of this node's last group
         self._ledger_shown = dict.fromkeys(CATEGORIES, 0.0)  # what the counters said last: they never go down
         self._server = self._thread = None
+        self._told = False  # check() reported the server's thread gone
         self.address: tuple[str, int] | None = None
         # the event-fed counters, exported by the collector (_event_families)
         self._restarts = dict.fromkeys(CAUSES, 0)
@@ -331,10 +332,30 @@ class AgentMetrics:
         self.address = (addr or ALL_INTERFACES, self._server.server_port)
         return self.address
 
+    # -- as the launch's supervisor's helper (elaunch.supervision.Helper: tier METRICS, policy off) --------
+
+    name = "metrics server"
+
+    def check(self) -> bool:
+        """Raise ``HelperDied`` once if the server's thread ended while it should serve; never restarts it.
+
+        Raises:
+            HelperDied: ``/metrics`` is no longer served (reported once).
+        """
+        if self._server is not None and not self._told and self._thread is not None and not self._thread.is_alive():
+            self._told = True
+            raise HelperDied(f"{self.name} thread died: nothing answers on port {self.address[1]}")
+        return False
+
+    def private_fds(self) -> tuple[int, ...]:
+        """The listening socket: a worker forked from the agent does not keep the port."""
+        return (self._server.fileno(),) if self._server is not None else ()
+
     def close(self) -> None:
         """Stop the server and close its socket (the port is free once this returns). Idempotent.
 
-        The sampler's thread is the run's supervisor's: it stopped at the agent run's end."""
+        The launch's supervisor calls it last (tier ``METRICS``), after the rendezvous was left;
+        the sampler's thread is a run's helper: it stopped at the agent run's end."""
         server, self._server = self._server, None
         if server is not None:
             _shutdown(server)
@@ -383,7 +404,7 @@ def start_metrics(config) -> AgentMetrics | None:
 
     Returns:
         The serving :class:`AgentMetrics` (the agent calls :meth:`AgentMetrics.watch`; the caller
-        :meth:`AgentMetrics.close`), or None without ``--metrics-port``.
+        adds it to the launch's supervisor, which closes it last), or None without ``--metrics-port``.
 
     Raises:
         MetricsPortError: the port cannot be bound (taken, or ``--local-addr`` is not this host's).

@@ -28,7 +28,7 @@ from .forked import ForkedProcess, fork_worker
 from .logs import AttemptLogs, LogsSpec, RunLogDir, SpecsLogDir
 from .reaper import Reaper, start_reaper
 from .store_host import StoreHost
-from elaunch.supervision import SPARES, STORE, Supervisor
+from elaunch.supervision import LAUNCH, SPARES, STORE, Supervisor
 from .warm import WarmPool
 from .spawn import marker_entries, popen_worker
 from .workers import WorkerProcesses
@@ -76,12 +76,15 @@ class WorkerLauncher:
             the worker argv is not run. None (default): every worker execs its argv.
         spare_hook: ``module:function`` each warm spare calls while it waits
             (``warm.WARM_HOOK_ENV``; the agent names the checkpoint feature's), or None.
+        supervisor: the launch's supervisor (``elaunch.launch`` makes one for the whole launch:
+            the metrics server and the rendezvous' threads are on it too), or None for one of its own.
 
     Attributes:
         pool: the warm pool (a :class:`NoWarmPool` when warm start is off, or before
             :meth:`open`).
         supervisor: the owner of the run's helpers and, last, of its watchdog: features add
-            theirs to it (``supervisor.add``); it lives until :meth:`close`.
+            theirs to it (``supervisor.add``); :meth:`close` stops them (the launch's own helpers,
+            tiers from ``LAUNCH`` on, stay for the launch's close).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class WorkerLauncher:
         reaper_factory: Callable[[], Reaper] = start_reaper,
         fork_target: Callable[[int], int] | None = None,
         spare_hook: str | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._logs = logs
         self._spare_hook = spare_hook
@@ -104,7 +108,7 @@ class WorkerLauncher:
         self.pool: WarmPool | NoWarmPool = NoWarmPool()
         self._store_host: StoreHost | None = None
         self._barrier_root: str | None = None  # return_barrier's files, made when first needed
-        self.supervisor = Supervisor()  # open() gives it the watchdog
+        self.supervisor = supervisor if supervisor is not None else Supervisor()  # open() gives it the watchdog
 
     @property
     def log_root(self) -> str | None:
@@ -301,7 +305,7 @@ class WorkerLauncher:
             self._barrier_root = None
         self._store_host = None
         self._reaper = None
-        self.supervisor.close()
+        self.supervisor.close(below=LAUNCH)  # the run's helpers, then the watchdog; the launch's stay
 
     def _run_dir(self) -> RunLogDir | SpecsLogDir:
         if self._log_dir is None:

@@ -275,7 +275,8 @@ def _heartbeats(nodes: Sequence[str], values: list[bytes]) -> dict[str, float]:
     return out
 
 
-def create_handler(params: RendezvousParameters, store_in_background: bool = False) -> DynamicRendezvousHandler:
+def create_handler(params: RendezvousParameters, store_in_background: bool = False,
+                   supervisor=None) -> DynamicRendezvousHandler:
     """Build a c10d dynamic rendezvous handler (torch ``c10d_rendezvous_backend.create_backend``).
 
     With ``store_in_background`` (the agent's own launch) and an endpoint with a port,
@@ -327,4 +328,4 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
                           create=False)
     stores = C10dRoundStores(agent_store, params.run_id, local_addr, read_timeout, use_libuv, endpoint, line)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
-    return DynamicRendezvousHandler(node, settings, backend, stores)
+    return DynamicRendezvousHandler(node, settings, backend, stores, supervisor=supervisor)

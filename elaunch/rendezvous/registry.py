@@ -21,11 +21,12 @@ from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousHandler
 Factory = Callable[[RendezvousParameters], RendezvousHandler]
 
 
-def _lazy(module: str, attr: str = "create_handler", background: bool = False) -> Factory:
+def _lazy(module: str, attr: str = "create_handler", background: bool = False, supervised: bool = False) -> Factory:
     def factory(params: RendezvousParameters, **kw) -> RendezvousHandler:
         return getattr(importlib.import_module(module), attr)(params, **kw)
 
     factory.store_in_background = background  # type: ignore[attr-defined]
+    factory.supervised = supervised  # type: ignore[attr-defined]  # takes supervisor=: its threads run there
     return factory
 
 
@@ -37,10 +38,10 @@ ENDPOINT_LIST_BACKENDS = frozenset({"etcd", "etcd-v2", "etcd-v3"})
 
 _FACTORIES: dict[str, Factory] = {
     "static": _lazy("elaunch.rendezvous.static"),
-    "c10d": _lazy("elaunch.rendezvous.c10d", background=True),
-    "etcd": _lazy("elaunch.rendezvous.etcd.v2"),
-    "etcd-v2": _lazy("elaunch.rendezvous.etcd.v2"),
-    "etcd-v3": _lazy("elaunch.rendezvous.etcd.v3"),
+    "c10d": _lazy("elaunch.rendezvous.c10d", background=True, supervised=True),
+    "etcd": _lazy("elaunch.rendezvous.etcd.v2", supervised=True),
+    "etcd-v2": _lazy("elaunch.rendezvous.etcd.v2", supervised=True),
+    "etcd-v3": _lazy("elaunch.rendezvous.etcd.v3", supervised=True),
     STANDALONE_BACKEND: _lazy("elaunch.rendezvous.standalone"),
 }
 
@@ -105,13 +106,18 @@ def register(name: str, factory: Factory) -> None:
     _FACTORIES[name] = factory
 
 
-def create_handler(params: RendezvousParameters, store_in_background: bool = False) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, store_in_background: bool = False,
+                   supervisor=None) -> RendezvousHandler:
     """Build the handler of ``params.backend`` (torch: ``rendezvous_handler_registry.create_handler``).
 
     ``store_in_background``: the agent's own launch (``elaunch.launch``). A backend that
     can (c10d with a port) then makes its store in a background thread, and reports its
     connection errors at the handler's first use instead of here; torch's import
     overlaps the agent's start (its first warm spares). Ignored by the others.
+
+    ``supervisor``: the launch's ``elaunch.supervision.Supervisor``; a backend whose handler
+    keeps threads of its own (the dynamic ones: c10d, etcd, etcd-v2, etcd-v3; their keep-alive)
+    declares them on it. Ignored by the others; None: a handler runs them on a supervisor of its own.
 
     ``--rdzv-conf`` keys the backend does not read are accepted, as torch's backends
     ignore them, and named in one warning line (``--rdzv-conf: the c10d rendezvous
@@ -140,10 +146,12 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
             f"--rdzv-backend={params.backend}: unknown rendezvous backend (known: {', '.join(known)})"
         )
     given = dict(params.config)
+    kw: dict[str, Any] = {}
     if store_in_background and getattr(factory, "store_in_background", False):
-        handler = factory(params, store_in_background=True)
-    else:
-        handler = factory(params)
+        kw["store_in_background"] = True
+    if supervisor is not None and getattr(factory, "supervised", False):
+        kw["supervisor"] = supervisor
+    handler = factory(params, **kw)
     unused = params.unused_keys(given)
     if unused:
         logging.getLogger("elaunch").warning(

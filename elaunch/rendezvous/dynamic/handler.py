@@ -38,6 +38,7 @@ from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.round_view import RoundView
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
+from elaunch.supervision import OFF, RENDEZVOUS, Supervisor
 from elaunch.rendezvous.dynamic.state import RendezvousState
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         sleep: sleeps a number of seconds (injectable for tests).
         tolerate: how the job channel runs the monitor's reads (``DynamicJobChannel``'s
             ``tolerate``; etcd rides out short outages).
+        supervisor: the launch's ``elaunch.supervision.Supervisor``: the keep-alive thread is its
+            helper (tier ``RENDEZVOUS``, policy off) while a round runs; None: one of the handler's own.
     """
 
     can_reform = True  # nodes may join or leave, and each membership change forms a new round
@@ -104,8 +107,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         tolerate: Tolerate = untolerated,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._node = node
+        self._supervisor = supervisor if supervisor is not None else Supervisor()  # runs the keep-alive
         self._node_id = f"{node.addr}_{os.getpid()}_{next(_local_ids)}"
         self._settings = settings
         self._backend = backend
@@ -358,10 +363,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _start_heartbeats(self) -> None:
         self._stop_watch = self._backend.watch_state(self._view.state_written)
-        self._keep_alive.start()
+        self._supervisor.add(self._keep_alive, RENDEZVOUS, on_death=OFF, wakes=False, start=True,
+                             note="this node's heartbeat is no longer written: the others will find it lost")
 
     def _stop_heartbeats(self) -> None:
         if self._stop_watch is not None:
             self._stop_watch()
             self._stop_watch = None
-        self._keep_alive.stop()
+        self._supervisor.stop(self._keep_alive)

@@ -3,7 +3,10 @@
 Mirrors the keep-alive of torch's ``DynamicRendezvousHandler`` (``_keep_alive``
 on a timer), with a thread that beats into the node's own heartbeat key (every
 backend has them: c10d, etcd-v2, etcd-v3) and can be woken to answer a probe at
-once. Stdlib only.
+once. The thread is a helper of the launch's supervisor (``elaunch.supervision``, tier
+``RENDEZVOUS``, policy off): the handler adds it when a round starts and stops it there
+(``Supervisor.stop``) before it leaves; a thread that died is one WARNING line at the
+monitor's next look. Stdlib only.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from elaunch.rendezvous.contract import RendezvousError
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls
+from elaunch.supervision import HelperThread
 
 log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 
 
 class KeepAlive:
-    """Heart-beats for one node while its round runs; started and stopped by the handler.
+    """Heart-beats for one node while its round runs; a helper (``elaunch.supervision.Helper``) that
+    the handler adds to its supervisor (which starts it) and stops there.
 
     Args:
         node_id: the node whose heartbeat this is.
@@ -42,13 +47,18 @@ class KeepAlive:
         self._clock = clock
         self._stalls = stalls
         self._beat_now = threading.Event()  # wakes the thread: a read saw a probe it must answer
-        self._stop: threading.Event | None = None
-        self.thread: threading.Thread | None = None
+        self._thread: HelperThread | None = None
+        self.name = "rendezvous keep-alive"
 
     @property
     def running(self) -> bool:
         """True between :meth:`start` and :meth:`stop`."""
-        return self.thread is not None
+        return self._thread is not None
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The running thread, or None."""
+        return self._thread.thread if self._thread is not None else None
 
     def beat_now(self) -> None:
         """Make the thread beat at once (a probe to answer) instead of at its next tick."""
@@ -56,21 +66,29 @@ class KeepAlive:
 
     def start(self) -> None:
         """Start the thread (a daemon, named after the node)."""
-        stop = threading.Event()
-        thread = threading.Thread(target=self._loop, args=(stop,), name=f"elaunch-rdzv-keepalive-{self._node_id}",
-                                  daemon=True)
-        self._stop, self.thread = stop, thread
-        thread.start()
+        self._thread = HelperThread(self.name, self._loop, join_timeout=self._settings.heartbeat_timeout + 1.0,
+                                    thread_name=f"elaunch-rdzv-keepalive-{self._node_id}", warn_late=False)
+        self._thread.start()
 
-    def stop(self) -> None:
+    def check(self) -> bool:
+        """Raise ``HelperDied`` once if the thread died of an exception (it logs and goes on after one
+        raised by a beat); never restarts it (False)."""
+        return self._thread.check() if self._thread is not None else False
+
+    def private_fds(self) -> tuple[int, ...]:
+        """None: the backend's connections are the handler's."""
+        return ()
+
+    def close(self) -> None:
         """Stop the thread; wait up to ``heartbeat_timeout + 1`` seconds for a beat in flight. Idempotent."""
-        if self._stop is None or self.thread is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
-        self._stop.set()
+        thread.stopping.set()
         self._beat_now.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(self._settings.heartbeat_timeout + 1.0)
-        self._stop = self.thread = None
+        thread.close()
+
+    stop = close
 
     def _loop(self, stop: threading.Event) -> None:
         """Heart-beat into this node's own key now, then every tick, until ``stop`` is set.

@@ -244,8 +244,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 def build_handler(params: RendezvousParameters, conf: EtcdConf, kv: EtcdKV, name: str,
                   backend: EtcdStateBackend | None = None,
                   settings: RendezvousSettings | None = None,
-                  on_close: tuple[Callable[[], None], ...] = ()) -> EtcdRendezvousHandler:
-    """Assemble the handler of an etcd backend from its client.
+                  on_close: tuple[Callable[[], None], ...] = (), supervisor=None) -> EtcdRendezvousHandler:
+    """Assemble the handler of an etcd backend from its client (``supervisor``: as the handler's).
 
     Raises:
         RendezvousConfigError: a bad conf value.
@@ -256,4 +256,5 @@ def build_handler(params: RendezvousParameters, conf: EtcdConf, kv: EtcdKV, name
     backend = backend or EtcdStateBackend(kv, f"{base}/state", name)
     stores = EtcdRoundStores(kv, base, local_addr, conf.read_timeout, on_close)
     node = NodeInfo(local_addr, params.role, params.local_world_size)
-    return EtcdRendezvousHandler(node, settings, backend, stores, outage_timeout=conf.outage_timeout)
+    return EtcdRendezvousHandler(node, settings, backend, stores, outage_timeout=conf.outage_timeout,
+                                 supervisor=supervisor)

@@ -199,13 +199,14 @@ class EtcdV2StateBackend(EtcdStateBackend):
         return data, token, self.get_heartbeats(nodes)
 
 
-def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+def create_handler(params: RendezvousParameters, supervisor=None) -> EtcdRendezvousHandler:
     """Build an ``etcd``/``etcd-v2`` dynamic rendezvous handler (torch ``etcd_rendezvous_backend``).
 
     Conf keys: see :func:`elaunch.rendezvous.etcd.common.parse_conf` (endpoints,
     TLS, auth, ``read_timeout``, ``etcd_prefix``, ``ttl``) and the dynamic
     rendezvous' timeouts (:class:`RendezvousSettings`); torch's legacy ``timeout``
-    key is the join timeout in seconds when ``join_timeout`` is not given.
+    key is the join timeout in seconds when ``join_timeout`` is not given. ``supervisor``: the
+    launch's ``elaunch.supervision.Supervisor``, which runs the keep-alive thread (None: the handler's own).
 
     Raises:
         RendezvousConfigError: bad conf value, or python-etcd missing (``pip install 'elaunch[etcd]'``).
@@ -216,6 +217,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     name = params.backend or "etcd-v2"
     kv = EtcdV2KV(conf, name)
     backend = EtcdV2StateBackend(kv, f"{conf.prefix}/{params.run_id}/state", name)
-    return build_handler(params, conf, kv, name, backend=backend, settings=RendezvousSettings.from_params(params))
+    return build_handler(params, conf, kv, name, backend=backend, settings=RendezvousSettings.from_params(params),
+                         supervisor=supervisor)
 
 

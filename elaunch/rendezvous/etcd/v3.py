@@ -208,13 +208,14 @@ class EtcdV3StateBackend(EtcdStateBackend):
         return state.to_bytes()
 
 
-def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+def create_handler(params: RendezvousParameters, supervisor=None) -> EtcdRendezvousHandler:
     """Build an ``etcd-v3`` dynamic rendezvous handler and register this node's presence lease.
 
     Conf keys: those of ``etcd-v2`` (endpoints, ``protocol``, ``ca_cert``,
     ``ssl_cert``, ``ssl_cert_key``, ``read_timeout``, ``etcd_prefix``, ``ttl``),
     ``user``/``password``, and the dynamic rendezvous' timeouts;
-    ``poll_interval`` defaults to 1 s (watches wake agents on changes).
+    ``poll_interval`` defaults to 1 s (watches wake agents on changes). ``supervisor``: the
+    launch's ``elaunch.supervision.Supervisor``, which runs the keep-alive thread (None: the handler's own).
 
     Raises:
         RendezvousConfigError: bad conf value, wrong credentials, or etcd-sdk-python
@@ -233,7 +234,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     backend = EtcdV3StateBackend(kv, f"{base}/state", f"{base}/nodes/", beat_timeout(settings))
     holder: list[Presence] = []
     handler = build_handler(params, conf, kv, "etcd-v3", backend=backend, settings=settings,
-                            on_close=(lambda: holder and holder[0].stop(),))
+                            on_close=(lambda: holder and holder[0].stop(),), supervisor=supervisor)
     presence = Presence(EtcdV3KV(conf), f"{base}/nodes/{handler.node_id}", math.ceil(settings.dead_after))
     try:
         kv.grant_key_lease()  # now, not in the round: a join's first write would wait for it

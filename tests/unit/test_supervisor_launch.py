@@ -1,0 +1,124 @@
+"""The launch's supervisor (elaunch.supervision, issue 37): the helpers that live for the whole launch.
+
+The ``--metrics-port`` server and the rendezvous' keep-alive are declared on the same supervisor
+as the run's helpers: the run's end (``close(below=LAUNCH)``, the launcher's) leaves them, the
+launch's close stops them after everything else; each one dying is one WARNING line.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from types import SimpleNamespace
+
+from elaunch.agent.metrics import AgentMetrics
+from elaunch.rendezvous.dynamic.keepalive import KeepAlive
+from elaunch.rendezvous.dynamic.stalls import StoreStalls
+from elaunch.supervision import LAUNCH, METRICS, OFF, RENDEZVOUS, SERVICES, STORE, THREADS, Supervisor
+
+from .test_supervisor import Fake, FakeReaper
+
+_SETTINGS = SimpleNamespace(heartbeat_interval=0.01, probe_timeout=1.0, heartbeat_timeout=1.0)
+
+
+class _Backend:
+    """A heartbeat backend that counts beats; ``broken`` makes the keep-alive's loop itself raise."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.beats = 0
+        self._broken = broken
+
+    @property
+    def cheap_heartbeats(self) -> bool:
+        if self._broken:
+            raise RuntimeError("backend gone")
+        return True
+
+    def beat(self, node_id: str, now: float) -> None:
+        self.beats += 1
+
+
+def _keep_alive(backend: _Backend) -> KeepAlive:
+    return KeepAlive("n0", _SETTINGS, backend, time.time, StoreStalls(time.time, 1.0))
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert cond()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_runs_end_leaves_the_launchs_helpers_which_stop_last_in_tier_order():
+    stops: list = []
+    sup = Supervisor()
+    sup.add(Fake("metrics server", stops), METRICS, on_death=OFF, wakes=False)
+    sup.add(Fake("keep-alive", stops), RENDEZVOUS, on_death=OFF, wakes=False)
+    sup.reaper = FakeReaper(stops)  # the run's (the launcher's open)
+    sup.add(Fake("store host", stops), STORE, watched=False)
+    sup.add(Fake("sampler", stops), THREADS, on_death=OFF, wakes=False)
+    sup.add(Fake("persister", stops), SERVICES)
+    sup.close(below=LAUNCH)  # the run's end
+    assert stops == ["sampler", "persister", "store host", "reaper"]
+    sup.close()  # the launch's end: the rendezvous' threads, then the metrics port
+    assert stops == ["sampler", "persister", "store host", "reaper", "keep-alive", "metrics server"]
+
+
+def test_keep_alive_beats_on_the_supervisor_and_stops_at_close():
+    backend = _Backend()
+    sup = Supervisor()
+    ka = sup.add(_keep_alive(backend), RENDEZVOUS, on_death=OFF, wakes=False, start=True)
+    _wait(lambda: backend.beats >= 2)
+    thread = ka.thread
+    sup.close(below=LAUNCH)
+    assert thread.is_alive() and sup.has(ka)  # the run's end leaves it to the handler or the launch
+    sup.close()
+    assert not thread.is_alive() and not ka.running
+
+
+def test_a_keep_alive_that_died_is_one_warning_and_is_stopped(caplog):
+    sup = Supervisor()
+    ka = sup.add(_keep_alive(_Backend(broken=True)), RENDEZVOUS, on_death=OFF, wakes=False, start=True,
+                 note="this node's heartbeat is no longer written")
+    _wait(lambda: not ka.thread.is_alive())
+    with caplog.at_level(logging.WARNING):
+        sup.check_all()
+        sup.check_all()
+    assert _warnings(caplog) == ["rendezvous keep-alive thread died: RuntimeError: backend gone; "
+                                 "this node's heartbeat is no longer written"]
+    assert not sup.has(ka) and not ka.running
+
+
+def test_the_metrics_server_that_died_is_one_warning_and_its_port_is_freed(caplog):
+    metrics = AgentMetrics("job", "n0", "default")
+    _, port = metrics.serve(0, "127.0.0.1")
+    sup = Supervisor()
+    sup.add(metrics, METRICS, on_death=OFF, wakes=False, note="/metrics is not served any more")
+    assert sup.private_fds() == (metrics._server.fileno(),)  # a forked worker does not keep the port
+    metrics._server.shutdown()  # its serving thread ends
+    _wait(lambda: not metrics._thread.is_alive())
+    with caplog.at_level(logging.WARNING):
+        sup.check_all()
+        sup.check_all()
+    assert _warnings(caplog) == [f"metrics server thread died: nothing answers on port {port}; "
+                                 "/metrics is not served any more"]
+    assert not sup.has(metrics)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # closed: the port is free
+
+
+def test_the_metrics_server_serves_until_the_launchs_close():
+    metrics = AgentMetrics("job", "n0", "default")
+    _, port = metrics.serve(0, "127.0.0.1")
+    sup = Supervisor(FakeReaper([]))
+    sup.add(metrics, METRICS, on_death=OFF, wakes=False)
+    sup.close(below=LAUNCH)
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()  # still serving after the run
+    sup.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
