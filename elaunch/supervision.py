@@ -45,9 +45,12 @@ on without it (the traceback at DEBUG); ``wakes=False`` keeps an idle standalone
 asleep (a thread's death is no reason to wake every interval). Today: the ``--metrics-port``
 progress sampler (``agent.progress_sampler``, added by ``AgentMetrics.watch``) and the
 straggler watch (``agent.straggler_watch``, added at the monitor's first look of a group),
-tier :data:`THREADS`; the dynamic rendezvous' keep-alive (``rendezvous.dynamic.keepalive``,
-c10d and etcd: added when a round starts, stopped with ``Supervisor.stop`` when the handler
-leaves it), tier :data:`RENDEZVOUS`; and the ``--metrics-port`` server
+and the console copy of one attempt's tee'd output (``procs.tee``, added by that attempt's
+``WorkerProcesses`` once its workers started and stopped there after the final copy; a copy
+that failed and was not yet seen is the same one line at its stop; before, an ERROR line
+with its traceback), tier :data:`THREADS`; the dynamic rendezvous' keep-alive
+(``rendezvous.dynamic.keepalive``, c10d and etcd: added when a round starts, stopped with
+``Supervisor.stop`` when the handler leaves it), tier :data:`RENDEZVOUS`; and the ``--metrics-port`` server
 (``agent.metrics.AgentMetrics``, prometheus_client's own thread: ``check()`` reports it
 gone, ``private_fds()`` is its listening socket), tier :data:`METRICS`, added by the launch
 right after it was bound (a taken port is bad input before anything else starts).
@@ -58,9 +61,7 @@ stores (``on_close``), whose lifetime is the client's, not a tier's; the c10d st
 start-up thread (``rendezvous/c10d_agent_store.py``: one-shot, its result and error waited
 for at the handler's first use of the store) and the job channel's fire-and-forget
 publishes (``rendezvous/job_channel.py``: one-shot daemon threads, each write bounded by the
-backend's ``read_timeout``, never waited for); tee's copier (``procs/tee.py``): one attempt's, stopped by
-that attempt's ``WorkerProcesses`` after the final copy of its workers' output, and its
-failure is already one logged line.
+backend's ``read_timeout``, never waited for).
 
 One owner stops each helper: the supervisor, at :meth:`~Supervisor.close`, or earlier at
 the request of the helper's feature (:meth:`Supervisor.stop`: the checkpoint keeper stops

@@ -181,7 +181,8 @@ class WorkerLauncher:
         if barrier is not None:
             adopt = self._with_barrier(barrier, logs, adopt)
         try:
-            procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt)
+            procs = WorkerProcesses.start(cmds, envs, logs, self._logs, prefixes, reaper=self._reaper, adopt=adopt,
+                                          supervisor=self.supervisor)
         except BaseException:
             if barrier is not None:
                 barrier.close()

@@ -16,6 +16,12 @@ instance waits for the kernel's RCU grace period, 8-20 ms measured on a 2-core
 VM, which a job that ends within its first seconds (a short script, a worker that
 fails at once) would otherwise wait for at its end, and the library's import is
 saved too.
+
+The copy is a helper of the agent's supervisor (``elaunch.supervision``, tier ``THREADS``,
+policy off): its attempt's ``WorkerProcesses`` adds it when the workers started and stops it
+there (``Supervisor.stop``) once they are gone, after the final copy. A copy that failed is
+one WARNING line naming the error, at the monitor's next look or at its stop, whichever
+comes first (the traceback at DEBUG); the job goes on without it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import os
 import select
 import threading
 from typing import TextIO
+
+from elaunch.supervision import HelperDied
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +159,10 @@ class Tee:
         self._stop_r, self._stop_w = -1, -1
         self._watcher = None
         self._thread: threading.Thread | None = None
+        self._error: Exception | None = None  # what ended the copy, until reported (check, or stop)
         self.mode: str | None = None
+
+    name = "tee"  #: how the supervisor's warning names it
 
     def start(self) -> "Tee":
         """Start the follower thread (no-op when there is nothing to follow)."""
@@ -201,11 +212,29 @@ class Tee:
                     return
                 self._watcher.read(timeout=0)  # drain: one look covers every event so far
                 self._pump_all()
-        except Exception:  # never take the agent down for a console copy
-            log.exception("tee of worker logs failed")
+        except Exception as exc:  # never take the agent down for a console copy: reported by check() or stop()
+            log.debug("tee of worker logs failed", exc_info=True)
+            self._error = exc
+
+    def check(self) -> bool:
+        """Raise ``HelperDied`` once if the copy failed; never restarts it (False).
+
+        Raises:
+            HelperDied: the copying thread died of an exception (one line: its type and text).
+        """
+        error, self._error = self._error, None
+        if error is not None:
+            raise HelperDied(f"{self.name} thread died: {type(error).__name__}: {error}")
+        return False
+
+    def private_fds(self) -> tuple[int, ...]:
+        """None: it runs after its attempt's workers started, and is stopped before another attempt's."""
+        return ()
 
     def stop(self) -> None:
-        """Copy whatever is left (including a last unterminated line) and stop. Idempotent."""
+        """Copy whatever is left (including a last unterminated line) and stop. Idempotent.
+
+        A failure not yet reported (:meth:`check`) is logged here: one WARNING line."""
         with self._lock:
             self._done.set()
             if self._stop_w >= 0:
@@ -227,6 +256,12 @@ class Tee:
             if fd >= 0:
                 os.close(fd)
         self._stop_r = self._stop_w = -1
+        try:
+            self.check()
+        except HelperDied as exc:
+            log.warning("%s; worker output was not copied to the console since", exc)
+
+    close = stop
 
 
 def follows_for(

@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from elaunch.spec import signal_name
+from elaunch.supervision import OFF, THREADS, Supervisor
 
 from . import _proctree
 from .spawn import _SIGKILL, become_subreaper, marker_entries, popen_worker
@@ -58,8 +59,10 @@ class WorkerProcesses:
         pids: local rank -> worker pid (also its process group and session id).
     """
 
-    def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, trees: WorkerTrees) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, trees: WorkerTrees,
+                 supervisor: Supervisor | None = None) -> None:
         self._procs = procs
+        self._supervisor = supervisor
         self.pids = {lr: p.pid for lr, p in procs.items()}
         self._tee = tee
         self._codes: dict[int, int | None] = dict.fromkeys(procs)
@@ -91,6 +94,7 @@ class WorkerProcesses:
         prefixes: dict[int, str] | None = None,
         reaper: "Reaper | None" = None,
         adopt: "Callable[[int, list[str], dict[str, str]], subprocess.Popen | ForkedProcess | None] | None" = None,
+        supervisor: Supervisor | None = None,
     ) -> "WorkerProcesses":
         """Start one worker per local rank, all before waiting on any.
 
@@ -105,6 +109,8 @@ class WorkerProcesses:
                 started (a warm spare, see ``elaunch.procs.warm``) that now runs this
                 worker, or None to start it here; or a forked worker
                 (``elaunch.procs.forked.ForkedProcess``, ``Popen``'s interface).
+            supervisor: the agent's (``elaunch.supervision``): it runs the console copy (tee) of
+                this attempt, until :meth:`close`; None: the copy runs on its own.
 
         Raises:
             ValueError: ``cmds`` and ``envs`` name different local ranks (names both).
@@ -129,10 +135,15 @@ class WorkerProcesses:
             tee = Tee(
                 follows_for(logs.tee_stdout, sys.stdout, prefixes)
                 + follows_for(logs.tee_stderr, sys.stderr, prefixes, logs.unprefixed)
-            ).start()
+            )
+            if supervisor is not None:
+                supervisor.add(tee, THREADS, on_death=OFF, wakes=False, start=True,
+                               note="worker output is not copied to the console any more")
+            else:
+                tee.start()
             trees = WorkerTrees({lr: p.pid for lr, p in procs.items()},
                                 [marker_entries(envs[lr]) for lr in procs], reaper, subreaper)
-            self = cls(procs, tee, trees)
+            self = cls(procs, tee, trees, supervisor)
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)
@@ -245,6 +256,32 @@ class WorkerProcesses:
     def _family(self) -> dict[int, _proctree.Proc]:
         return self._trees.family(self._unreaped_groups())
 
+    def release(self, local_ranks: "list[int]") -> "dict[int, subprocess.Popen]":
+        """Let go of the running workers ``local_ranks`` without stopping them; return their processes.
+
+        In-process restart (:mod:`elaunch.inprocess`) keeps them across the next round, while
+        this attempt's other workers are stopped as usual: from now on :meth:`poll`, :meth:`wait`,
+        :meth:`stop` and :meth:`close` know only the others, and the reaper forgets only those
+        at the stop (a released worker is watched again once the next attempt adopts it).
+
+        Raises:
+            ValueError: a rank in ``local_ranks`` is not a running worker of this attempt.
+        """
+        self._refresh()
+        gone = [lr for lr in local_ranks if lr not in self._procs or self._codes[lr] is not None]
+        if gone:
+            raise ValueError(f"local ranks {gone} are not running workers of this attempt")
+        out = {}
+        for lr in local_ranks:
+            out[lr] = self._procs.pop(lr)
+            self._codes.pop(lr)
+            self._reported.discard(lr)
+            fd = self._pidfds.pop(lr, None)
+            if fd is not None:
+                os.close(fd)
+            self._trees.drop([self.pids.pop(lr)])
+        return out
+
     # ---------------------------------------------------------------- stopping
 
     def _unreaped_groups(self) -> list[int]:
@@ -337,7 +374,10 @@ class WorkerProcesses:
         if self._closed:
             return
         self.stop(_SIGKILL, 0.0)
-        self._tee.stop()
+        if self._supervisor is not None and self._supervisor.has(self._tee):
+            self._supervisor.stop(self._tee)  # the final copy, then the thread ends
+        else:
+            self._tee.stop()
         for fd in [*self._pidfds.values(), self._wake_r, self._wake_w]:
             try:
                 os.close(fd)

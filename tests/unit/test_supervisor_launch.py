@@ -1,4 +1,5 @@
-"""The launch's supervisor (elaunch.supervision, issue 37): the helpers that live for the whole launch.
+"""The launch's supervisor (elaunch.supervision, issue 37): the helpers that live for the whole launch,
+and an attempt's console copy (tee).
 
 The ``--metrics-port`` server and the rendezvous' keep-alive are declared on the same supervisor
 as the run's helpers: the run's end (``close(below=LAUNCH)``, the launcher's) leaves them, the
@@ -7,12 +8,14 @@ launch's close stops them after everything else; each one dying is one WARNING l
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import time
 from types import SimpleNamespace
 
 from elaunch.agent.metrics import AgentMetrics
+from elaunch.procs.tee import Tee
 from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.stalls import StoreStalls
 from elaunch.supervision import LAUNCH, METRICS, OFF, RENDEZVOUS, SERVICES, STORE, THREADS, Supervisor
@@ -48,6 +51,13 @@ def _wait(cond, timeout: float = 5.0) -> None:
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert cond()
+
+
+def _assert_free(port: int) -> None:
+    """Nothing listens on ``port`` any more (SO_REUSEADDR: a closed connection's TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
 
 
 def _warnings(caplog) -> list[str]:
@@ -108,8 +118,7 @@ def test_the_metrics_server_that_died_is_one_warning_and_its_port_is_freed(caplo
     assert _warnings(caplog) == [f"metrics server thread died: nothing answers on port {port}; "
                                  "/metrics is not served any more"]
     assert not sup.has(metrics)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # closed: the port is free
+    _assert_free(port)
 
 
 def test_the_metrics_server_serves_until_the_launchs_close():
@@ -120,5 +129,40 @@ def test_the_metrics_server_serves_until_the_launchs_close():
     sup.close(below=LAUNCH)
     socket.create_connection(("127.0.0.1", port), timeout=2).close()  # still serving after the run
     sup.close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    _assert_free(port)
+
+
+def _failing_tee(tmp_path) -> Tee:
+    """A console copy of a "file" that is a directory: its first look raises IsADirectoryError, which ends it."""
+    path = tmp_path / "out.log"
+    path.mkdir()
+    return Tee([(str(path), io.StringIO(), "[default0]:")], interval=0.01, use_inotify=False)
+
+
+def test_a_tee_that_died_is_one_warning_at_the_next_look_and_stops_with_the_threads(tmp_path, caplog):
+    stops: list = []
+    sup = Supervisor(FakeReaper(stops))
+    sup.add(Fake("store host", stops), STORE, watched=False)
+    tee = sup.add(_failing_tee(tmp_path), THREADS, on_death=OFF, wakes=False, start=True,
+                  note="worker output is not copied to the console any more")
+    _wait(lambda: not tee._thread.is_alive())
+    with caplog.at_level(logging.WARNING):
+        sup.check_all()
+        sup.check_all()
+    assert _warnings(caplog) == [f"tee thread died: IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'out.log'}'; "
+                                 "worker output is not copied to the console any more"]
+    assert not sup.has(tee)
+    live = sup.add(Tee([(str(tmp_path / "other.log"), io.StringIO(), "p:")], interval=0.01), THREADS,
+                   on_death=OFF, wakes=False, start=True)
+    sup.close(below=LAUNCH)
+    assert live._thread is None and stops == ["store host", "reaper"]  # the copy stopped first
+
+
+def test_a_tee_that_died_unseen_is_one_warning_at_its_stop(tmp_path, caplog):
+    tee = _failing_tee(tmp_path).start()
+    _wait(lambda: not tee._thread.is_alive())
+    with caplog.at_level(logging.WARNING):
+        tee.stop()
+        tee.stop()
+    assert _warnings(caplog) == [f"tee thread died: IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'out.log'}'; "
+                                 "worker output was not copied to the console since"]
