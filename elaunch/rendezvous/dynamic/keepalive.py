@@ -73,7 +73,8 @@ class KeepAlive:
     def check(self) -> bool:
         """Raise ``HelperDied`` once if the thread died of an exception (it logs and goes on after one
         raised by a beat); never restarts it (False)."""
-        return self._thread.check() if self._thread is not None else False
+        thread = self._thread  # once: the handler may stop it meanwhile, from the thread that leaves the round
+        return thread.check() if thread is not None else False
 
     def private_fds(self) -> tuple[int, ...]:
         """None: the backend's connections are the handler's."""
