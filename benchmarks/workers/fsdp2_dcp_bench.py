@@ -206,8 +206,7 @@ def cached_probe(state, planner, next_step) -> dict:
         w = SnapshotWriter(step=next_step())
         dcp.save(state, storage_writer=w, **kw)
         part = edcp._open_part(w.path, w.step)
-        out[name] = {"items": len(part.refs), "layout_fqns": len(part.layout["fqns"]),
-                     "partial": bool(part.layout.get("partial"))}
+        out[name] = {"items": len(part.refs), "layout_fqns": len(part.layout["fqns"])}
     return out
 
 

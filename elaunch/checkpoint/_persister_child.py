@@ -121,19 +121,21 @@ class NodePersister:
     def _persist_dcp(self, step: int, slots: list[slotfile.SlotInfo]) -> tuple[int, str, float] | None:
         """Write this node's ranks' parts of a DCP save into ``dcp/step_<step>/``; its ``.metadata`` once all are there.
 
-        Each rank's file holds the items DCP's plan gave that rank (``SnapshotWriter`` marks
-        them), so a replicated tensor is written once, as DCP's ``FileSystemWriter`` would; a
-        chunk a sidecar of the same save already holds is not written again either. Older DCP steps are pruned once a newer one is complete.
+        A part is read as ``SnapshotReader`` reads it (its JSON document, its data copied out:
+        nothing is unpickled). Each rank's file leaves out what DCP's plan gave another rank
+        (``SnapshotWriter`` marks it when the plan was known at the commit) and what a sidecar
+        of the same save already holds, so a replicated tensor is written once per node at
+        most, once in all when the plan was known. Older DCP steps are pruned once a newer one is complete.
 
         Returns:
             As :meth:`persist_once`: ``(step, step_dir, seconds)`` when this node's files were written.
 
         Raises:
-            OSError: a file cannot be written. RuntimeError: a part holds no whole layout, or
-            the parts of a whole save leave a chunk out.
+            OSError: a file cannot be written. RuntimeError: a part is malformed, or the parts of
+            a whole save leave a region out.
         """
-        from elaunch.checkpoint import persisted
-        from elaunch.checkpoint.dcp import FORMAT, persisted_dir
+        from elaunch.checkpoint import CheckpointError, persisted
+        from elaunch.checkpoint.dcp import persisted_dir, read_part
 
         d = persisted_dir(self.ckpt_dir, step)
         if os.path.exists(os.path.join(d, persisted.DCP_METADATA)):
@@ -143,21 +145,18 @@ class NodePersister:
                 and have.get(i.rank, {}).get("world_size") != i.world_size]
         began = time.monotonic()
         for info in todo:
-            state = _read(info)
-            if state is None:
-                return None  # overwritten since chosen: the next persist takes the newer step
-            if not (isinstance(state, dict) and state.get("format") == FORMAT):
-                raise RuntimeError(f"rank {info.rank}'s snapshot of step {step} is flagged DCP but is not a DCP part")
-            layout = state["layout"]
-            if layout.get("partial"):
-                raise RuntimeError(f"rank {info.rank}'s DCP part of step {step} holds its own layout only (the save's "
-                                   "planner dropped SnapshotWriter's storage data): not persisted")
-            skip = persisted.held_keys(persisted.read_sidecars(d), info.world_size, persisted.layout_digest(layout))
-            # the items DCP's plan gave this rank (a part keeps the others too, for its own restore)
-            items = [it[:3] for it in state["items"] if len(it) < 4 or it[3]]
+            try:
+                part = read_part(info)
+            except CheckpointError as exc:
+                raise RuntimeError(f"rank {info.rank}'s DCP part of step {step}: {exc}") from exc
+            if part is None:
+                return None  # overwritten since chosen (or not a DCP part): the next persist takes the newer step
+            layout, items = part
+            skip = persisted.held_keys(persisted.read_sidecars(d), info.world_size)
+            items = [it[:3] for it in items if it[3] is not False]  # False: DCP's plan gave it another rank
             path = persisted.write_dcp_part(self.ckpt_dir, step, info.rank, info.world_size, layout, items, skip,
                                             time=info.time)
-            del state
+            del part, items
             _remove_stale_temporaries(path)
             _remove_stale_temporaries(os.path.join(d, persisted.dcp_sidecar_name(info.rank)))
             self._written.add((step, info.rank, info.world_size))

@@ -23,20 +23,26 @@ saved chunks each rank reads (resharding). Only the storage is elaunch's:
   :data:`~elaunch.checkpoint.slotfile.RESHARDABLE`), committed before ``dcp.save``
   returns. A rank keeps every item of its local plan, not only those DCP's dedup left to
   it (a replicated tensor is written by one rank only), so that at an unchanged world size
-  each rank restores from its own snapshot alone, from its node's memory. Each rank's
-  snapshot also holds the job's whole layout (every tensor's global size, properties and
-  chunks, DCP's ``Metadata`` less its storage data), computed once by the coordinator in
-  :meth:`SnapshotWriter.prepare_global_plan` and handed to every rank in its plan. The
-  agent then replicates, persists (as an ordinary DCP directory) and restores the snapshots
-  as it does ``ckpt.save``'s, with one step for the whole job.
-* **Load**: :meth:`SnapshotReader.read_metadata` finds this node's snapshots of the step the
-  job agreed on (``ELAUNCH_CHECKPOINT_STEP``): the file the agent chose for this rank
-  (``ELAUNCH_CHECKPOINT_RESTORE``) and every snapshot of that step in the node directory
-  (``slots/``, ``replicas/``, and ``restore/``, where the agent fetched peers' snapshots
-  before the workers started). Every chunk this rank's load plan asks for must be in one
-  of them (else :class:`~elaunch.checkpoint.CheckpointError`, naming the first missing
-  chunks; DCP would otherwise leave those parts of the state as they were); the others
-  need not be (at an unchanged world size each rank is given its own part alone). :meth:`SnapshotReader.read_data`
+  each rank restores from its own snapshot alone, from its node's memory. A part's meta is a
+  JSON document (:data:`FORMAT`): its items (where each lies in the slot's data) and the
+  layout of its own chunks (each tensor's global size and properties, the chunks this rank
+  saved: DCP's ``Metadata`` less its storage data, for this rank's items only), which a
+  rank knows without any collective. So ``dcp.async_save`` commits the part in
+  :meth:`SnapshotWriter.stage`, before it returns (``SnapshotWriter`` is DCP's
+  ``AsyncStager``); DCP's planning then runs in its thread with nothing left to copy. The
+  agent replicates, persists (as an ordinary DCP directory: the union of the ranks' layouts
+  once it covers every tensor) and restores the snapshots as it does ``ckpt.save``'s, with
+  one step for the whole job.
+* **Load**: :meth:`SnapshotReader.read_metadata` opens the file the agent chose for this rank
+  (``ELAUNCH_CHECKPOINT_RESTORE``) of the step the job agreed on (``ELAUNCH_CHECKPOINT_STEP``):
+  at an unchanged world size this rank's own part, alone; else also every other part of
+  that step in the node directory (``slots/``, ``replicas/``, and ``restore/``, where the agent
+  fetched peers' snapshots before the workers started). The layout is the union of the
+  parts opened; a region of a tensor none of them covers is listed as a chunk of its own (a
+  gap). When DCP's plan asks for a gap, :meth:`SnapshotReader.prepare_local_plan` opens the
+  node's other parts and reads the region from the chunks that cover it; a region no part
+  here covers raises :class:`~elaunch.checkpoint.CheckpointError` naming it (DCP would
+  otherwise leave it as it was). :meth:`SnapshotReader.read_data`
   copies each chunk DCP asks for from the mapping, and checks afterwards that no file
   was rewritten while it was read. When the agent chose a persisted DCP directory
   (no copy of some rank's part survived in memory), the reader reads it with DCP's
@@ -49,24 +55,25 @@ saved chunks each rank reads (resharding). Only the storage is elaunch's:
 The step comes from the caller: ``SnapshotWriter(step=...)``, or the number at the end of
 the ``checkpoint_id`` (``dcp.save(sd, checkpoint_id="ckpt/step-120", storage_writer=SnapshotWriter())``).
 
-Nothing is unpickled except as ``torch.load(weights_only=True)`` does: a snapshot may come
-from a peer node. Imported only by the workers (it imports torch).
+Nothing is unpickled except as ``torch.load(weights_only=True)`` does (a part's meta is JSON,
+a non-tensor item's bytes are loaded weights-only): a snapshot may come from a peer node. Imported only by the workers (it imports torch).
 """
 
 from __future__ import annotations
 
 import io
+import json
+import math
 import mmap
 import os
 import pickle
 import re
 import warnings
-from torch.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -75,17 +82,22 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from elaunch.checkpoint import slotfile
 
 __all__ = ["SnapshotWriter", "SnapshotReader", "step_of", "persisted_dir", "FORMAT"]
 
-#: The marker of a DCP snapshot's state (a rank's part): ``{"format": FORMAT, "rank": r, "world_size": w,
-#: "layout": ..., "items": [[fqn, offsets or None (bytes), tensor, planned], ...]}``; ``planned``: DCP's plan gave
-#: the item to this rank (False for a replicated tensor DCP's dedup left to another rank; the persister skips it).
-FORMAT = "elaunch.dcp/1"
+#: The ``format`` of a DCP part (one rank's snapshot): its slot's meta is the JSON document ``{"format": FORMAT,
+#: "rank": r, "world_size": w, "layout": (this part's own chunks, as encode_layout), "items": [[fqn, offsets or None
+#: (bytes), data offset, dtype, shape, planned], ...]}``, the tensors raw in the slot's data: read with no unpickling.
+#: ``planned``: DCP's global plan gave the item to this rank (False: to another rank, the persister skips it; None:
+#: not known, a part ``dcp.async_save`` staged before planning). Version 1 pickled the job's whole layout in every part.
+FORMAT = "elaunch.dcp/2"
 _ID_STEP = re.compile(r"(\d+)$")
 
 
@@ -183,31 +195,114 @@ def decode_layout(layout: Any) -> Metadata:
     return Metadata(state_dict_metadata=md, planner_data=planner_data)
 
 
-#: planner class -> the items of the last usable local plan this process saved with it (see prepare_local_plan)
-_LAST_LOCAL_ITEMS: dict[str, list] = {}
+def union_layouts(layouts: list[dict]) -> dict:
+    """One layout of several parts' own layouts (each the chunks one rank saved): every fqn, each chunk once.
+
+    Args:
+        layouts: layouts :func:`encode_layout` made (primitives), e.g. read from parts.
+
+    Returns:
+        A layout as :func:`encode_layout`'s, whose chunks may leave parts of a tensor
+        uncovered (see :func:`gaps`) when not every rank's part is among ``layouts``.
+
+    Raises:
+        CheckpointError: two layouts disagree on an fqn (its kind, properties or global size:
+            parts of different saves), or one is malformed.
+    """
+    from elaunch.checkpoint import CheckpointError
+
+    fqns: dict[str, list] = {}
+    data: dict = {}
+    try:
+        for layout in layouts:
+            data.update(layout.get("planner_data", {}))
+            for fqn, entry in layout["fqns"].items():
+                got = fqns.get(fqn)
+                if got is None:
+                    fqns[fqn] = list(entry[:3]) + [list(entry[3])] if entry[0] == "tensor" else list(entry)
+                elif got[:3] != list(entry[:3]):
+                    raise CheckpointError(f"the parts of one step disagree on {fqn!r} ({got[:3]} and "
+                                          f"{list(entry[:3])}): they are parts of different saves")
+                elif entry[0] == "tensor":
+                    got[3] += [c for c in entry[3] if c not in got[3]]
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"a DCP part's layout is malformed ({type(exc).__name__}: {exc})") from exc
+    return {"fqns": fqns, "planner_data": data}
+
+
+def gaps(size: list[int], chunks: list) -> list[list]:
+    """The boxes ``[offsets, sizes]`` of a tensor of global ``size`` that none of ``chunks`` covers.
+
+    Args:
+        size: the tensor's global size. chunks: ``[[offsets, sizes], ...]``, global coordinates.
+
+    Returns:
+        Disjoint boxes whose union is the tensor less the chunks' union; ``[]``: covered.
+    """
+    if any(s == 0 for s in size):
+        return []
+    left = [(tuple(0 for _ in size), tuple(size))]
+    for offsets, sizes in chunks:
+        lo_c = tuple(offsets)
+        hi_c = tuple(o + s for o, s in zip(offsets, sizes))
+        left = [box for lo, hi in left for box in _cut(lo, hi, lo_c, hi_c)]
+        if not left:
+            break
+    return [[list(lo), [h - l for l, h in zip(lo, hi)]] for lo, hi in left]
+
+
+def _cut(lo: tuple, hi: tuple, lo_c: tuple, hi_c: tuple) -> list[tuple]:
+    """The box ``[lo, hi)`` less the box ``[lo_c, hi_c)``, as disjoint boxes (at most two per dimension)."""
+    if any(max(a, c) >= min(b, d) for a, b, c, d in zip(lo, hi, lo_c, hi_c)):
+        return [(lo, hi)]  # apart (a 0-d box always meets: a scalar's one chunk covers it)
+    out = []
+    lo, hi = list(lo), list(hi)
+    for d in range(len(lo)):
+        if lo[d] < lo_c[d]:
+            top = hi.copy()
+            top[d] = lo_c[d]
+            out.append((tuple(lo), tuple(top)))
+            lo[d] = lo_c[d]
+        if hi[d] > hi_c[d]:
+            bottom = lo.copy()
+            bottom[d] = hi_c[d]
+            out.append((tuple(bottom), tuple(hi)))
+            hi[d] = hi_c[d]
+    return out
+
+
+#: planner class -> (items, planner data) of the last usable local plan this process saved with it
+_LAST_LOCAL_PLAN: dict[str, tuple[list, Any]] = {}
 
 
 # -- the writer ------------------------------------------------------------------------------------------------
 
-class SnapshotWriter(StorageWriter):
+class SnapshotWriter(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that commits this rank's part of the checkpoint to elaunch's memory.
 
     ``dcp.save(state, storage_writer=SnapshotWriter(step=step))`` returns once this rank's
     part is committed in its slot (the previous step's stays whole until then), as
-    ``ckpt.save`` does; the agent replicates and persists it. ``dcp.async_save`` takes it
-    too (DCP stages the state, then the write goes to memory in DCP's thread). Without
-    elaunch it writes an ordinary DCP directory (see the module's text). It mirrors DCP's
+    ``ckpt.save`` does; the agent replicates and persists it. It is also DCP's
+    ``AsyncStager``: ``dcp.async_save(state, storage_writer=SnapshotWriter(step=step))``
+    commits this rank's part in :meth:`stage`, before it returns, with no collective (DCP's
+    planning then runs in its thread and finds nothing left to copy). Without elaunch it
+    writes an ordinary DCP directory (see the module's text). It mirrors DCP's
     ``FileSystemWriter`` (same calls, same ``dcp.save`` semantics), not a torchrun feature.
 
     Args:
         step: the training step (an int >= 0). None: the number at the end of the
-            ``checkpoint_id`` passed to ``dcp.save``.
+            ``checkpoint_id`` passed to ``dcp.save`` (``dcp.async_save`` then stages a CPU
+            copy, as DCP's default stager, and commits in its thread: the id is not known
+            when it stages).
 
     Raises (from ``dcp.save``, wrapped by DCP in a ``CheckpointException`` on the rank that raised):
         ValueError: no step (none given, and the checkpoint id ends with no number), or a negative one.
         SnapshotTooLarge: this rank's part does not fit the free shared memory; nothing was overwritten.
-        TypeError: an item cannot be saved (a tensor on the meta device).
+        TypeError: an item cannot be saved (a tensor on the meta device, sparse, quantized).
+        CheckpointError: (``dcp.async_save``) the planner given plans items the staged part lacks.
     """
+
+    _synchronize_after_execute = False  # stage() returns once the part is committed: nothing left to wait for
 
     def __init__(self, step: int | None = None) -> None:
         super().__init__()
@@ -217,7 +312,8 @@ class SnapshotWriter(StorageWriter):
         self.step: int | None = step
         self._rank = int(os.environ.get("RANK", "0") or 0)
         self._world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        self._local_items: list | None = None
+        self._local_plan: tuple[list, Any] | None = None
+        self._staged: dict | None = None  # {"step": int, "sizes": {MetadataIndex: bytes}} of stage()'s commit
         self._fs: FileSystemWriter | None = None
         self._checkpoint_id = None
         self.path: str | None = None  #: the slot file (or DCP directory) the last save wrote
@@ -229,6 +325,39 @@ class SnapshotWriter(StorageWriter):
     @property
     def checkpoint_id(self):
         return self._checkpoint_id
+
+    def stage(self, state_dict: dict) -> dict:
+        """Commit this rank's part of ``state_dict`` to its slot now (``dcp.async_save`` calls it before it returns).
+
+        The items are those of DCP's default local save plan (``DefaultSavePlanner``: a
+        DTensor's local shard at its global offsets, a plain tensor whole, anything else as
+        ``torch.save`` bytes), computed on this rank alone: no collective. The part holds
+        this rank's own chunks' layout; readers join the parts they have (see
+        :class:`SnapshotReader`). DCP's planning then runs in its thread and
+        :meth:`write_data` only checks that what it planned for this rank was committed.
+
+        Returns:
+            ``state_dict`` itself (its data is already in the slot: the thread copies
+            nothing). Without elaunch, or without ``step=``: a CPU copy, as DCP's default
+            stager makes, written in DCP's thread.
+
+        Raises:
+            As :meth:`write_data` (``SnapshotTooLarge``, ``TypeError``).
+        """
+        self._staged = None
+        if not _shm() or self._given is None:
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict, None, False)
+        plan = planner.create_local_plan()
+        self.path, sizes = _commit(plan.items, plan.planner_data, planner, self._given, rank=self._rank,
+                                   world_size=self._world)
+        self._staged = {"step": self._given, "sizes": sizes}
+        return state_dict
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Start a save: take the step, choose memory or a DCP directory (called by ``dcp.save`` on every rank).
@@ -242,7 +371,7 @@ class SnapshotWriter(StorageWriter):
         if self.step is None:
             raise ValueError(f"SnapshotWriter needs the step: SnapshotWriter(step=...) or a checkpoint_id ending in it "
                              f"(like 'step-120'), not {self._checkpoint_id!r}")
-        self._local_items = None
+        self._local_plan = None
         self._fs = None
         if not _shm():
             cid = self._checkpoint_id
@@ -257,48 +386,44 @@ class SnapshotWriter(StorageWriter):
         # all of them: DCP's dedup may leave a replicated tensor to one rank. A cached plan (DefaultSavePlanner's
         # enable_plan_caching: no change since the last save) comes empty and unusable: write_data takes the items
         # of the last usable one
-        self._local_items = list(plan.items) if plan.usable else None
+        self._local_plan = (list(plan.items), plan.planner_data) if plan.usable else None
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self._fs is not None:
-            return self._fs.prepare_global_plan(plans)
-        merged: dict = {}
-        for p in plans:
-            if isinstance(p.planner_data, dict):
-                merged.update(p.planner_data)
-        layout = encode_layout([p.items for p in plans], merged)
-        return [replace(p, storage_data=layout) for p in plans]
+        return self._fs.prepare_global_plan(plans) if self._fs is not None else plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Commit this rank's part (every item of its local plan; those DCP's plan gave it marked), or, after
+        :meth:`stage` committed it, check that each item DCP planned for this rank is in it.
+
+        Raises:
+            As the class says.
+        """
         if self._fs is not None:
             return self._fs.write_data(plan, planner)
-        layout = plan.storage_data if isinstance(plan.storage_data, dict) and "fqns" in plan.storage_data else None
-        key = f"{type(planner).__module__}.{type(planner).__qualname__}"  # DCP caches plans per planner class too
-        if self._local_items is not None:
-            _LAST_LOCAL_ITEMS[key] = self._local_items
-        items = _LAST_LOCAL_ITEMS.get(key, list(plan.items))
-        if layout is None:  # a planner that dropped the storage data: this rank's own layout (still readable here)
-            layout = {**encode_layout([items], plan.planner_data or {}), "partial": True}
-        saved, results = [], []
-        in_plan = {wi.index for wi in plan.items}
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                saved.append([item.index.fqn, None, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                              if raw else torch.empty(0, dtype=torch.uint8), item.index in in_plan])
-                nbytes = len(raw)
-            else:
-                t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(data)
-                saved.append([item.index.fqn, list(item.index.offset), t, item.index in in_plan])
-                nbytes = t.numel() * t.element_size()
-            if item.index in in_plan:
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-        state = {"format": FORMAT, "rank": self._rank, "world_size": self._world, "layout": layout, "items": saved}
-        self.path = _commit(state, self.step, rank=self._rank, world_size=self._world)
+        staged, self._staged = self._staged, None
+        if staged is not None and staged["step"] == self.step:
+            sizes = staged["sizes"]
+            missing = [f"{wi.index.fqn} at {list(wi.index.offset) if wi.index.offset is not None else 'bytes'}"
+                       for wi in plan.items if wi.index not in sizes]
+            if missing:
+                from elaunch.checkpoint import CheckpointError
+
+                raise CheckpointError(
+                    f"step {self.step}: DCP's plan gives this rank {len(missing)} item(s) that dcp.async_save's "
+                    f"staging (DCP's default local save plan) did not commit ({', '.join(missing[:5])}): a planner "
+                    f"that plans other items than DefaultSavePlanner's goes with dcp.save, not dcp.async_save")
+        else:
+            key = f"{type(planner).__module__}.{type(planner).__qualname__}"  # DCP caches plans per planner class
+            if self._local_plan is not None:
+                _LAST_LOCAL_PLAN[key] = self._local_plan
+            items, planner_data = _LAST_LOCAL_PLAN.get(key, (list(plan.items), plan.planner_data))
+            in_plan = {wi.index for wi in plan.items}
+            self.path, sizes = _commit(items, planner_data, planner, self.step, rank=self._rank,
+                                       world_size=self._world, in_plan=in_plan)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result([WriteResult(index=wi.index, size_in_bytes=sizes.get(wi.index, 0), storage_data=None)
+                        for wi in plan.items])
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -324,35 +449,130 @@ class SnapshotWriter(StorageWriter):
         return self._fs.storage_meta() if self._fs is not None else None
 
 
-def _commit(state: dict, step: int, *, rank: int, world_size: int) -> str:
-    """Copy ``state`` into this local rank's slot that does not hold its newest commit, flagged reshardable.
+
+def _commit(items: list, planner_data: Any, planner: SavePlanner, step: int, *, rank: int, world_size: int,
+            in_plan: set | None = None) -> tuple[str, dict]:
+    """Commit ``items`` (write items, their data from ``planner``) as this rank's DCP part, in this local rank's slot
+    that does not hold its newest commit, flagged reshardable.
+
+    Args:
+        in_plan: the indices DCP's global plan gave this rank (the persister writes those only);
+            None: not known (a part :meth:`SnapshotWriter.stage` committed before any plan).
+
+    Returns:
+        ``(slot path, {item index: bytes})``.
 
     Raises:
-        SnapshotTooLarge: it does not fit the free shared memory; nothing is written.
-        CheckpointError: the agent's directory is gone.
+        TypeError: an item's tensor cannot be saved (named). SnapshotTooLarge: it does not fit the free
+            shared memory; nothing is written. CheckpointError: the agent's directory is gone.
     """
-    from elaunch.checkpoint import _shm as shm_mod
+    saved, sizes = [], {}
+    for item in items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            offsets = None
+        else:
+            t = data.detach() if isinstance(data, torch.Tensor) else torch.as_tensor(data)
+            offsets = list(item.index.offset)
+            if t.device.type == "meta" or t.layout != torch.strided or t.is_quantized:
+                raise TypeError(f"SnapshotWriter: cannot save {item.index.fqn!r}: a {t.layout} tensor on "
+                                f"{t.device}{' (quantized)' if t.is_quantized else ''} has no plain data to copy")
+        saved.append((item.index.fqn, offsets, t, None if in_plan is None else item.index in in_plan))
+        sizes[item.index] = t.numel() * t.element_size()
+    layout = encode_layout([items], planner_data or {})
+    return _write_part(saved, layout, step, rank=rank, world_size=world_size), sizes
 
-    return shm_mod.save(state, step, replicated=False, reshardable=True, shm_dir=_shm(),
-                        local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0), rank=rank, world_size=world_size)
+
+def _write_part(saved: list[tuple], layout: dict, step: int, *, rank: int, world_size: int) -> str:
+    """Copy ``saved`` (``(fqn, offsets or None, tensor, planned)``) into the slot as ``_shm.save`` does, its meta
+    the part's JSON document (:data:`FORMAT`) instead of a pickle; return the slot's path."""
+    from elaunch.checkpoint import _shm as shm_mod
+    from elaunch.checkpoint import _tree
+
+    refs, entries, at = [], [], 0
+    for fqn, offsets, t, planned in saved:
+        dtype, nbytes = str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()
+        refs.append((t, _tree.TensorRef(at, nbytes, dtype, tuple(t.shape), str(t.device))))
+        entries.append([fqn, offsets, at, dtype, list(t.shape), planned])
+        at += -(-nbytes // _tree.TENSOR_ALIGN) * _tree.TENSOR_ALIGN
+    meta = json.dumps({"format": FORMAT, "rank": rank, "world_size": world_size, "layout": layout,
+                       "items": entries}, separators=(",", ":")).encode()
+    shm, need = _shm(), slotfile.file_size(len(meta), at)
+    shm_mod._make_slots_dir(shm)
+    with shm_mod._LOCK:
+        path = slotfile.slot_to_write(shm, int(os.environ.get("LOCAL_RANK", "0") or 0))
+        shm_mod.check_space(shm, path, need)
+        slot = shm_mod._slot(path)
+        if slot.size < need:
+            shm_mod._grow(slot, shm, need)
+        seq = slotfile.begin(slot.mm, slot.fd)
+        slot.mm[slotfile.META_AT:slotfile.META_AT + len(meta)] = meta
+        shm_mod.copy_in(slot, slotfile.data_offset(len(meta)), refs)
+        slotfile.commit(slot.mm, seq, step=step, rank=rank, world_size=world_size, replicated=False,
+                        meta_len=len(meta), data_len=at, fd=slot.fd, reshardable=True)
+    return path
 
 
 # -- the reader ------------------------------------------------------------------------------------------------
 
 @dataclass
 class _Part:
-    """One snapshot file of the step: its header, its items (fqn, offsets or None) -> TensorRef."""
+    """One snapshot file of the step: its header, its items ``(fqn, offsets or None) -> TensorRef`` (offsets into
+    its data), their ``planned`` flags, and the layout of its own chunks."""
 
     info: slotfile.SlotInfo
     refs: dict[tuple, Any]
     layout: dict
+    planned: dict[tuple, bool | None]
+
+
+def _parse_part(meta: bytes, info: slotfile.SlotInfo, path: str) -> _Part | None:
+    """The part whose JSON document ``meta`` is (no unpickling); None when it is not one of :data:`FORMAT`.
+
+    Raises:
+        CheckpointError: it claims the format but an item is malformed or points past the data.
+    """
+    from elaunch.checkpoint import CheckpointError
+    from elaunch.checkpoint._tree import _DTYPES, TensorRef
+
+    try:
+        doc = json.loads(meta)
+    except (ValueError, UnicodeDecodeError):
+        return None  # another format (elaunch.dcp/1 was a pickle)
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT):
+        return None
+    refs, planned = {}, {}
+    try:
+        layout = doc["layout"]
+        if not (isinstance(layout, dict) and isinstance(layout.get("fqns"), dict)):
+            raise TypeError("no layout")
+        for fqn, offsets, at, dtype, shape, flag in doc["items"]:
+            ints = [at, *shape, *(offsets or ())]
+            if not (isinstance(fqn, str) and (offsets is None or isinstance(offsets, list)) and dtype in _DTYPES
+                    and isinstance(shape, list) and all(type(v) is int and v >= 0 for v in ints)
+                    and flag in (None, True, False)):
+                raise ValueError(f"item {fqn!r:.100}")
+            nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+            if at + nbytes > info.data_len:
+                raise ValueError(f"item {fqn!r:.100} ends past the data")
+            key = (fqn, None if offsets is None else tuple(offsets))
+            refs[key] = TensorRef(at, nbytes, dtype, tuple(shape), "cpu")
+            planned[key] = flag
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the DCP snapshot {path} (step {info.step}) is malformed ({type(exc).__name__}: "
+                              f"{exc})") from exc
+    return _Part(info, refs, layout, planned)
 
 
 def _open_part(path: str, step: int) -> _Part | None:
     """The DCP snapshot of ``step`` in ``path`` (header and meta only), or None (another step, not DCP, torn,
-    or rewritten while its meta was read: the meta is copied under the slot's sequence lock)."""
-    from elaunch.checkpoint import _tree
+    or rewritten while its meta was read: the meta is copied under the slot's sequence lock).
 
+    Raises:
+        CheckpointError: as :func:`_parse_part`.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -370,28 +590,45 @@ def _open_part(path: str, step: int) -> _Part | None:
                 return None
     finally:
         os.close(fd)
-    made: dict[int, Any] = {}
+    return _parse_part(meta, info, path)
 
-    def make(ref):
-        t = torch.empty(0)
-        made[id(t)] = ref
-        return t
 
-    state = _tree.unpack(meta, make, _ALL, data_len=info.data_len, source=f"the DCP snapshot {path} (step {step})")
-    if not (isinstance(state, dict) and state.get("format") == FORMAT):
+def read_part(info: slotfile.SlotInfo) -> tuple[dict, list] | None:
+    """The DCP part committed in ``info``'s slot, its data copied out (the persister's read; no unpickling).
+
+    Returns:
+        ``(layout, [[fqn, offsets or None, tensor, planned], ...])``: the layout of the part's own
+        chunks; each tensor a CPU view of one copy of the data (a bytes item: uint8); ``planned``
+        True/False when DCP's plan was known at the commit (False: another rank writes it), else
+        None. None when the slot no longer holds that commit, or is no part of :data:`FORMAT`.
+
+    Raises:
+        CheckpointError: as :func:`_parse_part`. OSError: the file cannot be read.
+    """
+    try:
+        fd = os.open(info.path, os.O_RDONLY)
+    except FileNotFoundError:
         return None
-    refs = {}
-    for fqn, offsets, t, *_planned in state["items"]:
-        refs[(fqn, None if offsets is None else tuple(offsets))] = made[id(t)]
-    return _Part(info, refs, state["layout"])
+    try:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
+            if slotfile.parse(mm, info.path, fd) != info:
+                return None
+            meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
+            with memoryview(mm) as view:
+                data = bytearray(view[info.data_at:info.data_at + info.data_len])
+            if not slotfile.still(mm, info, fd):
+                return None
+    finally:
+        os.close(fd)
+    part = _parse_part(meta, info, info.path)
+    if part is None:
+        return None
+    base = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    items = [[fqn, None if offsets is None else list(offsets),
+              base[ref.offset:ref.offset + ref.nbytes].view(ref.torch_dtype).view(ref.shape), part.planned[key]]
+             for key, ref in part.refs.items() for fqn, offsets in (key,)]
+    return part.layout, items
 
-
-class _All:
-    def __contains__(self, _: object) -> bool:
-        return True
-
-
-_ALL = _All()
 
 
 class SnapshotReader(StorageReader):
@@ -415,8 +652,12 @@ class SnapshotReader(StorageReader):
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().__init__()
-        self._index: dict[tuple, tuple[_Part, Any]] = {}
-        self._unopened: list[str] = []
+        self._index: dict[tuple, tuple[_Part, Any]] = {}  # (fqn, offsets or None) -> the part holding it, its ref
+        self._parts: list[_Part] = []
+        self._unopened: list[str] = []  # this node's files of the step not opened yet
+        self._real: dict[str, list[tuple]] = {}  # fqn -> (offsets, sizes) of each saved chunk known
+        self._gaps: set[tuple] = set()  # (fqn, offsets) of each chunk read_metadata listed for an uncovered region
+        self._world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self._fs: FileSystemReader | None = None
         self._rank = int(os.environ.get("RANK", "0") or 0)
         self.step, self.source = None, None
@@ -451,7 +692,15 @@ class SnapshotReader(StorageReader):
         return None
 
     def read_metadata(self, *args: Any) -> Metadata:
-        """The layout of the step to load, with each chunk's holder among this node's snapshots.
+        """The layout of the step to load: the union of the parts opened, with each chunk's holder among them.
+
+        The agent's file for this rank is opened first. When it is this rank's own part at an
+        unchanged world size it is the only one opened (it holds every chunk this rank loads,
+        unless the sharding changed: then :meth:`prepare_local_plan` opens the others); else every
+        part of the step on this node (``slots/``, ``replicas/``, ``restore/``) of its world size.
+        A region of a tensor no opened part covers is listed as a chunk of its own (a gap), so
+        that DCP's plan asks for it when this rank needs it; :meth:`prepare_local_plan` then
+        finds it in the other parts or raises.
 
         (No ``**kwargs``: DCP then never asks for rank-local metadata, which snapshots do not have.)
 
@@ -466,38 +715,43 @@ class SnapshotReader(StorageReader):
             raise CheckpointError("there is no snapshot to load (SnapshotReader().step is None: a fresh start)")
         files = [self._restore] + [p for p in slotfile.files(_shm(), ("slots", "replicas", "restore"))
                                    if p != self._restore]
-        # The agent's file for this rank first: its part holds the job's whole layout and, at an unchanged world
-        # size, every chunk this rank loads. Other parts are opened only when the layout needs them (a part of
-        # its own rank's layout only) or, in prepare_local_plan, when the rank's plan asks for chunks the opened
-        # ones lack (resharding): unpickling a part's structure costs milliseconds per hundred tensors.
-        parts: list[_Part] = []
-        while files and not any(not p.layout.get("partial") for p in parts):
-            f = files.pop(0)
-            part = _open_part(f, self.step)
-            if part is not None:
-                parts.append(part)
-        if not parts:
+        first = None
+        while files and first is None:
+            first = _open_part(files.pop(0), self.step)
+        if first is None:
             raise CheckpointError(f"no DCP snapshot of step {self.step} is on this node ({_shm()}); the agent chose "
                                   f"{self._restore}")
-        whole = [p for p in parts if not p.layout.get("partial")]
-        layout = whole[0].layout if whole else {"fqns": {}, "planner_data": {}}
-        if not whole:  # every part holds its own rank's layout only: the union is all that is known
-            for p in parts:
-                for fqn, e in p.layout["fqns"].items():
-                    got = layout["fqns"].setdefault(fqn, e[:3] + [[]] if e[0] == "tensor" else e)
-                    if e[0] == "tensor":
-                        got[3] += [c for c in e[3] if c not in got[3]]
+        self._parts, self._unopened, self._index = [first], files, {}
+        self._add(first)
+        if (first.info.rank, first.info.world_size) != (self._rank, self._world):  # resharding: take them all
+            self._open_rest()
+        layout = union_layouts([p.layout for p in self._parts])
         metadata = decode_layout(layout)
-        self._index, self._unopened = {}, files
-        for p in sorted(parts, key=lambda p: p.info.rank != self._rank):  # this rank's own part first
-            self._add(p)
+        self._real, self._gaps = {}, set()
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                self._real[fqn] = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+                for offsets, sizes in gaps(list(md.size), self._real[fqn]):
+                    md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                    self._gaps.add((fqn, tuple(offsets)))
         metadata.storage_data = {
             MetadataIndex(fqn, key[1]): key for fqn, md in metadata.state_dict_metadata.items()
             for key in ([(fqn, None)] if isinstance(md, BytesStorageMetadata) else
                         [(fqn, tuple(c.offsets)) for c in md.chunks])}
-        # a chunk this node lacks is an error only when this rank's load plan asks for it (prepare_local_plan):
-        # at an unchanged world size each rank is given its own part alone, and other nodes' parts are not here
         return metadata
+
+    def _open_rest(self) -> None:
+        """Open this node's other parts of the step (of the first part's world size); add their chunks."""
+        world = self._parts[0].info.world_size
+        for f in self._unopened:
+            part = _open_part(f, self.step)
+            if part is not None and part.info.world_size == world:
+                self._parts.append(part)
+                self._add(part)
+        self._unopened = []
+        layout = union_layouts([p.layout for p in self._parts])
+        self._real = {fqn: [(tuple(o), tuple(s)) for o, s in e[3]]
+                      for fqn, e in layout["fqns"].items() if e[0] == "tensor"}
 
     def _add(self, part: _Part) -> None:
         """Make ``part``'s chunks readable (a chunk already held by a part added before stays with that one)."""
@@ -509,34 +763,69 @@ class SnapshotReader(StorageReader):
             self._fs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """This rank's plan as it is, once every chunk it asks for is in one of this node's snapshots.
+        """This rank's plan, each request of a gap replaced by requests of the chunks that cover it.
+
+        A request of a gap (a region no part opened so far covers) first opens this node's
+        other parts of the step, then is split over the saved chunks it overlaps.
 
         Raises:
-            CheckpointError: some are in none (named): nothing is loaded.
+            CheckpointError: some region this rank loads is in none of this node's snapshots (named):
+                nothing is loaded.
         """
         if self._fs is not None:
             return self._fs.prepare_local_plan(plan)
         from elaunch.checkpoint import CheckpointError
 
-        def lacking() -> list[tuple]:
-            keys = [(req.storage_index.fqn, None if req.type == LoadItemType.BYTE_IO
-                     else tuple(req.storage_index.offset)) for req in plan.items]
-            return list(dict.fromkeys(k for k in keys if k not in self._index))
+        def held(req) -> bool:
+            key = _req_key(req)
+            return key in self._index and key not in self._gaps
 
-        missing = lacking()
-        while missing and self._unopened:  # open this node's other parts of the step until none is missing
-            f = self._unopened.pop(0)
-            part = _open_part(f, self.step)
-            if part is not None:
-                self._add(part)
-                missing = lacking()
-        missing = [f"{fqn} at {list(offsets) if offsets is not None else 'bytes'}" for fqn, offsets in missing]
+        if self._unopened and not all(held(req) for req in plan.items):
+            self._open_rest()
+        items, missing, split = [], [], False
+        for req in plan.items:
+            if held(req):
+                items.append(req)
+                continue
+            fqn = req.storage_index.fqn
+            if req.type == LoadItemType.BYTE_IO:
+                missing.append(f"{fqn} at bytes")
+                continue
+            pieces, holes = self._pieces(req)
+            if holes:
+                missing += [f"{fqn} at {at}" for at in holes]
+                continue
+            items += pieces
+            split = True
         if missing:
+            missing = list(dict.fromkeys(missing))
             raise CheckpointError(
                 f"step {self.step}: {len(missing)} chunk(s) this rank loads are in none of this node's snapshots "
                 f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the agent did not gather every "
                 f"rank's part; nothing was loaded")
-        return plan
+        return replace(plan, items=items) if split else plan
+
+    def _pieces(self, req: ReadItem) -> tuple[list[ReadItem], list[list[int]]]:
+        """``req``'s region (global coordinates) as requests of the held chunks it overlaps, and the global offsets
+        of the boxes of it that none covers (empty: all held)."""
+        fqn, base = _req_key(req)
+        lo = [b + s for b, s in zip(base, req.storage_offsets)]
+        hi = [a + n for a, n in zip(lo, req.lengths)]
+        out, boxes = [], []
+        for offsets, sizes in self._real.get(fqn, ()):
+            a = [max(x, o) for x, o in zip(lo, offsets)]
+            b = [min(y, o + s) for y, o, s in zip(hi, offsets, sizes)]
+            if any(x >= y for x, y in zip(a, b)) or (fqn, offsets) not in self._index:
+                continue
+            lengths = [y - x for x, y in zip(a, b)]
+            out.append(ReadItem(type=req.type, dest_index=req.dest_index,
+                                dest_offsets=torch.Size(d + x - l for d, x, l in zip(req.dest_offsets, a, lo)),
+                                storage_index=MetadataIndex(fqn, offsets),
+                                storage_offsets=torch.Size(x - o for x, o in zip(a, offsets)),
+                                lengths=torch.Size(lengths)))
+            boxes.append([[x - l for x, l in zip(a, lo)], lengths])
+        holes = gaps(list(req.lengths), boxes)
+        return out, [[l + h for l, h in zip(lo, box[0])] for box in holes]
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return self._fs.prepare_global_plan(plans) if self._fs is not None else plans
@@ -551,8 +840,7 @@ class SnapshotReader(StorageReader):
 
         by_part: dict[str, list] = {}
         for req in plan.items:
-            key = (req.storage_index.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(req.storage_index.offset))
-            part, ref = self._index[key]
+            part, ref = self._index[_req_key(req)]
             by_part.setdefault(part.info.path, []).append((req, part, ref))
         for path, reqs in by_part.items():
             info = reqs[0][1].info
@@ -609,6 +897,11 @@ class SnapshotReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """False: DCP never picks this reader by itself; pass it as ``storage_reader``."""
         return False
+
+
+def _req_key(req: ReadItem) -> tuple:
+    """The ``(fqn, offsets or None)`` of the saved chunk a read item asks for (a part's item key)."""
+    return (req.storage_index.fqn, None if req.type == LoadItemType.BYTE_IO else tuple(req.storage_index.offset))
 
 
 class _WeightsOnlyBytes:

@@ -229,17 +229,18 @@ def steps_on_disk(directory: str) -> list[int]:
 #     DIR/dcp/step_<step:012d>/                    (``elaunch.checkpoint.dcp.persisted_dir``)
 #         __<rank>_0.distcp                        one per saved rank, as DCP's FileSystemWriter writes it
 #         .metadata                                DCP's Metadata (pickle), written last: the step is complete
-#         .__<rank>_0.index.json                   sidecar: where each of the rank's items lies in its file
-#         .layout-<digest>.json                    the job's layout (the same in every rank's snapshot)
+#         .__<rank>_0.index.json                   sidecar: where each of the rank's items lies in its file, and
+#                                                  the layout of the rank's own chunks (its snapshot's)
 #
 # Each node's persister writes its own ranks' files and sidecars; whichever persister finds the
-# sidecars of every rank ``0 .. world_size-1`` (one world size, one layout) writes ``.metadata``.
-# A chunk another sidecar of the step already holds (a replicated tensor, saved by every rank)
-# is not written again, and ``.metadata`` points each chunk at the lowest rank's file holding it.
+# sidecars of every rank ``0 .. world_size-1`` (one world size) writes ``.metadata``: the union of
+# their layouts, once it covers every tensor whole. A chunk another sidecar of the step already
+# holds (a replicated tensor, saved by every rank), or that DCP's plan gave another rank, is not
+# written again, and ``.metadata`` points each chunk at the lowest rank's file holding it.
 
 _DCP_SIDECAR = re.compile(r"^\.__(\d+)_0\.index\.json$")
-#: The ``format`` of a sidecar.
-DCP_INDEX_FORMAT = "elaunch.dcp-index/1"
+#: The ``format`` of a sidecar. 2: the rank's own layout inline (1: a digest of the job's layout, in a file beside).
+DCP_INDEX_FORMAT = "elaunch.dcp-index/2"
 DCP_METADATA = ".metadata"
 
 
@@ -254,15 +255,11 @@ def dcp_sidecar_name(rank: int) -> str:
 
 
 def layout_digest(layout: Any) -> str:
-    """A digest of a DCP snapshot's layout (primitives): ranks of one save share it."""
+    """A digest of a DCP layout (primitives): the persisted step's ``save_id``."""
     import hashlib
     import json
 
     return hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _layout_name(digest: str) -> str:
-    return f".layout-{digest[:32]}.json"
 
 
 def _atomic_write(path: str, write) -> None:
@@ -311,7 +308,8 @@ def read_sidecars(step_dir_path: str) -> dict[int, dict]:
                 doc = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(doc, dict) and doc.get("format") == DCP_INDEX_FORMAT and doc.get("rank") == int(m.group(1)):
+        if (isinstance(doc, dict) and doc.get("format") == DCP_INDEX_FORMAT and doc.get("rank") == int(m.group(1))
+                and isinstance(doc.get("layout"), dict)):
             found[int(m.group(1))] = doc
     return found
 
@@ -320,30 +318,50 @@ def _key(fqn: str, offsets) -> tuple:
     return (fqn, None if offsets is None else tuple(offsets))
 
 
-def held_keys(sidecars: dict[int, dict], world_size: int, digest: str) -> set[tuple]:
-    """The ``(fqn, offsets or None)`` of every item the sidecars of one save (world size, layout) hold."""
-    return {_key(fqn, offs) for doc in sidecars.values()
-            if doc.get("world_size") == world_size and doc.get("layout") == digest
+def held_keys(sidecars: dict[int, dict], world_size: int) -> set[tuple]:
+    """The ``(fqn, offsets or None)`` of every item the sidecars of one save (its world size) hold."""
+    return {_key(fqn, offs) for doc in sidecars.values() if doc.get("world_size") == world_size
             for fqn, offs, _at, _len in doc.get("items", ())}
 
 
-def whole_save(sidecars: dict[int, dict]) -> tuple[int, str, dict[int, dict]] | None:
-    """``(world_size, layout digest, {rank: sidecar})`` of a save every rank ``0 .. world_size-1`` has a sidecar of.
+def whole_save(sidecars: dict[int, dict]) -> tuple[int, dict[int, dict]] | None:
+    """``(world_size, {rank: sidecar})`` of a save every rank ``0 .. world_size-1`` has a sidecar of.
 
-    Sidecars of another world size or layout (a step saved again after a restart) are left
-    aside; when two saves are whole, the one with the newer commits is taken.
+    Sidecars of another world size (a step saved again after a restart) are left aside; when
+    two saves are whole, the one with the newer commits is taken.
     """
-    groups: dict[tuple[int, str], dict[int, dict]] = {}
+    groups: dict[int, dict[int, dict]] = {}
     for rank, doc in sidecars.items():
-        world, digest = doc.get("world_size"), doc.get("layout")
-        if isinstance(world, int) and isinstance(digest, str) and 0 <= rank < world:
-            groups.setdefault((world, digest), {})[rank] = doc
-    whole = [(min(float(d.get("time", 0)) for d in docs.values()), key, docs) for key, docs in groups.items()
-             if len(docs) == key[0]]
+        world = doc.get("world_size")
+        if isinstance(world, int) and 0 <= rank < world:
+            groups.setdefault(world, {})[rank] = doc
+    whole = [(min(float(d.get("time", 0)) for d in docs.values()), world, docs) for world, docs in groups.items()
+             if len(docs) == world]
     if not whole:
         return None
-    _t, (world, digest), docs = max(whole, key=lambda w: w[0])
-    return world, digest, docs
+    _t, world, docs = max(whole, key=lambda w: w[0])
+    return world, docs
+
+
+def dcp_layout(sidecars: dict[int, dict]) -> dict:
+    """The layout of a whole save: the union of its sidecars' layouts (each a rank's own chunks).
+
+    Raises:
+        ValueError: it leaves a region of a tensor uncovered (named), or the layouts disagree or are malformed.
+    """
+    from elaunch.checkpoint import CheckpointError
+    from elaunch.checkpoint.dcp import gaps, union_layouts
+
+    try:
+        layout = union_layouts([sidecars[r]["layout"] for r in sorted(sidecars)])
+        holes = [f"{fqn} at {box[0]} (size {box[1]})" for fqn, e in layout["fqns"].items() if e[0] == "tensor"
+                 for box in gaps(e[2], e[3])]
+    except (CheckpointError, TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"the sidecars' layouts do not make one: {exc}") from exc
+    if holes:
+        raise ValueError(f"{len(holes)} region(s) of the layout are in no rank's part ({', '.join(holes[:5])}"
+                         f"{', ...' if len(holes) > 5 else ''})")
+    return layout
 
 
 def dcp_storage(layout: dict, sidecars: dict[int, dict]) -> dict[tuple, tuple[str, int, int]]:
@@ -379,7 +397,8 @@ def write_dcp_part(directory: str, step: int, rank: int, world_size: int, layout
 
     Args:
         directory: the checkpoint directory (``--checkpoint-dir``); the step's directory is made.
-        step, rank, world_size: the save's. layout: the job's layout (``SnapshotWriter``'s, primitives).
+        step, rank, world_size: the save's. layout: the layout of the rank's own chunks (its snapshot's,
+            primitives), kept in its sidecar.
         items: ``[fqn, offsets or None, tensor]`` (a bytes item is a uint8 tensor, offsets None), CPU tensors.
         skip: ``(fqn, offsets or None)`` of items another rank's file of this save holds already.
         time: the snapshot's commit time (seconds since the epoch), kept in the sidecar.
@@ -398,10 +417,6 @@ def write_dcp_part(directory: str, step: int, rank: int, world_size: int, layout
 
     d = persisted_dir(directory, step)
     _make_dirs(d)
-    digest = layout_digest(layout)
-    layout_path = os.path.join(d, _layout_name(digest))
-    if not os.path.exists(layout_path):
-        _atomic_write(layout_path, lambda f: f.write(json.dumps(layout, sort_keys=True).encode()))
     todo = [it for it in items if _key(it[0], it[1]) not in skip]
     todo.sort(key=lambda it: it[1] is not None)  # bytes first, as FileSystemWriter writes them
     index: list = []
@@ -420,7 +435,7 @@ def write_dcp_part(directory: str, step: int, rank: int, world_size: int, layout
 
     data = os.path.join(d, dcp_data_name(rank))
     _atomic_write(data, write)
-    doc = {"format": DCP_INDEX_FORMAT, "step": step, "rank": rank, "world_size": world_size, "layout": digest,
+    doc = {"format": DCP_INDEX_FORMAT, "step": step, "rank": rank, "world_size": world_size, "layout": layout,
            "file": dcp_data_name(rank), "size": os.path.getsize(data), "time": time, "items": index}
     _atomic_write(os.path.join(d, dcp_sidecar_name(rank)), lambda f: f.write(json.dumps(doc).encode()))
     _fsync_dir(d)
@@ -431,14 +446,12 @@ def finish_dcp_step(directory: str, step: int) -> bool:
     """Write the step's ``.metadata`` once every saved rank's sidecar is there; True when the step is complete.
 
     Idempotent: two persisters doing it write the same file (each renames its own temporary).
-    Nothing is written while a rank's sidecar is missing, its data file is not the size it
-    records, or the layout's file is missing.
+    Nothing is written while a rank's sidecar is missing or its data file is not the size it records.
 
     Raises:
         OSError: the file system refused.
-        ValueError: the sidecars of a whole save leave a chunk of the layout out (named).
+        ValueError: the sidecars of a whole save leave a region of a tensor or a chunk out (named).
     """
-    import json
     import pickle as pickle_mod
 
     from elaunch.checkpoint.dcp import persisted_dir
@@ -449,26 +462,21 @@ def finish_dcp_step(directory: str, step: int) -> bool:
     whole = whole_save(read_sidecars(d))
     if whole is None:
         return False
-    _world, digest, docs = whole
+    _world, docs = whole
     for doc in docs.values():
         try:
             if os.path.getsize(os.path.join(d, doc["file"])) != doc["size"]:
                 return False  # rewritten since (its new sidecar is not there yet)
         except OSError:
             return False
-    try:
-        with open(os.path.join(d, _layout_name(digest)), encoding="utf-8") as f:
-            layout = json.load(f)
-    except OSError:
-        return False
-    metadata = dcp_metadata(layout, docs, digest)
+    metadata = dcp_metadata(dcp_layout(docs), docs)
     # protocol 2, torch.save's: torch's weights-only unpickler (elaunch's reader) takes no protocol-4 frames
     _atomic_write(os.path.join(d, DCP_METADATA), lambda f: pickle_mod.dump(metadata, f, protocol=2))
     _fsync_dir(d)
     return True
 
 
-def dcp_metadata(layout: dict, sidecars: dict[int, dict], digest: str = ""):
+def dcp_metadata(layout: dict, sidecars: dict[int, dict]):
     """DCP's ``Metadata`` of a whole save: the layout, each chunk's ``_StorageInfo``, FileSystemWriter's version.
 
     Raises:
@@ -483,7 +491,7 @@ def dcp_metadata(layout: dict, sidecars: dict[int, dict], digest: str = ""):
     metadata.storage_data = {MetadataIndex(fqn, offsets): filesystem._StorageInfo(name, at, length)
                              for (fqn, offsets), (name, at, length) in dcp_storage(layout, sidecars).items()}
     metadata.version = filesystem.CURRENT_DCP_VERSION
-    metadata.storage_meta = StorageMeta(save_id=digest[:32])
+    metadata.storage_meta = StorageMeta(save_id=layout_digest(layout)[:32])
     return metadata
 
 

@@ -19,37 +19,50 @@ import torch.distributed.checkpoint as dcp  # noqa: E402 - after the torch check
 from elaunch.checkpoint.dcp import load_metadata, persisted_dir  # noqa: E402
 
 
-def sidecar(rank, world=2, digest="L", items=(), time=1.0):
-    return {"format": persisted.DCP_INDEX_FORMAT, "rank": rank, "world_size": world, "layout": digest,
+def sidecar(rank, world=2, layout=None, items=(), time=1.0):
+    return {"format": persisted.DCP_INDEX_FORMAT, "rank": rank, "world_size": world,
+            "layout": layout if layout is not None else {"fqns": {}, "planner_data": {}},
             "file": persisted.dcp_data_name(rank), "size": 0, "time": time, "items": [list(i) for i in items]}
 
 
 @pytest.mark.parametrize("ranks, expect", [
-    ({0: sidecar(0), 1: sidecar(1)}, (2, "L", [0, 1])),
+    ({0: sidecar(0), 1: sidecar(1)}, (2, [0, 1])),
     ({0: sidecar(0)}, None),                                                  # rank 1 not there yet
-    ({0: sidecar(0), 1: sidecar(1, digest="M")}, None),                       # two layouts: neither whole
     ({0: sidecar(0), 1: sidecar(1, world=3)}, None),                          # two world sizes
-    ({0: sidecar(0, world=1), 1: sidecar(1)}, (1, "L", [0])),                 # world 1 is whole
-    ({0: sidecar(0, world=1, time=5.0), 1: sidecar(1, world=1, digest="M")},  # rank 1 of world 1: not a rank
-     (1, "L", [0])),
+    ({0: sidecar(0, world=1), 1: sidecar(1)}, (1, [0])),                      # world 1 is whole
+    ({0: sidecar(0, world=1, time=5.0), 1: sidecar(1, world=1)}, (1, [0])),   # rank 1 of world 1: not a rank
 ])
-def test_a_save_is_whole_when_every_rank_of_one_world_and_layout_has_a_sidecar(ranks, expect):
+def test_a_save_is_whole_when_every_rank_of_one_world_has_a_sidecar(ranks, expect):
     got = persisted.whole_save(ranks)
-    assert (None if got is None else (got[0], got[1], sorted(got[2]))) == expect
+    assert (None if got is None else (got[0], sorted(got[1]))) == expect
 
 
 def test_of_two_whole_saves_the_newer_commits_win():
-    ranks = {0: sidecar(0, world=1, digest="old", time=1.0)}
-    assert persisted.whole_save(ranks)[1] == "old"
-    newer = {0: sidecar(0, world=1, digest="old", time=1.0), 1: sidecar(1, world=2, digest="new", time=3.0)}
-    newer[0] = sidecar(0, world=2, digest="new", time=3.0)
-    assert persisted.whole_save(newer)[:2] == (2, "new")
+    ranks = {0: sidecar(0, world=1, time=1.0)}
+    assert persisted.whole_save(ranks)[0] == 1
+    newer = {0: sidecar(0, world=2, time=3.0), 1: sidecar(1, world=2, time=3.0)}
+    assert persisted.whole_save(newer)[0] == 2
 
 
-LAYOUT = {"fqns": {"w": ["tensor", ["float32", False, "contiguous_format", False], [4], [[[0], [2]], [[2], [2]]]],
-                   "step": ["tensor", ["float32", False, "contiguous_format", False], [], [[[], []]]],
-                   "lr": ["bytes"]},
-          "planner_data": {"w": ["w"], "step": ["step"], "lr": ["lr"]}}
+F32 = ["float32", False, "contiguous_format", False]
+#: rank 0 saved w[0:2], rank 1 w[2:4]; both the replicated step and the bytes lr
+LAYOUTS = {r: {"fqns": {"w": ["tensor", F32, [4], [[[2 * r], [2]]]], "step": ["tensor", F32, [], [[[], []]]],
+                        "lr": ["bytes"]}, "planner_data": {"w": ["w"], "step": ["step"], "lr": ["lr"]}}
+           for r in (0, 1)}
+LAYOUT = {"fqns": {"w": ["tensor", F32, [4], [[[0], [2]], [[2], [2]]]], "step": ["tensor", F32, [], [[[], []]]],
+                   "lr": ["bytes"]}, "planner_data": {"w": ["w"], "step": ["step"], "lr": ["lr"]}}
+
+
+def test_the_layout_of_a_save_is_the_union_of_its_ranks_and_must_cover_every_tensor():
+    docs = {r: sidecar(r, layout=LAYOUTS[r]) for r in (0, 1)}
+    got = persisted.dcp_layout(docs)
+    assert got["fqns"]["w"][3] == [[[0], [2]], [[2], [2]]] and got["fqns"]["step"] == LAYOUT["fqns"]["step"]
+    del docs[1]
+    with pytest.raises(ValueError, match=r"1 region\(s\) of the layout are in no rank's part \(w at \[2\]"):
+        persisted.dcp_layout(docs)
+    other = {0: sidecar(0, layout=LAYOUTS[0]), 1: sidecar(1, layout={"fqns": {"w": ["tensor", F32, [6], []]}})}
+    with pytest.raises(ValueError, match="different saves"):
+        persisted.dcp_layout(other)
 
 
 def test_each_chunk_is_taken_from_the_lowest_rank_holding_it_and_a_missing_one_is_named():
@@ -65,9 +78,9 @@ def test_each_chunk_is_taken_from_the_lowest_rank_holding_it_and_a_missing_one_i
 
 def test_held_keys_are_those_of_the_same_save_only():
     docs = {0: sidecar(0, items=[["w", [0], 0, 1], ["lr", None, 1, 1]]),
-            1: sidecar(1, digest="other", items=[["w", [2], 0, 1]])}
-    assert persisted.held_keys(docs, 2, "L") == {("w", (0,)), ("lr", None)}
-    assert persisted.held_keys(docs, 3, "L") == set()
+            1: sidecar(1, world=3, items=[["w", [2], 0, 1]])}
+    assert persisted.held_keys(docs, 2) == {("w", (0,)), ("lr", None)}
+    assert persisted.held_keys(docs, 4) == set()
 
 
 # -- real files, read back by DCP --------------------------------------------------------------------------------
@@ -95,8 +108,9 @@ def load(path):
 
 def write(ckpt, step, rank, world=2):
     d = persisted_dir(str(ckpt), step)
-    skip = persisted.held_keys(persisted.read_sidecars(d), world, persisted.layout_digest(LAYOUT))
-    return persisted.write_dcp_part(str(ckpt), step, rank, world, LAYOUT, parts()[rank], skip, time=float(step))
+    skip = persisted.held_keys(persisted.read_sidecars(d), world)
+    return persisted.write_dcp_part(str(ckpt), step, rank, world, LAYOUTS[rank], parts()[rank], skip,
+                                    time=float(step))
 
 
 def test_the_ranks_parts_make_a_dcp_directory_once_the_last_sidecar_is_there(tmp_path):

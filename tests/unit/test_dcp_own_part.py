@@ -1,9 +1,12 @@
-"""SnapshotReader on a node that holds only some ranks' parts: what this rank's load plan asks must be there, no more.
+"""SnapshotReader over parts that each hold only their own rank's chunks (format ``elaunch.dcp/2``).
 
 At an unchanged world size the restore plan gives each rank its own part only (no gather): a
-node of a multi-node job then holds its own ranks' parts, not every chunk of the layout. A load
-whose plan asks only for chunks this node holds succeeds; one that asks for a chunk no snapshot
-here holds raises ``CheckpointError`` naming it, and nothing is loaded.
+node of a multi-node job then holds its own ranks' parts, not every chunk. A load whose plan
+asks only for chunks this rank's part holds opens nothing else; one that needs a region its part
+lacks opens this node's other parts of the step and reads it from them, split over their
+chunks; a region no part here covers raises ``CheckpointError`` naming it, and nothing is
+loaded (the uncovered region is listed as a chunk of its own, so DCP's plan asks for it
+instead of leaving it as it was). The parts are JSON: a malformed one is refused.
 """
 
 from __future__ import annotations
@@ -14,39 +17,84 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.default_planner import create_default_local_save_plan  # noqa: E402
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,  # noqa: E402
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType  # noqa: E402
 
+from elaunch.checkpoint import CheckpointError, slotfile  # noqa: E402
 from elaunch.checkpoint import dcp as edcp  # noqa: E402
-from elaunch.checkpoint import slotfile  # noqa: E402
+
+FULL = torch.arange(12.0).reshape(6, 2)
 
 
-def _save_two_parts(shm, monkeypatch, step=3):
-    """Rank 0 saved ``a``, rank 1 saved ``b`` (world 2, one layout); return rank 0's slot path."""
-    full = {"a": torch.arange(6.0), "b": torch.arange(4.0) + 10}
-    items = create_default_local_save_plan(full, True).items
-    layout = edcp.encode_layout([items], {})
+def _item(fqn, t, offsets, size):
+    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), t.size()),
+                                                 properties=TensorProperties.create_from_tensor(t),
+                                                 size=torch.Size(size)))
+
+
+def _save_parts(shm, monkeypatch, step=3):
+    """Rank r of 3 saved rows [2r, 2r+2) of ``a`` (6 x 2); return each rank's slot path."""
     monkeypatch.setenv("ELAUNCH_CHECKPOINT_SHM", str(shm))
     paths = {}
-    for rank, fqn in ((0, "a"), (1, "b")):
+    for rank in range(3):
         monkeypatch.setenv("LOCAL_RANK", str(rank))
-        state = {"format": edcp.FORMAT, "rank": rank, "world_size": 2, "layout": layout,
-                 "items": [[fqn, [0], full[fqn].clone()]]}
-        paths[rank] = edcp._commit(state, step, rank=rank, world_size=2)
-    assert slotfile.read_info(paths[0]).reshardable
+        t = FULL[2 * rank:2 * rank + 2].clone()
+        layout = edcp.encode_layout([[_item("a", t, [2 * rank, 0], [6, 2])]], {"a": ["a"]})
+        paths[rank] = edcp._write_part([("a", [2 * rank, 0], t, None)], layout, step, rank=rank, world_size=3)
+        assert slotfile.read_info(paths[rank]).reshardable
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_STEP", str(step))
+    monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", paths[0])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
     return paths
 
 
-def test_a_load_that_needs_only_this_nodes_chunks_succeeds_without_the_others(tmp_path, monkeypatch):
-    paths = _save_two_parts(tmp_path, monkeypatch)
-    os.unlink(paths[1])  # rank 1's part is on another node
-    monkeypatch.setenv("ELAUNCH_CHECKPOINT_STEP", "3")
-    monkeypatch.setenv("ELAUNCH_CHECKPOINT_RESTORE", paths[0])
-    mine = {"a": torch.zeros(6)}
-    dcp.load(mine, storage_reader=edcp.SnapshotReader())
-    assert torch.equal(mine["a"], torch.arange(6.0))
-    both = {"a": torch.zeros(6), "b": torch.zeros(4)}
+def _errors(raised) -> list[str]:
+    return [str(e) for e in getattr(raised.value, "failures", {}).values()] or [str(raised.value)]
+
+
+def test_a_region_its_own_part_lacks_is_read_from_the_others_split_over_their_chunks(tmp_path, monkeypatch):
+    _save_parts(tmp_path, monkeypatch)
+    mine = {"a": torch.zeros(6, 2)}
+    reader = edcp.SnapshotReader()
+    dcp.load(mine, storage_reader=reader)
+    assert torch.equal(mine["a"], FULL)
+    assert len(reader._parts) == 3  # its own first, the others once the plan asked for the gap
+
+
+def test_a_load_of_its_own_chunks_opens_no_other_part_and_an_uncovered_region_is_named(tmp_path, monkeypatch):
+    paths = _save_parts(tmp_path, monkeypatch)
+    os.unlink(paths[2])  # rank 2's part is on another node
+    reader = edcp.SnapshotReader()
+    md = reader.read_metadata()
+    assert [c.offsets for c in md.state_dict_metadata["a"].chunks] == [torch.Size([0, 0]), torch.Size([2, 0])]
+    assert len(reader._parts) == 1  # its own part alone: the gap [2:6] is listed, not looked for yet
+    both = {"a": torch.zeros(6, 2)}
     with pytest.raises(BaseException) as raised:  # DCP's CheckpointException, holding each rank's error
         dcp.load(both, storage_reader=edcp.SnapshotReader())
-    errors = [str(e) for e in getattr(raised.value, "failures", {}).values()] or [str(raised.value)]
-    assert any("1 chunk(s) this rank loads are in none of this node's snapshots (b at [0])" in e for e in errors), errors
-    assert torch.equal(both["b"], torch.zeros(4))
+    assert any("1 chunk(s) this rank loads are in none of this node's snapshots (a at [4, 0])" in e
+               for e in _errors(raised)), _errors(raised)
+    assert torch.equal(both["a"], torch.zeros(6, 2))  # nothing was loaded
+
+
+def test_a_forged_part_is_refused_and_nothing_is_unpickled(tmp_path, monkeypatch):
+    paths = _save_parts(tmp_path, monkeypatch)
+    info = slotfile.read_info(paths[0])
+    meta = b'{"format":"elaunch.dcp/2","layout":{"fqns":{}},"items":[["a",[0,0],0,"float32",[999,2],null]]}'
+    with pytest.raises(CheckpointError, match="ends past the data"):
+        edcp._parse_part(meta, info, paths[0])
+    assert edcp._parse_part(b"\x80\x02}q\x00.", info, paths[0]) is None  # a pickle (format 1): not read
+
+
+@pytest.mark.parametrize("size, chunks, expect", [
+    ([6], [[[0], [6]]], []),
+    ([6], [[[0], [2]], [[4], [2]]], [[[2], [2]]]),
+    ([4, 4], [[[0, 0], [2, 4]]], [[[2, 0], [2, 4]]]),
+    ([4, 4], [[[1, 1], [2, 2]]], [[[0, 0], [1, 4]], [[3, 0], [1, 4]], [[1, 0], [2, 1]], [[1, 3], [2, 1]]]),
+    ([], [[[], []]], []),
+    ([0, 3], [], []),
+])
+def test_gaps_are_the_regions_no_chunk_covers(size, chunks, expect):
+    assert edcp.gaps(size, chunks) == expect
