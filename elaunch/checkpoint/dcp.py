@@ -734,10 +734,8 @@ class SnapshotReader(StorageReader):
                 for offsets, sizes in gaps(list(md.size), self._real[fqn]):
                     md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
                     self._gaps.add((fqn, tuple(offsets)))
-        metadata.storage_data = {
-            MetadataIndex(fqn, key[1]): key for fqn, md in metadata.state_dict_metadata.items()
-            for key in ([(fqn, None)] if isinstance(md, BytesStorageMetadata) else
-                        [(fqn, tuple(c.offsets)) for c in md.chunks])}
+        # no storage_data: DCP's load reads it only through the storage reader, and this one finds a chunk by its
+        # (fqn, offsets) in self._index (one MetadataIndex per chunk cost ~0.1 ms each, 40 ms for 300 tensors)
         return metadata
 
     def _open_rest(self) -> None:
