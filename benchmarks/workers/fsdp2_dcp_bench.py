@@ -166,7 +166,7 @@ def save_reps(args, model, optim, ckpt_group, rank: int) -> dict:
     ways = {"snapshot": snapshot, "snapshot_cached": snapshot_cached, "snapshot_async_blocking": snapshot_async,
             "fs_async_blocking": fs_async, "fs_sync": fs_sync, "null": null, "null_cached": null_cached}
     out: dict = {k: [] for k in ways}
-    out.update(snapshot_async_total=[], fs_async_total=[], errors={})
+    out.update(snapshot_async_total=[], fs_async_total=[], errors={}, async_checked=0, async_uncommitted=0)
     for r in range(args.reps + 1):  # round 0 warms every way up (first slot pages, planners' caches): not kept
         # each round in its own order, the same on every rank (the calls are collective): a rotation would keep
         # each way behind the same one every round (the planning-only save always after the disk save's fsyncs)
@@ -176,6 +176,9 @@ def save_reps(args, model, optim, ckpt_group, rank: int) -> dict:
             t0 = time.perf_counter()
             try:
                 blocked = timed(ways[name])
+                if name == "snapshot_async_blocking":  # was the step committed when the call returned?
+                    out["async_checked"] += 1
+                    out["async_uncommitted"] += int(committed_step() != step[0])
                 if "f" in pending:
                     pending.pop("f").result()
                     total = time.perf_counter() - t0
@@ -195,6 +198,15 @@ def save_reps(args, model, optim, ckpt_group, rank: int) -> dict:
     out["state_bytes"] = nbytes(state)
     out["cached_probe"] = cached_probe(state, cached_snapshot, next_step)
     return out
+
+
+def committed_step() -> int | None:
+    """The newest step committed in this local rank's slots."""
+    from elaunch.checkpoint import slotfile
+
+    shm, local = os.environ["ELAUNCH_CHECKPOINT_SHM"], int(os.environ.get("LOCAL_RANK", "0"))
+    newest = slotfile.newest(slotfile.read_info(p) for p in slotfile.slot_paths(shm, local))
+    return newest.step if newest else None
 
 
 def cached_probe(state, planner, next_step) -> dict:
