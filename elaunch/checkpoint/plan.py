@@ -17,8 +17,8 @@ The rules:
   cheapest, when the new world size equals the saved one and, for every rank ``r``, a
   snapshot ``(rank r, step S)`` exists somewhere: each rank restores its own part.
 * **Reshardable state** (saved through ``torch.distributed.checkpoint`` with
-  ``elaunch.checkpoint.SnapshotWriter``: each rank's part holds the job's whole layout,
-  ``reshardable``): when the own-part rule above does not serve, a step ``S`` saved at
+  ``elaunch.checkpoint.SnapshotWriter``: each rank's part holds the layout of its own
+  chunks, and the parts of every saved rank together the job's, ``reshardable``): when the own-part rule above does not serve, a step ``S`` saved at
   world size ``Ws`` serves a new world of *any* size once a part of every saved rank
   ``0 .. Ws-1`` of ``S`` is held in some node's memory (slot or replica). Every node then
   gathers every saved rank's part into its own memory (``Plan.parts``: per node, each
