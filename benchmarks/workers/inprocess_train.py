@@ -1,0 +1,158 @@
+"""The in-process restart benchmark's worker (``benchmarks/inprocess.py``): a small gloo DDP training.
+
+``inprocess_train.py OUT --mode {elaunch,plain,nvrx} [--nvrx-interval S] [--pg-timeout S]
+[--step-sleep S] [--dim D] [--layers L]``
+
+Every rank trains ``--layers`` ``Linear(dim, dim)`` under ``DistributedDataParallel`` (gloo, CPU:
+DDP all-reduces the gradients each step), sleeps ``--step-sleep`` s a step (the rest of a
+real step) and saves model and optimizer with ``elaunch.checkpoint.save`` after each step;
+``main()`` restores ``elaunch.checkpoint.load(into=...)`` first. Under elaunch that is the
+agent's memory; elsewhere (torchrun, ft_launcher) ``ELAUNCH_CHECKPOINT_DIR``, which the
+benchmark puts in ``/dev/shm``.
+
+``--mode``: ``elaunch`` wraps ``main`` in ``@elaunch.restartable`` (opts in to in-process
+restart); ``plain`` calls it as is (elaunch's full restart, torchrun); ``nvrx`` wraps it in
+nvidia-resiliency-ext's ``inprocess.Wrapper`` (its defaults, or every interval and
+``last_call_wait`` set to ``--nvrx-interval`` seconds), with the process group on a
+``TCPStore`` at ``MASTER_PORT + 1`` as NVRx's examples do (a prefix per iteration).
+
+The journal: each process appends JSON lines to ``OUT/journal/<pid>.jsonl``: ``main``
+(a call of main() began), ``step`` (a step done: all-reduce, optimizer, save) and
+``raise``; each with ``t`` (``time.time()``, CLOCK_REALTIME: one clock for every process of
+the machine), ``pid``, ``rank``, ``world`` and ``call`` (the ``t`` of its main() call).
+
+Faults and the end come through files the driver writes: ``OUT/raise`` holds a rank; that
+rank renames it away (once), journals ``raise`` and raises RuntimeError after its step.
+``OUT/stop``: every rank agrees on it in the step's flag all-reduce, main() returns.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import elaunch.checkpoint as ckpt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--mode", choices=("elaunch", "plain", "nvrx"), default="plain")
+parser.add_argument("--nvrx-interval", type=float, default=None)
+parser.add_argument("--pg-timeout", type=float, default=10.0)
+parser.add_argument("--step-sleep", type=float, default=0.03)
+parser.add_argument("--dim", type=int, default=512)
+parser.add_argument("--layers", type=int, default=4)
+args = parser.parse_args()
+
+os.makedirs(os.path.join(args.out, "journal"), exist_ok=True)
+_journal = os.open(os.path.join(args.out, "journal", f"{os.getpid()}.jsonl"),
+                   os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def journal(ev: str, **fields) -> None:
+    fields.update(ev=ev, t=time.time(), pid=os.getpid())
+    os.write(_journal, (json.dumps(fields) + "\n").encode())
+
+
+def _raise_requested(rank: int) -> bool:
+    """True once for the rank named in OUT/raise (it renames the file away: nobody else sees it)."""
+    path = os.path.join(args.out, "raise")
+    try:
+        with open(path) as f:
+            target = int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        return False
+    if target != rank:
+        return False
+    try:
+        os.rename(path, os.path.join(args.out, f"raised.{os.getpid()}.{time.time():.3f}"))
+    except OSError:
+        return False
+    return True
+
+
+def _process_group(rank: int, world: int, iteration: int | None) -> None:
+    timeout = datetime.timedelta(seconds=args.pg_timeout)
+    if args.mode != "nvrx":
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        return
+    # as NVRx's examples: the application's own store at MASTER_PORT + 1 (torchrun's agent store is at
+    # MASTER_PORT, the Wrapper's at + 2), multi-tenant so a restart in the same process reuses it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world_size=world,
+                          is_master=rank == 0, multi_tenant=True, wait_for_workers=False, use_libuv=True,
+                          timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"it{iteration}/", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def main(call_wrapper=None):
+    call = time.time()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    iteration = call_wrapper.iteration if call_wrapper is not None else None
+    journal("main", rank=rank, world=world, call=call, iteration=iteration,
+            restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    _process_group(rank, world, iteration)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt.step()  # momentum buffers exist from the start: the saved state has one structure
+    snap = ckpt.load(into={"model": model.state_dict(), "opt": opt.state_dict()})
+    start = 0
+    if snap is not None:
+        model.load_state_dict(snap.state["model"])
+        opt.load_state_dict(snap.state["opt"])
+        start = snap.step + 1
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    flag = torch.zeros(1)
+    stop_path = os.path.join(args.out, "stop")
+    step = start
+    while True:
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        x = torch.randn(32, args.dim, generator=g)
+        ddp(x).pow(2).mean().backward()  # DDP all-reduces the gradients
+        opt.step()
+        opt.zero_grad()
+        ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
+        time.sleep(args.step_sleep)
+        flag.fill_(1.0 if os.path.exists(stop_path) else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        journal("step", rank=rank, world=world, call=call, step=step)
+        if flag.item() > 0:
+            break
+        if _raise_requested(rank):
+            journal("raise", rank=rank, world=world, call=call, step=step)
+            raise RuntimeError(f"planted fault on rank {rank} after step {step}")
+        step += 1
+    dist.destroy_process_group()
+
+
+def _wrapped():
+    if args.mode == "elaunch":
+        import elaunch
+
+        return elaunch.restartable(main)
+    if args.mode == "nvrx":
+        import nvidia_resiliency_ext.inprocess as inprocess
+
+        kwargs = {"store_kwargs": {"port": int(os.environ["MASTER_PORT"]) + 2}}
+        if args.nvrx_interval is not None:
+            every = datetime.timedelta(seconds=args.nvrx_interval)
+            kwargs.update(monitor_thread_interval=every, monitor_process_interval=every, heartbeat_interval=every,
+                          progress_watchdog_interval=every, last_call_wait=every)
+
+        def nvrx_main(call_wrapper: Optional[inprocess.CallWrapper] = None):  # the Wrapper fills it by its type
+            return main(call_wrapper)
+
+        return inprocess.Wrapper(**kwargs)(nvrx_main)
+    return main
+
+
+if __name__ == "__main__":
+    _wrapped()()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown (a known torch race)
