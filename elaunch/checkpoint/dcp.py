@@ -213,6 +213,7 @@ def union_layouts(layouts: list[dict]) -> dict:
     from elaunch.checkpoint import CheckpointError
 
     fqns: dict[str, list] = {}
+    seen: dict[str, set] = {}  # fqn -> its chunks so far, as tuples (a replicated chunk is in every rank's part)
     data: dict = {}
     try:
         for layout in layouts:
@@ -220,13 +221,19 @@ def union_layouts(layouts: list[dict]) -> dict:
             for fqn, entry in layout["fqns"].items():
                 got = fqns.get(fqn)
                 if got is None:
-                    fqns[fqn] = list(entry[:3]) + [list(entry[3])] if entry[0] == "tensor" else list(entry)
-                elif got[:3] != list(entry[:3]):
+                    got = fqns[fqn] = list(entry[:3]) + [[]] if entry[0] == "tensor" else list(entry)
+                    seen[fqn] = set()
+                elif got[0] != entry[0] or got[0] == "tensor" and (got[1][0], got[2]) != (entry[1][0], list(entry[2])):
+                    # (requires_grad and pinning may differ by rank; as in DCP's own metadata, the first one is kept)
                     raise CheckpointError(f"the parts of one step disagree on {fqn!r} ({got[:3]} and "
                                           f"{list(entry[:3])}): they are parts of different saves")
-                elif entry[0] == "tensor":
-                    got[3] += [c for c in entry[3] if c not in got[3]]
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+                if entry[0] == "tensor":
+                    for offsets, sizes in entry[3]:
+                        key = (tuple(offsets), tuple(sizes))
+                        if key not in seen[fqn]:
+                            seen[fqn].add(key)
+                            got[3].append([list(offsets), list(sizes)])
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"a DCP part's layout is malformed ({type(exc).__name__}: {exc})") from exc
     return {"fqns": fqns, "planner_data": data}
 
