@@ -1,6 +1,7 @@
 """``dcp.async_save`` with ``SnapshotWriter``: the part is committed when the call returns (issue 36).
 
-``dcp_async_kill.py OUT``, run by ``elaunch --nproc-per-node=2 --max-restarts=1``.
+``dcp_async_kill.py OUT CKPT_DIR``, run by ``elaunch --nproc-per-node=2 --max-restarts=1
+--checkpoint-dir=CKPT_DIR --checkpoint-persist-interval=0``.
 
 First round: each rank holds a DTensor sharded over ``init_device_mesh("cpu", (2,))``, a plain
 tensor and an int; saves step 1 with ``dcp.save``, changes every value, then calls
@@ -9,7 +10,9 @@ DCP's thread), so the thread has not reached ``write_data`` when the call return
 records the newest step in its slots right after the return (``OUT/staged_<rank>.json``);
 after a barrier rank 1 SIGKILLs itself, before any rank's thread planned.
 Second round: ``SnapshotReader().step`` and what ``dcp.load`` brings back
-(``OUT/restored_<rank>.json``): step 2's values, if step 2 was committed on return.
+(``OUT/restored_<rank>.json``): step 2's values, if step 2 was committed on return; and what
+DCP's own ``FileSystemReader`` loads from the directory the agent persisted step 2 to when rank 1
+died (``"persisted"``: the part staged before any plan, every item of it).
 """
 import json
 import os
@@ -25,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from elaunch.checkpoint import SnapshotReader, SnapshotWriter, slotfile
+from elaunch.checkpoint.dcp import persisted_dir
 
 
 class SlowPlanner(DefaultSavePlanner):
@@ -41,7 +45,7 @@ def state_at(step: int, mesh) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
+    out, ckpt_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
@@ -60,11 +64,23 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the agent stops this rank when rank 1 is gone
         os._exit(1)
-    state = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]), "b": torch.zeros(3), "n": -1}
+    def fresh() -> dict:
+        return {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]), "b": torch.zeros(3), "n": -1}
+
+    def values(state: dict) -> dict:
+        return {"w": state["w"].full_tensor().tolist(), "b": state["b"].tolist(), "n": state["n"]}
+
+    state = fresh()
     dcp.load(state, storage_reader=reader)
+    disk = fresh()
+    path = persisted_dir(ckpt_dir, 2)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(path, ".metadata")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.barrier()
+    dcp.load(disk, storage_reader=dcp.FileSystemReader(path))
     with open(os.path.join(out, f"restored_{rank}.json"), "w") as f:
-        json.dump({"step": reader.step, "source": reader.source, "w": state["w"].full_tensor().tolist(),
-                   "b": state["b"].tolist(), "n": state["n"]}, f)
+        json.dump({"step": reader.step, "source": reader.source, **values(state), "persisted": values(disk)}, f)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
