@@ -709,9 +709,10 @@ class SnapshotReader(StorageReader):
             local DCP directory) or None.
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException``):
-        CheckpointError: nothing to load (``step`` is None), a chunk of the layout is in none of
-            this node's snapshots (named), or a snapshot was rewritten while it was read.
-        UnsafeStateError: a snapshot's structure needs a class weights-only loading does not allow.
+        CheckpointError: nothing to load (``step`` is None), a region of the state this rank loads
+            is in none of this node's snapshots (named), the parts disagree or one is malformed,
+            or a snapshot was rewritten while it was read.
+        UnsafeStateError: a non-tensor item's bytes need a class weights-only loading does not allow.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None) -> None:
