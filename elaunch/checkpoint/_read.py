@@ -62,6 +62,8 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
         UnsafeStateError: its structure needs a class weights-only loading does not allow
             (a ``CheckpointError`` and a ``pickle.UnpicklingError``).
         CheckpointError: it holds DTensors saved at another world size than this process's.
+        CheckpointError: it holds a rank's part of a DCP save (``SnapshotWriter``; flagged
+            ``slotfile.RESHARDABLE``), which ``SnapshotReader`` reads.
     """
     from elaunch.checkpoint import CheckpointError
 
@@ -78,6 +80,10 @@ def read(path: str, map_location=None, expect_step: int | None = None, into: Any
             raise CheckpointError(f"{path} holds no committed snapshot (empty, or a write was cut short)")
         if expect_step is not None and info.step != expect_step:
             raise CheckpointError(f"{path} holds step {info.step}, the job agreed on step {expect_step}")
+        if info.reshardable:  # a JSON document and raw chunks, not _tree's pickle: only DCP's load reads it
+            raise CheckpointError(f"{path} holds rank {info.rank}'s part of a torch.distributed.checkpoint save "
+                                  f"(step {info.step}); load it with dcp.load(state, "
+                                  "storage_reader=elaunch.checkpoint.SnapshotReader())")
         return info, _copy_out(fd, mm, info, map_location, into, dtensors)
     finally:
         os.close(fd)

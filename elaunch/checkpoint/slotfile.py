@@ -72,7 +72,8 @@ _CRC_AT = 16 + _FIELDS.size
 #: ``flags`` bit: the state is the same on every rank (DDP): any rank's snapshot serves any rank.
 REPLICATED = 1
 #: ``flags`` bit: one rank's part of a ``torch.distributed.checkpoint`` save (``elaunch.checkpoint.SnapshotWriter``):
-#: it holds the job's whole layout, so the snapshots of all saved ranks of one step restore any world size.
+#: it holds the layout of its own chunks (a JSON document, format ``elaunch.dcp/2``), so the snapshots of all saved
+#: ranks of one step together restore any world size; ``ckpt.load`` refuses it (``SnapshotReader`` reads it).
 RESHARDABLE = 2
 
 

@@ -98,3 +98,11 @@ def test_a_forged_part_is_refused_and_nothing_is_unpickled(tmp_path, monkeypatch
 ])
 def test_gaps_are_the_regions_no_chunk_covers(size, chunks, expect):
     assert edcp.gaps(size, chunks) == expect
+
+
+def test_ckpt_load_refuses_a_dcp_part_naming_snapshot_reader(tmp_path, monkeypatch):
+    from elaunch.checkpoint import _read
+
+    paths = _save_parts(tmp_path, monkeypatch)
+    with pytest.raises(CheckpointError, match=r"rank 0's part of a torch.distributed.checkpoint save .*SnapshotReader"):
+        _read.read(paths[0])
