@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 SHM_ROOT = "/dev/shm"
 #: Every node directory's name starts with this (the reaper removes nothing else).
 PREFIX = "elaunch-"
+#: The largest pid Linux hands out (``/proc/sys/kernel/pid_max`` is at most 2**22).
+PID_MAX = 1 << 22
 #: Every progress directory's name starts with this (``progress_files.ProgressFiles``; it ends
 #: with ``-<agent pid>``).
 PROGRESS_PREFIX = PREFIX + "progress-"
@@ -84,7 +86,8 @@ def sweep(root: str = SHM_ROOT) -> list[str]:
         return removed
     for entry in entries:
         pid = entry.name.rpartition("-")[2]
-        if not (entry.name.startswith(PREFIX) and pid.isdigit()) or _proctree.exists(int(pid)):
+        # a name ending in a number no pid can be (Linux's pid_max is at most 2**22) is not an agent's
+        if not (entry.name.startswith(PREFIX) and pid.isdigit() and int(pid) <= PID_MAX) or _proctree.exists(int(pid)):
             continue
         try:
             mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()

@@ -245,6 +245,7 @@ def test_a_new_agent_sweeps_node_directories_whose_agents_are_gone(tmp_path):
     stale = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
     foreign = tmp_path / f"elaunch-other-{dead}"  # not a node directory: no slots/replicas/restore
     foreign.mkdir()
+    (tmp_path / "elaunch-bench-1795958730618671691").mkdir()  # ends in no pid (a nanosecond clock): left alone
     assert snapshot_dir.sweep(str(tmp_path)) == [stale.path]
     assert os.path.isdir(live.path) and foreign.is_dir() and not os.path.exists(stale.path)
     again = snapshot_dir.NodeDir.create("old", dead, root=str(tmp_path))
