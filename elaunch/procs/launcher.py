@@ -154,6 +154,7 @@ class WorkerLauncher:
         envs: dict[int, dict[str, str]],
         prefixes: dict[int, str],
         another_may_follow: bool,
+        keep: "Callable[[int, list[str], dict[str, str]], subprocess.Popen | None] | None" = None,
     ) -> WorkerProcesses:
         """Start one worker per local rank (handing them to warm spares where possible).
 
@@ -164,6 +165,9 @@ class WorkerLauncher:
             prefixes: local rank -> console prefix of tee'd lines.
             another_may_follow: True when an attempt may follow this one; then the
                 warm pool prepares its spares while this one runs.
+            keep: an ``adopt`` hook tried before the warm pool's: a process that already runs
+                and takes the local rank (in-process restart's survivors,
+                ``elaunch.inprocess.restarts``), or None.
 
         Function workers (``--run-path``, ``elastic_launch`` of a callable) of more
         than one local worker get :mod:`~elaunch.procs.return_barrier`'s variable: one
@@ -178,6 +182,8 @@ class WorkerLauncher:
         if barrier is not None:
             envs = {lr: {**env, **barrier.env(lr)} for lr, env in envs.items()}
         adopt = pool.handoff if self._fork_target is None else self._forker(logs, barrier)
+        if keep is not None:
+            adopt = _first(keep, adopt)
         if barrier is not None:
             adopt = self._with_barrier(barrier, logs, adopt)
         try:
@@ -312,3 +318,15 @@ class WorkerLauncher:
         if self._log_dir is None:
             raise RuntimeError("WorkerLauncher.open() was not called")
         return self._log_dir
+
+
+def _first(hook: Callable, then: Callable | None) -> Callable:
+    """An ``adopt`` hook that tries ``hook``, then ``then`` (None: start cold)."""
+
+    def adopt(local_rank: int, argv: list[str], env: dict[str, str]):
+        proc = hook(local_rank, argv, env)
+        if proc is None and then is not None:
+            proc = then(local_rank, argv, env)
+        return proc
+
+    return adopt

@@ -56,6 +56,7 @@ class WorkerTrees:
         self._reaper = reaper
         self._known: set[tuple[int, int]] = set()
         self._adopted: set[int] = set()
+        self._released: set[int] = set()  # workers let go of alive (drop): never orphans of these trees
         self.next_snapshot = float("inf") if subreaper else time.monotonic() + 0.2
 
     def snapshot(self, running: Collection[int]) -> None:
@@ -77,7 +78,7 @@ class WorkerTrees:
         (run id, error file, ranks, master port). Each is also given to the reaper,
         which kills it if the agent is killed.
         """
-        me, ours = os.getpid(), set(self._pids.values())
+        me, ours = os.getpid(), set(self._pids.values()) | self._released
         if self._reaper is not None:
             ours.add(self._reaper.pid)
         found = []
@@ -94,6 +95,16 @@ class WorkerTrees:
             self._reaper.watch(new)
         self._adopted |= new
         return found
+
+    def drop(self, pids: "Collection[int]") -> None:
+        """Forget the workers ``pids``, released alive to a later attempt (``WorkerProcesses.release``).
+
+        They are no longer among the trees, nor ever taken for an orphan of them (they are
+        children of the agent carrying a worker's env entries, as an orphan would be).
+        """
+        self._pids = {lr: pid for lr, pid in self._pids.items() if pid not in pids}
+        self._released |= set(pids)
+        self._known = {k for k in self._known if k[0] not in self._released}
 
     def release(self) -> None:
         """Reap the adopted orphans that died (they are the agent's children now); tell the reaper to forget all."""

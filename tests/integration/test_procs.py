@@ -442,3 +442,20 @@ def test_signals_pelting_forked_starts_leak_no_descriptor():
     leaked = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_fds() - before
               if os.path.exists(f"/proc/self/fd/{fd}")}
     assert leaked == {}, leaked
+
+
+def test_a_released_worker_outlives_its_attempts_stop(launch):
+    """WorkerProcesses.release (in-process restart's survivors): stop and close take only the other workers,
+    and the released one, a child of this process with a worker's env entries, is not taken for an orphan."""
+    procs = launch({0: ["--sleep", "60"], 1: ["--sleep", "60"]})
+    kept = procs.release([1])
+    try:
+        assert set(kept) == {1} and set(procs.pids) == {0}
+        procs.close()
+        assert procs.poll() == {0: -signal.SIGKILL}
+        assert kept[1].poll() is None
+        with pytest.raises(ValueError, match=r"local ranks \[0\]"):
+            procs.release([0])  # no longer running
+    finally:
+        kept[1].kill()
+        kept[1].wait()
