@@ -1,0 +1,297 @@
+"""The agent's side of in-process restart: interrupt the survivors, keep them over the rejoin, send "go".
+
+:class:`InProcess` is one of the agent's watchdogs (``agent.watchdog.Watchdog``): it gives
+every worker the channel's name (:meth:`InProcess.env`) and, at each look of the monitor,
+reads what the workers said; a worker that reports ``raised`` fails the group (an
+:class:`~elaunch.agent.watchdog.Alarm` of kind ``"raised"``) as its exit would. The agent
+then calls, in order, on a failure that :meth:`InProcess.applies` to:
+
+1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; wait up to
+   ``grace`` seconds (``--shutdown-timeout``, the grace a SIGTERM gets) for each to say
+   "ready"; SIGKILL those that did not (they are replaced like dead ones).
+2. the agent decides and counts the restart as for any failure (``JobView.decide``);
+3. on RESTART, :meth:`InProcess.keep`: the waiting workers are released from the attempt
+   (``WorkerProcesses.release``) and held here while the agent joins the next round;
+   on any other step the agent stops them as today;
+4. :meth:`InProcess.adopter`, the next attempt's first ``adopt`` hook: a kept worker of a
+   local rank is sent "go" with that worker's full environment and log files and runs
+   the attempt's rank; the other ranks start as new processes (a warm spare when there
+   is one); :meth:`InProcess.started` then writes the ``inprocess_restart`` event.
+
+The decisions are :mod:`elaunch.inprocess.decide`'s. torchrun stops every worker on any
+failure. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from subprocess import Popen
+from typing import TYPE_CHECKING
+
+from elaunch.inprocess import decide
+from elaunch.inprocess.channel import GONE, Channel
+from elaunch.inprocess.wire import CONTROL_ENV
+
+if TYPE_CHECKING:
+    from elaunch.procs import AttemptLogs, WorkerProcesses
+
+log = logging.getLogger("elaunch.agent")
+
+
+class InProcess:
+    """In-process restart for one agent run (see the module docstring).
+
+    Args:
+        channel: the run's control channel, opened and supervised; None: not offered (every
+            failure restarts every worker, as torchrun).
+        events: the run's ``AgentEvents`` (``inprocess_restart`` events).
+        grace: seconds an interrupted worker has to say "ready" before it is killed.
+        raised_alarm: makes the watchdog's alarm for a "raised" (the agent's ``Alarm("raised", {})``:
+            this package does not import the agent's); None: a "raised" raises no alarm.
+        clock: ``time.monotonic`` (injectable for tests).
+
+    Attributes:
+        polls, interval: the watchdog's (False, None: a "raised" wakes the monitor itself).
+    """
+
+    polls = False
+    interval = None
+
+    def __init__(self, channel: Channel | None, events, grace: float,
+                 raised_alarm: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._channel = channel
+        self._raised_alarm = raised_alarm
+        self._events = events
+        self._grace = grace
+        self._clock = clock
+        self._pids: dict[int, int] = {}  # local rank -> pid of the running attempt
+        self._hello: set[int] = set()  # pids that opted in
+        self._waiting: set[int] = set()  # pids that said ready/raised since their last "go"
+        self._raised: dict[int, tuple[str, float]] = {}  # pid -> (error, arrival), reported while the round ran
+        self._gone: dict[int, float] = {}  # pid -> when its connection ended (its death, if it died)
+        self._kept: dict[int, subprocess.Popen] = {}  # local rank -> a released survivor
+        self._fault_at: float | None = None
+        self._go_sent: list[int] = []
+
+    @property
+    def offered(self) -> bool:
+        """True while the channel is offered (given, and its thread has not died)."""
+        return self._channel is not None
+
+    def turned_off(self) -> None:
+        """The channel's thread died (the supervisor's ``OFF`` policy): failures restart every worker from now on."""
+        self._channel = None
+
+    # ------------------------------------------------------------ Watchdog
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """``ELAUNCH_CONTROL``: the channel's name, the same for every worker of the run ({} when not offered)."""
+        return {CONTROL_ENV: self._channel.address} if self._channel is not None else {}
+
+    def new_attempt(self, round: int) -> None:
+        """Nothing: :meth:`started` learns the attempt's pids."""
+
+    def poll(self, watched) -> "object | None":
+        """Read the workers' messages; an ``Alarm("raised")`` when one reported that its ``main()`` raised."""
+        self._read()
+        if not self._raised or self._raised_alarm is None:
+            return None
+        ranks = sorted(lr for lr, pid in self._pids.items() if pid in self._raised)
+        log.warning("in-process restart: local rank(s) %s raised (%s)", ranks,
+                    "; ".join(self._raised[self._pids[lr]][0] for lr in ranks))
+        return self._raised_alarm()
+
+    def close(self) -> None:
+        """Kill the survivors still kept (the agent ends between a failure and the next attempt). Idempotent."""
+        self.drop()
+
+    # ------------------------------------------------------------ the agent's steps
+
+    def started(self, procs: "WorkerProcesses", workers) -> None:
+        """A new attempt runs ``procs``: read only its workers; wake the monitor on "raised"; log a restart in process.
+
+        Args:
+            procs: the attempt's processes (survivors adopted, new ones started).
+            workers: the attempt's ``Worker`` list (global ranks for the event).
+        """
+        self._pids = dict(procs.pids)
+        self._raised.clear()
+        if self._channel is None:
+            return
+        self._channel.expect(self._pids.values())
+        self._channel.wake = procs.wakeup
+        if self._fault_at is not None:
+            kept = set(self._go_sent)
+            ranks = {w.local_rank: w.global_rank for w in workers}
+            seconds = self._clock() - self._fault_at
+            self._events.emit("inprocess_restart", kept=sorted(ranks[lr] for lr in kept),
+                              started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3))
+            log.warning("in-process restart: %d worker(s) kept their processes, %d started, %.2f s after the fault",
+                        len(kept), len(ranks) - len(kept), seconds)
+        self._fault_at, self._go_sent = None, []
+
+    def applies(self, codes: Mapping[int, int | None], fixable: bool) -> bool:
+        """Whether this failure goes in process (:func:`decide.goes_in_process`; reads the messages first)."""
+        self._read()
+        opted = [lr for lr, pid in self._pids.items() if pid in self._hello]
+        return decide.goes_in_process(list(codes), opted, fixable, self._channel is not None)
+
+    def raised(self) -> list[int]:
+        """Local ranks that reported "raised" while the round ran (before any abort): failures to count."""
+        return sorted(lr for lr, pid in self._pids.items() if pid in self._raised)
+
+    def death_times(self, exits: Mapping[int, float]) -> dict[int, float]:
+        """``exits`` (local rank -> when the agent saw its exit), each dated no later than its control
+        connection's end: a killed worker's sockets close as it dies, and its peers' "raised" (their
+        collectives broke on those sockets) arrives after that, though often before the exit is seen."""
+        self._read()
+        return {lr: min(at, self._gone.get(self._pids.get(lr), at)) for lr, at in exits.items()}
+
+    def raised_times(self) -> dict[int, float]:
+        """Local rank -> when its "raised" arrived (seconds since the epoch): the failure's time, as an exit's is
+        when the agent saw it; a raised worker writes no error file of its own (``@record`` still may).
+        See :func:`decide.failure_times` for a death seen just after."""
+        return {lr: self._raised[pid][1] for lr, pid in self._pids.items() if pid in self._raised}
+
+    def interrupt(self, procs: "WorkerProcesses") -> list[int]:
+        """End the round in process: "abort" to the running workers; SIGKILL those not ready in time.
+
+        Returns:
+            The local ranks to keep (running, waiting for "go"), sorted.
+        """
+        self._fault_at = self._clock()
+        waiting = self._waiting_ranks()
+        for lr in decide.laggards(procs.poll(), waiting):
+            if not self._channel.send(self._pids[lr], {"op": "abort"}) and procs.poll().get(lr) is None:
+                log.warning("in-process restart: local rank %d cannot be told to stop its round", lr)
+        deadline = self._clock() + self._grace
+        while True:
+            self._read()
+            late = decide.laggards(procs.poll(), self._waiting_ranks())
+            if not late:
+                break
+            left = deadline - self._clock()
+            if left <= 0:
+                # RUNNING -> KILLED: not ready within the grace; replaced like a dead worker
+                log.warning("in-process restart: local rank(s) %s not ready within %.1f s; killing them", late,
+                            self._grace)
+                procs.notify(signal.SIGKILL, late)
+                procs.wait(1.0)
+                self._wait_dead(procs, late)
+                break
+            procs.wait(min(left, 0.05))
+        return decide.kept(procs.poll(), self._waiting_ranks())
+
+    def keep(self, procs: "WorkerProcesses", local_ranks: list[int]) -> None:
+        """Release ``local_ranks``' workers from ``procs`` and hold them for the next attempt."""
+        self._kept.update(procs.release(local_ranks))
+
+    def adopter(self, logs: "AttemptLogs") -> "Callable[[int, list[str], dict[str, str]], Popen | None] | None":
+        """The next attempt's first ``adopt`` hook: a kept worker gets "go" and runs its local rank.
+
+        Returns None when no worker is kept.
+        """
+        if not self._kept:
+            return None
+
+        def adopt(local_rank: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+            proc = self._kept.pop(local_rank, None)
+            if proc is None:
+                return None
+            go = {"op": "go", "env": dict(env), "stdout": logs.stdout.get(local_rank),
+                  "stderr": logs.stderr.get(local_rank)}
+            if proc.poll() is None and self._channel is not None and self._channel.send(proc.pid, go):
+                self._waiting.discard(proc.pid)
+                self._go_sent.append(local_rank)
+                return proc
+            log.warning("in-process restart: local rank %d's kept worker %d is gone; starting it anew", local_rank,
+                        proc.pid)
+            _kill(proc)
+            return None
+
+        return adopt
+
+    def drop(self) -> None:
+        """Kill and reap every kept survivor not handed a rank (the job ends, or the next attempt did not use it)."""
+        kept, self._kept = list(self._kept.values()), {}
+        for proc in kept:
+            _kill(proc)
+
+    # ------------------------------------------------------------ helpers
+
+    def _read(self) -> None:
+        """Take the channel's messages; what a pid says counts only while it is one of the attempt's workers."""
+        if self._channel is None:
+            return
+        current = set(self._pids.values()) | {p.pid for p in self._kept.values()}
+        for pid, msg, at in self._channel.take():
+            if pid not in current:
+                continue
+            op = msg["op"]
+            if op == "hello":
+                self._hello.add(pid)
+            elif op == "raised":
+                self._waiting.add(pid)
+                if self._fault_at is None:  # during the round: a failure; after the abort: its effect
+                    self._raised[pid] = (msg["error"], at)
+            elif op == "ready":
+                self._waiting.add(pid)
+            elif op == GONE:
+                self._gone[pid] = at
+
+    def _waiting_ranks(self) -> set[int]:
+        return {lr for lr, pid in self._pids.items() if pid in self._waiting}
+
+    def _wait_dead(self, procs: "WorkerProcesses", local_ranks: list[int]) -> None:
+        deadline = self._clock() + 10.0
+        while self._clock() < deadline and any(procs.poll().get(lr) is None for lr in local_ranks):
+            procs.wait(0.1)
+
+
+def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: Callable[[], object],
+                   offered: bool = True) -> InProcess:
+    """In-process restart for one run: its channel opened and added to ``supervisor``, when ``offered``.
+
+    Args:
+        supervisor: the run's ``elaunch.supervision.Supervisor`` (the channel is a helper of
+            tier ``THREADS``, policy ``OFF``: when its thread dies the run goes on with full restarts).
+        run_id: the job's id (part of the channel's name).
+        events: the run's ``AgentEvents``.
+        grace: seconds an interrupted worker has to be ready (``--shutdown-timeout``).
+        raised_alarm: the watchdog alarm a "raised" fails the group with (see :class:`InProcess`).
+        offered: False: no channel (function workers); every failure restarts every worker.
+
+    A channel that cannot be opened is logged once and not offered (never fatal).
+    """
+    from elaunch.supervision import OFF, THREADS
+
+    if not offered:
+        return InProcess(None, events, grace, raised_alarm)
+    channel = Channel(run_id)
+    try:
+        channel.open()
+    except OSError as exc:
+        log.warning("in-process restart is off: its control channel cannot be opened: %s", exc)
+        return InProcess(None, events, grace, raised_alarm)
+    inproc = InProcess(channel, events, grace, raised_alarm)
+    supervisor.add(channel, THREADS, on_death=OFF, wakes=False, turned_off=inproc.turned_off,
+                   note="in-process restart is off; failures restart every worker")
+    return inproc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a kept worker's process group and reap it."""
+    import os
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(10.0)
+    except subprocess.TimeoutExpired:
+        log.error("kept worker %d could not be reaped", proc.pid)

@@ -1,0 +1,364 @@
+"""The worker's side of in-process restart: ``@elaunch.restartable``.
+
+::
+
+    import elaunch
+
+    @elaunch.restartable
+    def main():
+        dist.init_process_group("gloo")   # the round's rank, world size and store come from the environment
+        snap = ckpt.load(into=state)      # survivors restore the step the job agreed on, from memory
+        ...
+
+    if __name__ == "__main__":
+        main()
+
+Under an elaunch agent that offers its control channel (``ELAUNCH_CONTROL``), the
+wrapper connects to it and says "hello", then calls ``main()``. When the round ends
+because of a fault elsewhere on the node or in the job, the agent sends "abort": the
+wrapper's control thread tears the process group down (NCCL: torch's
+``_abort_process_group``; every backend: the TCP connections this round opened are
+shut, so a gloo collective blocked on a peer returns at once with an error) and raises
+:class:`RoundAborted` in the thread running ``main()`` (``PyThreadState_SetAsyncExc``,
+as nvidia-resiliency-ext's ``inprocess.Wrapper`` does; it lands when the blocked call
+returns). The wrapper destroys what is left of the process group, tells the agent
+"ready" and waits for "go". When ``main()`` itself raises (an ``Exception``), the
+wrapper shuts the round's connections at once (its peers' collectives fail now, not at
+their timeout), prints its traceback to stderr as the interpreter would, and reports
+"raised"; the agent counts it like a worker failure. Either way, "go" brings the next
+round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, a new
+``TORCHELASTIC_RESTART_COUNT``, so a fresh store prefix, the checkpoint restore) and the
+attempt's log files; the wrapper sets them and calls ``main()`` again.
+
+``SystemExit`` and ``KeyboardInterrupt`` end the process as they would without the
+wrapper (the agent then replaces the process). Without the channel (torchrun, no
+launcher, an agent that does not offer it) ``main()`` is called once, plainly.
+
+Stdlib at import; torch is touched only when a process group is torn down, and only if
+the script imported ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elaunch.inprocess.wire import CONTROL_ENV, BadMessage, LineReader, decode_agent, encode
+
+log = logging.getLogger("elaunch.inprocess")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# the wrapper's states (the control thread and the thread running main() share them under a lock)
+RUNNING = "running"  # main() runs: an "abort" interrupts it
+ABORTING = "aborting"  # the control thread interrupted main()
+LEFT = "left"  # main() ended (returned, raised, interrupted): nothing interrupts it any more
+
+
+class RoundAborted(BaseException):
+    """Raised in ``main()``'s thread when the agent ends the round (a fault elsewhere).
+
+    A ``BaseException``, so a script's ``except Exception`` does not swallow it.
+    """
+
+
+def restartable(fn: _F) -> _F:
+    """Make ``fn`` (the script's ``main``) restartable in process under elaunch.
+
+    Args:
+        fn: the training entry point; it builds its process group and wrappers (DDP,
+            FSDP, optimizers) itself, and restores its state with ``elaunch.checkpoint.load``.
+
+    Returns:
+        A function with ``fn``'s signature: under elaunch's control channel it calls ``fn``
+        once per round until one call returns (its value is returned); elsewhere it is
+        ``fn(*args, **kwargs)``.
+
+    Raises:
+        Whatever ``fn`` raises when no channel is offered; ``SystemExit`` and
+        ``KeyboardInterrupt`` always; the last exception of ``fn`` when the agent went
+        away while the wrapper waited for the next round.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        address = os.environ.get(CONTROL_ENV)
+        control = _Control.connect(address) if address else None
+        if control is None:
+            return fn(*args, **kwargs)
+        try:
+            return control.run(fn, args, kwargs)
+        finally:
+            control.close()
+
+    wrapper.__elaunch_restartable__ = True
+    return wrapper  # type: ignore[return-value]
+
+
+class _Control:
+    """One worker's connection to its agent, its control thread, and the round loop."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Condition()
+        self._state = LEFT
+        self._main_ident = threading.get_ident()
+        self._go: dict | None = None
+        self._closed = False
+        self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
+        self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
+        self._thread = threading.Thread(target=self._listen, name="elaunch-restartable", daemon=True)
+
+    @classmethod
+    def connect(cls, address: str) -> "_Control | None":
+        """Connect to the agent's channel and say hello; None (a warning) when it cannot be reached."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect("\0" + address)
+            sock.sendall(encode({"op": "hello"}))
+        except OSError as exc:
+            sock.close()
+            print(f"elaunch.restartable: the agent's control channel is unreachable ({exc}); "
+                  "running main() once", file=sys.stderr, flush=True)
+            return None
+        control = cls(sock)
+        control._thread.start()
+        return control
+
+    # ------------------------------------------------------------ the thread running main()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Call ``fn`` once per round until it returns; see the module docstring."""
+        while True:
+            outcome, value = self._round(fn, args, kwargs)
+            if outcome == "returned":
+                return value
+            if outcome == "exit":
+                raise value
+            if outcome == "raised":
+                _print_traceback(value)
+                # reported before the peers' collectives fail: their own "raised" comes after this one
+                self._send({"op": "raised", "error": f"{type(value).__name__}: {value}"})
+                _shut_round_sockets(self._baseline)  # the peers' collectives fail now, on every node
+            _destroy_process_group()
+            if outcome == "aborted":
+                self._send({"op": "ready"})
+            go = self._wait_go()
+            if go is None:  # the agent closed the channel: this process's part is over
+                if outcome == "raised":
+                    raise value
+                raise SystemExit(1)
+            self._apply(go)
+
+    def _round(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        """Call ``fn`` once: ("returned", value), ("aborted", None), ("raised", exc) or ("exit", exc)."""
+        self._baseline = _socket_inodes()
+        with self._lock:
+            # LEFT -> RUNNING: an "abort" may interrupt main() from now on
+            self._state = RUNNING
+        outcome: tuple[str, Any] | None = None
+        try:
+            try:
+                outcome = ("returned", fn(*args, **kwargs))
+            except RoundAborted:
+                outcome = ("aborted", None)
+            except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+                outcome = ("exit", exc)
+            except BaseException as exc:  # noqa: BLE001 - reported to the agent, the round restarts
+                outcome = ("raised", exc)
+            finally:
+                aborting = self._leave()
+        except RoundAborted:  # an interrupt that landed in the few lines above, before _leave cleared it
+            aborting = True
+        if outcome is None or (aborting and outcome[0] in ("raised", "returned")):
+            # an abort came first: whatever main() then raised (a closed socket) is the abort's doing
+            outcome = ("aborted", None)
+        return outcome
+
+    def _leave(self) -> bool:
+        """RUNNING/ABORTING -> LEFT: no interrupt lands from now on (a pending one is cleared).
+
+        Returns:
+            True when the control thread had interrupted this round.
+        """
+        with self._lock:
+            aborting = self._state == ABORTING
+            self._state = LEFT
+            _async_raise(self._main_ident, None)
+        return aborting
+
+    def _wait_go(self) -> dict | None:
+        with self._lock:
+            while self._go is None and not self._closed:
+                self._lock.wait()
+            go, self._go = self._go, None
+        return go
+
+    def _apply(self, go: dict) -> None:
+        """Become a fresh worker of the next round: its environment, its log files, a new progress counter."""
+        env = go["env"]
+        for key in self._env_keys - set(env):
+            os.environ.pop(key, None)
+        os.environ.update(env)
+        self._env_keys = set(env)
+        for stream, fd, path in ((sys.stdout, 1, go["stdout"]), (sys.stderr, 2, go["stderr"])):
+            if path is None:
+                continue
+            try:
+                stream.flush()
+                new = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                os.dup2(new, fd)
+                os.close(new)
+            except (OSError, ValueError) as exc:
+                print(f"elaunch.restartable: cannot write to {path}: {exc}", file=sys.stderr, flush=True)
+        progress = sys.modules.get("elaunch._worker_progress")
+        if progress is not None:  # the agent zeroed the progress file: map it again at the next call
+            progress._counter = None
+            progress._initialised = False
+        gc.collect()  # the last round's process group, DDP and buffers
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self._sock.sendall(encode(msg))
+        except OSError:
+            pass  # the agent is gone: _wait_go sees the closed channel
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    # ------------------------------------------------------------ the control thread
+
+    def _listen(self) -> None:
+        reader = LineReader()
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    break
+                for line in reader.feed(data):
+                    if line.strip():
+                        self._handle(decode_agent(line))
+        except (OSError, BadMessage) as exc:
+            if not self._closed:
+                print(f"elaunch.restartable: control channel closed: {exc}", file=sys.stderr, flush=True)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def _handle(self, msg: dict) -> None:
+        if msg["op"] == "go":
+            with self._lock:
+                self._go = msg
+                self._lock.notify_all()
+            return
+        with self._lock:
+            if self._state != RUNNING:
+                return  # main() already ended this round (it raised, or it was interrupted)
+            # RUNNING -> ABORTING: the round is over
+            self._state = ABORTING
+            _abort_collectives(self._baseline)
+            _async_raise(self._main_ident, RoundAborted)
+
+
+def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``ident`` at its next bytecode (None: clear a pending one)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
+
+
+def _socket_inodes() -> set[str]:
+    """The ``socket:[inode]`` links of this process's open descriptors."""
+    out = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
+
+
+def _shut_round_sockets(baseline: set[str]) -> int:
+    """``shutdown(SHUT_RDWR)`` every connected TCP socket opened since ``baseline``; return how many.
+
+    These are the round's process group connections (gloo's pairs, the store's client):
+    a collective blocked on one of them returns at once with an error, on this rank
+    and on its peers. Listening sockets are left alone (gloo aborts the process when
+    its listener fails), as are sockets that existed before ``main()`` started.
+    """
+    shut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if os.readlink(f"/proc/self/fd/{name}") in baseline:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                    and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return shut
+
+
+def _abort_collectives(baseline: set[str]) -> None:
+    """End the round's collectives from the control thread: NCCL's communicators aborted, TCP connections shut."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # noqa: BLE001 - the sockets below still end a blocked collective
+            print(f"elaunch.restartable: NCCL abort failed: {exc}", file=sys.stderr, flush=True)
+    _shut_round_sockets(baseline)
+
+
+def _destroy_process_group() -> None:
+    """Destroy what is left of the default process group (the next round builds its own)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - torn down already; the next init makes a new one
+        print(f"elaunch.restartable: destroy_process_group: {exc}", file=sys.stderr, flush=True)
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """Print ``exc``'s traceback to stderr, as the interpreter would on exit (the failure summary's stderr tail).
+
+    No error file is written: a worker decorated with ``@record`` inside ``restartable`` writes
+    it as today; otherwise the agent dates the failure by the "raised" message's arrival, as
+    it dates an exit by when it saw it, so a peer whose collective broke later is not taken
+    for the root cause.
+    """
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
