@@ -159,10 +159,10 @@ def alive(pid: int) -> bool:
 
 #: Variables elaunch gives every worker beyond torchrun's (documented in docs/migrating-from-torchrun.md):
 #: the in-memory checkpoints' node directory, the progress file elaunch.progress() writes (and the
-#: stacks file and signal of its faulthandler). Tests that compare a worker's environment with
-#: torchrun's leave these out.
+#: stacks file and signal of its faulthandler), the in-process restart's control channel. Tests that
+#: compare a worker's environment with torchrun's leave these out.
 ELAUNCH_ADDED_ENV = frozenset({"ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_PROGRESS_FILE", "ELAUNCH_STACKS_FILE",
-                               "ELAUNCH_STACKS_SIGNAL"})
+                               "ELAUNCH_STACKS_SIGNAL", "ELAUNCH_CONTROL"})
 
 
 def load_envs(out: Path) -> dict[str, dict]:

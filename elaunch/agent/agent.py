@@ -27,12 +27,13 @@ from elaunch.agent.published import agent_record
 from elaunch.agent.job import JobView, local_record
 from elaunch.agent.monitor import GroupMonitor, failed_elsewhere
 from elaunch.agent.stopped import Stopped, unstartable
-from elaunch.agent.watchdog import Watchdog
+from elaunch.agent.watchdog import Alarm, Watchdog
 from elaunch.agent.watchdogs import HelperChecks, open_watchdogs
 from elaunch.agent.env import EnvOptions
 from elaunch.agent.group_start import GroupStarter
 from elaunch.checkpoint.keeper import CheckpointKeeper
 from elaunch.checkpoint.spare import HOOK as SPARE_HOOK
+from elaunch.inprocess.restarts import InProcess, open_inprocess
 from elaunch.procs import AttemptLogs, LogsSpec, WorkerLauncher, WorkerProcesses
 from elaunch.supervision import SERVICES
 from elaunch.rendezvous.job_channel import publish
@@ -138,6 +139,8 @@ class ElasticAgent:
         self._keeper = CheckpointKeeper.for_launch(config, env_opts.run_id, rdzv.job_channel)
         self._node_check: NodeCheck | None = None  # --node-check; made in run() (its child needs the reaper)
         self._notices = Notices(self._forward)  # --forward-signals: the handler records, the monitor acts
+        self._inproc = InProcess(None, self._events, config.shutdown_timeout)  # run() offers the channel
+        self._fork_target = fork_target
 
     @property
     def log_root(self) -> str | None:
@@ -172,6 +175,12 @@ class ElasticAgent:
         self._keeper.open(self._launcher, self._events)
         # the notices first: their persist request is seen by the keeper's poll of the same look;
         # the helpers' health just before the keeper (a dead persister is restarted or off when it asks)
+        # in-process restart (elaunch.restartable): the channel's name in every worker's environment; a
+        # worker's "raised" fails the group like an exit. Offered to exec'd script workers only.
+        self._inproc = open_inprocess(self._launcher.supervisor, self._env_opts.run_id, self._events,
+                                      self._config.shutdown_timeout, lambda: Alarm("raised", {}),
+                                      offered=self._fork_target is None and not _function_workers(self._spec))
+        self._watchdogs.insert(0, self._inproc)
         self._watchdogs.insert(0, self._notices)
         self._watchdogs.append(HelperChecks(self._launcher.supervisor))
         self._watchdogs.append(self._keeper)
@@ -199,6 +208,7 @@ class ElasticAgent:
         finally:
             self._launcher.no_more_attempts()
             self._stop_workers(signal.SIGKILL, grace=0.0)
+            self._inproc.close()  # survivors kept for an attempt that will not come
             self._notices.take()  # one that came after the job's end event (the exit barrier): the log line
             self._keeper.close()  # before the helpers and the reaper go: it awaits a persist, then removes its dir
             self._launcher.close()  # every helper (the node check's child too), then the reaper
@@ -297,19 +307,65 @@ class ElasticAgent:
             self._stop_workers(signal.SIGTERM)
             stopped.verdict, stopped.step, stopped.sits_out = Verdict.MEMBERSHIP_CHANGE, Step.REJOIN, alarm.why
             return stopped
+        if verdict is Verdict.FAILED and self._inproc.applies(self._procs.poll(), alarm is None or alarm.restart):
+            return self._watch_in_process(stopped)
         if verdict is not Verdict.SUCCEEDED:
             # which workers failed is fixed now; their error files are read once the rest
             # are stopped, so a restart does not wait for that
-            exited = (self._procs.poll(), self._procs.exit_times()) if verdict is Verdict.FAILED else None
+            exited = self._failure_seen() if verdict is Verdict.FAILED else None
             self._stop_workers(signal.SIGTERM)
             if verdict is Verdict.FAILED:
                 self._keeper.persist_now("failure")  # the snapshots the failed workers left, in the background
-                stopped.observe_failure(self._monitor.alarm, *exited, self._procs.poll(), self._attempt_logs,
+                stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs,
                                         self._hostname)
         stopped.step, stopped.root = self._job.decide(verdict, stopped.record, stopped.fixable)
         if verdict is Verdict.JOB_FAILED:
             stopped.root = self._job.state.failure  # published by the node that failed the job
         return stopped
+
+    def _watch_in_process(self, stopped: Stopped) -> Stopped:
+        """A failure of workers that all opted in (``elaunch.restartable``): the survivors are interrupted, not stopped.
+
+        The failure is observed, decided and counted exactly as :meth:`_watch` does; on RESTART the
+        waiting survivors are kept for the next attempt (``InProcess.keep``) and only the rest are
+        stopped; on any other step every worker is stopped as today.
+        """
+        exited = self._failure_seen()
+        # HEALTHY -> INTERRUPTED: "abort" to the running workers; those not ready within the grace are killed
+        waiting = self._inproc.interrupt(self._procs)
+        self._keeper.persist_now("failure")
+        stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs, self._hostname)
+        stopped.step, stopped.root = self._job.decide(stopped.verdict, stopped.record, stopped.fixable)
+        if stopped.step is Step.RESTART:
+            # INTERRUPTED -> KEPT: the survivors wait for the next round's "go"; the dead are reaped
+            self._inproc.keep(self._procs, waiting)
+            self._stop_workers(signal.SIGKILL, grace=0.0)
+        else:
+            self._stop_workers(signal.SIGTERM)
+        return stopped
+
+    def _failure_seen(self) -> tuple[dict[int, int | None], dict[int, float]]:
+        """The failure as seen now: exit codes (:meth:`_failed_codes`) and times (``inprocess.decide.failure_times``).
+
+        After a worker's "raised", first up to ``RAISED_SETTLE`` seconds for an exit: a killed peer's
+        closed sockets may have broken that worker's collective before the kill could be seen. A
+        worker that opted in is dated by its control connection's end when that came first
+        (``InProcess.death_times``).
+        """
+        from elaunch.inprocess.decide import RAISED_SETTLE, failure_times
+
+        exits = self._procs.exit_times()
+        raised = self._inproc.raised_times()
+        if raised and not exits:
+            self._procs.wait(RAISED_SETTLE)
+            exits = self._procs.exit_times()
+        return self._failed_codes(), failure_times(self._inproc.death_times(exits), raised)
+
+    def _failed_codes(self) -> dict[int, int | None]:
+        """The workers' exit codes, a worker that reported "raised" (alive, waiting) failed with exit code 1."""
+        from elaunch.inprocess.decide import with_raised
+
+        return with_raised(self._procs.poll(), self._inproc.raised())
 
     def _restart(self, stopped: Stopped) -> RunResult | None:
         """HEALTHY -> STOPPED: restart after a failure (counted once for the job); sit out when blamed."""
@@ -408,7 +464,10 @@ class ElasticAgent:
         logs = self._launcher.attempt_logs(attempt, self._spec.local_world_size)
         self._keeper.prepare(info, group.workers, self._spec.local_world_size)  # the round's restore: its env
         may_follow = self._job.left > 0 or self._rdzv.can_reform
-        self._procs = self._starter.start(group, attempt, logs, self._job.restarts, info.use_agent_store, may_follow)
+        self._procs = self._starter.start(group, attempt, logs, self._job.restarts, info.use_agent_store, may_follow,
+                                          keep=self._inproc.adopter(logs))
+        self._inproc.drop()  # survivors no rank took (none: the local ranks do not change)
+        self._inproc.started(self._procs, group.workers)
         self._notices.wake_with(self._procs.wakeup)  # a notice from now on wakes the monitor's wait
         self._attempt_logs = logs
         workers = group.workers
@@ -430,4 +489,13 @@ class ElasticAgent:
         procs.close()
         self._exits_told = procs
         step = self._progress.stopped() if self._progress is not None else None
-        self._events.workers_exited(self._group.workers, before, procs.poll(), procs.exit_times(), step)
+        # the workers of this attempt that stopped (survivors kept in process are not among them)
+        workers = [w for w in self._group.workers if w.local_rank in procs.pids]
+        self._events.workers_exited(workers, before, procs.poll(), procs.exit_times(), step)
+
+
+def _function_workers(spec: WorkerSpec) -> bool:
+    """True for function workers (``--run-path``, ``elastic_launch`` of a callable): no in-process restart."""
+    from elaunch.procs import return_barrier
+
+    return return_barrier.applies(spec.worker_cmd(0), 2)

@@ -68,7 +68,7 @@ class GroupStarter:
                            group_world_size=info.world_size, master_addr=master_addr, master_port=master_port)
 
     def start(self, group: WorkerGroup, attempt: int, logs: AttemptLogs, restarts: int, use_agent_store: bool,
-              another_may_follow: bool) -> WorkerProcesses:
+              another_may_follow: bool, keep=None) -> WorkerProcesses:
         """Start ``group``'s workers as attempt ``attempt``; fill in their pids; log the ranks started.
 
         Args:
@@ -79,6 +79,8 @@ class GroupStarter:
             use_agent_store: the round's ``TORCHELASTIC_USE_AGENT_STORE``.
             another_may_follow: an attempt may follow this one (the warm pool then
                 prepares its spares while this one runs).
+            keep: the processes that keep their local rank (``WorkerLauncher.start``'s
+                ``keep``: in-process restart's survivors), or None.
 
         Raises:
             OSError: a worker could not be started (those already started are killed).
@@ -92,7 +94,8 @@ class GroupStarter:
                     for w in group.workers}
         for watchdog in self._watchdogs:
             watchdog.new_attempt(group.round)
-        procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=another_may_follow)
+        procs = self._launcher.start(attempt, logs, cmds, envs, prefixes, another_may_follow=another_may_follow,
+                                     keep=keep)
         workers = group.workers
         for w in workers:
             w.pid = procs.pids[w.local_rank]

@@ -52,7 +52,8 @@ class Alarm:
 
     Attributes:
         kind: ``"hang"``, ``"stuck"`` (the event log's ``hang`` event, ``stuck=``),
-            ``"file_timer"`` or ``"straggler"`` (the agent sits out: ``straggler_exclude``).
+            ``"file_timer"``, ``"straggler"`` (the agent sits out: ``straggler_exclude``) or
+            ``"raised"`` (a worker's ``main()`` raised under ``elaunch.restartable``: ``elaunch.inprocess``).
         failures: global rank -> the failure to report; empty when the exit codes and
             error files tell (a quiet rank that wrote its error file is failing, not hung).
         kill: the signal the named workers get at once, before the group is stopped

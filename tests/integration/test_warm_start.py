@@ -16,7 +16,8 @@ WARM = ("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--warm-start"
 #: Values that differ between any two attempts, warm or cold.
 PER_ATTEMPT = {"MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"}
 #: Values that differ between two runs of the same job.
-PER_RUN = {"TORCHELASTIC_RUN_ID", "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_PROGRESS_FILE", "ELAUNCH_STACKS_FILE"}
+PER_RUN = {"TORCHELASTIC_RUN_ID", "ELAUNCH_CHECKPOINT_SHM", "ELAUNCH_PROGRESS_FILE", "ELAUNCH_STACKS_FILE",
+           "ELAUNCH_CONTROL"}
 
 
 def _probe(out, rank, attempt):

@@ -1,0 +1,116 @@
+"""In-process restart (issue 37) with real processes, real signals and gloo: ``@elaunch.restartable``.
+
+One small restartable training (``tests/scripts/restartable_train.py``, 3 ranks, a checkpoint
+each step) run uninterrupted under torchrun (the reference: the wrapper is then plain
+``main()``), then under elaunch with a SIGKILLed rank, a raising rank, and undecorated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SCRIPTS, free_port, launcher_env, run
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(SCRIPTS / "restartable_train.py")
+JOB = ("--standalone", "--nproc-per-node=3", "--max-restarts=1")
+#: The process group's timeout in the scripts, seconds: a survivor left waiting for it would miss every deadline here.
+PG_TIMEOUT = "60"
+
+
+def _rounds(out: Path) -> dict[int, list[dict]]:
+    """Restart count -> the records of main()'s calls of that round, by rank."""
+    rounds: dict[int, list[dict]] = {}
+    for path in sorted(out.glob("round_*.json")):
+        rec = json.loads(path.read_text())
+        rounds.setdefault(rec["restarts"], []).append(rec)
+    return {k: sorted(v, key=lambda r: r["rank"]) for k, v in rounds.items()}
+
+
+def _events(log_dir: Path) -> list[dict]:
+    (path,) = log_dir.glob("*/events.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _digest(out: Path) -> str:
+    return json.loads((out / "final.json").read_text())["sha256"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The final parameters' SHA-256 of the uninterrupted job under torchrun (restartable is plain main() there)."""
+    out = tmp_path_factory.mktemp("torchrun")
+    r = run("torchrun", "--standalone", "--nproc-per-node=3", SCRIPT, str(out), "--timeout", PG_TIMEOUT, cwd=out,
+            timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rounds = _rounds(out)
+    assert list(rounds) == [0] and [r["start"] for r in rounds[0]] == [0, 0, 0]  # one plain call of main() per rank
+    return _digest(out)
+
+
+def test_torchrun_and_no_launcher_call_main_once(reference, tmp_path):
+    """Under torchrun (the fixture) and with no launcher at all, the decorated main() runs once, plainly."""
+    env = launcher_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--steps", "3"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (rec,) = _rounds(tmp_path)[0]
+    assert (rec["world"], rec["start"]) == (1, 0)
+    assert "control channel" not in r.stderr
+
+
+def test_sigkill_replaces_only_the_dead_rank(reference, tmp_path):
+    """SIGKILL of rank 1: ranks 0 and 2 keep their processes, a new one takes rank 1, world size 3,
+    every rank resumes after the agreed step, and the final parameters equal the uninterrupted run's."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--log-dir", str(logs), SCRIPT, str(out), "--kill", "1:5", "--timeout", PG_TIMEOUT,
+            timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "worker group failed (rank 1 on" in r.stderr and "SIGKILL); restart 1/1" in r.stderr  # the root cause
+    rounds = _rounds(out)
+    before, after = rounds[0], rounds[1]
+    assert [a["pid"] == b["pid"] for a, b in zip(before, after)] == [True, False, True]
+    assert [a["world"] for a in after] == [3, 3, 3]
+    assert len({a["start"] for a in after}) == 1 and after[0]["start"] >= 5  # the step the job agreed on, + 1
+    assert _digest(out) == reference
+    events = _events(logs)
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["counted"] and restart["count"] == 1
+    (inproc,) = [e for e in events if e["kind"] == "inprocess_restart"]
+    assert (inproc["kept"], inproc["started"]) == ([0, 2], [1])
+
+
+def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(reference, tmp_path):
+    """A rank whose main() raises: its peers' collectives end at once (not at the 60 s gloo timeout),
+    the failure is counted, and all three processes run the next round."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, SCRIPT, str(out), "--raise", "1:5", "--timeout", PG_TIMEOUT, timeout=40)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "worker group failed (rank 1" in r.stderr and "restart 1/1" in r.stderr
+    assert "planted fault on rank 1" in r.stderr  # its traceback, as an uncaught exception prints it
+    rounds = _rounds(out)
+    assert [a["pid"] for a in rounds[0]] == [a["pid"] for a in rounds[1]]
+    fault = json.loads((out / "fault.json").read_text())
+    assert max(a["started"] for a in rounds[1]) - fault["at"] < 10.0  # seconds: far below the 60 s timeout
+    assert _digest(out) == reference
+
+
+def test_undecorated_script_restarts_every_worker(reference, tmp_path):
+    """Without the decorator nothing changes: a SIGKILL restarts all three workers in new processes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, SCRIPT, str(out), "--plain", "--kill", "1:5", "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rounds = _rounds(out)
+    assert not {a["pid"] for a in rounds[0]} & {a["pid"] for a in rounds[1]}
+    assert "in-process restart" not in r.stderr
+    assert _digest(out) == reference

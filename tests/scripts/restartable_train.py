@@ -1,0 +1,105 @@
+"""A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
+
+``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--plain] [--timeout SECONDS]``
+
+Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
+(step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
+optimizer with ``elaunch.checkpoint.save`` after each step; at its start it restores
+what ``elaunch.checkpoint.load`` offers and goes on from the next step. In the first
+round (``TORCHELASTIC_RESTART_COUNT`` 0), ``--kill R:S`` has rank R SIGKILL itself and
+``--raise R:S`` has it raise RuntimeError, each after step S, writing ``OUT/fault.json``
+(the time) first. ``--plain``: main() is not decorated. ``--timeout``: the process
+group's timeout (seconds; long, so a survivor left waiting for it would be obvious).
+
+Writes ``OUT/round_<rank>_<pid>_<restart count>.json`` per call of main() (world size,
+step restored, when main() started and when its first step was done) and, on rank 0 at
+the end, ``OUT/final.json`` with the SHA-256 of the final parameters.
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import elaunch
+import elaunch.checkpoint as ckpt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--kill", default=None)
+parser.add_argument("--raise", dest="raise_", default=None)
+parser.add_argument("--plain", action="store_true")
+parser.add_argument("--timeout", type=float, default=120.0)
+args = parser.parse_args()
+
+
+def _fault(spec):
+    if spec is None:
+        return None, None
+    r, s = spec.split(":")
+    return int(r), int(s)
+
+
+def _write(name, data):
+    path = os.path.join(args.out, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def main():
+    started = time.time()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt.step()  # momentum buffers exist from the start (a state_dict of a fixed shape)
+    snap = ckpt.load()
+    start = 0
+    if snap is not None:
+        model.load_state_dict(snap.state["model"])
+        opt.load_state_dict(snap.state["opt"])
+        start = snap.step + 1
+    record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
+              "started": started, "first_step": None}
+    kill, raise_ = _fault(args.kill), _fault(args.raise_)
+    for step in range(start, args.steps):
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        x = torch.randn(8, 16, generator=g)
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+        ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
+        elaunch.progress(step=step)
+        if record["first_step"] is None:
+            record["first_step"] = time.time()
+            _write(f"round_{rank}_{os.getpid()}_{restarts}.json", record)
+        if restarts == 0 and (rank, step) == kill:
+            _write("fault.json", {"kind": "kill", "at": time.time(), "rank": rank, "step": step})
+            os.kill(os.getpid(), signal.SIGKILL)
+        if restarts == 0 and (rank, step) == raise_:
+            _write("fault.json", {"kind": "raise", "at": time.time(), "rank": rank, "step": step})
+            raise RuntimeError(f"planted fault on rank {rank} after step {step}")
+    _write(f"round_{rank}_{os.getpid()}_{restarts}.json", record)
+    if rank == 0:
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        _write("final.json", {"sha256": digest, "restarts": restarts})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    (main if args.plain else elaunch.restartable(main))()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort the interpreter's teardown (a known torch race)
