@@ -54,6 +54,14 @@ epoch) unless ``--no-disk-checkpoint``; a snapshot, when there is one, is newer.
 ``--state-mib MIB`` adds a frozen parameter so the state is about MIB MiB (the
 goodput benchmark's large model); the training and its result are otherwise the same.
 
+In-process restart (``--in-process``, elaunch only): ``train`` is wrapped with
+``elaunch.restartable``. On a fault (a rank killed, or one whose training raised)
+the surviving ranks keep their processes: their round is interrupted, and they
+run ``train`` again in the next round, with its ranks and store, restoring the
+snapshot the job agreed on; only a dead rank gets a new process. Everything the
+round needs (the process group, the data, the model, DDP) is built inside ``train``.
+Under torchrun, or with no launcher, the flag changes nothing.
+
 Hang detection and the goodput ledger: ``elaunch.progress(step=...)`` is called
 every step with the job's step count since the start (the same on every attempt),
 when elaunch is importable (a no-op otherwise, and under torchrun); after a
@@ -149,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-grace", type=float, default=10.0, metavar="SECONDS",
                    help="after SIGTERM, die of it within SECONDS even without reaching a step boundary "
                         "(default 10)")
+    p.add_argument("--in-process", action="store_true",
+                   help="opt in to elaunch's in-process restart (elaunch.restartable): survivors of a fault keep "
+                        "their processes")
     p.add_argument("--crash-rank", type=int, default=None, help="global rank that crashes once")
     p.add_argument("--crash-epoch", type=int, default=None, help="epoch (1-based) at whose start it crashes")
     p.add_argument("--crash-at", type=parse_crash_schedule, default=(), metavar="R:E:S,...",
@@ -396,8 +407,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     notices = Notices(args.stop_grace)
     notices.install()  # before anything slow: a notice during start-up is acted on at step 0
+    run = train
+    if args.in_process:
+        import elaunch
+
+        run = elaunch.restartable(train)  # plain train() where elaunch offers no control channel
     try:
-        train(args, notices)
+        run(args, notices)
     except BaseException:
         notices.failing()
         raise

@@ -91,6 +91,23 @@ def test_six_crashes_lose_no_step_with_snapshots_and_end_bit_identical(tmp_path,
     assert final_digest(tmp_path / "final.json") == reference_digest
 
 
+def test_three_raises_restart_in_process_lose_no_step_and_end_bit_identical(tmp_path, reference_digest):
+    """--in-process (elaunch.restartable): each injected crash (a raise) restarts both ranks in their own
+    processes, at the very step it interrupted, and the end is bit-identical to an uninterrupted run."""
+    crashes = ",".join(CRASHES.split(",")[:3])  # mid-epoch on either rank, and the second epoch
+    r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=3", EXAMPLE, *SHORT, "--in-process",
+            "--no-disk-checkpoint", "--run-dir", str(tmp_path), "--final-params", str(tmp_path / "final.json"),
+            "--crash-at", crashes, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"restart 3/3", r.stderr), r.stderr[-3000:]
+    assert len(re.findall(r"in-process restart: 2 worker\(s\) kept their processes, 0 started", r.stderr)) == 3
+    steps = [int(n) for n in re.findall(r"^resumed from snapshot of step (\d+) ", r.stdout, re.M)]
+    per_epoch = 23  # steps per rank and epoch at world size 2
+    crashed_at = [(e - 1) * per_epoch + st for _, e, st in (map(int, c.split(":")) for c in crashes.split(","))]
+    assert steps == crashed_at, r.stdout
+    assert final_digest(tmp_path / "final.json") == reference_digest
+
+
 class _Launch:
     """A background ``elaunch`` whose stdout lines are collected by a thread (use via ``launch``)."""
 
