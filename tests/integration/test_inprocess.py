@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SCRIPTS, free_port, launcher_env, run
+from tests.helpers import SCRIPTS, finish_agents, free_port, launcher_env, run, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +114,20 @@ def test_undecorated_script_restarts_every_worker(reference, tmp_path):
     assert not {a["pid"] for a in rounds[0]} & {a["pid"] for a in rounds[1]}
     assert "in-process restart" not in r.stderr
     assert _digest(out) == reference
+
+
+def test_two_nodes_a_sigkill_on_one_keeps_every_other_process(tmp_path):
+    """Two agents (c10d, loopback), 2 workers each: rank 1 (node 0) is SIGKILLed. Node 0 replaces it and keeps
+    rank 0; node 1's workers, whose collectives broke, restart in process too. One restart for the job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start_agent("c10d", endpoint, SCRIPT, str(out), "--kill", "1:5", "--timeout", PG_TIMEOUT,
+                          rdzv_id="inproc", nproc_per_node=2, extra=("--max-restarts=1",)) for _ in range(2)]
+    results = finish_agents(agents, timeout=60)
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, err, _ in results]
+    rounds = _rounds(out)
+    assert [a["world"] for a in rounds[1]] == [4, 4, 4, 4]
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, True, True]
+    assert {a["start"] for a in rounds[1]} == {rounds[1][0]["start"]}  # one agreed step
+    assert all("restart 1/1" in err for _, err, _ in results)
