@@ -48,6 +48,7 @@ import os
 import socket
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -136,7 +137,16 @@ class _Control:
     # ------------------------------------------------------------ the thread running main()
 
     def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Call ``fn`` once per round until it returns; see the module docstring."""
+        """Call ``fn`` once per round until it returns; see the module docstring.
+
+        Everything alive before the first call (the imported modules: torch's tens of thousands
+        of objects) is moved out of the garbage collector's sight (``gc.freeze``), and so is
+        what outlives each round; the full collection between two rounds, which frees the last
+        round's process group, DDP and tensors held in reference cycles, then scans only what
+        the round made (a whole collection with torch imported takes 0.08 s; after a first round,
+        which imports more of torch, this one took 0.07-0.11 s on 2 loaded cores).
+        """
+        gc.freeze()
         while True:
             outcome, value = self._round(fn, args, kwargs)
             if outcome == "returned":
@@ -151,6 +161,10 @@ class _Control:
             _destroy_process_group()
             if outcome == "aborted":
                 self._send({"op": "ready"})
+            if isinstance(value, BaseException):  # its traceback's frames hold the last round's objects
+                traceback.clear_frames(value.__traceback__)
+            gc.collect()  # the last round's objects in reference cycles, while the agent prepares the next round
+            gc.freeze()  # what outlived it (modules main() imported) is not scanned again at the next restart
             go = self._wait_go()
             if go is None:  # the agent closed the channel: this process's part is over
                 if outcome == "raised":
@@ -223,7 +237,6 @@ class _Control:
         if progress is not None:  # the agent zeroed the progress file: map it again at the next call
             progress._counter = None
             progress._initialised = False
-        gc.collect()  # the last round's process group, DDP and buffers
 
     def _send(self, msg: dict) -> None:
         try:
@@ -358,7 +371,5 @@ def _print_traceback(exc: BaseException) -> None:
     it dates an exit by when it saw it, so a peer whose collective broke later is not taken
     for the root cause.
     """
-    import traceback
-
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     sys.stderr.flush()
