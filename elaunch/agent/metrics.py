@@ -81,6 +81,8 @@ _COUNTERS = (
      "off, stopped by a signal, sitting out)"),
     ("hangs", "elaunch_hang_verdicts", "Hang verdicts on this node (--hang-timeout, or workers stuck in "
      "uninterruptible sleep)"),
+    ("inprocess", "elaunch_inprocess_restarts", "Restarts in which this node's surviving workers kept their "
+     "processes (elaunch.restartable)"),
 )
 #: Where the server listens without ``--local-addr``: every IPv4 interface.
 ALL_INTERFACES = "0.0.0.0"
@@ -126,7 +128,7 @@ class AgentMetrics:
         self.address: tuple[str, int] | None = None
         # the event-fed counters, exported by the collector (_event_families)
         self._restarts = dict.fromkeys(CAUSES, 0)
-        self._counts = {"rounds": 0, "changes": 0, "losses": 0, "hangs": 0}
+        self._counts = {"rounds": 0, "changes": 0, "losses": 0, "hangs": 0, "inprocess": 0}
         self._round_buckets = [0] * len(BUCKETS)  # rounds that took at most BUCKETS[i] seconds
         self._round_seconds = 0.0
         self._stragglers: dict[int, int] = {}  # global rank -> 1 named, 0 cleared, this node's last group
@@ -169,6 +171,7 @@ class AgentMetrics:
         ``elaunch_rendezvous_duration_seconds``; ``membership_change`` ->
         ``elaunch_membership_changes_total``, and its ``left`` nodes into
         ``elaunch_node_losses_total``; ``hang`` -> ``elaunch_hang_verdicts_total``;
+        ``inprocess_restart`` -> ``elaunch_inprocess_restarts_total``;
         ``workers_started`` / ``worker_exited`` -> the group's states (``elaunch_workers``);
         ``straggler`` -> ``elaunch_straggler{rank}`` (1 named, 0 cleared; a new group starts empty);
         every event but ``notice`` -> the ledger.
@@ -192,6 +195,8 @@ class AgentMetrics:
                 self._counts["losses"] += len(event.get("left") or ())
             elif kind == "hang":
                 self._counts["hangs"] += 1
+            elif kind == "inprocess_restart":
+                self._counts["inprocess"] += 1
             elif kind == "workers_started":
                 self._group = dict.fromkeys(event.get("local_ranks") or (), "running")
                 self._stragglers = {}

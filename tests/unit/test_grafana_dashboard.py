@@ -29,7 +29,8 @@ DASHBOARD = REPO / "examples" / "grafana" / "elaunch-dashboard.json"
 
 #: The metrics an agent serves (docs/metrics.md; names agreed in issue 25), by type.
 COUNTERS = ("elaunch_restarts_total", "elaunch_rendezvous_rounds_total", "elaunch_membership_changes_total",
-            "elaunch_node_losses_total", "elaunch_hang_verdicts_total", "elaunch_ledger_seconds_total")
+            "elaunch_node_losses_total", "elaunch_hang_verdicts_total", "elaunch_ledger_seconds_total",
+            "elaunch_inprocess_restarts_total")
 HISTOGRAMS = ("elaunch_rendezvous_duration_seconds",)
 GAUGES = ("elaunch_workers", "elaunch_progress_age_seconds", "elaunch_progress_step", "elaunch_snapshot_step",
           "elaunch_snapshot_age_seconds", "elaunch_snapshot_persist_lag_seconds", "elaunch_goodput_ratio")

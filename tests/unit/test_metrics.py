@@ -35,7 +35,8 @@ def test_every_counter_is_exported_at_zero_before_any_event():
     for cause in CAUSES:
         assert value(m, "elaunch_restarts_total", cause=cause) == 0
     for name in ("elaunch_rendezvous_rounds_total", "elaunch_membership_changes_total", "elaunch_node_losses_total",
-                 "elaunch_hang_verdicts_total", "elaunch_rendezvous_duration_seconds_count"):
+                 "elaunch_hang_verdicts_total", "elaunch_rendezvous_duration_seconds_count",
+                 "elaunch_inprocess_restarts_total"):
         assert value(m, name) == 0, name
     for state in ("running", "succeeded", "failed", "stopped"):
         assert value(m, "elaunch_workers", state=state) == 0
@@ -60,6 +61,7 @@ def test_every_counter_is_exported_at_zero_before_any_event():
     ([ev(1, "membership_change", came=["c"], left=[], world_size=3)], "elaunch_node_losses_total", {}, 0),
     ([ev(1, "hang", ranks=[0], culprit=0, stuck=False), ev(9, "hang", ranks=[1], culprit=1, stuck=True)],
      "elaunch_hang_verdicts_total", {}, 2),
+    ([ev(1, "inprocess_restart", kept=[0, 2], started=[1], seconds=0.04)], "elaunch_inprocess_restarts_total", {}, 1),
     ([ev(1, "notice", signal="SIGUSR1"), ev(2, "no_such_kind")], "elaunch_restarts_total", {"cause": "failure"}, 0),
 ])
 def test_events_map_to_counters(events, name, labels, expected):
@@ -147,6 +149,7 @@ def test_the_exposition_parses_with_the_names_and_types_of_the_contract():
         "elaunch_restarts": "counter", "elaunch_rendezvous_rounds": "counter",
         "elaunch_rendezvous_duration_seconds": "histogram", "elaunch_membership_changes": "counter",
         "elaunch_node_losses": "counter", "elaunch_hang_verdicts": "counter", "elaunch_workers": "gauge",
+        "elaunch_inprocess_restarts": "counter",
         "elaunch_progress_age_seconds": "gauge", "elaunch_progress_step": "gauge", "elaunch_snapshot_step": "gauge",
         "elaunch_snapshot_age_seconds": "gauge", "elaunch_snapshot_persist_lag_seconds": "gauge",
         "elaunch_ledger_seconds": "counter", "elaunch_goodput_ratio": "gauge",
