@@ -29,6 +29,7 @@ MARKS: dict[str, tuple[str, str, str]] = {
     "node_ok": ("node check: every node ok", "#17becf", "square"),
     "node_faulty": ("node check: a node named", "#8c564b", "square"),
     "restore": ("checkpoint restored (where from)", "#006d2c", "circle"),
+    "inprocess": ("in-process restart (survivors kept)", "#e6550d", "diamond"),
     "persisted": ("checkpoint persisted", "#08519c", "diamond"),
 }
 #: Span kind -> (legend label, colour).
@@ -184,7 +185,7 @@ def _lane(node: str, events: list[dict], t0: float) -> Lane:
             joining, current = None, (t, int(e.get("round", -1)))
         elif kind == "workers_started":
             for lr, rank, pid in zip(e.get("local_ranks", ()), e.get("ranks", ()), e.get("pids", ())):
-                running[pid] = (int(lr), t, rank)
+                running.setdefault(pid, (int(lr), t, rank))  # a survivor of an in-process restart: its bar goes on
                 lane.rows = max(lane.rows, int(lr) + 1)
         elif kind == "worker_exited":
             lr, start, rank = running.pop(e.get("pid"), (int(e.get("local_rank", 0)), t, e.get("rank")))
@@ -255,6 +256,8 @@ def _persisted(e: dict, t: float) -> tuple[str, float, str]:
 _MARKERS = {
     "checkpoint_restore": _restore,
     "checkpoint_persisted": _persisted,
+    "inprocess_restart": lambda e, t: ("inprocess", t, f"in-process restart: ranks {e.get('kept')} kept, "
+                                                      f"{e.get('started')} started, {e.get('seconds')} s"),
     "restart": _restart,
     "node_check": _node_check,
     "membership_change": _membership,

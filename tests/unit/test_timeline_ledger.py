@@ -64,3 +64,21 @@ def test_a_log_without_ledger_events_still_draws():
     tl = build([ev(0, "rendezvous_join"), ev(1, "notice", signal="SIGUSR1")])
     assert tl.lanes[0].ledger == [("rendezvous", 0.0, 1.0)] and tl.lanes[0].goodput == 0.0
     assert "<svg" in render_svg(tl)
+
+
+def test_a_survivor_of_an_in_process_restart_is_one_bar_and_the_restart_a_mark():
+    events = [ev(0, "rendezvous_join"), ev(1, "rendezvous_complete"),
+              ev(2, "workers_started", local_ranks=[0, 1], ranks=[0, 1], pids=[7, 8]),
+              ev(5, "worker_exited", rank=1, local_rank=1, pid=8, exitcode=-9, signal="SIGKILL", stopped=False),
+              ev(5.1, "restart", counted=True, count=1, budget=1),
+              ev(5.2, "inprocess_restart", kept=[0], started=[1], seconds=0.2),
+              ev(5.2, "workers_started", local_ranks=[0, 1], ranks=[0, 1], pids=[7, 9]),
+              ev(9, "worker_exited", rank=0, local_rank=0, pid=7, exitcode=0, stopped=False),
+              ev(9, "worker_exited", rank=1, local_rank=1, pid=9, exitcode=0, stopped=False),
+              ev(9, "job_succeeded", restarts=1)]
+    (lane,) = build(events).lanes
+    rank0 = [(state, round(t1 - t0, 1)) for state, t0, t1, _, lr in lane.spans
+             if lr == 0 and state.startswith("worker")]
+    assert rank0 == [("worker_ok", 7.0)]  # pid 7 ran from the first start to the end
+    assert [m for m in lane.marks if m[0] == "inprocess"]
+    render_svg(build(events))  # the mark has a legend entry and a shape
