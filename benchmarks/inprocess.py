@@ -21,7 +21,10 @@ inprocess_train.py``: a gloo ``DistributedDataParallel`` model (``--dim``/``--la
 of gradients all-reduced a step), ~60 ms a step, ``elaunch.checkpoint.save`` of model and
 optimizer after every step and ``ckpt.load(into=...)`` at main()'s start (under elaunch the
 agent's memory; under torchrun and ft_launcher the same calls write a directory in
-``/dev/shm``). Every process group has the same gloo ``timeout`` (``--pg-timeout``, 10 s).
+``/dev/shm``). ``init_process_group``'s ``timeout`` is the same for every way of a fault: 10 s in
+the raise rows (NVRx's survivors wait for it), 30 s in the kill rows (it also bounds a restarted
+group's start: at 10 s, torchrun's restarted workers, importing torch cold on 2 loaded cores,
+timed out in each other's rendezvous round after round).
 
 Faults: ``kill``: the driver SIGKILLs the worker of a rank drawn (seeded) among ranks 1-2
 (rank 0 hosts NVRx's store: its loss ends an NVRx job by design), ``--every`` seconds after
@@ -41,7 +44,7 @@ A way that cannot run (the feature not in this checkout, NVRx not installed, no 
 within the bound) is a row "not run: <why>"; the other rows still run.
 
 The end: the driver writes ``OUT/stop``, the workers return from main() at the same step, and
-the launchers get 15 s to exit by themselves before the job's processes are killed; each
+the launchers get 30 s to exit by themselves before the job's processes are killed; each
 row says how many of its jobs ended by themselves.
 
 Prints a markdown table; ``--json FILE`` writes meta, rows and the raw samples.
@@ -74,6 +77,11 @@ from benchmarks.common import REPO, DidNotComplete, free_port, kill_tree, launch
 WORKER = str(REPO / "benchmarks" / "workers" / "inprocess_train.py")
 TAG_VAR = "ELAUNCH_BENCH_INPROCESS_TAG"  # every process of a job carries it: what is left is found by it
 NPROC = 3
+#: --hosts 3: the c10d store's port on the first host, and the rendezvous settings of benchmarks/goodput_hosts.py
+#: (elaunch and torchrun alike; ft_launcher keeps its defaults, as NVRx's example runs it)
+STORE_PORT = 29400
+RDZV_CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=20"
+ELAUNCH_CONF = "exclude_after=0"  # a node whose workers failed twice in a row is not sat out: the faults are ours
 
 
 @dataclass(frozen=True)
@@ -130,12 +138,14 @@ class Sizes:
     dim: int
     layers: int
     step_sleep: float
-    pg_timeout: float  # every process group's gloo timeout, seconds
+    pg_timeout: float  # the process groups' gloo timeout (seconds) in the raise rows: NVRx's survivors wait for it
+    pg_timeout_kill: float  # the same in the kill rows (it bounds a restarted group's start too: cold under load)
     warmup_steps: int = 5  # steps every rank has done before the first fault
 
 
-FULL = Sizes(reps=5, every=5.0, dim=512, layers=4, step_sleep=0.03, pg_timeout=10.0)
-QUICK = Sizes(reps=1, every=2.0, dim=128, layers=2, step_sleep=0.03, pg_timeout=10.0, warmup_steps=3)
+FULL = Sizes(reps=5, every=5.0, dim=512, layers=4, step_sleep=0.03, pg_timeout=10.0, pg_timeout_kill=30.0)
+QUICK = Sizes(reps=1, every=2.0, dim=128, layers=2, step_sleep=0.03, pg_timeout=10.0, pg_timeout_kill=30.0,
+              warmup_steps=3)
 
 
 # -- the workers' journal ----------------------------------------------------------------------------------------
@@ -196,8 +206,8 @@ class Journal:
 class Job:
     """One launch of the worker under a way's launcher (one process, or one ft_launcher per rank)."""
 
-    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int) -> None:
-        self.way, self.sizes, self.work = way, sizes, work
+    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int, net=None) -> None:
+        self.way, self.sizes, self.work, self.net = way, sizes, work, net
         self.out = work / "out"
         self.out.mkdir(parents=True)
         self.tag = f"{os.getpid()}-{work.name}-{time.time_ns()}"
@@ -213,15 +223,22 @@ class Job:
             env["ELAUNCH_CHECKPOINT_DIR"] = str(self.shm)
         return env
 
+    @property
+    def pg_timeout(self) -> float:
+        return self.sizes.pg_timeout if self.way.fault == "raise" else self.sizes.pg_timeout_kill
+
     def _worker_args(self) -> list[str]:
         s = self.sizes
-        args = [WORKER, str(self.out), "--mode", self.way.mode, "--pg-timeout", str(s.pg_timeout), "--step-sleep",
+        args = [WORKER, str(self.out), "--mode", self.way.mode, "--pg-timeout", str(self.pg_timeout), "--step-sleep",
                 str(s.step_sleep), "--dim", str(s.dim), "--layers", str(s.layers)]
         if self.way.nvrx_interval is not None:
             args += ["--nvrx-interval", str(self.way.nvrx_interval)]
         return args
 
     def start(self) -> None:
+        if self.net is not None:
+            self._start_hosts()
+            return
         env = self._env()
         if self.way.launcher == "ft_launcher":
             port = free_port()
@@ -238,10 +255,31 @@ class Job:
                             *self._worker_args())
         self._popen(argv, env, "launcher.log")
 
-    def _popen(self, argv: list[str], env: dict, log: str) -> None:
+    def _start_hosts(self) -> None:
+        """One agent on each of NPROC namespace hosts, one worker each; the first host holds the c10d store."""
+        hosts = [self.net.add_host() for _ in range(NPROC)]
+        endpoint = f"{hosts[0].addr}:{STORE_PORT}"
+        for host in hosts:
+            env = {**self._env(), "GLOO_SOCKET_IFNAME": host.ifname}
+            common = ["--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                      f"--rdzv-id=ipb{self.tag}", f"--local-addr={host.addr}"]
+            is_host = f"is_host={int(host is hosts[0])}"
+            if self.way.launcher == "ft_launcher":  # as NVRx's example: min-healthy, its rendezvous defaults
+                argv = [str(Path(sys.executable).parent / "ft_launcher"), "--nnodes=2:3", "--max-restarts=2",
+                        *common, f"--rdzv-conf={is_host}", "--ft-restart-policy=min-healthy",
+                        "--ft-enable-nic-monitor=False"]
+            else:
+                conf = f"{is_host},{RDZV_CONF}" + (f",{ELAUNCH_CONF}" if self.way.launcher == "elaunch" else "")
+                argv = launcher_cmd(self.way.launcher, f"--nnodes={NPROC}", "--max-restarts=100", *common,
+                                    f"--rdzv-conf={conf}", *self.way.args,
+                                    *(["--log-dir", str(self.work / f"logs-h{host.index}")]
+                                      if self.way.launcher == "elaunch" else []))
+            self._popen(argv + self._worker_args(), env, f"launcher-h{host.index}.log", host)
+
+    def _popen(self, argv: list[str], env: dict, log: str, host=None) -> None:
         with open(self.work / log, "ab") as f:
-            self.procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               env=env, cwd=str(self.work)))
+            kw = dict(stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(self.work))
+            self.procs.append(host.popen(argv, **kw) if host is not None else subprocess.Popen(argv, **kw))
 
     def wait(self, predicate, timeout: float, what: str, interval: float = 0.01):
         """Poll ``predicate()`` until truthy; DidNotComplete when ``timeout`` s pass or every launcher exited."""
@@ -284,7 +322,7 @@ class Job:
             os.rename(tmp, self.out / "raise")
             raised = self.wait(lambda: self.journal.count("raise", t_ask), 30, "the planted raise")
             t_fault = raised[0]["t"]
-        bound = 60 + 2 * s.pg_timeout
+        bound = 60 + 2 * self.pg_timeout
         after = self.wait(lambda: self.journal.recovered(t_fault), bound, "training after the fault", interval=0.01)
         t_done = max(r["t"] for r in after.values())
         kept = sorted(r for r, rec in before.items()
@@ -297,7 +335,7 @@ class Job:
                 "resumed_step": {str(r): a["step"] for r, a in sorted(after.items())},
                 "step_before": max(r["step"] for r in before.values())}
 
-    def stop(self, timeout: float = 15.0) -> list[int | None]:
+    def stop(self, timeout: float = 30.0) -> list[int | None]:
         """Ask the workers to stop, wait for the launchers (``timeout`` s), then kill whatever of the job is left.
 
         Returns:
@@ -331,6 +369,11 @@ class Job:
             except psutil.Error:
                 pass
         psutil.wait_procs(left, timeout=10)
+        if self.net is not None:
+            from tests.multinode import netns
+
+            for host in self.net.hosts:
+                netns.kill_namespace_processes(host.ns)
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
@@ -349,9 +392,15 @@ def unavailable(way: Way) -> str | None:
     return None
 
 
-def run_way(way: Way, sizes: Sizes, root: Path, seed: int) -> dict:
+def prefix(hosts: int) -> str:
+    """The row keys' prefix: none on one host, ``hosts3.`` on 3 namespace hosts."""
+    return "" if hosts == 1 else f"hosts{hosts}."
+
+
+def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1) -> dict:
     """Measure ``way``: ``sizes.reps`` faults (one job, or one job per fault); return its raw result."""
-    res: dict = {"key": way.key, "samples": [], "note": None, "exit_codes": []}
+    key = prefix(hosts) + way.key
+    res: dict = {"key": key, "way": way.key, "hosts": hosts, "samples": [], "note": None, "exit_codes": []}
     why = unavailable(way)
     if why:
         res["note"] = f"not run: {why}"
@@ -359,24 +408,38 @@ def run_way(way: Way, sizes: Sizes, root: Path, seed: int) -> dict:
     jobs = 0
     while len(res["samples"]) < sizes.reps:
         jobs += 1
-        job = Job(way, sizes, root / way.key.replace(".", "-") / f"job{jobs}", seed + jobs)
-        try:
-            job.start()
-            for _ in range(1 if way.one_fault else sizes.reps - len(res["samples"])):
-                sample = job.fault()
-                res["samples"].append(sample)
-                log_line(f"{way.key}: {sample['seconds']:.3f} s, world {sample['world_before']} -> "
-                         f"{sample['world_after']}, kept {sample['pids_kept']} of {sample['survivors']}")
-            res["exit_codes"].append(job.stop())
-        except DidNotComplete as exc:
-            res["note"] = f"not run: {exc}" if not res["samples"] else str(exc)
-            log_line(f"{way.key}: {exc}")
-            job.close()
+        if hosts == 1:
+            ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, None, res)
+        else:
+            from tests.multinode import netns
+
+            with netns.Network("-ipb") as net:
+                ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, net, res)
+        if not ok:
             break
-        except BaseException:
-            job.close()
-            raise
     return res
+
+
+def _job(way: Way, sizes: Sizes, work: Path, seed: int, net, res: dict) -> bool:
+    """One job of ``way``: its faults' samples go to ``res``; False when it did not recover (``res['note']``)."""
+    job = Job(way, sizes, work, seed, net)
+    try:
+        job.start()
+        for _ in range(1 if way.one_fault else sizes.reps - len(res["samples"])):
+            sample = job.fault()
+            res["samples"].append(sample)
+            log_line(f"{res['key']}: {sample['seconds']:.3f} s, world {sample['world_before']} -> "
+                     f"{sample['world_after']}, kept {sample['pids_kept']} of {sample['survivors']}")
+        res["exit_codes"].append(job.stop())
+        return True
+    except DidNotComplete as exc:
+        res["note"] = f"not run: {exc}" if not res["samples"] else str(exc)
+        log_line(f"{res['key']}: {exc}")
+        job.close()
+        return False
+    except BaseException:
+        job.close()
+        raise
 
 
 # -- rows ---------------------------------------------------------------------------------------------------------
@@ -390,12 +453,14 @@ def rows_of(results: list[dict]) -> list[dict]:
     ways = {w.key: w for w in WAYS}
     rows = []
     for res in results:
-        way = ways[res["key"]]
+        way = ways[res.get("way", res["key"])]
+        pre = prefix(res.get("hosts", 1))
         samples = res["samples"]
         values = [s["seconds"] for s in samples]
         what = "SIGKILLed" if way.fault == "kill" else "raises"
-        row = {"key": way.key, "label": f"fault -> training, a rank {what}: {way.label}",
-               "unit": "s", "values": values, "median": _med(values), "vs": VS[way.fault],
+        on = "" if not pre else f" ({res['hosts']} hosts)"
+        row = {"key": res["key"], "label": f"fault -> training{on}, a rank {what}: {way.label}",
+               "unit": "s", "values": values, "median": _med(values), "vs": pre + VS[way.fault],
                "world_after": [s["world_after"] for s in samples],
                "pids_kept": [f"{s['pids_kept']} of {s['survivors']}" for s in samples],
                "jobs_ended": f"{sum(all(c is not None for c in codes) for codes in res['exit_codes'])} of "
@@ -423,13 +488,22 @@ def markdown(rows: list[dict]) -> str:
              "target |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         n = len(r["values"])
-        ratio = f"{r['ratio']:.2f}× {r['vs'].split('.', 1)[1]}" if r["ratio"] is not None else ""
+        ratio = f"{r['ratio']:.2f}× {r['vs'].rsplit('.', 1)[1]}" if r["ratio"] is not None else ""
         med = fmt(r["median"]) + f" (n={n})" if r["median"] is not None else (r["note"] or "—").replace("|", "/")
         worlds = ", ".join(sorted({str(w) for w in r["world_after"]})) or "—"
         kept = ", ".join(sorted(set(r["pids_kept"]))) or "—"
         target = "" if not r["target"] else f"{r['target']['text']}: {'met' if r['met'] else 'not met'}"
         lines.append(f"| {r['label']} | {med} | {ratio} | {worlds} | {kept} | {r['jobs_ended']} | {target} |")
     return "\n".join(lines)
+
+
+def _netns_unavailable() -> str | None:
+    from tests.multinode import netns
+
+    reason = netns.unavailable_reason()
+    if reason is None:
+        netns.cleanup_stale()
+    return reason
 
 
 def _nvrx_version() -> str | None:
@@ -448,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated row keys or prefixes (kill, raise.nvrx, ...)")
     p.add_argument("--reps", type=int, default=None, help="faults a way (default 5, --quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hosts", default="1", help="comma-separated: 1 (this machine, --standalone), 3 (3 network-namespace "
+                                                "hosts, one agent and one worker each); default 1")
     p.add_argument("--work-dir", type=Path, default=None, help="keep logs here (default: a temporary directory)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -463,17 +539,28 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="elaunch-inprocess-") as tmp:
         root = a.work_dir.resolve() if a.work_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        for way in ways:
-            log_line(f"{way.key}: {way.label}")
-            results.append(run_way(way, s, root, a.seed))
+        for hosts in [int(h) for h in a.hosts.split(",") if h]:
+            if hosts not in (1, NPROC):
+                p.error(f"--hosts: {hosts}: expected 1 or {NPROC}")
+            reason = None if hosts == 1 else _netns_unavailable()
+            for way in ways:
+                log_line(f"{prefix(hosts)}{way.key}: {way.label}")
+                if reason:
+                    results.append({"key": prefix(hosts) + way.key, "way": way.key, "hosts": hosts, "samples": [],
+                                    "note": f"not run: {reason}", "exit_codes": []})
+                    continue
+                results.append(run_way(way, s, root, a.seed, hosts))
     rows = rows_of(results)
     torch_v, elaunch_v = suite._versions()
     meta = {"command": "python -m benchmarks.inprocess" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:])),
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": suite._machine(), "torch": torch_v,
             "elaunch": elaunch_v, "nvidia_resiliency_ext": _nvrx_version(), "commit": suite._commit(),
             "loadavg_start": load_start, "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin,
-            "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": 1,
-            "notes": [f"every process group: gloo, timeout {s.pg_timeout:g} s (init_process_group's timeout)"]}
+            "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts,
+            "notes": [f"process groups: gloo; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
+                      f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (at 10 s, torchrun's "
+                      "restarted workers, importing torch cold at a load of 6, timed out in each other's "
+                      "rendezvous, round after round)"]}
     result = {"meta": meta, "rows": rows, "raw": results}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
