@@ -190,7 +190,7 @@ class ElasticAgent:
         if self._node_check is not None:  # its waiting child: closed in forked workers, stopped with the helpers
             self._launcher.supervisor.add(self._node_check, SERVICES, watched=False)
         self._monitor = GroupMonitor(self._rdzv, self._job, self._events, self._config.monitor_interval,
-                                     self._watchdogs)
+                                     self._watchdogs, keeps_peers=self._inproc.keeps_peers)
         try:
             result = self._invoke_run()
             self._job_end(result)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from elaunch.agent.decide import Verdict, judge
 from elaunch.agent.events import AgentEvents
@@ -57,13 +57,17 @@ class GroupMonitor:
         events: the node's event log (watchdogs' alarms are written there).
         interval: ``--monitor-interval``, seconds between checks of the rendezvous.
         watchdogs: polled in order at each check; the first alarm ends the watch.
+        keeps_peers: called when a hang alarm kills workers; True (every worker restarts in
+            process: ``elaunch.inprocess``) kills only the alarm's culprit, whose peers are
+            interrupted in process instead. None: every hung worker is killed, as before.
 
     Attributes:
         alarm: the watchdog's alarm that ended the last watch, or None.
     """
 
     def __init__(self, rdzv: RendezvousHandler, job: JobView, events: AgentEvents, interval: float,
-                 watchdogs: Sequence[Watchdog] = ()) -> None:
+                 watchdogs: Sequence[Watchdog] = (), keeps_peers: Callable[[], bool] | None = None) -> None:
+        self._keeps_peers = keeps_peers
         self._rdzv = rdzv
         self._job = job
         self._events = events
@@ -179,6 +183,8 @@ class GroupMonitor:
         if not alarm.fails:
             return False
         local_ranks = sorted(f.local_rank for f in alarm.failures.values())
+        if alarm.culprit in alarm.failures and self._keeps_peers is not None and self._keeps_peers():
+            local_ranks = [alarm.failures[alarm.culprit].local_rank]  # the others wait behind it: interrupted
         if alarm.kill is not None and local_ranks:
             procs.notify(alarm.kill, local_ranks)
         if alarm.failures:

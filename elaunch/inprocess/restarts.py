@@ -140,6 +140,12 @@ class InProcess:
         opted = [lr for lr, pid in self._pids.items() if pid in self._hello]
         return decide.goes_in_process(list(codes), opted, fixable, self._channel is not None)
 
+    def keeps_peers(self) -> bool:
+        """True while every worker of the running attempt opted in: a hang verdict kills only its culprit."""
+        self._read()
+        opted = [lr for lr, pid in self._pids.items() if pid in self._hello]
+        return decide.goes_in_process(list(self._pids), opted, True, self._channel is not None)
+
     def raised(self) -> list[int]:
         """Local ranks that reported "raised" while the round ran (before any abort): failures to count."""
         return sorted(lr for lr, pid in self._pids.items() if pid in self._raised)

@@ -100,7 +100,6 @@ def restartable(fn: _F) -> _F:
         finally:
             control.close()
 
-    wrapper.__elaunch_restartable__ = True
     return wrapper  # type: ignore[return-value]
 
 

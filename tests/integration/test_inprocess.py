@@ -104,6 +104,20 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
     assert _digest(out) == reference
 
 
+def test_a_hang_kills_only_its_culprit(reference, tmp_path):
+    """--hang-timeout: rank 1 stops itself (SIGSTOP); the verdict kills only it, the ranks waiting behind it
+    are interrupted and keep their processes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--hang-timeout=2", SCRIPT, str(out), "--stop", "1:5", "--timeout", PG_TIMEOUT,
+            timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "HUNG: rank 1 (local rank 1)" in r.stderr
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, True]
+    assert _digest(out) == reference
+
+
 def test_undecorated_script_restarts_every_worker(reference, tmp_path):
     """Without the decorator nothing changes: a SIGKILL restarts all three workers in new processes."""
     out = tmp_path / "out"
