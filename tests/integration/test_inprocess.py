@@ -104,6 +104,20 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
     assert _digest(out) == reference
 
 
+def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
+    """--max-restarts=0: the raising rank is the root cause (exit code 1, its traceback), every worker is
+    stopped, the job fails with exit status 1 and nothing is left behind."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", "--standalone", "--nproc-per-node=3", "--max-restarts=0", SCRIPT, str(out), "--raise", "1:5",
+            "--timeout", PG_TIMEOUT, timeout=40)
+    assert r.returncode == 1, r.stderr[-3000:]
+    root = r.stderr[r.stderr.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root, root
+    assert "planted fault on rank 1" in root  # the stderr tail of the summary
+    assert not (out / "final.json").exists()
+
+
 def test_a_hang_kills_only_its_culprit(reference, tmp_path):
     """--hang-timeout: rank 1 stops itself (SIGSTOP); the verdict kills only it, the ranks waiting behind it
     are interrupted and keep their processes."""
