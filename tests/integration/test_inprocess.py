@@ -104,6 +104,20 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
     assert _digest(out) == reference
 
 
+def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
+    """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
+    --shutdown-timeout (1 s), so it is killed and replaced like the dead one; rank 0 keeps its process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--shutdown-timeout=1", SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
+            "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "local rank(s) [2] not ready within 1.0 s; killing them" in r.stderr
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, False]
+    assert _digest(out) == reference
+
+
 def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     """--max-restarts=0: the raising rank is the root cause (exit code 1, its traceback), every worker is
     stopped, the job fails with exit status 1 and nothing is left behind."""

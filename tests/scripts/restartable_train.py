@@ -1,6 +1,7 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
-``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--plain] [--timeout SECONDS]``
+``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--plain]
+[--timeout SECONDS]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -8,7 +9,8 @@ optimizer with ``elaunch.checkpoint.save`` after each step; at its start it rest
 what ``elaunch.checkpoint.load`` offers and goes on from the next step. In the first
 round (``TORCHELASTIC_RESTART_COUNT`` 0), ``--kill R:S`` has rank R SIGKILL itself and
 ``--raise R:S`` has it raise RuntimeError and ``--stop R:S`` SIGSTOP itself (a hang), each after
-step S, writing ``OUT/fault.json`` (the time) first. ``--plain``: main() is not decorated. ``--timeout``: the process
+step S, writing ``OUT/fault.json`` (the time) first; ``--block R:S`` has rank R sleep an hour
+after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not decorated. ``--timeout``: the process
 group's timeout (seconds; long, so a survivor left waiting for it would be obvious).
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>.json`` per call of main() (world size,
@@ -36,6 +38,7 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--kill", default=None)
 parser.add_argument("--raise", dest="raise_", default=None)
 parser.add_argument("--stop", default=None)
+parser.add_argument("--block", default=None)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--timeout", type=float, default=120.0)
 args = parser.parse_args()
@@ -72,7 +75,7 @@ def main():
         start = snap.step + 1
     record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
               "started": started, "first_step": None}
-    kill, raise_, stop = _fault(args.kill), _fault(args.raise_), _fault(args.stop)
+    kill, raise_, stop, block = _fault(args.kill), _fault(args.raise_), _fault(args.stop), _fault(args.block)
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(8, 16, generator=g)
@@ -90,6 +93,8 @@ def main():
         if restarts == 0 and (rank, step) == kill:
             _write("fault.json", {"kind": "kill", "at": time.time(), "rank": rank, "step": step})
             os.kill(os.getpid(), signal.SIGKILL)
+        if restarts == 0 and (rank, step) == block:
+            time.sleep(3600)
         if restarts == 0 and (rank, step) == stop:
             _write("fault.json", {"kind": "stop", "at": time.time(), "rank": rank, "step": step})
             os.kill(os.getpid(), signal.SIGSTOP)
