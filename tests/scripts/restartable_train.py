@@ -10,8 +10,9 @@ what ``elaunch.checkpoint.load`` offers and goes on from the next step. In the f
 round (``TORCHELASTIC_RESTART_COUNT`` 0), ``--kill R:S`` has rank R SIGKILL itself and
 ``--raise R:S`` has it raise RuntimeError and ``--stop R:S`` SIGSTOP itself (a hang), each after
 step S, writing ``OUT/fault.json`` (the time) first; ``--block R:S`` has rank R sleep an hour
-after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not decorated. ``--timeout``: the process
-group's timeout (seconds; long, so a survivor left waiting for it would be obvious).
+after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not
+decorated. ``--timeout``: the process group's timeout (seconds; long, so a survivor left
+waiting for it would be obvious).
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>.json`` per call of main() (world size,
 step restored, when main() started and when its first step was done) and, on rank 0 at
