@@ -209,7 +209,8 @@ _ROWS = (
     Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance (torch._dynamo: the first "
            "torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES), "MOD,...",
            V.parse_comma_list, argtype=comma_list, elaunch_only=True),
-    Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
+    Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers; also the "
+           "seconds a survivor of an in-process restart has to stop its round [default: "
            f"${SHUTDOWN_TIMEOUT_ENV} or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
            "seconds", argtype=float, torch="shutdown_timeout", env_fallback=SHUTDOWN_TIMEOUT_ENV,
            fallback=DEFAULT_SHUTDOWN_TIMEOUT),
