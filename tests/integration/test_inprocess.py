@@ -106,15 +106,17 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
 
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
-    --shutdown-timeout (1 s), so it is killed and replaced like the dead one; rank 0 keeps its process."""
+    --shutdown-timeout (1 s), so it is killed and replaced like the dead one, both by --warm-start spares;
+    rank 0 keeps its process."""
     out = tmp_path / "out"
     out.mkdir()
-    r = run("elaunch", *JOB, "--shutdown-timeout=1", SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
-            "--timeout", PG_TIMEOUT, timeout=60)
+    r = run("elaunch", *JOB, "--shutdown-timeout=1", "--warm-start", "--warm-start-modules=torch", SCRIPT, str(out),
+            "--kill", "1:5", "--block", "2:5", "--timeout", PG_TIMEOUT, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "local rank(s) [2] not ready within 1.0 s; killing them" in r.stderr
     rounds = _rounds(out)
     assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, False]
+    assert [a["warm"] for a in rounds[1]] == [True, True, True]  # spares: the first attempt's and the replacements
     assert _digest(out) == reference
 
 

@@ -15,7 +15,8 @@ decorated. ``--timeout``: the process group's timeout (seconds; long, so a survi
 waiting for it would be obvious).
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>.json`` per call of main() (world size,
-step restored, when main() started and when its first step was done) and, on rank 0 at
+step restored, when main() started and when its first step was done, whether the process is a
+``--warm-start`` spare) and, on rank 0 at
 the end, ``OUT/final.json`` with the SHA-256 of the final parameters.
 """
 import argparse
@@ -74,8 +75,10 @@ def main():
         model.load_state_dict(snap.state["model"])
         opt.load_state_dict(snap.state["opt"])
         start = snap.step + 1
+    with open("/proc/self/cmdline", "rb") as f:
+        warm = any(a.endswith(b"_warm_child.py") for a in f.read().split(b"\0"))  # a --warm-start spare
     record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
-              "started": started, "first_step": None}
+              "started": started, "first_step": None, "warm": warm}
     kill, raise_, stop, block = _fault(args.kill), _fault(args.raise_), _fault(args.stop), _fault(args.block)
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * 1000 + rank)
