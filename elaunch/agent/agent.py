@@ -173,14 +173,14 @@ class ElasticAgent:
                                 progress_files=lambda: self._progress.files if self._progress else None,
                                 exit_codes=lambda: self._procs.seen_codes() if self._procs else {})
         self._keeper.open(self._launcher, self._events)
-        # the notices first: their persist request is seen by the keeper's poll of the same look;
-        # the helpers' health just before the keeper (a dead persister is restarted or off when it asks)
         # in-process restart (elaunch.restartable): the channel's name in every worker's environment; a
         # worker's "raised" fails the group like an exit. Offered to exec'd script workers only.
         self._inproc = open_inprocess(self._launcher.supervisor, self._env_opts.run_id, self._events,
                                       self._config.shutdown_timeout, lambda: Alarm("raised", {}),
                                       offered=self._fork_target is None and not _function_workers(self._spec))
         self._watchdogs.insert(0, self._inproc)
+        # the notices first: their persist request is seen by the keeper's poll of the same look;
+        # the helpers' health just before the keeper (a dead persister is restarted or off when it asks)
         self._watchdogs.insert(0, self._notices)
         self._watchdogs.append(HelperChecks(self._launcher.supervisor))
         self._watchdogs.append(self._keeper)
