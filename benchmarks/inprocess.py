@@ -28,7 +28,7 @@ torchrun's first restarted group once failed on a 10 s recv timeout, and the att
 failed within ~2 s each in gloo's connectFullMesh, "Connection refused" to a peer's address).
 
 Faults: ``kill``: the driver SIGKILLs the worker of a rank drawn (seeded) among ranks 1-2
-(rank 0 hosts NVRx's store: its loss ends an NVRx job by design), ``--every`` seconds after
+(rank 0 hosts NVRx's store: its loss ends an NVRx job by design), ``Sizes.every`` seconds (5; --quick 2) after
 the job trains again; the fault's time is taken just before ``kill``. ``raise``: the driver
 names a rank in ``OUT/raise`` and that rank raises RuntimeError after its step; the fault's
 time is the rank's own, just before the raise. Each worker journals every step with
