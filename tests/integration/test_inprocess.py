@@ -134,6 +134,7 @@ def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     assert not (out / "final.json").exists()
 
 
+@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
 def test_a_hang_kills_only_its_culprit(reference, tmp_path):
     """--hang-timeout: rank 1 stops itself (SIGSTOP); the verdict kills only it, the ranks waiting behind it
     are interrupted and keep their processes."""
@@ -160,6 +161,7 @@ def test_undecorated_script_restarts_every_worker(reference, tmp_path):
     assert _digest(out) == reference
 
 
+@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
 def test_two_nodes_a_sigkill_on_one_keeps_every_other_process(tmp_path):
     """Two agents (c10d, loopback), 2 workers each: rank 1 (node 0) is SIGKILLed. Node 0 replaces it and keeps
     rank 0; node 1's workers, whose collectives broke, restart in process too. One restart for the job."""

@@ -9,8 +9,8 @@
   connection's handshake, JSON), then the ``get``; same output.
 * ``put FILE STEP KEY``: offer FILE (a slot file) as rank 0's replica of STEP, with KEY as for ``get``;
   ``{"go": ..., "ok": ..., "closed": bool}``.
-* ``flood N SECONDS``: open N connections and hold them idle for SECONDS; ``{"opened": N, "closed": K}``:
-  K of them were closed by the server meanwhile.
+* ``flood N SECONDS``: open N connections and hold them idle for SECONDS, or until the server closed
+  every one; ``{"opened": N, "closed": K}``: K of them were closed by the server meanwhile.
 """
 import json
 import os
@@ -101,7 +101,7 @@ def flood(host, port, n, seconds):
             break
     deadline = time.monotonic() + float(seconds)
     closed = set()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and len(closed) < len(socks):  # done once the server closed them all
         for i, s in enumerate(socks):
             if i in closed:
                 continue
