@@ -7,6 +7,7 @@ installed torch, both started with this interpreter.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -269,3 +270,13 @@ class Recorder:
 def log_line(msg: str) -> None:
     """Print a progress line to stderr (the table goes to docs/, not the terminal)."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def emit(meta: dict, rows: list[dict], raw, json_path: Path | None, table: str) -> None:
+    """Write a side-by-side benchmark's result (``{"meta", "rows", "raw"}``) to ``json_path`` (None: nowhere) and print
+    ``table`` (its rows as markdown) and ``meta["notes"]``, one line each."""
+    if json_path:
+        json_path.write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1, default=str) + "\n")
+    print(table)
+    for note in meta.get("notes", ()):
+        print(f"- {note}")

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import REPO, DidNotComplete, launcher_cmd, launcher_env, log_line
+from benchmarks.common import REPO, DidNotComplete, emit, launcher_cmd, launcher_env, log_line
 from benchmarks.goodput_hosts import shm_paths
 
 WORKER = str(REPO / "benchmarks" / "workers" / "fsdp2_dcp_bench.py")
@@ -576,12 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             "elaunch": elaunch_v, "commit": suite._commit(), "loadavg_start": load_start,
             "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin,
             "sizes": {**asdict(s), "state_mib": round(state_mib(s), 1)}, "notes": res.pop("notes")}
-    result = {"meta": meta, "rows": rows, "raw": res}
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(markdown(rows))
-    for note in meta["notes"]:
-        print(f"- {note}")
+    emit(meta, rows, res, a.json, markdown(rows))
     return 0
 
 

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import REPO, DidNotComplete, free_port, kill_tree, launcher_cmd, launcher_env, log_line
+from benchmarks.common import REPO, DidNotComplete, emit, free_port, kill_tree, launcher_cmd, launcher_env, log_line
 
 WORKER = str(REPO / "benchmarks" / "workers" / "inprocess_train.py")
 TAG_VAR = "ELAUNCH_BENCH_INPROCESS_TAG"  # every process of a job carries it: what is left is found by it
@@ -572,12 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             "notes": [f"process groups: gloo; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
                       f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (a restarted group's "
                       "first collectives wait for its slowest worker, importing torch cold)"]}
-    result = {"meta": meta, "rows": rows, "raw": results}
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(markdown(rows))
-    for note in meta["notes"]:
-        print(f"- {note}")
+    emit(meta, rows, results, a.json, markdown(rows))
     return 0
 
 
