@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -204,7 +205,11 @@ def test_fsdp2_dcp_smoke_fills_every_row_and_restores_what_disk_holds(tmp_path):
     for key in FSDP2_DCP_ROWS:
         assert key in rows and isinstance(rows[key]["median"], float), f"{key}: {rows.get(key)}\n{stderr[-3000:]}"
     # nothing else: no job that did not complete, no save way that failed, no restore that differs from disk
-    assert result["meta"]["notes"] == ["goodput: not run (--smoke, or --only without it)"], result["meta"]["notes"]
+    # and every dcp.async_save with SnapshotWriter had committed its step when it returned
+    notes = result["meta"]["notes"]
+    committed = [n for n in notes if n.startswith("dcp.async_save with SnapshotWriter: ")]
+    assert len(committed) == 1 and re.match(r"dcp\.async_save with SnapshotWriter: 0 of [1-9]\d* returns", committed[0]), notes
+    assert [n for n in notes if n not in committed] == ["goodput: not run (--smoke, or --only without it)"], notes
     raw = result["raw"]
     assert raw["a"]["replace_events"]["sources"] and set(raw["a"]["replace_events"]["sources"].values()) == {"peer"}
     assert set(raw["b"]["survivor_events"]["sources"].values()) == {"memory"}  # 4 -> 2 from memory, never disk
@@ -212,7 +217,7 @@ def test_fsdp2_dcp_smoke_fills_every_row_and_restores_what_disk_holds(tmp_path):
         for name, doc in docs.items():
             assert doc["source"] == "memory" and doc["tensors"] > 0 and doc["unequal_to_disk"] == [], (phase, name, doc)
     assert all(c in (0, None) for c in raw["a"]["exit_codes"] + raw["b"]["exit_codes"]), raw
-    assert "| dcp.save, SnapshotWriter (committed on return) |" in stdout
+    assert "| dcp.async_save, SnapshotWriter: blocking part (committed on return) |" in stdout  # the save target's row
     res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     assert not [line for line in res.stdout.splitlines() if line.startswith(f"elt-{proc.pid}-")]
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(f"elaunch-d36{proc.pid}")}
