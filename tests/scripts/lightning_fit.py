@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 
 import lightning as L
 import torch
@@ -140,3 +141,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (a known torch/gloo race at exit: SIGABRT)
