@@ -637,23 +637,10 @@ def _open_part(path: str, step: int) -> _Part | None:
     Raises:
         CheckpointError: as :func:`_parse_part`.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    got = slotfile.read_meta(path, with_meta=lambda info: info.step == step and info.reshardable)
+    if got is None or got[1] is None:
         return None
-    try:
-        size = os.fstat(fd).st_size
-        if size < slotfile.HEADER_SIZE:
-            return None
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            info = slotfile.parse(mm, path, fd)
-            if info is None or info.step != step or not info.reshardable:
-                return None
-            meta = bytes(mm[slotfile.META_AT:slotfile.META_AT + info.meta_len])
-            if not slotfile.still(mm, info, fd):
-                return None
-    finally:
-        os.close(fd)
+    info, meta = got
     return _parse_part(meta, info, path)
 
 

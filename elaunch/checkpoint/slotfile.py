@@ -54,7 +54,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAGIC = b"ELCKPT\x00\x01"
@@ -245,6 +245,17 @@ def read_info(path: str) -> SlotInfo | None:
 
     Reads the header and the meta only (a mapping: no copy of the data).
     """
+    got = read_meta(path, with_meta=lambda _info: False)
+    return None if got is None else got[0]
+
+
+def read_meta(path: str, with_meta: Callable[[SlotInfo], bool] = lambda _info: True,
+              ) -> tuple[SlotInfo, bytes | None] | None:
+    """``(info, meta)`` of the committed snapshot in the file at ``path``, or None (as :func:`read_info`).
+
+    ``meta`` is a copy of the snapshot's meta taken under its sequence lock (None when
+    ``with_meta(info)`` is false: nothing copied); a snapshot rewritten while it was copied is None.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -254,7 +265,11 @@ def read_info(path: str) -> SlotInfo | None:
         if size < HEADER_SIZE:
             return None
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as buf:
-            return parse(buf, path, fd)
+            info = parse(buf, path, fd)
+            if info is None or not with_meta(info):
+                return None if info is None else (info, None)
+            meta = bytes(buf[META_AT:META_AT + info.meta_len])
+            return (info, meta) if still(buf, info, fd) else None
     except (OSError, ValueError):
         return None
     finally:
