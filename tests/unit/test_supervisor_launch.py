@@ -20,6 +20,8 @@ from elaunch.rendezvous.dynamic.keepalive import KeepAlive
 from elaunch.rendezvous.dynamic.stalls import StoreStalls
 from elaunch.supervision import LAUNCH, METRICS, OFF, RENDEZVOUS, SERVICES, STORE, THREADS, Supervisor
 
+from tests.conftest import wait_for
+
 from .test_supervisor import Fake, FakeReaper
 
 _SETTINGS = SimpleNamespace(heartbeat_interval=0.01, probe_timeout=1.0, heartbeat_timeout=1.0)
@@ -46,13 +48,6 @@ def _keep_alive(backend: _Backend) -> KeepAlive:
     return KeepAlive("n0", _SETTINGS, backend, time.time, StoreStalls(time.time, 1.0))
 
 
-def _wait(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert cond()
-
-
 def _assert_free(port: int) -> None:
     """Nothing listens on ``port`` any more (SO_REUSEADDR: a closed connection's TIME_WAIT does not count)."""
     with socket.socket() as s:
@@ -62,6 +57,14 @@ def _assert_free(port: int) -> None:
 
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _warnings_of_two_looks(sup: Supervisor, caplog) -> list[str]:
+    """The WARNING lines of two of the monitor's looks (``check_all``): a dead helper is told once, not at each."""
+    with caplog.at_level(logging.WARNING):
+        sup.check_all()
+        sup.check_all()
+    return _warnings(caplog)
 
 
 def test_the_runs_end_leaves_the_launchs_helpers_which_stop_last_in_tier_order():
@@ -83,7 +86,7 @@ def test_keep_alive_beats_on_the_supervisor_and_stops_at_close():
     backend = _Backend()
     sup = Supervisor()
     ka = sup.add(_keep_alive(backend), RENDEZVOUS, on_death=OFF, wakes=False, start=True)
-    _wait(lambda: backend.beats >= 2)
+    wait_for(lambda: backend.beats >= 2, 5.0)
     thread = ka.thread
     sup.close(below=LAUNCH)
     assert thread.is_alive() and sup.has(ka)  # the run's end leaves it to the handler or the launch
@@ -95,11 +98,8 @@ def test_a_keep_alive_that_died_is_one_warning_and_is_stopped(caplog):
     sup = Supervisor()
     ka = sup.add(_keep_alive(_Backend(broken=True)), RENDEZVOUS, on_death=OFF, wakes=False, start=True,
                  note="this node's heartbeat is no longer written")
-    _wait(lambda: not ka.thread.is_alive())
-    with caplog.at_level(logging.WARNING):
-        sup.check_all()
-        sup.check_all()
-    assert _warnings(caplog) == ["rendezvous keep-alive thread died: RuntimeError: backend gone; "
+    wait_for(lambda: not ka.thread.is_alive(), 5.0)
+    assert _warnings_of_two_looks(sup, caplog) == ["rendezvous keep-alive thread died: RuntimeError: backend gone; "
                                  "this node's heartbeat is no longer written"]
     assert not sup.has(ka) and not ka.running
 
@@ -111,11 +111,8 @@ def test_the_metrics_server_that_died_is_one_warning_and_its_port_is_freed(caplo
     sup.add(metrics, METRICS, on_death=OFF, wakes=False, note="/metrics is not served any more")
     assert sup.private_fds() == (metrics._server.fileno(),)  # a forked worker does not keep the port
     metrics._server.shutdown()  # its serving thread ends
-    _wait(lambda: not metrics._thread.is_alive())
-    with caplog.at_level(logging.WARNING):
-        sup.check_all()
-        sup.check_all()
-    assert _warnings(caplog) == [f"metrics server thread died: nothing answers on port {port}; "
+    wait_for(lambda: not metrics._thread.is_alive(), 5.0)
+    assert _warnings_of_two_looks(sup, caplog) == [f"metrics server thread died: nothing answers on port {port}; "
                                  "/metrics is not served any more"]
     assert not sup.has(metrics)
     _assert_free(port)
@@ -145,11 +142,8 @@ def test_a_tee_that_died_is_one_warning_at_the_next_look_and_stops_with_the_thre
     sup.add(Fake("store host", stops), STORE, watched=False)
     tee = sup.add(_failing_tee(tmp_path), THREADS, on_death=OFF, wakes=False, start=True,
                   note="worker output is not copied to the console any more")
-    _wait(lambda: not tee._thread.is_alive())
-    with caplog.at_level(logging.WARNING):
-        sup.check_all()
-        sup.check_all()
-    assert _warnings(caplog) == [f"tee thread died: IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'out.log'}'; "
+    wait_for(lambda: not tee._thread.is_alive(), 5.0)
+    assert _warnings_of_two_looks(sup, caplog) == [f"tee thread died: IsADirectoryError: [Errno 21] Is a directory: '{tmp_path / 'out.log'}'; "
                                  "worker output is not copied to the console any more"]
     assert not sup.has(tee)
     live = sup.add(Tee([(str(tmp_path / "other.log"), io.StringIO(), "p:")], interval=0.01), THREADS,
@@ -160,7 +154,7 @@ def test_a_tee_that_died_is_one_warning_at_the_next_look_and_stops_with_the_thre
 
 def test_a_tee_that_died_unseen_is_one_warning_at_its_stop(tmp_path, caplog):
     tee = _failing_tee(tmp_path).start()
-    _wait(lambda: not tee._thread.is_alive())
+    wait_for(lambda: not tee._thread.is_alive(), 5.0)
     with caplog.at_level(logging.WARNING):
         tee.stop()
         tee.stop()
