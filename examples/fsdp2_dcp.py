@@ -38,7 +38,16 @@ every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
 ``--timings FILE`` (per rank, seconds spent in each save and in the restore), ``--journal FILE``
 (every rank appends a JSON line to FILE when it starts: its attempt, rank, group rank, world
 size, and the step restored with its source, or null; and one just before a ``--crash-at``
-SIGKILL: the rank and step; each with the time).
+SIGKILL: the rank and step; each with the time and the process id).
+
+In-process restart (``--in-process``, elaunch only): the training is wrapped with
+``elaunch.restartable``. On a fault (a rank killed, or one whose training raised) the
+surviving ranks keep their processes: their round is interrupted, and they run the
+training again in the next round, with its ranks and store; everything a round needs
+(the process group, the device mesh, the model with ``fully_shard``, the optimizer) is
+built inside it, and every rank restores the step the job agreed on
+(``SnapshotReader().step``); only a dead rank gets a new process. Under torchrun, or
+with no launcher, the flag changes nothing.
 """
 
 from __future__ import annotations
@@ -96,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timings", default=None, metavar="FILE", help="write save/restore seconds to FILE.<rank>.json")
     p.add_argument("--journal", default=None, metavar="FILE",
                    help="append a JSON line to FILE at each start (step restored, source) and before each crash")
+    p.add_argument("--in-process", action="store_true",
+                   help="opt in to elaunch's in-process restart (elaunch.restartable): survivors of a fault keep "
+                        "their processes")
     return p.parse_args(argv)
 
 
@@ -196,7 +208,7 @@ def journal(path: str | None, **record) -> None:
     if path:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps({**record, "time": time.time()}) + "\n").encode())
+            os.write(fd, (json.dumps({**record, "pid": os.getpid(), "time": time.time()}) + "\n").encode())
         finally:
             os.close(fd)
 
@@ -212,6 +224,22 @@ def digest(model: nn.Module) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    run = train
+    if args.in_process:
+        import elaunch
+
+        run = elaunch.restartable(train)  # plain train() where elaunch offers no control channel
+    run(args)
+    # torch's gloo threads can abort the interpreter's teardown after FSDP2 and DCP ("terminate called without an
+    # active exception", SIGABRT: a known race, under torchrun too, in about half of the runs here). Everything is
+    # written and the group is destroyed: leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def train(args: argparse.Namespace) -> None:
+    """Join the group, build the sharded model and its optimizer, restore the agreed step, train to ``--steps``."""
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -229,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
 
     start, restored = 0, None
     reader = SnapshotReader()
-    if reader.step is not None:
+    if reader.step is not None:  # a new round's reader: the step this round's job agreed on
         t0 = time.perf_counter()
         restore(model, optim, reader)
         restored = reader.step
@@ -285,12 +313,6 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.final_params, "w") as f:
                 f.write(final + "\n")
     dist.destroy_process_group()
-    # torch's gloo threads can abort the interpreter's teardown after FSDP2 and DCP ("terminate called without an
-    # active exception", SIGABRT: a known race, under torchrun too, in about half of the runs here). Everything is
-    # written and the group is destroyed: leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,15 @@ def test_under_torchrun_the_same_calls_write_and_resume_from_dcp_directories(tmp
     digest, logs = _digest(tmp_path, "resumed", which="torchrun", env=env)
     assert "restored step 5 from disk" in logs, logs[-3000:]
     assert digest == uninterrupted
+
+
+def test_in_process_a_sigkilled_rank_is_replaced_the_survivor_keeps_its_process_bit_identical(tmp_path, uninterrupted):
+    journal = tmp_path / "journal"
+    digest, logs = _digest(tmp_path, "inprocess", ["--max-restarts=3", "--warm-start"],
+                           ["--in-process", "--crash-at", "1:4", "--journal", str(journal)])
+    assert "in-process restart: 1 worker(s) kept their processes" in logs, logs[-3000:]
+    starts = [r for r in map(json.loads, journal.read_text().splitlines()) if r["event"] == "start"]
+    pid = {(r["attempt"], r["rank"]): r["pid"] for r in starts}
+    assert pid[(1, 0)] == pid[(0, 0)] and pid[(1, 1)] != pid[(0, 1)], starts  # rank 0 kept, rank 1 replaced
+    assert {r["step"] for r in starts if r["attempt"] == 1} == {4}, starts
+    assert digest == uninterrupted
