@@ -307,7 +307,8 @@ class ElasticAgent:
             self._stop_workers(signal.SIGTERM)
             stopped.verdict, stopped.step, stopped.sits_out = Verdict.MEMBERSHIP_CHANGE, Step.REJOIN, alarm.why
             return stopped
-        if verdict is Verdict.FAILED and self._inproc.applies(self._procs.poll(), alarm is None or alarm.restart):
+        if verdict in (Verdict.FAILED, Verdict.MEMBERSHIP_CHANGE) and self._inproc.applies(
+                self._procs.poll(), alarm is None or alarm.restart):
             return self._watch_in_process(stopped)
         if verdict is not Verdict.SUCCEEDED:
             # which workers failed is fixed now; their error files are read once the rest
@@ -324,19 +325,25 @@ class ElasticAgent:
         return stopped
 
     def _watch_in_process(self, stopped: Stopped) -> Stopped:
-        """A failure of workers that all opted in (``elaunch.restartable``): the survivors are interrupted, not stopped.
+        """A failure or membership change of workers that all opted in (``elaunch.restartable``): the survivors
+        are interrupted, not stopped.
 
-        The failure is observed, decided and counted exactly as :meth:`_watch` does; on RESTART the
-        waiting survivors are kept for the next attempt (``InProcess.keep``) and only the rest are
-        stopped; on any other step every worker is stopped as today.
+        A failure is observed, decided and counted exactly as :meth:`_watch` does; a membership change
+        (a node lost or waiting to join, a round failed elsewhere) is not counted, as today. On RESTART or
+        REJOIN the waiting survivors are kept for the next round (``InProcess.keep``), which gives them
+        their new ranks and world size, and only the rest are stopped; on any other step every worker
+        is stopped as today.
         """
-        exited = self._failure_seen()
+        failed = stopped.verdict is Verdict.FAILED
+        exited = self._failure_seen() if failed else None
         # HEALTHY -> INTERRUPTED: "abort" to the running workers; those not ready within the grace are killed
-        waiting = self._inproc.interrupt(self._procs)
-        self._keeper.persist_now("failure")
-        stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs, self._hostname)
+        waiting = self._inproc.interrupt(self._procs, cause="failure" if failed else "membership")
+        if failed:
+            self._keeper.persist_now("failure")
+            stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs,
+                                    self._hostname)
         stopped.step, stopped.root = self._job.decide(stopped.verdict, stopped.record, stopped.fixable)
-        if stopped.step is Step.RESTART:
+        if stopped.step in (Step.RESTART, Step.REJOIN):
             # INTERRUPTED -> KEPT: the survivors wait for the next round's "go"; the dead are reaped
             self._inproc.keep(self._procs, waiting)
             self._stop_workers(signal.SIGKILL, grace=0.0)
@@ -392,7 +399,7 @@ class ElasticAgent:
         lost = self._job.state.lost
         log.warning(
             "membership changed (0 node(s) waiting to join, %d lost); re-forming the group"
-            " (not counted as a restart): the workers exited (%s) after node(s) %s stopped answering",
+            " (not counted as a restart): the workers failed (%s) after node(s) %s stopped answering",
             len(lost), describe_exits(stopped.codes), ", ".join(lost),
         )
         self._events.restart(False, self._job.restarts, "node_lost", stopped.record)

@@ -107,6 +107,9 @@ class GroupMonitor:
             for watchdog in self._watchdogs:
                 alarm = watchdog.poll(watched)
                 if alarm is not None and self._raise(alarm, procs):
+                    if alarm.kind == "raised" and self._scaled_up():
+                        # the workers' collectives broke because another node re-formed in process for a new node
+                        return Verdict.MEMBERSHIP_CHANGE
                     # HEALTHY -> FAILED: a watchdog found running workers failed
                     return Verdict.FAILED
             verdict = self._judge(codes, job, group.round)
@@ -192,6 +195,15 @@ class GroupMonitor:
                               quiet_seconds=alarm.quiet_seconds)
         self.alarm = alarm
         return True
+
+    def _scaled_up(self) -> bool:
+        """After workers reported "raised" (in-process restart): True when new nodes joined, as for an exit in
+        :meth:`_judge` (another node re-formed for them, in process, and closed these workers' connections)."""
+        new = self._new_nodes()
+        if new > 0:
+            log.warning("workers raised while %d new node(s) joined; re-forming the group"
+                        " (a scale-up, not counted as a restart)", new)
+        return new > 0
 
     def _new_nodes(self) -> int:
         """``num_nodes_new()`` of the job channel; 0 when it cannot be read (the failure then counts)."""

@@ -75,6 +75,7 @@ class InProcess:
         self._gone: dict[int, float] = {}  # pid -> when its connection ended (its death, if it died)
         self._kept: dict[int, subprocess.Popen] = {}  # local rank -> a released survivor
         self._fault_at: float | None = None
+        self._cause = "failure"
         self._go_sent: list[int] = []
 
     @property
@@ -129,9 +130,12 @@ class InProcess:
             ranks = {w.local_rank: w.global_rank for w in workers}
             seconds = self._clock() - self._fault_at
             self._events.emit("inprocess_restart", kept=sorted(ranks[lr] for lr in kept),
-                              started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3))
-            log.warning("in-process restart: %d worker(s) kept their processes, %d started, %.2f s after the fault",
-                        len(kept), len(ranks) - len(kept), seconds)
+                              started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3),
+                              cause=self._cause, world_size=workers[0].world_size if workers else None)
+            log.warning("in-process restart: %d worker(s) kept their processes, %d started, %.2f s after the %s"
+                        " (world size %s)", len(kept), len(ranks) - len(kept), seconds,
+                        "fault" if self._cause == "failure" else "membership change",
+                        workers[0].world_size if workers else "?")
         self._fault_at, self._go_sent = None, []
 
     def applies(self, codes: Mapping[int, int | None], fixable: bool) -> bool:
@@ -163,13 +167,19 @@ class InProcess:
         See :func:`decide.failure_times` for a death seen just after."""
         return {lr: self._raised[pid][1] for lr, pid in self._pids.items() if pid in self._raised}
 
-    def interrupt(self, procs: "WorkerProcesses") -> list[int]:
+    def interrupt(self, procs: "WorkerProcesses", cause: str = "failure") -> list[int]:
         """End the round in process: "abort" to the running workers; SIGKILL those not ready in time.
+
+        Args:
+            procs: the attempt's processes.
+            cause: ``"failure"`` (a worker failed) or ``"membership"`` (a node lost or waiting to join, a round
+                failed elsewhere: the survivors are re-formed in the next round, with new ranks when the
+                world changed); written in the ``inprocess_restart`` event.
 
         Returns:
             The local ranks to keep (running, waiting for "go"), sorted.
         """
-        self._fault_at = self._clock()
+        self._fault_at, self._cause = self._clock(), cause
         waiting = self._waiting_ranks()
         for lr in decide.laggards(procs.poll(), waiting):
             if not self._channel.send(self._pids[lr], {"op": "abort"}) and procs.poll().get(lr) is None:

@@ -177,3 +177,63 @@ def test_two_nodes_a_sigkill_on_one_keeps_every_other_process(tmp_path):
     assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, True, True]
     assert {a["start"] for a in rounds[1]} == {rounds[1][0]["start"]}  # one agreed step
     assert all("restart 1/1" in err for _, err, _ in results)
+
+
+def _calls(out: Path) -> list[dict]:
+    """Every call of main() recorded so far (its first step done), in the order they started."""
+    recs = []
+    for path in out.glob("round_*.json"):
+        try:
+            recs.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # written with a rename: only a vanished file
+            continue
+    return sorted(recs, key=lambda r: r["started"])
+
+
+@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
+    """--nnodes=1:2, one worker a node: node A trains alone (world 1); node B joins (a scale-up: A's worker is
+    interrupted and re-formed in process, world 2, with B's new worker); then B is SIGKILLed whole (agent and
+    worker: a node lost) and A's worker goes on alone (world 1) in the same process, to the end."""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree, start
+
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def agent(name: str) -> subprocess.Popen:
+        err = open(tmp_path / f"{name}.err", "w")
+        return start("elaunch", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=grow", "--rdzv-conf=last_call_timeout=1,join_timeout=60",
+                     "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
+                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "400", "--step-sleep", "0.05",
+                     "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
+
+    a = agent("a")
+    b = None
+    try:
+        (first,) = wait_for(lambda: _calls(out), 60, what="node A's worker trained a step")
+        assert first["world"] == 1
+        b = agent("b")
+        wait_for(lambda: [c for c in _calls(out) if c["world"] == 2 and c["pid"] != first["pid"]], 60,
+                 what="node B's worker trained a step in a world of 2")
+        kill_tree(b.pid)  # node B is gone: its agent and its worker, no goodbye
+        b.wait(10)
+        wait_for(lambda: [c for c in _calls(out) if c["pid"] == first["pid"] and c["call"] == 3], 90,
+                 what="node A's worker was called a third time")
+        assert a.wait(90) == 0, (tmp_path / "a.err").read_text()[-3000:]
+    finally:
+        kill_tree(a.pid)
+        if b is not None:
+            kill_tree(b.pid)
+    mine = [c for c in _calls(out) if c["pid"] == first["pid"]]
+    assert [(c["call"], c["world"]) for c in mine] == [(1, 1), (2, 2), (3, 1)]  # one process, three worlds
+    assert mine[1]["rank"] in (0, 1) and mine[2]["rank"] == 0
+    grown = [c for c in _calls(out) if c["world"] == 2]
+    assert len({c["start"] for c in grown}) == 1 and grown[0]["start"] > 0  # both resumed at the agreed step
+    assert mine[2]["start"] > mine[1]["start"]
+    events = [e for e in _events(logs / "a") if e["kind"] == "inprocess_restart"]
+    assert events[0]["cause"] == "membership" and events[0]["world_size"] == 2
+    assert events[-1]["world_size"] == 1 and len(events) == 2
+    assert (out / "final.json").exists()

@@ -1,7 +1,7 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
 ``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--plain]
-[--timeout SECONDS]``
+[--timeout SECONDS] [--step-sleep SECONDS]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -12,9 +12,11 @@ round (``TORCHELASTIC_RESTART_COUNT`` 0), ``--kill R:S`` has rank R SIGKILL itse
 step S, writing ``OUT/fault.json`` (the time) first; ``--block R:S`` has rank R sleep an hour
 after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not
 decorated. ``--timeout``: the process group's timeout (seconds; long, so a survivor left
-waiting for it would be obvious).
+waiting for it would be obvious). ``--step-sleep``: seconds each rank sleeps after each step (a
+longer run, for faults driven from outside).
 
-Writes ``OUT/round_<rank>_<pid>_<restart count>.json`` per call of main() (world size,
+Writes ``OUT/round_<rank>_<pid>_<restart count>_<call>.json`` per call of main() (its number in the process,
+world size,
 step restored, when main() started and when its first step was done, whether the process is a
 ``--warm-start`` spare) and, on rank 0 at
 the end, ``OUT/final.json`` with the SHA-256 of the final parameters.
@@ -43,6 +45,7 @@ parser.add_argument("--stop", default=None)
 parser.add_argument("--block", default=None)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--timeout", type=float, default=120.0)
+parser.add_argument("--step-sleep", type=float, default=0.0)
 args = parser.parse_args()
 
 
@@ -60,7 +63,11 @@ def _write(name, data):
     os.replace(path + ".tmp", path)
 
 
+CALLS = [0]  # main()'s calls in this process
+
+
 def main():
+    CALLS[0] += 1
     started = time.time()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -78,7 +85,7 @@ def main():
     with open("/proc/self/cmdline", "rb") as f:
         warm = any(a.endswith(b"_warm_child.py") for a in f.read().split(b"\0"))  # a --warm-start spare
     record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
-              "started": started, "first_step": None, "warm": warm}
+              "started": started, "first_step": None, "warm": warm, "call": CALLS[0]}
     kill, raise_, stop, block = _fault(args.kill), _fault(args.raise_), _fault(args.stop), _fault(args.block)
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * 1000 + rank)
@@ -91,9 +98,11 @@ def main():
         opt.zero_grad()
         ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
         elaunch.progress(step=step)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if record["first_step"] is None:
             record["first_step"] = time.time()
-            _write(f"round_{rank}_{os.getpid()}_{restarts}.json", record)
+            _write(f"round_{rank}_{os.getpid()}_{restarts}_{CALLS[0]}.json", record)
         if restarts == 0 and (rank, step) == kill:
             _write("fault.json", {"kind": "kill", "at": time.time(), "rank": rank, "step": step})
             os.kill(os.getpid(), signal.SIGKILL)
@@ -105,7 +114,7 @@ def main():
         if restarts == 0 and (rank, step) == raise_:
             _write("fault.json", {"kind": "raise", "at": time.time(), "rank": rank, "step": step})
             raise RuntimeError(f"planted fault on rank {rank} after step {step}")
-    _write(f"round_{rank}_{os.getpid()}_{restarts}.json", record)
+    _write(f"round_{rank}_{os.getpid()}_{restarts}_{CALLS[0]}.json", record)
     if rank == 0:
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
         _write("final.json", {"sha256": digest, "restarts": restarts})
