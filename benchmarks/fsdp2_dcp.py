@@ -27,7 +27,11 @@ blocked until it, or waits for it at the next collective).
 5. **Goodput** (full run only): examples/fsdp2_dcp.py on the same 2 hosts (``--nnodes=2``),
    T0 uninterrupted, then under issue 24's faults (benchmarks/goodput.py): a worker SIGKILL
    every 20 s (once the group trains again), and a node killed at 40 % of T0 with a fresh
-   host joining at once. Goodput = T0 / T_faulty, launch to the last agent's exit.
+   host joining at once. Goodput = T0 / T_faulty, launch to the last agent's exit. Each fault
+   twice: elaunch's full restart (every worker of the job restarted), and in-process restart
+   (the example's ``--in-process``, ``@elaunch.restartable``; elaunch already runs with
+   ``--warm-start``): the survivors keep their processes, a dead rank gets a new one. The
+   same T0 runs for both.
 
 The disk side writes to a directory on the working directory's disk (DCP's ``FileSystemWriter``
 fsyncs its files); its loads read files just written (page cache): the floor of a disk restore.
@@ -308,14 +312,20 @@ def _training_since(job: Job, t: float) -> bool:
     return any(e["time"] > t for a in job.live() for e in job.events(a, "training"))
 
 
-def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | None, seed: int = 0) -> dict:
+#: The goodput part's faulty runs: (fault, in process), in the order they run.
+GP_RUNS = {"kill": ("kill", False), "node": ("node", False), "kill-ip": ("kill", True), "node-ip": ("node", True)}
+
+
+def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | None, seed: int = 0,
+                in_process: bool = False) -> dict:
     from tests.multinode import netns
 
-    work = root / f"gp-{fault}"
+    work = root / f"gp-{fault}{'-ip' if in_process else ''}"
     work.mkdir(parents=True)
     args = ["--steps", str(s.gp_steps), "--dim", str(s.dim), "--layers", str(s.layers), "--heads", str(s.heads),
-            "--final-params", str(work / "final.sha"), "--timings", str(work / "timings")]
-    row: dict = {"fault": fault, "events": [], "note": ""}
+            "--final-params", str(work / "final.sha"), "--timings", str(work / "timings"),
+            "--journal", str(work / "journal")] + (["--in-process"] if in_process else [])
+    row: dict = {"fault": fault, "in_process": in_process, "events": [], "note": ""}
     rng = random.Random(seed)
     with netns.Network("-d36g") as net:
         job = Job(netns, net, f"g{fault}", "2", work, args, script=EXAMPLE)
@@ -365,6 +375,8 @@ def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | N
             for a in job.agents:
                 restores += [e["sources"] for e in job.events(a, "checkpoint_restore")]
             row["restore_sources"] = restores
+            row["inprocess_restarts"] = [{k: e.get(k) for k in ("time", "round", "kept", "started", "seconds")}
+                                         for a in job.agents for e in job.events(a, "inprocess_restart")]
             trained = sorted(e["time"] for a in job.agents for e in job.events(a, "training"))
             for event in row["events"]:  # the fault to the group's next training (every rank's first progress)
                 after = [t for t in trained if t > t_start + event["t"]]
@@ -377,29 +389,79 @@ def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | N
     sha = work / "final.sha"
     row["final_sha256"] = sha.read_text().strip() if sha.exists() else None
     row["timings"] = [json.loads(p.read_text()) for p in sorted(work.glob("timings.*.json"))]
+    row.update(journal_summary(work / "journal", t_start, row["events"]))
     return row
 
 
-def goodput(s: Sizes, root: Path, disk_root: Path) -> list[dict]:
-    """T0 before and after the faulty runs (the machine's load drifts: T0 is their median), kill, node."""
-    log_line("goodput: uninterrupted (before)")
-    before = goodput_run(s, root, disk_root, "none", None)
-    rows = [before]
-    if before["T_s"] is None:
+def journal_summary(path: Path, t_start: float, events: list[dict]) -> dict:
+    """What the example's ``--journal`` tells: each round's step restored, and whose processes were kept.
+
+    Returns:
+        ``rounds``: per attempt, the step restored (None: a fresh start), its time after the start,
+        the ranks that started and how many of them were processes of an earlier round (kept).
+    """
+    if not path.exists():
+        return {"rounds": []}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rounds: dict[int, dict] = {}
+    for r in recs:
+        if r.get("event") != "start":
+            continue
+        rd = rounds.setdefault(r["attempt"], {"attempt": r["attempt"], "step": r["step"], "ranks": 0, "kept": 0,
+                                              "t": round(r["time"] - t_start, 2)})
+        rd["ranks"] += 1
+    for attempt, rd in rounds.items():  # kept: a pid seen in an earlier attempt
+        earlier = {r["pid"] for r in recs if r.get("event") == "start" and r["attempt"] < attempt}
+        rd["kept"] = sum(1 for r in recs if r.get("event") == "start" and r["attempt"] == attempt
+                         and r["pid"] in earlier)
+    return {"rounds": [rounds[k] for k in sorted(rounds)]}
+
+
+def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple(GP_RUNS),
+            reference: list[dict] | None = None) -> list[dict]:
+    """T0 before and after the faulty runs (the machine's load drifts: T0 is their median), then ``runs``
+    (``GP_RUNS``' keys: kill and node with elaunch's full restart, kill-ip and node-ip in process).
+
+    Each way has T0 runs of its own (the in-process ones with ``--in-process`` and no fault: the decorator's
+    ``gc.freeze`` alone may change the step time). ``reference``: an earlier result's uninterrupted rows,
+    taken instead of running them (same sizes).
+    """
+    ways = list(dict.fromkeys(GP_RUNS[name][1] for name in runs)) or [False]
+    base: dict[bool, list[dict]] = {w: [] for w in ways}
+    rows: list[dict] = []
+
+    def uninterrupted(when: str) -> None:
+        for w in ways:
+            log_line(f"goodput: uninterrupted{' in process' if w else ''} ({when})")
+            r = goodput_run(s, root / when, disk_root, "none", None, in_process=w)
+            r["when"] = when
+            base[w].append(r)
+            rows.append(r)
+
+    if reference:
+        for r in reference:
+            if r["fault"] == "none" and r.get("in_process", False) in base:
+                base[r.get("in_process", False)].append({**r, "reference": True})
+                rows.append({**r, "reference": True})
+    else:
+        uninterrupted("before")
+    if not all(any(r["T_s"] is not None for r in base[w]) for w in ways):
         return rows
-    for fault in ("kill", "node"):
-        log_line(f"goodput: {fault} (T0 {before['T_s']:.1f} s)")
-        rows.append(goodput_run(s, root, disk_root, fault, before["T_s"]))
-    log_line("goodput: uninterrupted (after)")
-    after = goodput_run(s, root / "after", disk_root, "none", None)
-    rows.append(after)
-    t0 = statistics.median([r["T_s"] for r in (before, after) if r["T_s"] is not None])
+    for name in runs:
+        fault, in_process = GP_RUNS[name]
+        t0_first = next(r["T_s"] for r in base[in_process] if r["T_s"] is not None)
+        log_line(f"goodput: {name} (T0 {t0_first:.1f} s)")
+        rows.append(goodput_run(s, root, disk_root, fault, t0_first, in_process=in_process))
+    if not reference:
+        uninterrupted("after")
+    t0 = {w: statistics.median([r["T_s"] for r in base[w] if r["T_s"] is not None]) for w in ways}
+    sha = next((r["final_sha256"] for w in ways for r in base[w] if r["final_sha256"]), None)
     for row in rows:
         if row["fault"] == "none":
             continue
-        row["T0_s"] = t0
-        row["goodput"] = t0 / row["T_s"] if row["T_s"] else None
-        row["bit_identical"] = row["final_sha256"] == before["final_sha256"] if row["final_sha256"] else None
+        row["T0_s"] = t0[row["in_process"]]
+        row["goodput"] = row["T0_s"] / row["T_s"] if row["T_s"] else None
+        row["bit_identical"] = row["final_sha256"] == sha if row["final_sha256"] and sha else None
     return rows
 
 
@@ -480,20 +542,30 @@ def rows_of(res: dict) -> list[dict]:
         t = r["target"]
         r["met"] = None if not t else (r["ratio"] is not None and r["ratio"] <= t["value"]
                                        and "NOT committed" not in t["text"])
-    t0s = [g["T_s"] for g in res.get("goodput", []) if g["fault"] == "none"]
-    if t0s:
-        rows.append({"key": "goodput.T0", "label": "goodput: uninterrupted run (T0; before and after the faults)",
-                     "unit": "s", "values": t0s, "median": _med([t for t in t0s if t is not None]), "vs": None,
-                     "target": None, "ratio": None, "met": None})
+    for ip in (False, True):
+        t0s = [g["T_s"] for g in res.get("goodput", []) if g["fault"] == "none" and g.get("in_process", False) == ip]
+        shas = {g["final_sha256"] for g in res.get("goodput", []) if g["fault"] == "none"}
+        if t0s:
+            rows.append({"key": "goodput.T0" + ("_inprocess" if ip else ""),
+                         "label": f"goodput: uninterrupted run{', --in-process' if ip else ''} (T0; before and "
+                         f"after the faults; the uninterrupted runs' digests: {len(shas)})",
+                         "unit": "s", "values": t0s, "median": _med([t for t in t0s if t is not None]), "vs": None,
+                         "target": None, "ratio": None, "met": None})
     for g in res.get("goodput", []):
         if g["fault"] == "none":
             continue
         pct = g["goodput"] * 100 if g.get("goodput") else None
         label = {"kill": "goodput: a worker SIGKILL every 20 s", "node": "goodput: a node killed, a fresh one joins"}
+        how = "in-process restart" if g.get("in_process") else "full restart"
         rec = [e["recovered_s"] for e in g["events"] if e.get("recovered_s") is not None]
         recovery = f"fault to training again: median {_med(rec):.1f} s" if rec else "recovery not read"
-        rows.append({"key": f"goodput.{g['fault']}", "label": f"{label[g['fault']]} ({len(g['events'])} faults; "
-                     f"{recovery}; bit-identical: {g.get('bit_identical')})", "unit": "%", "values": [pct],
+        rounds = g.get("rounds", [])[1:]
+        kept = f"; processes kept: {sum(r['kept'] for r in rounds)} of {sum(r['ranks'] for r in rounds)}" \
+            if rounds else ""
+        note = f"; {g['note']}" if g.get("note") else ""
+        rows.append({"key": f"goodput.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
+                     "label": f"{label[g['fault']]}, {how} ({len(g['events'])} faults; "
+                     f"{recovery}{kept}; bit-identical: {g.get('bit_identical')}{note})", "unit": "%", "values": [pct],
                      "median": pct, "vs": None, "ratio": None,
                      "target": {"kind": "abs_ge", "value": 95, "text": ">= 95 %"},
                      "met": pct is not None and pct >= 95})
@@ -527,7 +599,17 @@ def main(argv: list[str] | None = None) -> int:
                                                 "--smoke: a,b; named, goodput runs with --smoke's sizes too)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--gp-steps", type=int, default=None, help="the goodput runs' --steps")
+    p.add_argument("--gp-reference", type=Path, default=None, metavar="JSON",
+                   help="take the goodput part's uninterrupted runs (T0, digest) from this earlier --json result "
+                        "instead of running them (same sizes)")
+    p.add_argument("--gp-runs", default=",".join(GP_RUNS),
+                   help="the goodput part's faulty runs, in order (default kill,node,kill-ip,node-ip: each fault "
+                        "with elaunch's full restart, then in process (-ip, the example's --in-process))")
     a = p.parse_args(argv)
+    runs = tuple(x for x in a.gp_runs.split(",") if x)
+    bad = [x for x in runs if x not in GP_RUNS]
+    if bad:
+        p.error(f"--gp-runs: unknown {bad} (known: {', '.join(GP_RUNS)})")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite
     from tests.multinode import netns
@@ -566,7 +648,13 @@ def main(argv: list[str] | None = None) -> int:
             for job in jobs:
                 one(*job)
         if "goodput" in parts:
-            res["goodput"] = goodput(s, root, Path(disk_root))
+            reference = None
+            if a.gp_reference:
+                earlier = json.loads(a.gp_reference.read_text())
+                if {k: v for k, v in earlier["meta"]["sizes"].items() if k != "state_mib"} != asdict(s):
+                    p.error(f"--gp-reference {a.gp_reference}: other sizes ({earlier['meta']['sizes']})")
+                reference = earlier["raw"].get("goodput", [])
+            res["goodput"] = goodput(s, root, Path(disk_root), runs, reference)
         else:
             res["notes"].append("goodput: not run (--smoke, or --only without it)")
     rows = rows_of(res)

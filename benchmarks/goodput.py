@@ -7,7 +7,10 @@ for about 3 minutes, under three configurations:
 * ``a``: elaunch, ``ckpt.save`` every step (``--snapshot-every 1 --no-disk-checkpoint``;
   ``--checkpoint-dir`` unset: nothing persisted, restores come from memory and peers' replicas);
 * ``b``: elaunch, the example's per-epoch ``torch.save`` only (``--snapshot-every 0``);
-* ``c``: torchrun, the same per-epoch ``torch.save`` and the same flags.
+* ``c``: torchrun, the same per-epoch ``torch.save`` and the same flags;
+* ``d``: configuration a plus the example's ``--in-process`` (``@elaunch.restartable``,
+  elaunch only, always with ``--warm-start``): after a fault the survivors keep their
+  processes and only a dead rank gets a new one. ``--configs a,d`` compares the two.
 
 elaunch runs with ``--warm-start`` (its spares import torch and scikit-learn; ``--no-warm-start``
 turns it off). Each configuration runs once uninterrupted (T0), then under each fault:
@@ -20,11 +23,18 @@ turns it off). Each configuration runs once uninterrupted (T0), then under each 
 
 Goodput = T0 / T_faulty (launch to the last agent's exit). A faulty run is bounded by
 ``Sizes.bound`` x T0 (2 in full mode): a run that needs longer is "did not complete", i.e.
-a goodput below 1 / bound. Steps lost per restart = the
+a goodput below 1 / bound. Steps lost per restart (configurations a-c) = the
 steps the group had started when it stopped (the worker's step counter) minus the step it
 resumed from (the example's ``resumed from ... at epoch E step S`` line). Bit-identical: the
 final parameters' SHA-256 (``--final-params``) against the same configuration's T0 run
 (a run whose world size changed differs by design: reported, not failed).
+
+In process (configuration d) a survivor's rank 0 keeps its process, so a group start is
+not a new rank-0 process: its restarts, steps lost and recoveries are read from the agents'
+event logs instead (``events``: per restart, the step the group had started, from the
+``restart`` event, against the step restored, from ``checkpoint_restore``; recovery: from
+the fault to the last agent's ``training`` event of the next round that trained). Every
+elaunch row carries that reading too, so a and d compare by the same method.
 
 "Nothing lost" (``--lost``, on by default with configuration a): ``--nnodes=3`` (the world
 stays 3), 6 worker SIGKILLs at random points, every second one aimed at a save in
@@ -68,7 +78,11 @@ CONFIGS = {
     "a": Config("a", "elaunch", "elaunch, ckpt.save every step", ("--snapshot-every", "1", "--no-disk-checkpoint")),
     "b": Config("b", "elaunch", "elaunch, per-epoch torch.save", ("--snapshot-every", "0")),
     "c": Config("c", "torchrun", "torchrun, per-epoch torch.save", ("--snapshot-every", "0")),
+    "d": Config("d", "elaunch", "elaunch in process (--in-process), ckpt.save every step",
+                ("--snapshot-every", "1", "--no-disk-checkpoint", "--in-process")),
 }
+#: Configurations that restart in process: their rows are read from the event logs (see the docstring).
+IN_PROCESS = {"d"}
 FAULTS = {"kill": "a worker SIGKILL every {every:g} s", "node": "a node killed, a fresh one joins"}
 
 
@@ -225,6 +239,7 @@ def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm:
     workdir = root / f"{cfg.name}-{fault}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
+    warm = warm or cfg.name in IN_PROCESS  # d is measured with warm spares only
     nnodes = "3" if fault == "lost" else "2:3"
     row = {"config": cfg.name, "label": cfg.label, "launcher": cfg.launcher, "fault": fault, "seed": seed,
            "nnodes": nnodes, "warm_start": warm and cfg.launcher == "elaunch", "state_mib": sizes.state_mib,
@@ -250,7 +265,14 @@ def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm:
     row["T0_s"] = row["T_s"] if fault == "none" else t0
     row["goodput"] = (t0 / row["T_s"]) if (t0 and row["T_s"]) else None
     final = workdir / "final.json"
+    if cfg.launcher == "elaunch":
+        row["from_events"] = from_events(read_events(workdir / "logs"), row["events"], cluster.t_start)
     summarize(row, json.loads(final.read_text()) if final.exists() else None, ref)
+    if cfg.name in IN_PROCESS:  # the counters' rank-0 processes are not the group starts: the events are
+        ev = row["from_events"]
+        row.update({"restarts": ev["restarts"], "steps_lost": ev["steps_lost"], "recovery_s": ev["recovery_s"],
+                    "restores": ev["restores"], "attempts_note": "restarts, steps lost, restores and recoveries "
+                    "from the event logs (in process: a kept rank 0 is no new counter)"})
     return row
 
 
@@ -279,11 +301,79 @@ def _drive(cluster: Cluster, fault: str, sizes: Sizes, rng: random.Random, t0: f
     return max((a.exited for a in cluster.agents if a.exited), default=time.monotonic()) - t_start
 
 
+def read_events(log_dir: Path) -> list[dict]:
+    """Every agent's events (``LOG_DIR/*/events.jsonl``), by time."""
+    found = []
+    for path in log_dir.glob("**/events.jsonl"):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by a killed agent
+    return sorted(found, key=lambda e: e.get("time", 0.0))
+
+
+def from_events(events: list[dict], faults: list[dict], t_start: float) -> dict:
+    """A faulty run's restarts, steps lost, restores and recoveries, read from the agents' event logs.
+
+    Args:
+        events: :func:`read_events`. faults: the run's fault events (``t``: s after ``t_start``).
+        t_start: the run's start (time.time(), s).
+
+    Returns:
+        ``restarts`` (failed rounds), ``steps_lost`` (per restart: steps started, the ``restart``
+        event's highest ``step`` + 1 (ddp_digits reports the 0-based index of the step it starts),
+        minus the step the next ``checkpoint_restore`` restored; summed), ``lost_per_restart``,
+        ``restores`` (by source: ``snapshot`` for memory/peer, ``disk``), ``recovery_s`` (per fault:
+        from the fault to the last ``training`` event of the first round after it whose every
+        ``training`` event is after it), ``inprocess`` (per in-process restart: round, ranks kept,
+        ranks started, seconds to "go"), ``rounds_trained`` (round: s after the start).
+    """
+    failed: dict[int, int | None] = {}
+    for e in events:
+        if e.get("kind") == "restart":
+            r = e.get("failed_round", e.get("round"))
+            if r is None:
+                continue
+            step = e.get("step")
+            failed[r] = step if failed.get(r) is None else max(failed[r], step if step is not None else -1)
+    restored = {}
+    for e in events:
+        if e.get("kind") == "checkpoint_restore" and e.get("round") is not None:
+            restored.setdefault(e["round"], e)
+    lost = []
+    for r, step in sorted(failed.items()):
+        nxt = min((k for k in restored if k > r), default=None)
+        if step is None or nxt is None:
+            continue
+        lost.append(max(0, step + 1 - restored[nxt]["step"]))
+    trained: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("kind") == "training" and e.get("round") is not None:
+            trained.setdefault(e["round"], []).append(e["time"])
+    recovery = []
+    for f in faults:
+        t = t_start + f["t"]
+        after = [r for r in sorted(trained) if min(trained[r]) > t]
+        if after:
+            recovery.append(round(max(trained[after[0]]) - t, 2))
+    sources = [src for e in restored.values() for src in e.get("sources", {}).values()]
+    kinds = [set(e.get("sources", {}).values()) for e in restored.values()]
+    restores = {"snapshot": sum(1 for k in kinds if k and k <= {"memory", "peer"}), "disk": sum(1 for k in kinds
+                if "disk" in k), "scratch": 0, "none": sum(1 for k in kinds if not k or "missing" in k)}
+    inproc = [{"round": e.get("round"), "kept": len(e.get("kept", [])), "started": len(e.get("started", [])),
+               "seconds": e.get("seconds")} for e in events if e.get("kind") == "inprocess_restart"]
+    return {"restarts": len(failed), "steps_lost": sum(lost), "lost_per_restart": lost, "restores": restores,
+            "restore_sources": sorted(set(sources)), "recovery_s": recovery, "inprocess": inproc,
+            "rounds_trained": {r: round(max(ts) - t_start, 2) for r, ts in sorted(trained.items())}}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small state and ~30 s of training per run")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the report scenario here")
-    p.add_argument("--configs", default="a,b,c", help="which configurations (default a,b,c)")
+    p.add_argument("--configs", default="a,b,c",
+                   help="which configurations (default a,b,c; d: a in process, --configs a,d compares them)")
     p.add_argument("--faults", default="kill,node", help="which faults (default kill,node)")
     p.add_argument("--lost", default="a", help="configuration of the nothing-lost run ('' = none; default a)")
     p.add_argument("--seed", type=int, default=0, help="the example's and the fault schedule's seed")
@@ -301,7 +391,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [c for c in a.configs + ([a.lost] if a.lost else []) if c not in CONFIGS]
     bad += [f for f in a.faults if f not in FAULTS]
     if bad:
-        p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c; faults kill,node)")
+        p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c,d; faults kill,node)")
     return a
 
 
