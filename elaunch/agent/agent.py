@@ -199,7 +199,9 @@ class ElasticAgent:
             log.warning("received %s, stopping workers", signal.Signals(exc.sigval).name)
             self._launcher.no_more_attempts()
             self._keeper.persist_now("signal")  # written while the workers stop; awaited before the directory goes
+            self._inproc.forward(exc.sigval)  # survivors kept for the next round: the same signal, the same grace
             self._stop_workers(exc.sigval)
+            self._inproc.close(grace=self._config.shutdown_timeout)
             self._job_end(sig=exc.sigval)
             raise
         except BaseException as exc:

@@ -106,9 +106,38 @@ class InProcess:
                     "; ".join(self._raised[self._pids[lr]][0] for lr in ranks))
         return self._raised_alarm()
 
-    def close(self) -> None:
-        """Kill the survivors still kept (the agent ends between a failure and the next attempt). Idempotent."""
+    def close(self, grace: float = 0.0) -> None:
+        """End the survivors still kept (the agent ends between a failure and the next attempt). Idempotent.
+
+        Args:
+            grace: seconds the kept workers have to exit (after :meth:`forward`'s signal) before SIGKILL;
+                0: SIGKILL at once. Each kept worker's end is logged with how it ended.
+        """
+        deadline = self._clock() + grace
+        for proc in self._kept.values():
+            try:
+                proc.wait(max(0.0, deadline - self._clock()))
+            except subprocess.TimeoutExpired:
+                pass
+        kept = dict(self._kept)
         self.drop()
+        for lr, proc in sorted(kept.items()):
+            code = proc.returncode
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            log.warning("in-process restart: local rank %d's kept worker %d, waiting for the next round, ended (%s)",
+                        lr, proc.pid, how)
+
+    def forward(self, sig: int) -> None:
+        """Send ``sig`` to each kept worker's process group: the agent was signalled while they waited for the
+        next round (torchrun forwards its signal to every worker; :meth:`close` then gives them the grace)."""
+        import os
+
+        for proc in self._kept.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     # ------------------------------------------------------------ the agent's steps
 

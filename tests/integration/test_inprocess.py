@@ -8,11 +8,13 @@ each step) run uninterrupted under torchrun (the reference: the wrapper is then 
 from __future__ import annotations
 
 import json
+import signal
 import os
 import sys
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import SCRIPTS, finish_agents, free_port, launcher_env, run, start_agent
@@ -237,3 +239,49 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
     assert events[0]["cause"] == "membership" and events[0]["world_size"] == 2
     assert events[-1]["world_size"] == 1 and len(events) == 2
     assert (out / "final.json").exists()
+
+
+@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+def test_a_signal_while_survivors_wait_for_the_next_round_is_forwarded_to_them(tmp_path):
+    """--nnodes=2: node B is SIGKILLed whole, so node A's worker is kept and A waits in the rendezvous for a
+    second node. A SIGTERM to A's agent then reaches the kept worker as a SIGTERM (torchrun forwards its
+    signal to every worker), not as the SIGKILL a job's end gives a kept worker."""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree, start
+
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def agent(name: str) -> subprocess.Popen:
+        err = open(tmp_path / f"{name}.err", "w")
+        return start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=sig", "--rdzv-conf=join_timeout=60",
+                     "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
+                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "400", "--step-sleep", "0.05",
+                     "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
+
+    a, b = agent("a"), None
+    try:
+        port = int(endpoint.rsplit(":", 1)[1])  # A hosts the rendezvous store: B's death must not take it along
+        wait_for(lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                             for c in psutil.Process(a.pid).net_connections()), 60, what="node A's store")
+        b = agent("b")
+        calls = wait_for(lambda: [c for c in _calls(out) if c["world"] == 2] if len(_calls(out)) == 2 else None, 60,
+                         what="both workers trained a step")
+        (kept,) = [psutil.Process(c["pid"]) for c in calls
+                   if c["pid"] in [p.pid for p in psutil.Process(a.pid).children(recursive=True)]]
+        kill_tree(b.pid)  # node B is gone
+        b.wait(10)
+        wait_for(lambda: sum(e["kind"] == "rendezvous_join" for e in _events(logs / "a")) == 2, 60,
+                 what="node A joining the next round, its worker kept")
+        assert kept.is_running()
+        a.send_signal(signal.SIGTERM)
+        a.wait(60)
+    finally:
+        kill_tree(a.pid)
+        if b is not None:
+            kill_tree(b.pid)
+    err = (tmp_path / "a.err").read_text()
+    assert f"local rank 0's kept worker {kept.pid}, waiting for the next round, ended (signal SIGTERM)" in err, \
+        err[-3000:]
