@@ -339,7 +339,7 @@ class ElasticAgent:
         failed = stopped.verdict is Verdict.FAILED
         exited = self._failure_seen() if failed else None
         # HEALTHY -> INTERRUPTED: "abort" to the running workers; those not ready within the grace are killed
-        waiting = self._inproc.interrupt(self._procs, cause="failure" if failed else "membership")
+        waiting = self._inproc.interrupt(self._procs)
         if failed:
             self._keeper.persist_now("failure")
             stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs,
@@ -347,7 +347,7 @@ class ElasticAgent:
         stopped.step, stopped.root = self._job.decide(stopped.verdict, stopped.record, stopped.fixable)
         if stopped.step in (Step.RESTART, Step.REJOIN):
             # INTERRUPTED -> KEPT: the survivors wait for the next round's "go"; the dead are reaped
-            self._inproc.keep(self._procs, waiting)
+            self._inproc.keep(self._procs, waiting, "failure" if stopped.step is Step.RESTART else "membership")
             self._stop_workers(signal.SIGKILL, grace=0.0)
         else:
             self._stop_workers(signal.SIGTERM)

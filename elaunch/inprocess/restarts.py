@@ -196,19 +196,13 @@ class InProcess:
         See :func:`decide.failure_times` for a death seen just after."""
         return {lr: self._raised[pid][1] for lr, pid in self._pids.items() if pid in self._raised}
 
-    def interrupt(self, procs: "WorkerProcesses", cause: str = "failure") -> list[int]:
+    def interrupt(self, procs: "WorkerProcesses") -> list[int]:
         """End the round in process: "abort" to the running workers; SIGKILL those not ready in time.
-
-        Args:
-            procs: the attempt's processes.
-            cause: ``"failure"`` (a worker failed) or ``"membership"`` (a node lost or waiting to join, a round
-                failed elsewhere: the survivors are re-formed in the next round, with new ranks when the
-                world changed); written in the ``inprocess_restart`` event.
 
         Returns:
             The local ranks to keep (running, waiting for "go"), sorted.
         """
-        self._fault_at, self._cause = self._clock(), cause
+        self._fault_at = self._clock()
         waiting = self._waiting_ranks()
         for lr in decide.laggards(procs.poll(), waiting):
             if not self._channel.send(self._pids[lr], {"op": "abort"}) and procs.poll().get(lr) is None:
@@ -231,8 +225,17 @@ class InProcess:
             procs.wait(min(left, 0.05))
         return decide.kept(procs.poll(), self._waiting_ranks())
 
-    def keep(self, procs: "WorkerProcesses", local_ranks: list[int]) -> None:
-        """Release ``local_ranks``' workers from ``procs`` and hold them for the next attempt."""
+    def keep(self, procs: "WorkerProcesses", local_ranks: list[int], cause: str = "failure") -> None:
+        """Release ``local_ranks``' workers from ``procs`` and hold them for the next attempt.
+
+        Args:
+            procs: the attempt's processes.
+            local_ranks: the waiting survivors (:meth:`interrupt`'s result).
+            cause: ``"failure"`` (a restart, counted) or ``"membership"`` (a re-form, not counted: a node lost
+                or waiting to join, a round failed elsewhere; the survivors get new ranks when the world
+                changed); written in the ``inprocess_restart`` event.
+        """
+        self._cause = cause
         self._kept.update(procs.release(local_ranks))
 
     def adopter(self, logs: "AttemptLogs") -> "Callable[[int, list[str], dict[str, str]], Popen | None] | None":

@@ -194,50 +194,59 @@ def _calls(out: Path) -> list[dict]:
 
 @pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
 def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
-    """--nnodes=1:2, one worker a node: node A trains alone (world 1); node B joins (a scale-up: A's worker is
-    interrupted and re-formed in process, world 2, with B's new worker); then B is SIGKILLed whole (agent and
-    worker: a node lost) and A's worker goes on alone (world 1) in the same process, to the end."""
+    """--nnodes=2:3, one worker a node. Nodes A and B train (world 2); node C joins: a scale-up, whichever of A and
+    B sees C first interrupts its worker, the other's worker sees its collective break ("raised" while a node
+    waits: the scale-up's doing, not a failure), and both are re-formed in process with C's new worker (world 3).
+    Then C is SIGKILLed whole (agent and worker: a node lost) and A's and B's workers go on (world 2) in the same
+    processes, to the end. No restart is counted."""
     from tests.conftest import wait_for
     from tests.helpers import kill_tree, start
 
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
+    port = int(endpoint.rsplit(":", 1)[1])
 
     def agent(name: str) -> subprocess.Popen:
         err = open(tmp_path / f"{name}.err", "w")
-        return start("elaunch", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=grow", "--rdzv-conf=last_call_timeout=1,join_timeout=60",
                      "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
                      "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "400", "--step-sleep", "0.05",
                      "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
 
-    a = agent("a")
-    b = None
+    agents: dict[str, subprocess.Popen] = {}
     try:
-        (first,) = wait_for(lambda: _calls(out), 60, what="node A's worker trained a step")
-        assert first["world"] == 1
-        b = agent("b")
-        wait_for(lambda: [c for c in _calls(out) if c["world"] == 2 and c["pid"] != first["pid"]], 60,
-                 what="node B's worker trained a step in a world of 2")
-        kill_tree(b.pid)  # node B is gone: its agent and its worker, no goodbye
-        b.wait(10)
-        wait_for(lambda: [c for c in _calls(out) if c["pid"] == first["pid"] and c["call"] == 3], 90,
-                 what="node A's worker was called a third time")
-        assert a.wait(90) == 0, (tmp_path / "a.err").read_text()[-3000:]
+        agents["a"] = agent("a")  # A hosts the rendezvous store: C's death must not take it along
+        wait_for(lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                             for c in psutil.Process(agents["a"].pid).net_connections()), 60, what="node A's store")
+        agents["b"] = agent("b")
+        first = wait_for(lambda: [c for c in _calls(out) if c["world"] == 2] if len(_calls(out)) == 2 else None, 60,
+                         what="A's and B's workers trained a step")
+        pids = {c["pid"] for c in first}
+        agents["c"] = agent("c")
+        wait_for(lambda: [c for c in _calls(out) if c["world"] == 3 and c["pid"] not in pids], 60,
+                 what="node C's worker trained a step in a world of 3")
+        kill_tree(agents["c"].pid)  # node C is gone: its agent and its worker, no goodbye
+        agents["c"].wait(10)
+        wait_for(lambda: len([c for c in _calls(out) if c["pid"] in pids and c["call"] == 3]) == 2, 90,
+                 what="A's and B's workers called a third time")
+        for name in ("a", "b"):
+            assert agents[name].wait(90) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
     finally:
-        kill_tree(a.pid)
-        if b is not None:
-            kill_tree(b.pid)
-    mine = [c for c in _calls(out) if c["pid"] == first["pid"]]
-    assert [(c["call"], c["world"]) for c in mine] == [(1, 1), (2, 2), (3, 1)]  # one process, three worlds
-    assert mine[1]["rank"] in (0, 1) and mine[2]["rank"] == 0
-    grown = [c for c in _calls(out) if c["world"] == 2]
-    assert len({c["start"] for c in grown}) == 1 and grown[0]["start"] > 0  # both resumed at the agreed step
-    assert mine[2]["start"] > mine[1]["start"]
-    events = [e for e in _events(logs / "a") if e["kind"] == "inprocess_restart"]
-    assert events[0]["cause"] == "membership" and events[0]["world_size"] == 2
-    assert events[-1]["world_size"] == 1 and len(events) == 2
+        for proc in agents.values():
+            kill_tree(proc.pid)
+    for pid in pids:  # one process each, three worlds
+        assert [(c["call"], c["world"]) for c in _calls(out) if c["pid"] == pid] == [(1, 2), (2, 3), (3, 2)]
+    for world, call in ((3, 2), (2, 3)):
+        ranks = [c for c in _calls(out) if c["world"] == world and (c["call"] == call or c["pid"] not in pids)]
+        assert sorted(c["rank"] for c in ranks) == list(range(world))
+        assert len({c["start"] for c in ranks}) == 1 and ranks[0]["start"] > 0  # all resumed at the agreed step
+    for name in ("a", "b"):
+        events = _events(logs / name)
+        assert [(e["cause"], e["world_size"], len(e["kept"])) for e in events if e["kind"] == "inprocess_restart"] \
+            == [("membership", 3, 1), ("membership", 2, 1)]
+        assert not [e for e in events if e["kind"] == "restart" and e["counted"]]  # nothing counted
     assert (out / "final.json").exists()
 
 

@@ -155,3 +155,43 @@ def test_the_file_timer_is_read_at_its_own_interval_and_its_kill_fails_the_group
     # the worker died of the timer's SIGKILL and its exit failed the group: no alarm of a failed group
     assert verdict is Verdict.FAILED and monitor.alarm is None
     assert took < 15, took  # its 0.5 s scope plus its start, not the monitor's 30 s
+
+
+class _RaisedOnce:
+    """A watchdog whose first look finds a "raised" (in-process restart's alarm: a worker's main() raised)."""
+
+    polls, interval = True, None
+
+    def env(self, local_rank):
+        return {}
+
+    def new_attempt(self, round):
+        pass
+
+    def poll(self, watched):
+        from elaunch.agent.watchdog import Alarm
+
+        return Alarm("raised", {})
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("nodes_new, verdict", [(1, Verdict.MEMBERSHIP_CHANGE), (0, Verdict.FAILED)])
+def test_a_raise_while_new_nodes_joined_is_the_scale_ups_doing(run_one, nodes_new, verdict):
+    """A worker that raised while nodes outside the round joined (another node re-formed in process for them and
+    closed this worker's connections) is a membership change, not counted, as an exit is then; else a failure."""
+    from elaunch.rendezvous.job_channel import InMemoryJobChannel
+
+    channel = InMemoryJobChannel()
+    channel.nodes_new = nodes_new
+
+    class Dynamic(CountingStandalone):
+        def job_channel(self):
+            return channel
+
+    rdzv = Dynamic(reform=True)
+    monitor = GroupMonitor(rdzv, JobView(rdzv, 0), AgentEvents(None, "", "host", 0), interval=0.1,
+                           watchdogs=[_RaisedOnce()])
+    assert run_one(monitor, 30.0) is verdict
+    assert monitor.alarm.kind == "raised"
