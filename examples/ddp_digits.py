@@ -77,7 +77,9 @@ calls ``elaunch.progress()`` for step S of epoch E, then stops itself with SIGST
 (or, with ``:block``, sleeps forever; it still dies of SIGTERM after
 ``--stop-grace``), for ``--hang-timeout`` to find. In both schedules an entry
 ``none`` means "no fault on this attempt", so crashes and hangs can alternate:
-``--crash-at 1:1:7,none,0:2:3 --hang-at none,0:1:12``.
+``--crash-at 1:1:7,none,0:2:3 --hang-at none,0:1:12``. ``--crash-file PATH`` is a crash injected from
+outside, at a time the injector picks (benchmarks): when PATH holds a global rank R, rank R renames
+it away (so it fires once) and raises before its next step, on any attempt.
 
 Output (rank 0): one line per epoch, ``epoch 3/20 loss 0.123 test_acc 0.961
 restart 0``, then ``final test accuracy: 0.97``.
@@ -165,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-at", type=parse_crash_schedule, default=(), metavar="R:E:S,...",
                    help="k-th entry: rank R raises before step S (0-based) of epoch E on attempt k "
                         "(TORCHELASTIC_RESTART_COUNT == k); 'none' = no crash on attempt k")
+    p.add_argument("--crash-file", default=None, metavar="PATH",
+                   help="when PATH holds a global rank R, rank R renames it away and raises before its next step")
     p.add_argument("--hang-at", type=parse_hang_schedule, default=(), metavar="R:E:S[:block],...",
                    help="k-th entry: on attempt k rank R reports progress for step S of epoch E, then "
                         "stops itself with SIGSTOP (':block': sleeps forever); 'none' = no hang on attempt k")
@@ -191,6 +195,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         args.checkpoint = os.path.join(run_dir, "checkpoint.pt")
     return args
+
+
+def crash_requested(path: str, rank: int) -> bool:
+    """True once for the rank ``path`` names (it renames the file away, so no other rank or step sees it)."""
+    try:
+        with open(path) as f:
+            target = int(f.read().strip())
+    except (OSError, ValueError):
+        return False
+    if target != rank:
+        return False
+    try:
+        os.rename(path, f"{path}.{os.getpid()}.raised")
+    except OSError:
+        return False
+    return True
 
 
 def parse_crash_schedule(text: str) -> tuple[tuple[int, int, int] | None, ...]:
@@ -516,9 +536,9 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
         total = (partial.to(device) if first and rank == 0 else torch.zeros(2)).to(device)
         for step in range(first, len(batches)):
             progress(step=(epoch - 1) * len(batches) + step)  # steps since the start: same on every attempt
-            if crash_at == (rank, epoch, step):
+            if crash_at == (rank, epoch, step) or args.crash_file and crash_requested(args.crash_file, rank):
                 raise RuntimeError(f"injected crash: rank {rank} at epoch {epoch} step {step} "
-                                   f"on attempt {restart} (--crash-at)")
+                                   f"on attempt {restart} (--crash-at or --crash-file)")
             if hang_at is not None and hang_at[:3] == (rank, epoch, step):
                 hang_forever(hang_at[3], f"rank {rank} at epoch {epoch} step {step} on attempt {restart}")
             code = torch.tensor([notices.take()], device=device)
