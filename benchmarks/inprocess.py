@@ -16,6 +16,17 @@ has completed on every rank of the job, side by side in one run for:
   0.1 s;
 * ``torchrun``: the script not opted in.
 
+**A torch.compile'd model** (``kill_compiled.*``, ``raise_compiled.*``): the same job with the
+worker's ``--compile`` (``torch.compile`` of the model DDP wraps, inductor on the CPU, built
+again by every call of main()). Next to fault -> training, two rows per way give the first
+forward after the fault (where dynamo and inductor compile forward and backward, before any
+collective): the slowest of the processes kept, and of the processes started anew. A kept
+process keeps dynamo's and inductor's in-memory caches; a new one (a full restart's every
+worker, an in-process restart's replacement) compiles again, from inductor's on-disk cache
+(``/tmp/torchinductor_<user>``, warm after the job's first compile). After a SIGKILL the
+replacement compiles, so the job trains again only when it has; after a raise every process
+is kept.
+
 The job: 3 workers on this machine (``--standalone``/one host), ``benchmarks/workers/
 inprocess_train.py``: a gloo ``DistributedDataParallel`` model (``--dim``/``--layers``, 4 MiB
 of gradients all-reduced a step), ~60 ms a step, ``elaunch.checkpoint.save`` of model and
@@ -105,6 +116,7 @@ class Way:
     nvrx_interval: float | None = None
     one_fault: bool = False
     needs: str = ""
+    worker_args: tuple[str, ...] = ()
 
 
 WAYS = (
@@ -126,9 +138,20 @@ WAYS = (
         needs="nvrx"),
     Way("raise.nvrx_fast", "NVRx inprocess.Wrapper, 0.1 s intervals (ft_launcher min-healthy)", "ft_launcher",
         "nvrx", "raise", nvrx_interval=0.1, needs="nvrx"),
+    # torch.compile'd model: what a full restart pays again in compilation, that survivors kept in process do not
+    Way("kill_compiled.elaunch_inprocess_warm", "elaunch, in-process restart, --warm-start", "elaunch", "elaunch",
+        "kill", ("--warm-start",), needs="restartable", worker_args=("--compile",)),
+    Way("kill_compiled.elaunch_full_warm", "elaunch, full restart, --warm-start", "elaunch", "plain", "kill",
+        ("--warm-start",), worker_args=("--compile",)),
+    Way("kill_compiled.torchrun", "torchrun (full restart)", "torchrun", "plain", "kill", worker_args=("--compile",)),
+    Way("raise_compiled.elaunch_inprocess", "elaunch, in-process restart (every process kept)", "elaunch", "elaunch",
+        "raise", needs="restartable", worker_args=("--compile",)),
+    Way("raise_compiled.elaunch_full", "elaunch, full restart", "elaunch", "plain", "raise",
+        worker_args=("--compile",)),
 )
-#: Each row's ratio is against this row (the same fault).
-VS = {"kill": "kill.torchrun", "raise": "raise.nvrx"}
+#: Each row's ratio is against this row (the same fault; the first part of the key).
+VS = {"kill": "kill.torchrun", "raise": "raise.nvrx", "kill_compiled": "kill_compiled.torchrun",
+      "raise_compiled": "raise_compiled.elaunch_full"}
 TARGET = {"kind": "abs_le", "value": 0.5, "text": "<= 0.5 s, failed rank replaced (world size kept)"}
 
 
@@ -235,7 +258,7 @@ class Job:
                 str(s.step_sleep), "--dim", str(s.dim), "--layers", str(s.layers)]
         if self.way.nvrx_interval is not None:
             args += ["--nvrx-interval", str(self.way.nvrx_interval)]
-        return args
+        return args + list(self.way.worker_args)
 
     def start(self) -> None:
         if self.net is not None:
@@ -340,6 +363,8 @@ class Job:
                 "world_before": world, "world_after": len(after), "pids_kept": len(kept), "survivors": len(survivors),
                 "per_rank_s": {str(r): round(a["t"] - t_fault, 4) for r, a in sorted(after.items())},
                 "resumed_step": {str(r): a["step"] for r, a in sorted(after.items())},
+                "first_fwd_s": {str(r): a.get("first_fwd_s") for r, a in sorted(after.items())},
+                "kept_ranks": kept,
                 "step_before": max(r["step"] for r in before.values())}
 
     def stop(self, timeout: float = 30.0) -> list[int | None]:
@@ -471,14 +496,18 @@ def rows_of(results: list[dict]) -> list[dict]:
         values = [s["seconds"] for s in samples]
         what = "SIGKILLed" if way.fault == "kill" else "raises"
         on = "" if not pre else f" ({res['hosts']} hosts)"
-        row = {"key": res["key"], "label": f"fault -> training{on}, a rank {what}: {way.label}",
-               "unit": "s", "values": values, "median": _med(values), "vs": pre + VS[way.fault],
+        compiled = ", torch.compile'd model" if "--compile" in way.worker_args else ""
+        row = {"key": res["key"], "label": f"fault -> training{on}, a rank {what}{compiled}: {way.label}",
+               "unit": "s", "values": values, "median": _med(values), "vs": pre + VS[way.key.split(".")[0]],
                "world_after": [s["world_after"] for s in samples],
                "pids_kept": [f"{s['pids_kept']} of {s['survivors']}" for s in samples],
                "jobs_ended": f"{sum(all(c is not None for c in codes) for codes in res['exit_codes'])} of "
                              f"{len(res['exit_codes'])}", "exit_codes": res["exit_codes"],
-               "note": res["note"], "target": TARGET if ".elaunch_inprocess" in way.key else None}
+               "note": res["note"], "target": TARGET if way.key.split(".")[0] in ("kill", "raise")
+                                                      and ".elaunch_inprocess" in way.key else None}
         rows.append(row)
+        if compiled:
+            rows += _compile_rows(res, way, on)
     by = {r["key"]: r for r in rows}
     for r in rows:
         base = by.get(r["vs"])
@@ -486,6 +515,23 @@ def rows_of(results: list[dict]) -> list[dict]:
         t = r["target"]
         r["met"] = None if not t else bool(r["median"] is not None and r["median"] <= t["value"]
                                             and all(w == NPROC for w in r["world_after"]))
+    return rows
+
+
+def _compile_rows(res: dict, way: Way, on: str) -> list[dict]:
+    """The first forward after each fault (torch.compile's cost: dynamo and inductor, before any collective), the
+    slowest of the processes kept and of the processes started anew, as two rows."""
+    rows = []
+    for which, pick in (("kept processes", True), ("new processes", False)):
+        values = []
+        for s in res["samples"]:
+            fwd = [v for r, v in s.get("first_fwd_s", {}).items() if v is not None and (int(r) in s["kept_ranks"]) == pick]
+            values.append(max(fwd) if fwd else None)
+        values = [v for v in values if v is not None]
+        rows.append({"key": f"{res['key']}.first_forward_{'kept' if pick else 'new'}",
+                     "label": f"first forward after the fault{on} (torch.compile), {which}: {way.label}", "unit": "s",
+                     "values": values, "median": _med(values), "vs": "", "world_after": [], "pids_kept": [],
+                     "jobs_ended": "", "exit_codes": [], "note": None if values else "none", "target": None})
     return rows
 
 

@@ -1,12 +1,14 @@
 """The in-process restart benchmark's worker (``benchmarks/inprocess.py``): a small gloo DDP training.
 
 ``inprocess_train.py OUT --mode {elaunch,plain,nvrx} [--nvrx-interval S] [--pg-timeout S]
-[--step-sleep S] [--dim D] [--layers L]``
+[--step-sleep S] [--dim D] [--layers L] [--compile]``
 
 Every rank trains ``--layers`` ``Linear(dim, dim)`` under ``DistributedDataParallel`` (gloo, CPU:
 DDP all-reduces the gradients each step), sleeps ``--step-sleep`` s a step (the rest of a
 real step) and saves model and optimizer with ``elaunch.checkpoint.save`` after each step;
-``main()`` restores ``elaunch.checkpoint.load(into=...)`` first. Under elaunch that is the
+``main()`` restores ``elaunch.checkpoint.load(into=...)`` first. ``--compile``: the model DDP wraps
+is ``torch.compile(model)`` (inductor, CPU), built again by each call of main() as a script must;
+a process that compiled it before keeps dynamo's and inductor's caches. Under elaunch that is the
 agent's memory; elsewhere (torchrun, ft_launcher) ``ELAUNCH_CHECKPOINT_DIR``, which the
 benchmark puts in ``/dev/shm``.
 
@@ -19,7 +21,10 @@ nvidia-resiliency-ext's ``inprocess.Wrapper`` (its defaults, or every interval a
 The journal: each process appends JSON lines to ``OUT/journal/<pid>.jsonl``: ``main``
 (a call of main() began), ``step`` (a step done: all-reduce, optimizer, save) and
 ``raise``; each with ``t`` (``time.time()``, CLOCK_REALTIME: one clock for every process of
-the machine), ``pid``, ``rank``, ``world`` and ``call`` (the ``t`` of its main() call).
+the machine), ``pid``, ``rank``, ``world`` and ``call`` (the ``t`` of its main() call); a call's
+first ``step`` also has ``first_step_s``, that step's forward, backward and optimizer step,
+and ``first_fwd_s``, its forward alone (with ``--compile``, dynamo's and inductor's compilation
+of forward and backward, before any collective: this rank's own cost).
 
 Faults and the end come through files the driver writes: ``OUT/raise`` holds a rank; that
 rank renames it away (once), journals ``raise`` and raises RuntimeError after its step.
@@ -46,6 +51,7 @@ parser.add_argument("--pg-timeout", type=float, default=10.0)
 parser.add_argument("--step-sleep", type=float, default=0.03)
 parser.add_argument("--dim", type=int, default=512)
 parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--compile", action="store_true")
 args = parser.parse_args()
 
 os.makedirs(os.path.join(args.out, "journal"), exist_ok=True)
@@ -106,21 +112,28 @@ def main(call_wrapper=None):
         model.load_state_dict(snap.state["model"])
         opt.load_state_dict(snap.state["opt"])
         start = snap.step + 1
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model) if args.compile else model)
     flag = torch.zeros(1)
     stop_path = os.path.join(args.out, "stop")
     step = start
+    first = {}
     while True:
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(32, args.dim, generator=g)
-        ddp(x).pow(2).mean().backward()  # DDP all-reduces the gradients
+        t0 = time.perf_counter()
+        loss = ddp(x).pow(2).mean()
+        t_fwd = time.perf_counter() - t0
+        loss.backward()  # DDP all-reduces the gradients
         opt.step()
         opt.zero_grad()
+        if step == start:
+            first = {"first_step_s": time.perf_counter() - t0, "first_fwd_s": t_fwd}
         ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
         time.sleep(args.step_sleep)
         flag.fill_(1.0 if os.path.exists(stop_path) else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        journal("step", rank=rank, world=world, call=call, step=step)
+        journal("step", rank=rank, world=world, call=call, step=step, **first)
+        first = {}
         if flag.item() > 0:
             break
         if _raise_requested(rank):
