@@ -212,8 +212,9 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
         return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=grow", "--rdzv-conf=last_call_timeout=1,join_timeout=60",
                      "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
-                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "400", "--step-sleep", "0.05",
-                     "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
+                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "100000", "--step-sleep", "0.05",
+                     "--stop-file", str(tmp_path / "stop"), "--timeout", PG_TIMEOUT, stderr=err,
+                     stdout=subprocess.DEVNULL)
 
     agents: dict[str, subprocess.Popen] = {}
     try:
@@ -231,6 +232,7 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
         agents["c"].wait(10)
         wait_for(lambda: len([c for c in _calls(out) if c["pid"] in pids and c["call"] == 3]) == 2, 90,
                  what="A's and B's workers called a third time")
+        (tmp_path / "stop").touch()  # enough: the job ends at the next step
         for name in ("a", "b"):
             assert agents[name].wait(90) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
     finally:
@@ -267,7 +269,7 @@ def test_a_signal_while_survivors_wait_for_the_next_round_is_forwarded_to_them(t
         return start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=sig", "--rdzv-conf=join_timeout=60",
                      "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
-                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "400", "--step-sleep", "0.05",
+                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "100000", "--step-sleep", "0.05",
                      "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
 
     a, b = agent("a"), None

@@ -1,7 +1,7 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
 ``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--plain]
-[--timeout SECONDS] [--step-sleep SECONDS]``
+[--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -13,7 +13,8 @@ step S, writing ``OUT/fault.json`` (the time) first; ``--block R:S`` has rank R 
 after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not
 decorated. ``--timeout``: the process group's timeout (seconds; long, so a survivor left
 waiting for it would be obvious). ``--step-sleep``: seconds each rank sleeps after each step (a
-longer run, for faults driven from outside).
+longer run, for faults driven from outside). ``--stop-file``: after each step the ranks agree (an
+``all_reduce``) whether PATH exists, and all end there when it does (a run as long as its driver needs).
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>_<call>.json`` per call of main() (its number in the process,
 world size,
@@ -46,6 +47,7 @@ parser.add_argument("--block", default=None)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--timeout", type=float, default=120.0)
 parser.add_argument("--step-sleep", type=float, default=0.0)
+parser.add_argument("--stop-file", default=None)
 args = parser.parse_args()
 
 
@@ -100,6 +102,11 @@ def main():
         elaunch.progress(step=step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.stop_file:
+            stop = torch.tensor([float(os.path.exists(args.stop_file))])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
         if record["first_step"] is None:
             record["first_step"] = time.time()
             _write(f"round_{rank}_{os.getpid()}_{restarts}_{CALLS[0]}.json", record)
