@@ -32,6 +32,7 @@ rank renames it away (once), journals ``raise`` and raises RuntimeError after it
 """
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -140,6 +141,12 @@ def main(call_wrapper=None):
             journal("raise", rank=rank, world=world, call=call, step=step)
             raise RuntimeError(f"planted fault on rank {rank} after step {step}")
         step += 1
+    # DDP's reducer holds the process group: freed with main()'s frame, after `flag`, it destroyed the group
+    # there, joining gloo's threads with the GIL held while one of them still released the last all_reduce's
+    # work and needed the GIL for `flag` (torch 2.13; a deadlock seen in every --warm-start job after a restart,
+    # which then never exited). Freed here, the group goes in destroy_process_group, `flag` still alive.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
