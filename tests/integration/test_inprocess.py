@@ -192,6 +192,52 @@ def _calls(out: Path) -> list[dict]:
     return sorted(recs, key=lambda r: r["started"])
 
 
+class _Nodes:
+    """Agents of one c10d job on loopback, one worker each (``restartable_train.py`` until ``stop`` is touched),
+    each with its stderr in ``<name>.err`` and its log directory ``logs/<name>``; the first one started hosts
+    the rendezvous store (the next start waits for it), so the death of any other leaves the job its store."""
+
+    def __init__(self, tmp_path: Path, nnodes: str, conf: str) -> None:
+        self.tmp, self.out, self.logs, self.stop = tmp_path, tmp_path / "out", tmp_path / "logs", tmp_path / "stop"
+        self.out.mkdir()
+        self.port = free_port()
+        self.nnodes, self.conf = nnodes, conf
+        self.agents: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> subprocess.Popen:
+        from tests.conftest import wait_for
+        from tests.helpers import start
+
+        with open(self.tmp / f"{name}.err", "w") as err:
+            self.agents[name] = start(
+                "elaunch", f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=nodes", f"--rdzv-conf={self.conf}",
+                "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3", "--log-dir",
+                str(self.logs / name), SCRIPT, str(self.out), "--steps", "100000", "--step-sleep", "0.05",
+                "--stop-file", str(self.stop), "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
+        if len(self.agents) == 1:
+            host = psutil.Process(self.agents[name].pid)
+            wait_for(lambda: any(c.laddr.port == self.port and c.status == psutil.CONN_LISTEN
+                                 for c in host.net_connections()), 60, what=f"node {name}'s store")
+        return self.agents[name]
+
+    def err(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def kill(self, name: str) -> None:
+        """The node is gone: its agent and its worker, no goodbye."""
+        from tests.helpers import kill_tree
+
+        kill_tree(self.agents[name].pid)
+        self.agents[name].wait(10)
+
+    def close(self) -> None:
+        from tests.helpers import kill_tree
+
+        for proc in self.agents.values():
+            kill_tree(proc.pid)
+
+
 @pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
 def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
     """--nnodes=2:3, one worker a node. Nodes A and B train (world 2); node C joins: a scale-up, whichever of A and
@@ -200,44 +246,26 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
     Then C is SIGKILLed whole (agent and worker: a node lost) and A's and B's workers go on (world 2) in the same
     processes, to the end. No restart is counted."""
     from tests.conftest import wait_for
-    from tests.helpers import kill_tree, start
 
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    endpoint = f"127.0.0.1:{free_port()}"
-    port = int(endpoint.rsplit(":", 1)[1])
-
-    def agent(name: str) -> subprocess.Popen:
-        err = open(tmp_path / f"{name}.err", "w")
-        return start("elaunch", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=grow", "--rdzv-conf=last_call_timeout=1,join_timeout=60",
-                     "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
-                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "100000", "--step-sleep", "0.05",
-                     "--stop-file", str(tmp_path / "stop"), "--timeout", PG_TIMEOUT, stderr=err,
-                     stdout=subprocess.DEVNULL)
-
-    agents: dict[str, subprocess.Popen] = {}
+    nodes = _Nodes(tmp_path, "2:3", "last_call_timeout=1,join_timeout=60")
+    out, logs = nodes.out, nodes.logs
     try:
-        agents["a"] = agent("a")  # A hosts the rendezvous store: C's death must not take it along
-        wait_for(lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                             for c in psutil.Process(agents["a"].pid).net_connections()), 60, what="node A's store")
-        agents["b"] = agent("b")
+        nodes.start("a")
+        nodes.start("b")
         first = wait_for(lambda: [c for c in _calls(out) if c["world"] == 2] if len(_calls(out)) == 2 else None, 60,
                          what="A's and B's workers trained a step")
         pids = {c["pid"] for c in first}
-        agents["c"] = agent("c")
+        nodes.start("c")
         wait_for(lambda: [c for c in _calls(out) if c["world"] == 3 and c["pid"] not in pids], 60,
                  what="node C's worker trained a step in a world of 3")
-        kill_tree(agents["c"].pid)  # node C is gone: its agent and its worker, no goodbye
-        agents["c"].wait(10)
+        nodes.kill("c")
         wait_for(lambda: len([c for c in _calls(out) if c["pid"] in pids and c["call"] == 3]) == 2, 90,
                  what="A's and B's workers called a third time")
-        (tmp_path / "stop").touch()  # enough: the job ends at the next step
+        nodes.stop.touch()  # enough: the job ends at the next step
         for name in ("a", "b"):
-            assert agents[name].wait(90) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
+            assert nodes.agents[name].wait(90) == 0, nodes.err(name)[-3000:]
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
+        nodes.close()
     for pid in pids:  # one process each, three worlds
         assert [(c["call"], c["world"]) for c in _calls(out) if c["pid"] == pid] == [(1, 2), (2, 3), (3, 2)]
     for world, call in ((3, 2), (2, 3)):
@@ -258,41 +286,23 @@ def test_a_signal_while_survivors_wait_for_the_next_round_is_forwarded_to_them(t
     second node. A SIGTERM to A's agent then reaches the kept worker as a SIGTERM (torchrun forwards its
     signal to every worker), not as the SIGKILL a job's end gives a kept worker."""
     from tests.conftest import wait_for
-    from tests.helpers import kill_tree, start
 
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    endpoint = f"127.0.0.1:{free_port()}"
-
-    def agent(name: str) -> subprocess.Popen:
-        err = open(tmp_path / f"{name}.err", "w")
-        return start("elaunch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=sig", "--rdzv-conf=join_timeout=60",
-                     "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
-                     "--log-dir", str(logs / name), SCRIPT, str(out), "--steps", "100000", "--step-sleep", "0.05",
-                     "--timeout", PG_TIMEOUT, stderr=err, stdout=subprocess.DEVNULL)
-
-    a, b = agent("a"), None
+    nodes = _Nodes(tmp_path, "2", "join_timeout=60")
     try:
-        port = int(endpoint.rsplit(":", 1)[1])  # A hosts the rendezvous store: B's death must not take it along
-        wait_for(lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                             for c in psutil.Process(a.pid).net_connections()), 60, what="node A's store")
-        b = agent("b")
-        calls = wait_for(lambda: [c for c in _calls(out) if c["world"] == 2] if len(_calls(out)) == 2 else None, 60,
-                         what="both workers trained a step")
+        a = nodes.start("a")
+        nodes.start("b")
+        calls = wait_for(lambda: [c for c in _calls(nodes.out) if c["world"] == 2]
+                         if len(_calls(nodes.out)) == 2 else None, 60, what="both workers trained a step")
         (kept,) = [psutil.Process(c["pid"]) for c in calls
                    if c["pid"] in [p.pid for p in psutil.Process(a.pid).children(recursive=True)]]
-        kill_tree(b.pid)  # node B is gone
-        b.wait(10)
-        wait_for(lambda: sum(e["kind"] == "rendezvous_join" for e in _events(logs / "a")) == 2, 60,
+        nodes.kill("b")
+        wait_for(lambda: sum(e["kind"] == "rendezvous_join" for e in _events(nodes.logs / "a")) == 2, 60,
                  what="node A joining the next round, its worker kept")
         assert kept.is_running()
         a.send_signal(signal.SIGTERM)
         a.wait(60)
     finally:
-        kill_tree(a.pid)
-        if b is not None:
-            kill_tree(b.pid)
-    err = (tmp_path / "a.err").read_text()
+        nodes.close()
+    err = nodes.err("a")
     assert f"local rank 0's kept worker {kept.pid}, waiting for the next round, ended (signal SIGTERM)" in err, \
         err[-3000:]
