@@ -38,8 +38,10 @@ elaunch row carries that reading too, so a and d compare by the same method.
 
 "Nothing lost" (``--lost``, on by default with configuration a): ``--nnodes=3`` (the world
 stays 3), 6 worker SIGKILLs at random points, every second one aimed at a save in
-progress (a slot header's seq is odd, ``elaunch.checkpoint.slotfile.seq_of``), and one node
-replaced after the third; the final parameters must equal the uninterrupted run's.
+progress (a slot header's seq is odd, ``elaunch.checkpoint.slotfile.seq_of``), one node
+replaced after the third, and after the node one rank whose training raises (the example's
+``--crash-file``: the driver names a live rank, that rank raises before its next step); the
+final parameters must equal the uninterrupted run's.
 
 Prints a markdown table; ``--json FILE`` writes the rows and, for ``python -m
 benchmarks.report``, a ``goodput`` scenario (elaunch a/b vs torchrun c).
@@ -103,7 +105,7 @@ class Sizes:
     def example_args(self, seed: int, workdir: Path) -> list[str]:
         return ["--epochs", str(self.epochs), "--step-sleep", str(self.step_sleep), "--state-mib",
                 str(self.state_mib), "--seed", str(seed), "--checkpoint", str(workdir / "checkpoint.pt"),
-                "--final-params", str(workdir / "final.json")]
+                "--final-params", str(workdir / "final.json"), "--crash-file", str(workdir / "crash")]
 
 
 FULL = Sizes(256, 27, 0.3, 20.0, 0.4, 6, (8.0, 16.0), 2.0)
@@ -223,9 +225,28 @@ def fault_lost(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, ev
     for i in range(sizes.lost_kills):
         _pause(cluster, rng.uniform(*sizes.lost_gap))
         events.append(_kill_one(cluster, rng, aim_at_save=i % 2 == 1))
-        if i == sizes.lost_kills // 2 - 1:  # a node replaced halfway
+        if i == sizes.lost_kills // 2 - 1:  # a node replaced halfway, then a rank that raises
             _pause(cluster, rng.uniform(*sizes.lost_gap))
             events.append(_replace_node(cluster, rng))
+            _pause(cluster, rng.uniform(*sizes.lost_gap))
+            events.append(_raise_one(cluster, rng))
+
+
+def _raise_one(cluster: Cluster, rng: random.Random) -> dict:
+    """Have the worker of a random live host raise (the example's ``--crash-file``) once the group trains;
+    return the event once that rank took the request (it renames the file away, then raises)."""
+    hosts = sorted({a.host.index for a in cluster.live_agents()})
+    if not hosts:
+        raise JobEnded
+    index = rng.choice(hosts)
+    worker = _wait(cluster, lambda: cluster.training() and cluster.live_worker(index), 300, "a worker to raise")
+    path = cluster.workdir / "crash"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(worker.rank))
+    t = time.time()
+    os.rename(tmp, path)
+    _wait(cluster, lambda: not path.exists(), 60, "the rank to take the raise request")
+    return {"t": t, "fault": "worker raise", "host": index, "rank": worker.rank, "pid": worker.pid}
 
 
 FAULT_DRIVERS = {"kill": fault_kill, "node": fault_node, "lost": fault_lost}

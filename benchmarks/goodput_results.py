@@ -163,8 +163,10 @@ def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
     if lost:
         kills = [e for e in lost["events"] if e["fault"] == "worker SIGKILL"]
         torn = sum(1 for e in kills if e.get("during_save"))
-        m = _metric("goodput.nothing_lost", f"nothing lost: {len(kills)} worker SIGKILLs ({torn} during a save) and "
-                    f"a node replaced, final parameters bit-identical ({what}, {lost['label']})", "bool",
+        raises = sum(1 for e in lost["events"] if e["fault"] == "worker raise")
+        also = f", {raises} rank(s) raising" if raises else ""
+        m = _metric("goodput.nothing_lost", f"nothing lost: {len(kills)} worker SIGKILLs ({torn} during a save), "
+                    f"a node replaced{also}, final parameters bit-identical ({what}, {lost['label']})", "bool",
                     lost, None, "bit_identical")
         m["notes"]["torchrun"] = ["not run (a check of elaunch's ckpt.save)"]
         metrics.append(m)
