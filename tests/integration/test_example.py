@@ -59,6 +59,7 @@ WARM_EXAMPLE = "torch,torch._dynamo,sklearn.datasets,sklearn.model_selection,skl
 CRASHES = "1:1:7,0:1:19,1:2:3,0:2:12,1:3:0,0:3:21"
 
 
+@pytest.mark.long  # in the long part: the suite stays under its 20 minutes
 def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, reference_digest):
     """From the disk checkpoint (snapshots off): mid-epoch and epoch-boundary resumes (warm restarts)."""
     r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=6", "--warm-start",
@@ -73,6 +74,7 @@ def test_six_crashes_end_bit_identical_to_an_uninterrupted_run(tmp_path, referen
     assert final_digest(tmp_path / "final.json") == reference_digest
 
 
+@pytest.mark.long  # in the long part: the suite stays under its 20 minutes
 def test_six_crashes_lose_no_step_with_snapshots_and_end_bit_identical(tmp_path, reference_digest):
     """With in-memory snapshots (ckpt.save every step, the default under elaunch) and no disk
     checkpoint, each restart resumes at the very step its crash interrupted."""

@@ -136,7 +136,7 @@ def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     assert not (out / "final.json").exists()
 
 
-@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 def test_a_hang_kills_only_its_culprit(reference, tmp_path):
     """--hang-timeout: rank 1 stops itself (SIGSTOP); the verdict kills only it, the ranks waiting behind it
     are interrupted and keep their processes."""
@@ -163,7 +163,7 @@ def test_undecorated_script_restarts_every_worker(reference, tmp_path):
     assert _digest(out) == reference
 
 
-@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 def test_two_nodes_a_sigkill_on_one_keeps_every_other_process(tmp_path):
     """Two agents (c10d, loopback), 2 workers each: rank 1 (node 0) is SIGKILLed. Node 0 replaces it and keeps
     rank 0; node 1's workers, whose collectives broke, restart in process too. One restart for the job."""
@@ -238,7 +238,7 @@ class _Nodes:
             kill_tree(proc.pid)
 
 
-@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
     """--nnodes=2:3, one worker a node. Nodes A and B train (world 2); node C joins: a scale-up, whichever of A and
     B sees C first interrupts its worker, the other's worker sees its collective break ("raised" while a node
@@ -280,7 +280,7 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
     assert (out / "final.json").exists()
 
 
-@pytest.mark.long  # in the heavy part: the suite is near its 20 minutes
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 def test_a_signal_while_survivors_wait_for_the_next_round_is_forwarded_to_them(tmp_path):
     """--nnodes=2: node B is SIGKILLed whole, so node A's worker is kept and A waits in the rendezvous for a
     second node. A SIGTERM to A's agent then reaches the kept worker as a SIGTERM (torchrun forwards its

@@ -233,6 +233,7 @@ def _replica_steps(shm_dirs) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # in the long part: the suite stays under its 20 minutes
 @pytest.mark.parametrize("endpoint", ["c10d"], indirect=True)
 def test_an_attacker_of_a_running_job_gets_nothing_and_the_job_restores_its_own_step(endpoint, tmp_path):
     """Two agents (c10d, one worker each) save steps 0..3. The attacker finds each replica port (the listening
