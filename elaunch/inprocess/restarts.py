@@ -25,6 +25,7 @@ failure. Stdlib only.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -130,8 +131,6 @@ class InProcess:
     def forward(self, sig: int) -> None:
         """Send ``sig`` to each kept worker's process group: the agent was signalled while they waited for the
         next round (torchrun forwards its signal to every worker; :meth:`close` then gives them the grace)."""
-        import os
-
         for proc in self._kept.values():
             if proc.poll() is None:
                 try:
@@ -158,13 +157,13 @@ class InProcess:
             kept = set(self._go_sent)
             ranks = {w.local_rank: w.global_rank for w in workers}
             seconds = self._clock() - self._fault_at
+            world = workers[0].world_size if workers else None
             self._events.emit("inprocess_restart", kept=sorted(ranks[lr] for lr in kept),
                               started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3),
-                              cause=self._cause, world_size=workers[0].world_size if workers else None)
+                              cause=self._cause, world_size=world)
             log.warning("in-process restart: %d worker(s) kept their processes, %d started, %.2f s after the %s"
                         " (world size %s)", len(kept), len(ranks) - len(kept), seconds,
-                        "fault" if self._cause == "failure" else "membership change",
-                        workers[0].world_size if workers else "?")
+                        "fault" if self._cause == "failure" else "membership change", world)
         self._fault_at, self._go_sent = None, []
 
     def applies(self, codes: Mapping[int, int | None], fixable: bool) -> bool:
@@ -333,8 +332,6 @@ def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: 
 
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL a kept worker's process group and reap it."""
-    import os
-
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
