@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -357,17 +358,23 @@ class ElasticAgent:
         """The failure as seen now: exit codes (:meth:`_failed_codes`) and times (``inprocess.decide.failure_times``).
 
         After a worker's "raised", first up to ``RAISED_SETTLE`` seconds for an exit: a killed peer's
-        closed sockets may have broken that worker's collective before the kill could be seen. A
-        worker that opted in is dated by its control connection's end when that came first
-        (``InProcess.death_times``).
+        closed sockets may have broken that worker's collective before the kill could be seen. The
+        wait ends early once no rank runs that has not raised (``decide.death_may_follow``): with one
+        worker per node, or when every local rank's collective broke on a peer elsewhere, no local
+        death is coming. A worker that opted in is dated by its control connection's end when that
+        came first (``InProcess.death_times``).
         """
-        from elaunch.inprocess.decide import RAISED_SETTLE, failure_times
+        from elaunch.inprocess.decide import RAISED_SETTLE, death_may_follow, failure_times
 
         exits = self._procs.exit_times()
         raised = self._inproc.raised_times()
-        if raised and not exits:
-            self._procs.wait(RAISED_SETTLE)
-            exits = self._procs.exit_times()
+        deadline = time.monotonic() + RAISED_SETTLE
+        while raised and not exits and death_may_follow(self._procs.poll(), raised):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._procs.wait(left)  # an exit, or a message on the channel (another "raised"), wakes it
+            exits, raised = self._procs.exit_times(), self._inproc.raised_times()
         return self._failed_codes(), failure_times(self._inproc.death_times(exits), raised)
 
     def _failed_codes(self) -> dict[int, int | None]:

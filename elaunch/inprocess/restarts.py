@@ -192,7 +192,8 @@ class InProcess:
     def raised_times(self) -> dict[int, float]:
         """Local rank -> when its "raised" arrived (seconds since the epoch): the failure's time, as an exit's is
         when the agent saw it; a raised worker writes no error file of its own (``@record`` still may).
-        See :func:`decide.failure_times` for a death seen just after."""
+        See :func:`decide.failure_times` for a death seen just after. Reads the channel's new messages first."""
+        self._read()
         return {lr: self._raised[pid][1] for lr, pid in self._pids.items() if pid in self._raised}
 
     def interrupt(self, procs: "WorkerProcesses") -> list[int]:

@@ -157,6 +157,17 @@ def test_failure_times_root(exits, raised, expected_first):
     assert min(times, key=lambda lr: (times[lr], lr)) == expected_first
 
 
+@pytest.mark.parametrize("codes, raised, expected", [
+    ({0: None}, [0], False),  # one worker per node, it raised: no local death to wait for
+    ({0: None, 1: None, 2: None}, [0, 2], True),  # rank 1 runs and did not raise: maybe killed, exit not seen yet
+    ({0: None, 1: None, 2: None}, [0, 1, 2], False),  # every rank's collective broke on a peer elsewhere
+    ({0: None, 1: -9}, [0], False),  # the death is already seen
+    ({0: None, 1: None}, [], True),
+])
+def test_death_may_follow_a_raise(codes, raised, expected):
+    assert decide.death_may_follow(codes, raised) is expected
+
+
 class _FakeChannel:
     """The channel's interface, fed by the test: ``inbox`` as ``Channel.take`` returns it."""
 
