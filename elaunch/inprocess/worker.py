@@ -21,7 +21,10 @@ wrapper's control thread tears the process group down (NCCL: torch's
 shut, so a gloo collective blocked on a peer returns at once with an error) and raises
 :class:`RoundAborted` in the thread running ``main()`` (``PyThreadState_SetAsyncExc``,
 as nvidia-resiliency-ext's ``inprocess.Wrapper`` does; it lands when the blocked call
-returns). The wrapper destroys what is left of the process group, tells the agent
+returns). A call that waits in a system call (``time.sleep``, a queue's ``get``, a lock,
+a socket read) is woken at once: the control thread also sends :data:`WAKE_SIGNAL` to that
+thread, whose do-nothing Python handler is where the pending exception lands (the wrapper
+installs it only where the script left the signal's default, ignore). The wrapper destroys what is left of the process group, tells the agent
 "ready" and waits for "go". When ``main()`` itself raises (an ``Exception``), the
 wrapper shuts the round's connections at once (its peers' collectives fail now, not at
 their timeout), prints its traceback to stderr as the interpreter would, and reports
@@ -45,6 +48,7 @@ import functools
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -62,6 +66,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 RUNNING = "running"  # main() runs: an "abort" interrupts it
 ABORTING = "aborting"  # the control thread interrupted main()
 LEFT = "left"  # main() ended (returned, raised, interrupted): nothing interrupts it any more
+
+
+#: Sent to the thread running ``main()`` with an "abort": it ends a system call's wait (EINTR), and
+#: the interpreter's run of the handler raises the pending :class:`RoundAborted` there. SIGURG: its
+#: default action is to ignore it, and training code does not use out-of-band socket data.
+WAKE_SIGNAL = signal.SIGURG
 
 
 class RoundAborted(BaseException):
@@ -115,6 +125,7 @@ class _Control:
         self._closed = False
         self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
         self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
+        self._wakes = _install_wake()  # whether an "abort" may signal main()'s thread
         self._thread = threading.Thread(target=self._listen, name="elaunch-restartable", daemon=True)
 
     @classmethod
@@ -246,6 +257,7 @@ class _Control:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._wakes = False
             self._lock.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -285,6 +297,29 @@ class _Control:
             self._state = ABORTING
             _abort_collectives(self._baseline)
             _async_raise(self._main_ident, RoundAborted)
+            if self._wakes:
+                try:
+                    signal.pthread_kill(self._main_ident, WAKE_SIGNAL)  # out of a blocking system call now
+                except OSError:
+                    pass
+
+
+def _wake(signum: int, frame: Any) -> None:
+    """:data:`WAKE_SIGNAL`'s handler: nothing; a pending :class:`RoundAborted` is raised as it runs."""
+
+
+def _install_wake() -> bool:
+    """Handle :data:`WAKE_SIGNAL` with :func:`_wake` where its default (ignore) is in place; return
+    whether it is handled so. False in a thread other than the main one (a signal handler can be set
+    there only) and where the script handles the signal itself: an abort then lands when the blocked
+    call returns, as before."""
+    try:
+        if signal.getsignal(WAKE_SIGNAL) not in (signal.SIG_DFL, _wake):
+            return False
+        signal.signal(WAKE_SIGNAL, _wake)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _async_raise(ident: int, exc: type[BaseException] | None) -> None:

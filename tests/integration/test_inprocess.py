@@ -122,6 +122,21 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
     assert _digest(out) == reference
 
 
+def test_a_survivor_waiting_in_a_system_call_is_woken_and_kept(reference, tmp_path):
+    """Rank 1 is SIGKILLed while rank 2 sleeps an hour in ``time.sleep``: the abort's signal ends the
+    sleep, so rank 2 is ready at once and keeps its process, like rank 0 (before the wake signal it
+    slept past --shutdown-timeout and was killed and replaced, as a blocked call still is)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--shutdown-timeout=5", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
+            "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not ready within" not in r.stderr
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, True]
+    assert _digest(out) == reference
+
+
 def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     """--max-restarts=0: the raising rank is the root cause (exit code 1, its traceback), every worker is
     stopped, the job fails with exit status 1 and nothing is left behind."""

@@ -1,6 +1,6 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
-``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--plain]
+``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S] [--plain]
 [--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
@@ -10,7 +10,9 @@ what ``elaunch.checkpoint.load`` offers and goes on from the next step. In the f
 round (``TORCHELASTIC_RESTART_COUNT`` 0), ``--kill R:S`` has rank R SIGKILL itself and
 ``--raise R:S`` has it raise RuntimeError and ``--stop R:S`` SIGSTOP itself (a hang), each after
 step S, writing ``OUT/fault.json`` (the time) first; ``--block R:S`` has rank R sleep an hour
-after step S (no interrupt reaches a thread in ``time.sleep``). ``--plain``: main() is not
+after step S with every signal blocked (a call no interrupt reaches, as a long compute kernel);
+``--sleep R:S`` has it sleep an hour in ``time.sleep`` (a wait in a system call, which an
+abort's signal ends). ``--plain``: main() is not
 decorated. ``--timeout``: the process group's timeout (seconds; long, so a survivor left
 waiting for it would be obvious). ``--step-sleep``: seconds each rank sleeps after each step (a
 longer run, for faults driven from outside). ``--stop-file``: after each step the ranks agree (an
@@ -44,6 +46,7 @@ parser.add_argument("--kill", default=None)
 parser.add_argument("--raise", dest="raise_", default=None)
 parser.add_argument("--stop", default=None)
 parser.add_argument("--block", default=None)
+parser.add_argument("--sleep", default=None)
 parser.add_argument("--plain", action="store_true")
 parser.add_argument("--timeout", type=float, default=120.0)
 parser.add_argument("--step-sleep", type=float, default=0.0)
@@ -89,6 +92,7 @@ def main():
     record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
               "started": started, "first_step": None, "warm": warm, "call": CALLS[0]}
     kill, raise_, stop, block = _fault(args.kill), _fault(args.raise_), _fault(args.stop), _fault(args.block)
+    sleep = _fault(args.sleep)
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(8, 16, generator=g)
@@ -114,6 +118,9 @@ def main():
             _write("fault.json", {"kind": "kill", "at": time.time(), "rank": rank, "step": step})
             os.kill(os.getpid(), signal.SIGKILL)
         if restarts == 0 and (rank, step) == block:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            time.sleep(3600)
+        if restarts == 0 and (rank, step) == sleep:
             time.sleep(3600)
         if restarts == 0 and (rank, step) == stop:
             _write("fault.json", {"kind": "stop", "at": time.time(), "rank": rank, "step": step})
