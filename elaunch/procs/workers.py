@@ -64,6 +64,8 @@ class WorkerProcesses:
         self._procs = procs
         self._supervisor = supervisor
         self.pids = {lr: p.pid for lr, p in procs.items()}
+        #: ``time.monotonic()`` once every worker was started or handed its rank (set by :meth:`start`)
+        self.started_at = time.monotonic()
         self._tee = tee
         self._codes: dict[int, int | None] = dict.fromkeys(procs)
         self._times: dict[int, float] = {}
@@ -131,6 +133,7 @@ class WorkerProcesses:
                     # at once, not after the rest started: a kill -9 of the agent from here
                     # on takes this worker's tree with it (a repeated watch is harmless)
                     reaper.watch([p.pid], {p.pid: marker_entries(envs[lr])})
+            started_at = time.monotonic()
             log.info("started workers %s", {lr: p.pid for lr, p in procs.items()})
             tee = Tee(
                 follows_for(logs.tee_stdout, sys.stdout, prefixes)
@@ -144,6 +147,7 @@ class WorkerProcesses:
             trees = WorkerTrees({lr: p.pid for lr, p in procs.items()},
                                 [marker_entries(envs[lr]) for lr in procs], reaper, subreaper)
             self = cls(procs, tee, trees, supervisor)
+            self.started_at = started_at
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)
