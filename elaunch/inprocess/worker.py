@@ -297,7 +297,7 @@ class _Control:
             self._state = ABORTING
             _abort_collectives(self._baseline)
             _async_raise(self._main_ident, RoundAborted)
-            if self._wakes:
+            if self._wakes and signal.getsignal(WAKE_SIGNAL) is _wake:  # not once the script took the signal over
                 try:
                     signal.pthread_kill(self._main_ident, WAKE_SIGNAL)  # out of a blocking system call now
                 except OSError:

@@ -137,6 +137,22 @@ def test_a_survivor_waiting_in_a_system_call_is_woken_and_kept(reference, tmp_pa
     assert _digest(out) == reference
 
 
+def test_the_wake_signal_leaves_a_scripts_own_sigurg_handler_alone(reference, tmp_path):
+    """A script that handles SIGURG itself: an abort does not signal it (its handler never runs), so
+    rank 2, asleep when rank 1 is SIGKILLed, is not woken: it is killed after --shutdown-timeout and
+    replaced, as before the wake signal; rank 0 keeps its process."""
+    out, seen = tmp_path / "out", tmp_path / "sigurg.txt"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--shutdown-timeout=2", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
+            "--own-sigurg", str(seen), "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not seen.exists(), seen.read_text()
+    assert "local rank(s) [2] not ready within 2.0 s; killing them" in r.stderr
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, False]
+    assert _digest(out) == reference
+
+
 def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     """--max-restarts=0: the raising rank is the root cause (exit code 1, its traceback), every worker is
     stopped, the job fails with exit status 1 and nothing is left behind."""
