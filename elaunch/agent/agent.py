@@ -359,17 +359,17 @@ class ElasticAgent:
 
         After a worker's "raised", first up to ``RAISED_SETTLE`` seconds for an exit: a killed peer's
         closed sockets may have broken that worker's collective before the kill could be seen. The
-        wait ends early once no rank runs that has not raised (``decide.death_may_follow``): with one
-        worker per node, or when every local rank's collective broke on a peer elsewhere, no local
-        death is coming. A worker that opted in is dated by its control connection's end when that
+        wait ends early once no rank runs that has not raised (``decide.laggards`` of the "raised"):
+        only such a rank can be the killed one, so with one worker per node, or when every local rank's
+        collective broke on a peer elsewhere, no local death is coming. A worker that opted in is dated by its control connection's end when that
         came first (``InProcess.death_times``).
         """
-        from elaunch.inprocess.decide import RAISED_SETTLE, death_may_follow, failure_times
+        from elaunch.inprocess.decide import RAISED_SETTLE, failure_times, laggards
 
         exits = self._procs.exit_times()
         raised = self._inproc.raised_times()
         deadline = time.monotonic() + RAISED_SETTLE
-        while raised and not exits and death_may_follow(self._procs.poll(), raised):
+        while raised and not exits and laggards(self._procs.poll(), raised):
             left = deadline - time.monotonic()
             if left <= 0:
                 break

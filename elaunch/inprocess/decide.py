@@ -42,22 +42,6 @@ def laggards(codes: Mapping[int, int | None], waiting: Collection[int]) -> list[
     return sorted(lr for lr, c in codes.items() if c is None and lr not in waiting)
 
 
-def death_may_follow(codes: Mapping[int, int | None], raised: Collection[int]) -> bool:
-    """Whether a local death may still explain a "raised": a rank runs that has not raised.
-
-    A killed worker's peers on the node often report "raised" before its exit is seen, so
-    the agent waits up to :data:`RAISED_SETTLE` for that exit. Only a rank that is still
-    running and has not raised can be that worker: once every running rank has raised
-    (one worker per node, or every rank's collective broke on a peer elsewhere), no local
-    death is coming and the wait would only delay the restart.
-
-    Args:
-        codes: local rank -> exit code, None while running.
-        raised: local ranks that reported "raised".
-    """
-    return bool(laggards(codes, raised))
-
-
 def kept(codes: Mapping[int, int | None], waiting: Collection[int]) -> list[int]:
     """Local ranks kept for the next round: running and waiting for it (sorted); the rest start anew."""
     return sorted(lr for lr, c in codes.items() if c is None and lr in waiting)

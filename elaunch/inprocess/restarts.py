@@ -157,7 +157,7 @@ class InProcess:
             kept = set(self._go_sent)
             ranks = {w.local_rank: w.global_rank for w in workers}
             # until the kept got "go" and the new ones started (not the next attempt's spares after it)
-            seconds = min(self._clock(), getattr(procs, "started_at", float("inf"))) - self._fault_at
+            seconds = min(self._clock(), procs.started_at) - self._fault_at
             world = workers[0].world_size if workers else None
             self._events.emit("inprocess_restart", kept=sorted(ranks[lr] for lr in kept),
                               started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3),

@@ -125,7 +125,7 @@ class _Control:
         self._closed = False
         self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
         self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
-        self._wakes = _install_wake()  # whether an "abort" may signal main()'s thread
+        _install_wake()
         self._thread = threading.Thread(target=self._listen, name="elaunch-restartable", daemon=True)
 
     @classmethod
@@ -257,7 +257,6 @@ class _Control:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._wakes = False
             self._lock.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -297,7 +296,7 @@ class _Control:
             self._state = ABORTING
             _abort_collectives(self._baseline)
             _async_raise(self._main_ident, RoundAborted)
-            if self._wakes and signal.getsignal(WAKE_SIGNAL) is _wake:  # not once the script took the signal over
+            if signal.getsignal(WAKE_SIGNAL) is _wake:  # installed, and the script has not taken the signal over
                 try:
                     signal.pthread_kill(self._main_ident, WAKE_SIGNAL)  # out of a blocking system call now
                 except OSError:
@@ -308,18 +307,15 @@ def _wake(signum: int, frame: Any) -> None:
     """:data:`WAKE_SIGNAL`'s handler: nothing; a pending :class:`RoundAborted` is raised as it runs."""
 
 
-def _install_wake() -> bool:
-    """Handle :data:`WAKE_SIGNAL` with :func:`_wake` where its default (ignore) is in place; return
-    whether it is handled so. False in a thread other than the main one (a signal handler can be set
-    there only) and where the script handles the signal itself: an abort then lands when the blocked
-    call returns, as before."""
+def _install_wake() -> None:
+    """Handle :data:`WAKE_SIGNAL` with :func:`_wake` where its default (ignore) is in place. Not from a
+    thread other than the main one (a signal handler can be set there only), nor where the script
+    handles the signal itself: an abort then lands when the blocked call returns, as before."""
     try:
-        if signal.getsignal(WAKE_SIGNAL) not in (signal.SIG_DFL, _wake):
-            return False
-        signal.signal(WAKE_SIGNAL, _wake)
+        if signal.getsignal(WAKE_SIGNAL) is signal.SIG_DFL:
+            signal.signal(WAKE_SIGNAL, _wake)
     except (ValueError, OSError):
-        return False
-    return True
+        pass
 
 
 def _async_raise(ident: int, exc: type[BaseException] | None) -> None:

@@ -60,12 +60,12 @@ class WorkerProcesses:
     """
 
     def __init__(self, procs: dict[int, subprocess.Popen], tee: Tee, trees: WorkerTrees,
-                 supervisor: Supervisor | None = None) -> None:
+                 supervisor: Supervisor | None = None, started_at: float | None = None) -> None:
         self._procs = procs
         self._supervisor = supervisor
         self.pids = {lr: p.pid for lr, p in procs.items()}
-        #: ``time.monotonic()`` once every worker was started or handed its rank (set by :meth:`start`)
-        self.started_at = time.monotonic()
+        #: ``time.monotonic()`` once every worker was started or handed its rank (:meth:`start` passes it)
+        self.started_at = time.monotonic() if started_at is None else started_at
         self._tee = tee
         self._codes: dict[int, int | None] = dict.fromkeys(procs)
         self._times: dict[int, float] = {}
@@ -146,8 +146,7 @@ class WorkerProcesses:
                 tee.start()
             trees = WorkerTrees({lr: p.pid for lr, p in procs.items()},
                                 [marker_entries(envs[lr]) for lr in procs], reaper, subreaper)
-            self = cls(procs, tee, trees, supervisor)
-            self.started_at = started_at
+            self = cls(procs, tee, trees, supervisor, started_at)
         except BaseException:
             for p in procs.values():
                 _proctree.killpg([p.pid], _SIGKILL)

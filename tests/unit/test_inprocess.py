@@ -164,8 +164,8 @@ def test_failure_times_root(exits, raised, expected_first):
     ({0: None, 1: -9}, [0], False),  # the death is already seen
     ({0: None, 1: None}, [], True),
 ])
-def test_death_may_follow_a_raise(codes, raised, expected):
-    assert decide.death_may_follow(codes, raised) is expected
+def test_a_local_death_may_follow_a_raise_only_while_a_rank_runs_that_has_not_raised(codes, raised, expected):
+    assert bool(decide.laggards(codes, raised)) is expected
 
 
 class _FakeChannel:
@@ -192,6 +192,7 @@ class _FakeChannel:
 
 class _FakeProcs:
     pids = {0: 100, 1: 101, 2: 102}
+    started_at = float("inf")  # the fake clock's times count
 
     def wakeup(self) -> None:
         pass
