@@ -208,7 +208,8 @@ class _Control:
         return outcome
 
     def _leave(self) -> bool:
-        """RUNNING/ABORTING -> LEFT: no interrupt lands from now on (a pending one is cleared).
+        """RUNNING/ABORTING -> LEFT: no interrupt is sent from now on; one sent and still pending lands
+        here (:func:`_land_pending`) and is absorbed.
 
         Returns:
             True when the control thread had interrupted this round.
@@ -216,7 +217,11 @@ class _Control:
         with self._lock:
             aborting = self._state == ABORTING
             self._state = LEFT
-            _async_raise(self._main_ident, None)
+        if aborting:
+            try:
+                _land_pending()
+            except RoundAborted:
+                pass
         return aborting
 
     def _wait_go(self) -> dict | None:
@@ -318,9 +323,22 @@ def _install_wake() -> None:
         pass
 
 
-def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
-    """Raise ``exc`` in thread ``ident`` at its next bytecode (None: clear a pending one)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
+def _async_raise(ident: int, exc: type[BaseException]) -> None:
+    """Raise ``exc`` in thread ``ident`` when it next checks for pending work (a call, a loop's jump back).
+
+    Never used to clear a pending one (``exc`` NULL): CPython 3.11 then leaves the eval loop's
+    async-exception flag set with no exception behind it, and a thread that runs under a profile or
+    trace function (cProfile, a debugger, coverage) afterwards spins at its next call for ever.
+    :func:`_land_pending` lets a pending one land instead.
+    """
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
+
+
+def _land_pending() -> None:
+    """Nothing; an asynchronous exception still pending for the calling thread is raised here (a call
+    and a loop's backward jump are where the interpreter checks for one)."""
+    for _ in range(2):
+        pass
 
 
 def _socket_inodes() -> set[str]:

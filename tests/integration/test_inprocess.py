@@ -153,6 +153,22 @@ def test_the_wake_signal_leaves_a_scripts_own_sigurg_handler_alone(reference, tm
     assert _digest(out) == reference
 
 
+def test_a_survivor_runs_its_next_round_under_a_profiler(reference, tmp_path):
+    """Rank 1 is SIGKILLed; the survivors run main() again under a profile function (``sys.setprofile``,
+    as cProfile, a debugger or coverage). The abort left nothing pending in their interpreter: the
+    job ends with the uninterrupted run's parameters. (Before, the wrapper cleared a possibly pending
+    abort with ``PyThreadState_SetAsyncExc(tid, NULL)``, which on CPython 3.11 leaves the eval loop's
+    async-exception flag set with no exception: under a profiler, the survivor then spun at the
+    first line of main() for ever.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, SCRIPT, str(out), "--kill", "1:5", "--profile", "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, True]
+    assert _digest(out) == reference
+
+
 def test_a_raise_with_no_restart_left_fails_the_job_as_before(tmp_path):
     """--max-restarts=0: the raising rank is the root cause (exit code 1, its traceback), every worker is
     stopped, the job fails with exit status 1 and nothing is left behind."""
