@@ -228,6 +228,7 @@ class AgentEvents(EventLog):
         self._joined_at = 0.0
         self._ended = False
         self._pending = None  # a failure of another node whose restart is logged once the next round formed
+        self._restart_count: int | None = None  # the job's count at the last round (RendezvousInfo.restart_count)
         self._stopped_step: int | None = None  # the step the last group stopped at (``restart``'s ``step``)
         self._started_at = 0.0  # when the last workers_started was written (seconds since the epoch)
 
@@ -253,15 +254,23 @@ class AgentEvents(EventLog):
             if came or left:
                 self.emit("membership_change", came=came, left=left, world_size=info.world_size)
         self._members = members
+        before, self._restart_count = self._restart_count, info.restart_count
         if self._pending is not None and info.restart_count is not None:
             failure, self._pending = self._pending, None
-            self.restart(True, info.restart_count, "failure", failure, failed_round=failure.round)
+            if before is not None and info.restart_count <= before:
+                # the reporting node did not count it: its workers failed because a member node was lost
+                # (it published their failure before its failure probe had told it so)
+                self.restart(False, info.restart_count, "node_lost", failure, failed_round=failure.round)
+            else:
+                self.restart(True, info.restart_count, "failure", failure, failed_round=failure.round)
 
     def restart_after_rendezvous(self, failure) -> None:
         """Log the job's restart for ``failure`` (a FailureRecord of another node) after the next round formed.
 
         The reporting node counts it once every member answered: the job's count is
-        certain only in the next round's ``restart_count``.
+        certain only in the next round's ``restart_count``. When that count did not rise, the
+        reporting node did not count the failure (its workers failed because a member node was
+        lost): the restart is logged not counted, cause ``node_lost``, as that node logs it.
         """
         self._pending = failure
 

@@ -114,3 +114,44 @@ def test_model_marks_checkpoint_restores_and_persists():
 def test_nice_ticks():
     assert nice_ticks(16.0) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
     assert nice_ticks(0.7)[:3] == [0, 0.1, 0.2]
+
+
+def _info(round: int, restart_count: int | None):
+    from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
+
+    return RendezvousInfo(round, 0, 2, "127.0.0.1", 1, nodes=(NodeInfo("127.0.0.1", "default", 1),) * 2,
+                          restart_count=restart_count)
+
+
+def _restarts(path):
+    return [(e["counted"], e["count"], e["cause"], e["failed_round"]) for e in
+            (json.loads(line) for line in path.read_text().splitlines()) if e["kind"] == "restart"]
+
+
+def test_a_failure_reported_elsewhere_is_logged_counted_only_when_the_jobs_count_rose(tmp_path):
+    """Another node published its workers' failure of round 1, and the next round's restart count says whether
+    that node counted it: risen, a counted failure; unchanged, not counted (that node's workers failed because a
+    member node was lost, which its failure probe told it after it had published the failure)."""
+    from elaunch.agent.events import AgentEvents
+
+    path = tmp_path / "events.jsonl"
+    ev = AgentEvents(str(path), "n", "h", budget=3)
+    ev.rendezvous_complete(_info(0, 0), None)
+    ev.restart_after_rendezvous(FailureRecord(round=0, at=1.0, host="b", rank=1, exitcode=1))
+    ev.rendezvous_complete(_info(1, 1), None)  # counted: 0 -> 1
+    ev.restart_after_rendezvous(FailureRecord(round=1, at=2.0, host="b", rank=1, exitcode=1))
+    ev.rendezvous_complete(_info(2, 1), None)  # not counted: still 1
+    ev.close()
+    assert _restarts(path) == [(True, 1, "failure", 0), (False, 1, "node_lost", 1)]
+
+
+def test_a_failure_reported_elsewhere_without_an_earlier_count_is_logged_counted(tmp_path):
+    """This node's first round, or a backend that keeps no count: nothing to compare, counted as before."""
+    from elaunch.agent.events import AgentEvents
+
+    path = tmp_path / "events.jsonl"
+    ev = AgentEvents(str(path), "n", "h", budget=3)
+    ev.restart_after_rendezvous(FailureRecord(round=4, at=1.0, host="b", rank=1, exitcode=1))
+    ev.rendezvous_complete(_info(5, 2), None)
+    ev.close()
+    assert _restarts(path) == [(True, 2, "failure", 4)]
