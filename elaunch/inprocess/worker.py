@@ -200,7 +200,7 @@ class _Control:
                 outcome = ("raised", exc)
             finally:
                 aborting = self._leave()
-        except RoundAborted:  # an interrupt that landed in the few lines above, before _leave cleared it
+        except RoundAborted:  # an interrupt that landed in the few lines above, before _leave absorbed it
             aborting = True
         if outcome is None or (aborting and outcome[0] in ("raised", "returned")):
             # an abort came first: whatever main() then raised (a closed socket) is the abort's doing
