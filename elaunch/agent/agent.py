@@ -361,8 +361,8 @@ class ElasticAgent:
         closed sockets may have broken that worker's collective before the kill could be seen. The
         wait ends early once no rank runs that has not raised (``decide.laggards`` of the "raised"):
         only such a rank can be the killed one, so with one worker per node, or when every local rank's
-        collective broke on a peer elsewhere, no local death is coming. A worker that opted in is dated by its control connection's end when that
-        came first (``InProcess.death_times``).
+        collective broke on a peer elsewhere, no local death is coming. A worker that opted in is dated
+        by its control connection's end when that came first (``InProcess.death_times``).
         """
         from elaunch.inprocess.decide import RAISED_SETTLE, failure_times, laggards
 

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from elaunch.agent.events import EventLog, came_and_left, event_echo, failure_fields
-from elaunch.rendezvous.contract import FailureRecord
+from elaunch.agent.events import AgentEvents, EventLog, came_and_left, event_echo, failure_fields
+from elaunch.rendezvous.contract import FailureRecord, NodeInfo, RendezvousInfo
 from elaunch.timeline.model import build, nice_ticks
 
 
@@ -117,8 +117,6 @@ def test_nice_ticks():
 
 
 def _info(round: int, restart_count: int | None):
-    from elaunch.rendezvous.contract import NodeInfo, RendezvousInfo
-
     return RendezvousInfo(round, 0, 2, "127.0.0.1", 1, nodes=(NodeInfo("127.0.0.1", "default", 1),) * 2,
                           restart_count=restart_count)
 
@@ -132,8 +130,6 @@ def test_a_failure_reported_elsewhere_is_logged_counted_only_when_the_jobs_count
     """Another node published its workers' failure of round 1, and the next round's restart count says whether
     that node counted it: risen, a counted failure; unchanged, not counted (that node's workers failed because a
     member node was lost, which its failure probe told it after it had published the failure)."""
-    from elaunch.agent.events import AgentEvents
-
     path = tmp_path / "events.jsonl"
     ev = AgentEvents(str(path), "n", "h", budget=3)
     ev.rendezvous_complete(_info(0, 0), None)
@@ -147,8 +143,6 @@ def test_a_failure_reported_elsewhere_is_logged_counted_only_when_the_jobs_count
 
 def test_a_failure_reported_elsewhere_without_an_earlier_count_is_logged_counted(tmp_path):
     """This node's first round, or a backend that keeps no count: nothing to compare, counted as before."""
-    from elaunch.agent.events import AgentEvents
-
     path = tmp_path / "events.jsonl"
     ev = AgentEvents(str(path), "n", "h", budget=3)
     ev.restart_after_rendezvous(FailureRecord(round=4, at=1.0, host="b", rank=1, exitcode=1))
