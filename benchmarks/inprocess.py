@@ -230,8 +230,8 @@ class Journal:
 class Job:
     """One launch of the worker under a way's launcher (one process, or one ft_launcher per rank)."""
 
-    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int, net=None) -> None:
-        self.way, self.sizes, self.work, self.net = way, sizes, work, net
+    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int, net=None, device: str = "cpu") -> None:
+        self.way, self.sizes, self.work, self.net, self.device = way, sizes, work, net, device
         self.out = work / "out"
         self.out.mkdir(parents=True)
         self.tag = f"{os.getpid()}-{work.name}-{time.time_ns()}"
@@ -255,7 +255,7 @@ class Job:
     def _worker_args(self) -> list[str]:
         s = self.sizes
         args = [WORKER, str(self.out), "--mode", self.way.mode, "--pg-timeout", str(self.pg_timeout), "--step-sleep",
-                str(s.step_sleep), "--dim", str(s.dim), "--layers", str(s.layers)]
+                str(s.step_sleep), "--dim", str(s.dim), "--layers", str(s.layers), "--device", self.device]
         if self.way.nvrx_interval is not None:
             args += ["--nvrx-interval", str(self.way.nvrx_interval)]
         return args + list(self.way.worker_args)
@@ -429,7 +429,7 @@ def prefix(hosts: int) -> str:
     return "" if hosts == 1 else f"hosts{hosts}."
 
 
-def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1) -> dict:
+def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1, device: str = "cpu") -> dict:
     """Measure ``way``: ``sizes.reps`` faults (one job, or one job per fault); return its raw result."""
     key = prefix(hosts) + way.key
     res: dict = {"key": key, "way": way.key, "hosts": hosts, "samples": [], "note": None, "exit_codes": []}
@@ -441,20 +441,20 @@ def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1) -> di
     while len(res["samples"]) < sizes.reps:
         jobs += 1
         if hosts == 1:
-            ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, None, res)
+            ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, None, res, device)
         else:
             from tests.multinode import netns
 
             with netns.Network("-ipb") as net:
-                ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, net, res)
+                ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, net, res, device)
         if not ok and not res.get("retry"):
             break
     return res
 
 
-def _job(way: Way, sizes: Sizes, work: Path, seed: int, net, res: dict) -> bool:
+def _job(way: Way, sizes: Sizes, work: Path, seed: int, net, res: dict, device: str = "cpu") -> bool:
     """One job of ``way``: its faults' samples go to ``res``; False when it did not recover (``res['note']``)."""
-    job = Job(way, sizes, work, seed, net)
+    job = Job(way, sizes, work, seed, net, device)
     try:
         job.start()
         for _ in range(1 if way.one_fault else sizes.reps - len(res["samples"])):
@@ -583,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", default="1", help="comma-separated: 1 (this machine, --standalone), 3 (3 network-namespace "
                                                 "hosts, one agent and one worker each); default 1")
     p.add_argument("--work-dir", type=Path, default=None, help="keep logs here (default: a temporary directory)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: nccl, the model on the GPU (ranks may share one GPU: the worker's NCCL_HOSTID); "
+                        "default cpu (gloo)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite
@@ -607,15 +610,16 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"key": prefix(hosts) + way.key, "way": way.key, "hosts": hosts, "samples": [],
                                     "note": f"not run: {reason}", "exit_codes": []})
                     continue
-                results.append(run_way(way, s, root, a.seed, hosts))
+                results.append(run_way(way, s, root, a.seed, hosts, a.device))
     rows = rows_of(results)
     torch_v, elaunch_v = suite._versions()
     meta = {"command": "python -m benchmarks.inprocess" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:])),
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": suite._machine(), "torch": torch_v,
             "elaunch": elaunch_v, "nvidia_resiliency_ext": _nvrx_version(), "commit": suite._commit(),
             "loadavg_start": load_start, "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin,
-            "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts,
-            "notes": [f"process groups: gloo; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
+            "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts, "device": a.device,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+            "notes": [f"process groups: {'nccl' if a.device == 'cuda' else 'gloo'}; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
                       f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (a restarted group's "
                       "first collectives wait for its slowest worker, importing torch cold)"]}
     emit(meta, rows, results, a.json, markdown(rows))

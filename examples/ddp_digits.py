@@ -7,7 +7,9 @@ Runs unchanged under ``torchrun`` and ``elaunch``::
 
 Data: ``sklearn.datasets.load_digits`` (1,797 8x8 images bundled with
 scikit-learn, no download), split 80/20 with a fixed seed, features scaled.
-Backend: gloo on CPU, nccl when CUDA is available (device ``cuda:LOCAL_RANK``).
+Backend: gloo on CPU, nccl when CUDA is available (device ``cuda:LOCAL_RANK``, modulo the
+GPUs there are: with fewer GPUs than ranks, ranks share them, as ``scripts/gpu_shared.py``
+runs two ranks on one GPU).
 
 Checkpoints. Rank 0 writes one atomically (temporary file, then ``os.replace``)
 after every epoch, every ``--save-every`` steps, and on a preemption notice; every
@@ -444,7 +446,7 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
     progress = progress_function()
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     ckpt = snapshots() if args.snapshot_every else None
@@ -508,7 +510,7 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
     # that broadcast is most of a restart (256 MiB from rank 0 on every restart). A disk
     # checkpoint may exist on rank 0's host only: then DDP broadcasts, as it does on a fresh start.
     skip_sync = snap is not None and "init_sync" in inspect.signature(DDP.__init__).parameters  # torch >= 2.5
-    ddp = DDP(model, device_ids=[local_rank] if use_cuda else None, find_unused_parameters=True,
+    ddp = DDP(model, device_ids=[device.index] if use_cuda else None, find_unused_parameters=True,
               **({"init_sync": False} if skip_sync else {}))
     loss_fn = nn.CrossEntropyLoss()
 

@@ -1,7 +1,7 @@
 """The in-process restart benchmark's worker (``benchmarks/inprocess.py``): a small gloo DDP training.
 
 ``inprocess_train.py OUT --mode {elaunch,plain,nvrx} [--nvrx-interval S] [--pg-timeout S]
-[--step-sleep S] [--dim D] [--layers L] [--compile]``
+[--step-sleep S] [--dim D] [--layers L] [--compile] [--device {cpu,cuda}]``
 
 Every rank trains ``--layers`` ``Linear(dim, dim)`` under ``DistributedDataParallel`` (gloo, CPU:
 DDP all-reduces the gradients each step), sleeps ``--step-sleep`` s a step (the rest of a
@@ -11,6 +11,12 @@ is ``torch.compile(model)`` (inductor, CPU), built again by each call of main() 
 a process that compiled it before keeps dynamo's and inductor's caches. Under elaunch that is the
 agent's memory; elsewhere (torchrun, ft_launcher) ``ELAUNCH_CHECKPOINT_DIR``, which the
 benchmark puts in ``/dev/shm``.
+
+``--device cuda`` (the GPU check): nccl instead of gloo, the model and its data on
+``cuda:LOCAL_RANK`` (modulo the GPUs there are). Where a node has fewer GPUs than ranks (one GPU,
+several ranks), each rank sets ``NCCL_HOSTID`` to one of its own, so NCCL takes the ranks for
+hosts of their own (its network transport between them) instead of refusing two ranks on one
+device.
 
 ``--mode``: ``elaunch`` wraps ``main`` in ``@elaunch.restartable`` (opts in to in-process
 restart); ``plain`` calls it as is (elaunch's full restart, torchrun); ``nvrx`` wraps it in
@@ -53,7 +59,17 @@ parser.add_argument("--step-sleep", type=float, default=0.03)
 parser.add_argument("--dim", type=int, default=512)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--compile", action="store_true")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
+BACKEND = "nccl" if args.device == "cuda" else "gloo"
+if args.device == "cuda":
+    _local = int(os.environ.get("LOCAL_RANK", "0"))
+    DEVICE = torch.device("cuda", _local % torch.cuda.device_count())
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{_local}"  # ranks sharing a GPU: a host each
+    torch.cuda.set_device(DEVICE)
+else:
+    DEVICE = torch.device("cpu")
 
 os.makedirs(os.path.join(args.out, "journal"), exist_ok=True)
 _journal = os.open(os.path.join(args.out, "journal", f"{os.getpid()}.jsonl"),
@@ -85,14 +101,14 @@ def _raise_requested(rank: int) -> bool:
 def _process_group(rank: int, world: int, iteration: int | None) -> None:
     timeout = datetime.timedelta(seconds=args.pg_timeout)
     if args.mode != "nvrx":
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=timeout)
         return
     # as NVRx's examples: the application's own store at MASTER_PORT + 1 (torchrun's agent store is at
     # MASTER_PORT, the Wrapper's at + 2), multi-tenant so a restart in the same process reuses it
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world_size=world,
                           is_master=rank == 0, multi_tenant=True, wait_for_workers=False, use_libuv=True,
                           timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"it{iteration}/", store), rank=rank,
+    dist.init_process_group(BACKEND, store=dist.PrefixStore(f"it{iteration}/", store), rank=rank,
                             world_size=world, timeout=timeout)
 
 
@@ -104,7 +120,7 @@ def main(call_wrapper=None):
             restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     _process_group(rank, world, iteration)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     opt.step()  # momentum buffers exist from the start: the saved state has one structure
     snap = ckpt.load(into={"model": model.state_dict(), "opt": opt.state_dict()})
@@ -113,14 +129,15 @@ def main(call_wrapper=None):
         model.load_state_dict(snap.state["model"])
         opt.load_state_dict(snap.state["opt"])
         start = snap.step + 1
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model) if args.compile else model)
-    flag = torch.zeros(1)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model) if args.compile else model,
+                                                    device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
+    flag = torch.zeros(1, device=DEVICE)
     stop_path = os.path.join(args.out, "stop")
     step = start
     first = {}
     while True:
         g = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(32, args.dim, generator=g)
+        x = torch.randn(32, args.dim, generator=g).to(DEVICE)
         t0 = time.perf_counter()
         loss = ddp(x).pow(2).mean()
         t_fwd = time.perf_counter() - t0

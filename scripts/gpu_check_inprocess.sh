@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The GPU check of issues 36 and 37, as one script for the device machine (one GPU, CUDA torch, no network):
+#   .whl/ holds py-spy and inotify_simple wheels (elaunch's dependencies the image lacks).
+#   0. probe: two ranks on the one GPU under nccl (scripts/gpu_shared.py: NCCL_HOSTID a rank); if NCCL refuses,
+#      every part below runs one rank a job (no survivors then: the in-process parts say so);
+#   1. issue 36: examples/fsdp2_dcp.py (FSDP2, DTensor shards on the GPU) under nccl, a rank SIGKILLs itself after
+#      saving step 10 through SnapshotWriter, restored through SnapshotReader from memory: in process (the
+#      survivors keep their processes, their NCCL communicators aborted and made again) and by a full restart;
+#      final parameters against an uninterrupted run's;
+#   2. issue 37: benchmarks.inprocess --device cuda: DDP under nccl, a worker SIGKILL and a raising rank, fault ->
+#      training, in process and by elaunch's full restart; the in-process kill again with
+#      TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly) beside the default 1 (TearDown, as torchrun sets it);
+#   3. issue 37: examples/ddp_digits.py --in-process under nccl, a rank raising mid-epoch, against a clean run.
+# DEVICE=cpu runs the same plumbing on a machine without a GPU (gloo), to check the script itself.
+# Everything goes to $OUT: summary.txt, env.txt, the benchmark's JSON, logs.tgz (every log).
+set -u
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-400}  # seconds: a part that would start after this is skipped (the call's limit is the device's)
+FSDP_SIZE=${FSDP_SIZE:---dim 512 --layers 7 --heads 8}  # 255 MiB of parameters and AdamW moments, as the benchmark
+W=/tmp/gpu_check; rm -rf "$W"; mkdir -p "$W"
+T0=$(date +%s)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+PY=${PY:-python3}
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.txt"; }
+left() { [ $(( $(date +%s) - T0 )) -lt "$BUDGET" ] || { say "skipped (budget): $1"; return 1; }; }
+finish() { tar czf "$OUT/logs.tgz" -C /tmp gpu_check 2>/dev/null; say "end"; }
+trap finish EXIT
+{ nvidia-smi -L 2>&1; $PY --version
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),
+torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# -- 0. two ranks on one GPU ---------------------------------------------------------------------------------------
+cat >"$W/probe.py" <<'PYEOF'
+import os, torch, torch.distributed as dist
+cuda = torch.cuda.is_available()
+if cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+dist.init_process_group("nccl" if cuda else "gloo")
+t = torch.ones(4, device="cuda" if cuda else "cpu") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: all_reduce -> {t[0].item()}", flush=True)
+dist.destroy_process_group()
+PYEOF
+timeout 90 $PY -m elaunch --standalone --nproc-per-node=2 --rdzv-id probe scripts/gpu_shared.py "$W/probe.py" \
+  >"$W/probe.log" 2>&1
+rc=$?
+NPROC=2; [ $rc -eq 0 ] || NPROC=1
+say "probe, 2 ranks on one device: exit $rc -> $NPROC rank(s) a job"; grep -E "all_reduce|Error|NCCL WARN" "$W/probe.log" | head -5
+VICTIM=$(( NPROC - 1 ))
+
+# -- 1. FSDP2 (issue 36) -------------------------------------------------------------------------------------------
+fsdp() {  # name, then the example's arguments
+  local name=$1; shift
+  left "$name" || return
+  local t=$(date +%s%N)
+  timeout 150 $PY -m elaunch --standalone --nproc-per-node=$NPROC --max-restarts=3 --rdzv-id "$name" \
+    --log-dir "$W/$name-logs" scripts/gpu_shared.py examples/fsdp2_dcp.py --steps 30 $FSDP_SIZE \
+    --step-sleep 0.05 --final-params "$W/$name.sha" --journal "$W/$name.journal" --timings "$W/$name.timings" "$@" \
+    >"$W/$name.log" 2>&1
+  local rc=$?
+  say "$name: exit $rc in $(( ($(date +%s%N) - t) / 1000000 )) ms; $(grep -E '^restored|^done' "$W/$name.log" | tr '\n' ' ')"
+  grep -E "Error|error:|NCCL WARN|abort" "$W/$name.log" | head -5
+}
+fsdp fsdp_kill_inprocess --in-process --crash-at "$VICTIM:10"
+
+# -- 2. DDP, fault -> training (issue 37) --------------------------------------------------------------------------
+bench() {  # name, then benchmarks.inprocess's arguments
+  local name=$1; shift
+  left "$name" || return
+  timeout 200 $PY -m benchmarks.inprocess --device "$DEVICE" --quick --reps 2 --work-dir "$W/$name" \
+    --json "$OUT/$name.json" "$@" >"$W/$name.log" 2>&1
+  say "$name: exit $?"; sed -n '/^| row/,$p' "$W/$name.log" | tee -a "$OUT/summary.txt"
+}
+if [ "$NPROC" -gt 1 ]; then
+  bench inprocess_ddp --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
+else
+  say "inprocess_ddp: skipped (one rank a job: no survivors to keep)"
+fi
+
+# -- 1 (cont.): the runs to compare against ------------------------------------------------------------------------
+fsdp fsdp_clean --in-process
+
+# -- 2 (cont.): NCCL's watchdog in CleanUpOnly mode (abort the communicators, keep the process) -------------------
+# The default, 1 (TearDown, as torchrun sets it), ends a process whose communicator reports an error: a survivor
+# whose watchdog saw the dead peer before the agent's abort arrived would die with it.
+if [ "$NPROC" -gt 1 ]; then
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=2 bench inprocess_ddp_aeh2 --only kill.elaunch_inprocess
+fi
+
+fsdp fsdp_kill_full --crash-at "$VICTIM:10"
+
+# -- 3. examples/ddp_digits.py --in-process, a raising rank (issue 37) ---------------------------------------------
+digits() {  # name, then the example's arguments
+  local name=$1; shift
+  left "$name" || return
+  timeout 120 $PY -m elaunch --standalone --nproc-per-node=$NPROC --max-restarts=2 --rdzv-id "$name" \
+    --log-dir "$W/$name-logs" scripts/gpu_shared.py examples/ddp_digits.py --epochs 3 --in-process \
+    --no-disk-checkpoint --run-dir "$W/$name-run" --final-params "$W/$name.params.json" "$@" >"$W/$name.log" 2>&1
+  say "$name: exit $?"; grep -E "resumed|restor|Error" "$W/$name.log" | head -4
+}
+digits digits_clean
+digits digits_raise --crash-at "$VICTIM:2:5"
+
+grep -rhoE "elaunch.restartable: .{0,160}|Duplicate GPU.{0,80}|NCCL WARN.{0,120}|ProcessGroupNCCL.{0,120}([Aa]bort|[Tt]ear).{0,80}" \
+  "$W" 2>/dev/null | sort | uniq -c | sort -rn | head -12 | tee -a "$OUT/summary.txt"
+
+# -- the summary ---------------------------------------------------------------------------------------------------
+$PY - "$W" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
+import glob, json, os, sys
+w = sys.argv[1]
+def sha(name):
+    try:
+        return open(f"{w}/{name}").read().strip()
+    except OSError:
+        return None
+clean = sha("fsdp_clean.sha")
+for name in ("fsdp_kill_inprocess", "fsdp_kill_full"):
+    recs = []
+    try:
+        recs = [json.loads(line) for line in open(f"{w}/{name}.journal")]
+    except OSError:
+        pass
+    crash = next((r for r in recs if r["event"] == "crash"), None)
+    first = {r["rank"]: r for r in recs if r["event"] == "start" and r["attempt"] == 0}
+    if crash is None:
+        print(f"{name}: no crash journalled")
+        continue
+    after = sorted((r for r in recs if r["event"] == "start" and r["time"] > crash["time"]), key=lambda r: r["rank"])
+    timings = {}
+    for path in glob.glob(f"{w}/{name}.timings.*.json"):
+        timings[int(path.rsplit(".", 2)[-2])] = json.load(open(path))
+    print(f"{name}: rank {crash['rank']} SIGKILLed itself after saving step {crash['step']}")
+    for r in after:
+        kept = first.get(r["rank"], {}).get("pid") == r["pid"]
+        t = timings.get(r["rank"], {})
+        print(f"  rank {r['rank']}: {'process kept' if kept else 'new process'}, restored step {r['step']} from "
+              f"{r['source']} ({t.get('restore') or 0:.3f} s), restored {r['time'] - crash['time']:.2f} s after the kill")
+    final = sha(f"{name}.sha")
+    print(f"  final parameters {'bit-identical to' if final and final == clean else 'DIFFER from'} the uninterrupted"
+          f" run's ({final and final[:12]} vs {clean and clean[:12]})")
+def params(name):
+    try:
+        return json.load(open(f"{w}/{name}.params.json"))
+    except (OSError, ValueError):
+        return None
+a, b = params("digits_raise"), params("digits_clean")
+if a and b:
+    print(f"digits_raise: final parameters {'bit-identical to' if a['sha256'] == b['sha256'] else 'DIFFER from'} the"
+          f" clean run's (world size {a['world_size']})")
+for ev in glob.glob(f"{w}/*-logs/**/events.jsonl", recursive=True):
+    for line in open(ev):
+        e = json.loads(line)
+        if e.get("kind") == "inprocess_restart":
+            print(f"{ev.split('/')[3]}: inprocess_restart kept {e.get('kept')} started {e.get('started')} "
+                  f"{e.get('seconds')} s to go ({e.get('cause')})")
+PYEOF
