@@ -26,7 +26,7 @@ a socket read) is woken at once: the control thread also sends :data:`WAKE_SIGNA
 thread, whose do-nothing Python handler is where the pending exception lands (the wrapper
 installs it only where the script left the signal's default, ignore). The wrapper destroys what is left of the process group, tells the agent
 "ready" and waits for "go". When ``main()`` itself raises (an ``Exception``), the
-wrapper shuts the round's connections at once (its peers' collectives fail now, not at
+wrapper aborts NCCL's communicators and shuts the round's connections at once (its peers' collectives fail now, not at
 their timeout), prints its traceback to stderr as the interpreter would, and reports
 "raised"; the agent counts it like a worker failure. Either way, "go" brings the next
 round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, a new
@@ -52,6 +52,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -167,7 +168,9 @@ class _Control:
                 _print_traceback(value)
                 # reported before the peers' collectives fail: their own "raised" comes after this one
                 self._send({"op": "raised", "error": f"{type(value).__name__}: {value}"})
-                _shut_round_sockets(self._baseline)  # the peers' collectives fail now, on every node
+                # NCCL's communicators aborted (a destroy may block or fail on a broken one), the round's
+                # connections shut: the peers' collectives fail now, on every node
+                _abort_collectives(self._baseline)
             _destroy_process_group()
             if outcome == "aborted":
                 self._send({"op": "ready"})
@@ -388,27 +391,76 @@ def _shut_round_sockets(baseline: set[str]) -> int:
 
 
 def _abort_collectives(baseline: set[str]) -> None:
-    """End the round's collectives from the control thread: NCCL's communicators aborted, TCP connections shut."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None:
-        try:
-            if dist.is_initialized() and dist.get_backend() == "nccl":
-                dist.distributed_c10d._abort_process_group()
-        except Exception as exc:  # noqa: BLE001 - the sockets below still end a blocked collective
-            print(f"elaunch.restartable: NCCL abort failed: {exc}", file=sys.stderr, flush=True)
+    """End the round's collectives: NCCL's communicators aborted, TCP connections shut.
+
+    From the control thread at an "abort" (main() still runs), or from main()'s thread after it
+    raised; never from both for one round (the control thread acts only while main() runs).
+    """
+    _abort_nccl()
     _shut_round_sockets(baseline)
 
 
-def _destroy_process_group() -> None:
-    """Destroy what is left of the default process group (the next round builds its own)."""
+def _abort_nccl() -> None:
+    """Abort the NCCL communicators of every process group (torch's ``_abort_process_group``).
+
+    That also forgets the groups, the default one included, so the next round's
+    ``init_process_group`` starts afresh. Nothing happens when torch.distributed was not
+    imported, no group exists, or the default group's backend is not NCCL. A failure is printed
+    (the sockets shut next still end a blocked collective), as is an abort that took over a second.
+    """
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return
     try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - torn down already; the next init makes a new one
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+            return
+        began = time.monotonic()
+        dist.distributed_c10d._abort_process_group()
+        took = time.monotonic() - began
+        if took > 1.0:
+            print(f"elaunch.restartable: NCCL abort took {took:.1f} s", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - the sockets below still end a blocked collective
+        print(f"elaunch.restartable: NCCL abort failed: {exc}", file=sys.stderr, flush=True)
+
+
+def _destroy_process_group() -> None:
+    """Destroy what is left of this round's process groups, so the next round builds its own.
+
+    After an abort (NCCL) nothing is left. A destroy that raises (a NCCL communicator broken by
+    the fault fails its shutdown) leaves torch's registry of groups in place, and the next
+    round's ``init_process_group`` would fail with "trying to initialize the default process
+    group twice"; the groups are then forgotten without their shutdown (:func:`_forget_groups`).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if not dist.is_initialized():
+            return
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the groups are forgotten below; the next init makes new ones
         print(f"elaunch.restartable: destroy_process_group: {exc}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        _forget_groups(dist)
+
+
+def _forget_groups(dist: Any) -> None:
+    """Clear torch's registry of process groups as ``destroy_process_group`` does after shutting the
+    groups down (torch's private ``_world``; each step skipped where this torch lacks it)."""
+    c10d = dist.distributed_c10d
+    steps = [lambda: c10d._update_default_pg(None)]
+    steps += [lambda name=name: getattr(c10d._world, name).clear()
+              for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                           "pg_coalesce_state")]
+    steps += [lambda: c10d._unregister_all_process_groups(), lambda: setattr(c10d._world, "group_count", 0)]
+    for step in steps:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - a private name this torch does not have
+            pass
+    if dist.is_initialized():
+        print("elaunch.restartable: the last round's process group could not be forgotten; the next "
+              "init_process_group may fail", file=sys.stderr, flush=True)
 
 
 def _print_traceback(exc: BaseException) -> None:

@@ -106,6 +106,25 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
     assert _digest(out) == reference
 
 
+@pytest.mark.parametrize("fault", ["--kill", "--raise"])
+def test_a_process_group_whose_destroy_fails_is_forgotten(reference, tmp_path, fault):
+    """The last round's destroy_process_group raises in every process (as NCCL's shutdown of a communicator the
+    fault broke did on a GPU): the wrapper forgets the group, and the next round's init_process_group builds a new
+    one, so one restart suffices (before, every kept process failed again: "initialize the default process group
+    twice")."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, SCRIPT, str(out), fault, "1:5", "--destroy-fails", "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "destroy_process_group: planted: the process group's shutdown failed" in r.stderr
+    assert "twice" not in r.stderr and "restart 2/" not in r.stderr
+    rounds = _rounds(out)
+    assert sorted(rounds) == [0, 1]
+    kept = [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])]
+    assert kept == ([True, False, True] if fault == "--kill" else [True, True, True])
+    assert _digest(out) == reference
+
+
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
     --shutdown-timeout (1 s), so it is killed and replaced like the dead one, both by --warm-start spares;

@@ -1,7 +1,7 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
 ``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S] [--own-sigurg PATH] [--profile] [--plain]
-[--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]``
+[--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH] [--destroy-fails]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -19,6 +19,8 @@ decorated. ``--timeout``: the process group's timeout (seconds; long, so a survi
 waiting for it would be obvious). ``--step-sleep``: seconds each rank sleeps after each step (a
 longer run, for faults driven from outside). ``--stop-file``: after each step the ranks agree (an
 ``all_reduce``) whether PATH exists, and all end there when it does (a run as long as its driver needs).
+``--destroy-fails``: in the first round ``dist.destroy_process_group`` raises before it destroys anything, as
+NCCL's shutdown of a communicator broken by a fault does.
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>_<call>.json`` per call of main() (its number in the process,
 world size,
@@ -55,7 +57,18 @@ parser.add_argument("--plain", action="store_true")
 parser.add_argument("--timeout", type=float, default=120.0)
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--stop-file", default=None)
+parser.add_argument("--destroy-fails", action="store_true")
 args = parser.parse_args()
+
+if args.destroy_fails:
+    _destroy = dist.destroy_process_group
+
+    def _failing_destroy(group=None):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            raise RuntimeError("planted: the process group's shutdown failed")
+        return _destroy(group)
+
+    dist.destroy_process_group = _failing_destroy
 
 
 def _fault(spec):
