@@ -230,8 +230,10 @@ class Journal:
 class Job:
     """One launch of the worker under a way's launcher (one process, or one ft_launcher per rank)."""
 
-    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int, net=None, device: str = "cpu") -> None:
+    def __init__(self, way: Way, sizes: Sizes, work: Path, seed: int, net=None, device: str = "cpu",
+                 agent_args: tuple[str, ...] = ()) -> None:
         self.way, self.sizes, self.work, self.net, self.device = way, sizes, work, net, device
+        self.agent_args = agent_args if way.launcher == "elaunch" else ()
         self.out = work / "out"
         self.out.mkdir(parents=True)
         self.tag = f"{os.getpid()}-{work.name}-{time.time_ns()}"
@@ -275,7 +277,7 @@ class Job:
                 self._popen(argv, env, f"launcher-{i}.log")
             return
         argv = launcher_cmd(self.way.launcher, "--standalone", f"--nproc-per-node={NPROC}", "--max-restarts=100",
-                            *self.way.args, *(["--log-dir", str(self.work / "logs")]
+                            *self.way.args, *self.agent_args, *(["--log-dir", str(self.work / "logs")]
                                               if self.way.launcher == "elaunch" else []),
                             *self._worker_args())
         self._popen(argv, env, "launcher.log")
@@ -296,7 +298,7 @@ class Job:
             else:
                 conf = f"{is_host},{RDZV_CONF}" + (f",{ELAUNCH_CONF}" if self.way.launcher == "elaunch" else "")
                 argv = launcher_cmd(self.way.launcher, f"--nnodes={NPROC}", "--max-restarts=100", *common,
-                                    f"--rdzv-conf={conf}", *self.way.args,
+                                    f"--rdzv-conf={conf}", *self.way.args, *self.agent_args,
                                     *(["--log-dir", str(self.work / f"logs-h{host.index}")]
                                       if self.way.launcher == "elaunch" else []))
             self._popen(argv + self._worker_args(), env, f"launcher-h{host.index}.log", host)
@@ -364,6 +366,7 @@ class Job:
                 "per_rank_s": {str(r): round(a["t"] - t_fault, 4) for r, a in sorted(after.items())},
                 "resumed_step": {str(r): a["step"] for r, a in sorted(after.items())},
                 "first_fwd_s": {str(r): a.get("first_fwd_s") for r, a in sorted(after.items())},
+                "phases_s": {str(r): a.get("phases_s") for r, a in sorted(after.items())},
                 "kept_ranks": kept,
                 "step_before": max(r["step"] for r in before.values())}
 
@@ -429,7 +432,8 @@ def prefix(hosts: int) -> str:
     return "" if hosts == 1 else f"hosts{hosts}."
 
 
-def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1, device: str = "cpu") -> dict:
+def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1, device: str = "cpu",
+            agent_args: tuple[str, ...] = ()) -> dict:
     """Measure ``way``: ``sizes.reps`` faults (one job, or one job per fault); return its raw result."""
     key = prefix(hosts) + way.key
     res: dict = {"key": key, "way": way.key, "hosts": hosts, "samples": [], "note": None, "exit_codes": []}
@@ -441,20 +445,23 @@ def run_way(way: Way, sizes: Sizes, root: Path, seed: int, hosts: int = 1, devic
     while len(res["samples"]) < sizes.reps:
         jobs += 1
         if hosts == 1:
-            ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, None, res, device)
+            ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, None, res, device,
+                      agent_args)
         else:
             from tests.multinode import netns
 
             with netns.Network("-ipb") as net:
-                ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, net, res, device)
+                ok = _job(way, sizes, root / key.replace(".", "-") / f"job{jobs}", seed + jobs, net, res, device,
+                          agent_args)
         if not ok and not res.get("retry"):
             break
     return res
 
 
-def _job(way: Way, sizes: Sizes, work: Path, seed: int, net, res: dict, device: str = "cpu") -> bool:
+def _job(way: Way, sizes: Sizes, work: Path, seed: int, net, res: dict, device: str = "cpu",
+         agent_args: tuple[str, ...] = ()) -> bool:
     """One job of ``way``: its faults' samples go to ``res``; False when it did not recover (``res['note']``)."""
-    job = Job(way, sizes, work, seed, net, device)
+    job = Job(way, sizes, work, seed, net, device, agent_args)
     try:
         job.start()
         for _ in range(1 if way.one_fault else sizes.reps - len(res["samples"])):
@@ -586,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: nccl, the model on the GPU (ranks may share one GPU: the worker's NCCL_HOSTID); "
                         "default cpu (gloo)")
+    p.add_argument("--agent-args", default="", metavar="FLAGS",
+                   help="more flags for elaunch's agents, space-separated (e.g. --shutdown-timeout=8)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite
@@ -610,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"key": prefix(hosts) + way.key, "way": way.key, "hosts": hosts, "samples": [],
                                     "note": f"not run: {reason}", "exit_codes": []})
                     continue
-                results.append(run_way(way, s, root, a.seed, hosts, a.device))
+                results.append(run_way(way, s, root, a.seed, hosts, a.device, tuple(a.agent_args.split())))
     rows = rows_of(results)
     torch_v, elaunch_v = suite._versions()
     meta = {"command": "python -m benchmarks.inprocess" + ("" if len(sys.argv) < 2 else " " + " ".join(sys.argv[1:])),
@@ -618,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             "elaunch": elaunch_v, "nvidia_resiliency_ext": _nvrx_version(), "commit": suite._commit(),
             "loadavg_start": load_start, "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin,
             "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts, "device": a.device,
+            "agent_args": a.agent_args,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
             "notes": [f"process groups: {'nccl' if a.device == 'cuda' else 'gloo'}; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
                       f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (a restarted group's "

@@ -11,6 +11,9 @@
 #      training, in process and by elaunch's full restart; the in-process kill again with
 #      TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly) beside the default 1 (TearDown, as torchrun sets it);
 #   3. issue 37: examples/ddp_digits.py --in-process under nccl, a rank raising mid-epoch, against a clean run.
+# PARTS (space-separated; default all): probe fsdp_ip bench fsdp_compare bench_aeh digits, or the focused ones
+# bench_kill, bench_kill_aeh0 (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), bench_raise, bench_kill_warm. While a benchmark part runs, py-spy
+# dumps its workers' stacks (Python and native) every 3 s into its folder: where a survivor waits, if it does.
 # DEVICE=cpu runs the same plumbing on a machine without a GPU (gloo), to check the script itself.
 # Everything goes to $OUT: summary.txt, env.txt, the benchmark's JSON, logs.tgz (every log).
 set -u
@@ -27,6 +30,8 @@ fi
 PY=${PY:-python3}
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+PARTS=" ${PARTS:-probe fsdp_ip bench fsdp_compare bench_aeh digits} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.txt"; }
 left() { [ $(( $(date +%s) - T0 )) -lt "$BUDGET" ] || { say "skipped (budget): $1"; return 1; }; }
 finish() { tar czf "$OUT/logs.tgz" -C /tmp gpu_check 2>/dev/null; say "end"; }
@@ -49,11 +54,14 @@ dist.all_reduce(t)
 print(f"rank {dist.get_rank()} of {dist.get_world_size()}: all_reduce -> {t[0].item()}", flush=True)
 dist.destroy_process_group()
 PYEOF
-timeout 90 $PY -m elaunch --standalone --nproc-per-node=2 --rdzv-id probe scripts/gpu_shared.py "$W/probe.py" \
-  >"$W/probe.log" 2>&1
-rc=$?
-NPROC=2; [ $rc -eq 0 ] || NPROC=1
-say "probe, 2 ranks on one device: exit $rc -> $NPROC rank(s) a job"; grep -E "all_reduce|Error|NCCL WARN" "$W/probe.log" | head -5
+NPROC=${NPROC:-2}
+if want probe; then
+  timeout 90 $PY -m elaunch --standalone --nproc-per-node=2 --rdzv-id probe scripts/gpu_shared.py "$W/probe.py" \
+    >"$W/probe.log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || NPROC=1
+  say "probe, 2 ranks on one device: exit $rc -> $NPROC rank(s) a job"; grep -E "all_reduce|Error|NCCL WARN" "$W/probe.log" | head -5
+fi
 VICTIM=$(( NPROC - 1 ))
 
 # -- 1. FSDP2 (issue 36) -------------------------------------------------------------------------------------------
@@ -61,7 +69,7 @@ fsdp() {  # name, then the example's arguments
   local name=$1; shift
   left "$name" || return
   local t=$(date +%s%N)
-  timeout 150 $PY -m elaunch --standalone --nproc-per-node=$NPROC --max-restarts=3 --rdzv-id "$name" \
+  timeout "${FSDP_TIMEOUT:-150}" $PY -m elaunch --standalone --nproc-per-node=$NPROC --max-restarts=3 --rdzv-id "$name" \
     --log-dir "$W/$name-logs" scripts/gpu_shared.py examples/fsdp2_dcp.py --steps 30 $FSDP_SIZE \
     --step-sleep 0.05 --final-params "$W/$name.sha" --journal "$W/$name.journal" --timings "$W/$name.timings" "$@" \
     >"$W/$name.log" 2>&1
@@ -69,33 +77,50 @@ fsdp() {  # name, then the example's arguments
   say "$name: exit $rc in $(( ($(date +%s%N) - t) / 1000000 )) ms; $(grep -E '^restored|^done' "$W/$name.log" | tr '\n' ' ')"
   grep -E "Error|error:|NCCL WARN|abort" "$W/$name.log" | head -5
 }
-fsdp fsdp_kill_inprocess --in-process --crash-at "$VICTIM:10"
+want fsdp_ip && fsdp fsdp_kill_inprocess --in-process --crash-at "$VICTIM:10"
 
 # -- 2. DDP, fault -> training (issue 37) --------------------------------------------------------------------------
 bench() {  # name, then benchmarks.inprocess's arguments
   local name=$1; shift
   left "$name" || return
-  timeout 200 $PY -m benchmarks.inprocess --device "$DEVICE" --quick --reps 2 --work-dir "$W/$name" \
+  mkdir -p "$W/$name"
+  ( while sleep 3; do  # the workers' stacks, Python and native, while the part runs
+      for pid in $(pgrep -f "inprocess_train.py"); do
+        echo "=== $(date +%T.%N) pid $pid"; timeout 10 py-spy dump --native --pid "$pid" 2>&1
+      done >>"$W/$name/pyspy.txt"
+    done ) &
+  local spy=$!
+  timeout "${BENCH_TIMEOUT:-250}" $PY -m benchmarks.inprocess --device "$DEVICE" --quick --work-dir "$W/$name" \
     --json "$OUT/$name.json" "$@" >"$W/$name.log" 2>&1
-  say "$name: exit $?"; sed -n '/^| row/,$p' "$W/$name.log" | tee -a "$OUT/summary.txt"
+  local rc=$?
+  kill $spy 2>/dev/null
+  say "$name: exit $rc"; grep -E "^\[bench" "$W/$name.log" | tail -n 8 | tee -a "$OUT/summary.txt"
+  sed -n '/^| row/,$p' "$W/$name.log" | tee -a "$OUT/summary.txt"
 }
 if [ "$NPROC" -gt 1 ]; then
-  bench inprocess_ddp --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
+  want bench && bench inprocess_ddp --reps 2 \
+    --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
+  want bench_kill && bench inprocess_kill --reps 3 --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
+  want bench_kill_aeh0 && TORCH_NCCL_ASYNC_ERROR_HANDLING=0 bench inprocess_kill_aeh0 --reps 3 \
+    --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
+  want bench_raise && bench inprocess_raise --reps 2 --only raise.elaunch_inprocess --agent-args=--shutdown-timeout=8
+  want bench_kill_warm && bench inprocess_kill_warm --reps 2 --only kill.elaunch_inprocess_warm \
+    --agent-args=--shutdown-timeout=8
 else
-  say "inprocess_ddp: skipped (one rank a job: no survivors to keep)"
+  say "the benchmark parts: skipped (one rank a job: no survivors to keep)"
 fi
 
 # -- 1 (cont.): the runs to compare against ------------------------------------------------------------------------
-fsdp fsdp_clean --in-process
+want fsdp_compare && fsdp fsdp_clean --in-process
 
 # -- 2 (cont.): NCCL's watchdog in CleanUpOnly mode (abort the communicators, keep the process) -------------------
 # The default, 1 (TearDown, as torchrun sets it), ends a process whose communicator reports an error: a survivor
 # whose watchdog saw the dead peer before the agent's abort arrived would die with it.
-if [ "$NPROC" -gt 1 ]; then
-  TORCH_NCCL_ASYNC_ERROR_HANDLING=2 bench inprocess_ddp_aeh2 --only kill.elaunch_inprocess
+if [ "$NPROC" -gt 1 ] && want bench_aeh; then
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=2 bench inprocess_ddp_aeh2 --reps 2 --only kill.elaunch_inprocess
 fi
 
-fsdp fsdp_kill_full --crash-at "$VICTIM:10"
+want fsdp_compare && fsdp fsdp_kill_full --crash-at "$VICTIM:10"
 
 # -- 3. examples/ddp_digits.py --in-process, a raising rank (issue 37) ---------------------------------------------
 digits() {  # name, then the example's arguments
@@ -106,16 +131,16 @@ digits() {  # name, then the example's arguments
     --no-disk-checkpoint --run-dir "$W/$name-run" --final-params "$W/$name.params.json" "$@" >"$W/$name.log" 2>&1
   say "$name: exit $?"; grep -E "resumed|restor|Error" "$W/$name.log" | head -4
 }
-digits digits_clean
-digits digits_raise --crash-at "$VICTIM:2:5"
+want digits && digits digits_clean
+want digits && digits digits_raise --crash-at "$VICTIM:2:5"
 
 grep -rhoE "elaunch.restartable: .{0,160}|Duplicate GPU.{0,80}|NCCL WARN.{0,120}|ProcessGroupNCCL.{0,120}([Aa]bort|[Tt]ear).{0,80}" \
   "$W" 2>/dev/null | sort | uniq -c | sort -rn | head -12 | tee -a "$OUT/summary.txt"
 
 # -- the summary ---------------------------------------------------------------------------------------------------
-$PY - "$W" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
+$PY - "$W" "$OUT" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
 import glob, json, os, sys
-w = sys.argv[1]
+w, out = sys.argv[1], sys.argv[2]
 def sha(name):
     try:
         return open(f"{w}/{name}").read().strip()
@@ -144,8 +169,23 @@ for name in ("fsdp_kill_inprocess", "fsdp_kill_full"):
         print(f"  rank {r['rank']}: {'process kept' if kept else 'new process'}, restored step {r['step']} from "
               f"{r['source']} ({t.get('restore') or 0:.3f} s), restored {r['time'] - crash['time']:.2f} s after the kill")
     final = sha(f"{name}.sha")
-    print(f"  final parameters {'bit-identical to' if final and final == clean else 'DIFFER from'} the uninterrupted"
-          f" run's ({final and final[:12]} vs {clean and clean[:12]})")
+    if clean is None:
+        print(f"  final parameters {final and final[:12]} (no uninterrupted run to compare with)")
+    else:
+        print(f"  final parameters {'bit-identical to' if final == clean else 'DIFFER from'} the uninterrupted"
+              f" run's ({final and final[:12]} vs {clean[:12]})")
+for path in sorted(glob.glob(f"{out}/*.json")):
+    try:
+        res = json.load(open(path))["raw"]
+    except (OSError, ValueError, KeyError, TypeError):
+        continue
+    for r in res:
+        for x in r.get("samples", []):
+            new = [k for k in x["per_rank_s"] if int(k) not in x["kept_ranks"]]
+            print(f"{os.path.basename(path)} {r['key']}: {x['seconds']:.2f} s, kept {x['pids_kept']} of "
+                  f"{x['survivors']}, new rank(s) {new}: phases {[x.get('phases_s', {}).get(k) for k in new]}")
+        if r.get("note"):
+            print(f"{os.path.basename(path)} {r['key']}: {r['note']}")
 def params(name):
     try:
         return json.load(open(f"{w}/{name}.params.json"))

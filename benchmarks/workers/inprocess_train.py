@@ -29,6 +29,8 @@ The journal: each process appends JSON lines to ``OUT/journal/<pid>.jsonl``: ``m
 ``raise``; each with ``t`` (``time.time()``, CLOCK_REALTIME: one clock for every process of
 the machine), ``pid``, ``rank``, ``world`` and ``call`` (the ``t`` of its main() call); a call's
 first ``step`` also has ``first_step_s``, that step's forward, backward and optimizer step,
+``phases_s``, the seconds from the call to ``init_process_group``'s return, then the model's build
+and restore, then DDP's construction (its first collective: with NCCL, the communicator's set-up),
 and ``first_fwd_s``, its forward alone (with ``--compile``, dynamo's and inductor's compilation
 of forward and backward, before any collective: this rank's own cost).
 
@@ -119,6 +121,7 @@ def main(call_wrapper=None):
     journal("main", rank=rank, world=world, call=call, iteration=iteration,
             restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     _process_group(rank, world, iteration)
+    phases = {"init_process_group": time.time() - call}
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)]).to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -129,8 +132,10 @@ def main(call_wrapper=None):
         model.load_state_dict(snap.state["model"])
         opt.load_state_dict(snap.state["opt"])
         start = snap.step + 1
+    phases["build_and_restore"] = time.time() - call - sum(phases.values())
     ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model) if args.compile else model,
                                                     device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
+    phases["ddp"] = time.time() - call - sum(phases.values())
     flag = torch.zeros(1, device=DEVICE)
     stop_path = os.path.join(args.out, "stop")
     step = start
@@ -145,7 +150,8 @@ def main(call_wrapper=None):
         opt.step()
         opt.zero_grad()
         if step == start:
-            first = {"first_step_s": time.perf_counter() - t0, "first_fwd_s": t_fwd}
+            first = {"first_step_s": time.perf_counter() - t0, "first_fwd_s": t_fwd,
+                     "phases_s": {k: round(v, 4) for k, v in phases.items()}}
         ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
         time.sleep(args.step_sleep)
         flag.fill_(1.0 if os.path.exists(stop_path) else 0.0)
