@@ -59,6 +59,12 @@ The end: the driver writes ``OUT/stop``, the workers return from main() at the s
 the launchers get 30 s to exit by themselves before the job's processes are killed; each
 row says how many of its jobs ended by themselves.
 
+``--device cuda`` (the GPU check, ``scripts/gpu_check_inprocess.sh``): the workers use nccl and the
+GPU; with fewer GPUs than ranks they share one (the worker sets a ``NCCL_HOSTID`` a rank). Each
+fault's sample then also says how long the new ranks took to their first step, by phase
+(``phases_s``). ``--agent-args``: more flags for elaunch's agents (``--shutdown-timeout=8``: what a
+survivor that never answers the abort costs).
+
 Prints a markdown table; ``--json FILE`` writes meta, rows and the raw samples.
 
 NVRx: ``pip install nvidia-resiliency-ext==0.4.1`` (the ``nvrx`` extra). It pulls in the

@@ -35,7 +35,7 @@ right after saving STEP), ``--disk DIR`` (also ``dcp.save`` every step to
 ``DIR/step_<step>`` with DCP's FileSystemWriter, to compare with), ``--verify-out FILE``
 (after a restore, load the same step from ``--disk`` too and write, per rank, whether
 every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
-``--timings FILE`` (per rank, seconds spent in each save and in the restore), ``--journal FILE``
+``--timings FILE`` (per rank, seconds spent in each save, in the last build and in the restore), ``--journal FILE``
 (every rank appends a JSON line to FILE when it starts: its attempt, rank, group rank, world
 size, and the step restored with its source, or null; and one just before a ``--crash-at``
 SIGKILL: the rank and step; each with the time and the process id).
@@ -285,11 +285,13 @@ def train(args: argparse.Namespace) -> None:
         sys.exit(f"--batch {args.batch} does not split over {world} ranks")
     mesh = init_device_mesh(device.type, (world,))
     reader = SnapshotReader()  # a new round's reader: reader.step is the step this round's job agreed on
+    t_build = time.perf_counter()
     model, optim = build(args, device, mesh, init=reader.step is None)
+    t_build = time.perf_counter() - t_build
     # dcp.async_save plans in a thread of its own: its collectives need a group of their own (gloo), or they
     # interleave with training's on the default group
     ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
-    timings: dict = {"saves": [], "restore": None, "source": None}
+    timings: dict = {"saves": [], "restore": None, "source": None, "build": t_build}
 
     start, restored = 0, None
     if reader.step is not None:
