@@ -178,7 +178,8 @@ class ElasticAgent:
         # worker's "raised" fails the group like an exit. Offered to exec'd script workers only.
         self._inproc = open_inprocess(self._launcher.supervisor, self._env_opts.run_id, self._events,
                                       self._config.shutdown_timeout, lambda: Alarm("raised", {}),
-                                      offered=self._fork_target is None and not _function_workers(self._spec))
+                                      offered=self._fork_target is None and not _function_workers(self._spec),
+                                      on_late=self._late_stacks)
         self._watchdogs.insert(0, self._inproc)
         # the notices first: their persist request is seen by the keeper's poll of the same look;
         # the helpers' health just before the keeper (a dead persister is restarted or off when it asks)
@@ -353,6 +354,16 @@ class ElasticAgent:
         else:
             self._stop_workers(signal.SIGTERM)
         return stopped
+
+    def _late_stacks(self, pids: dict[int, int]) -> str | None:
+        """Write the stacks of interrupted workers that did not say "ready" in time (``InProcess``'s ``on_late``)
+        under the run's ``stacks/`` directory, as a hang's are; return the file, or None."""
+        from elaunch.agent.hang_watchdog import write_stacks
+
+        files = self._progress.files.stacks_files() if self._progress is not None else None
+        why = (f"in-process restart: local rank(s) {sorted(pids)} did not say ready within "
+               f"{self._config.shutdown_timeout:g} s of the abort (--shutdown-timeout); killed after this dump")
+        return write_stacks(pids, files, self.log_root, f"restart{self._job.restarts}_inprocess_not_ready", why)[1]
 
     def _failure_seen(self) -> tuple[dict[int, int | None], dict[int, float]]:
         """The failure as seen now: exit codes (:meth:`_failed_codes`) and times (``inprocess.decide.failure_times``).

@@ -276,33 +276,44 @@ class HangWatchdog:
                 f"later, over the {exit_grace(self.hang_timeout):g} s allowed)")
 
     def dump(self, pids: Mapping[int, int], log_root: str | None, label: str, why: str) -> tuple[dict, str | None]:
-        """Dump the Python stacks of every worker; write them under ``log_root/stacks/``.
-
-        Args:
-            pids: local rank -> worker pid (running workers).
-            log_root: the run's log directory (None or ``os.devnull``: not written).
-            label: names the file, e.g. ``"round3_rank2"``.
-            why: the first line of the file (what asked for the dump).
-
-        Returns:
-            (local rank -> ``StackDump``, the file written or None).
-        """
-        from elaunch.procs.stacks import dump_stacks, process_state
-
-        states = {lr: process_state(pid) for lr, pid in pids.items()}  # before py-spy touches them
+        """Dump the Python stacks of every worker; write them under ``log_root/stacks/`` (:func:`write_stacks`,
+        with this run's stacks files for the faulthandler fallback)."""
         files = self._files.stacks_files() if self._files is not None else None
-        dumps = dump_stacks(pids, files, DUMP_TIMEOUT)
-        path = None
-        if log_root and log_root != os.devnull:
-            path = os.path.join(log_root, "stacks", f"{label}_{int(time.time() * 1000)}.txt")
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as f:
-                    f.write(why + "\n\n" + format_dumps(dumps, pids, states))
-            except OSError as exc:
-                log.warning("could not write the stacks to %s: %s", path, exc)
-                path = None
-        return dumps, path
+        return write_stacks(pids, files, log_root, label, why)
+
+
+def write_stacks(pids: Mapping[int, int], files: Mapping[int, str] | None, log_root: str | None, label: str,
+                 why: str) -> tuple[dict, str | None]:
+    """Dump the Python stacks of the processes ``pids``; write them to ``log_root/stacks/<label>_<ms>.txt``.
+
+    Args:
+        pids: local rank -> worker pid (running workers).
+        files: local rank -> the worker's stacks file (``ProgressFiles.stacks_files()``), for the
+            faulthandler fallback; None: py-spy only.
+        log_root: the run's log directory (None or ``os.devnull``: not written).
+        label: names the file, e.g. ``"round3_rank2"``.
+        why: the first line of the file (what asked for the dump).
+
+    Returns:
+        (local rank -> ``StackDump``, the file written or None). Takes up to about
+        ``2 * DUMP_TIMEOUT`` seconds (``procs.stacks.dump_stacks``); never raises for a process that
+        cannot be read.
+    """
+    from elaunch.procs.stacks import dump_stacks, process_state
+
+    states = {lr: process_state(pid) for lr, pid in pids.items()}  # before py-spy touches them
+    dumps = dump_stacks(pids, files, DUMP_TIMEOUT)
+    path = None
+    if log_root and log_root != os.devnull:
+        path = os.path.join(log_root, "stacks", f"{label}_{int(time.time() * 1000)}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(why + "\n\n" + format_dumps(dumps, pids, states))
+        except OSError as exc:
+            log.warning("could not write the stacks to %s: %s", path, exc)
+            path = None
+    return dumps, path
 
 
 #: Frames that show a worker blocked in a collective, waiting for its peers (py-spy and

@@ -8,7 +8,8 @@ then calls, in order, on a failure that :meth:`InProcess.applies` to:
 
 1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; wait up to
    ``grace`` seconds (``--shutdown-timeout``, the grace a SIGTERM gets) for each to say
-   "ready"; SIGKILL those that did not (they are replaced like dead ones).
+   "ready"; dump the stacks of those that did not (``on_late``) and SIGKILL them (they are
+   replaced like dead ones).
 2. the agent decides and counts the restart as for any failure (``JobView.decide``);
 3. on RESTART, :meth:`InProcess.keep`: the waiting workers are released from the attempt
    (``WorkerProcesses.release``) and held here while the agent joins the next round;
@@ -53,6 +54,8 @@ class InProcess:
         grace: seconds an interrupted worker has to say "ready" before it is killed.
         raised_alarm: makes the watchdog's alarm for a "raised" (the agent's ``Alarm("raised", {})``:
             this package does not import the agent's); None: a "raised" raises no alarm.
+        on_late: called with ``{local rank: pid}`` of the workers not ready within ``grace``, before
+            they are killed; returns where their stacks were written (the agent's stack dump), or None.
         clock: ``time.monotonic`` (injectable for tests).
 
     Attributes:
@@ -63,9 +66,11 @@ class InProcess:
     interval = None
 
     def __init__(self, channel: Channel | None, events, grace: float,
-                 raised_alarm: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 raised_alarm: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_late: Callable[[dict[int, int]], str | None] | None = None) -> None:
         self._channel = channel
         self._raised_alarm = raised_alarm
+        self._on_late = on_late
         self._events = events
         self._grace = grace
         self._clock = clock
@@ -216,15 +221,27 @@ class InProcess:
                 break
             left = deadline - self._clock()
             if left <= 0:
-                # RUNNING -> KILLED: not ready within the grace; replaced like a dead worker
-                log.warning("in-process restart: local rank(s) %s not ready within %.1f s; killing them", late,
-                            self._grace)
+                # RUNNING -> KILLED: not ready within the grace; replaced like a dead worker. Their stacks first:
+                # where a survivor hangs (an abort that never returns) is what its log cannot say
+                stacks = self._late_stacks(late)
+                log.warning("in-process restart: local rank(s) %s not ready within %.1f s; killing them%s", late,
+                            self._grace, f" (their stacks: {stacks})" if stacks else "")
                 procs.notify(signal.SIGKILL, late)
                 procs.wait(1.0)
                 self._wait_dead(procs, late)
                 break
             procs.wait(min(left, 0.05))
         return decide.kept(procs.poll(), self._waiting_ranks())
+
+    def _late_stacks(self, late: list[int]) -> str | None:
+        """Where the stacks of ``late`` (local ranks) were written by ``on_late``; None: not dumped."""
+        if self._on_late is None:
+            return None
+        try:
+            return self._on_late({lr: self._pids[lr] for lr in late if lr in self._pids})
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not keep the restart from going on
+            log.warning("in-process restart: the late workers' stacks could not be dumped: %s", exc)
+            return None
 
     def keep(self, procs: "WorkerProcesses", local_ranks: list[int], cause: str = "failure") -> None:
         """Release ``local_ranks``' workers from ``procs`` and hold them for the next attempt.
@@ -302,7 +319,7 @@ class InProcess:
 
 
 def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: Callable[[], object],
-                   offered: bool = True) -> InProcess:
+                   offered: bool = True, on_late: Callable[[dict[int, int]], str | None] | None = None) -> InProcess:
     """In-process restart for one run: its channel opened and added to ``supervisor``, when ``offered``.
 
     Args:
@@ -313,6 +330,7 @@ def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: 
         grace: seconds an interrupted worker has to be ready (``--shutdown-timeout``).
         raised_alarm: the watchdog alarm a "raised" fails the group with (see :class:`InProcess`).
         offered: False: no channel (function workers); every failure restarts every worker.
+        on_late: see :class:`InProcess`.
 
     A channel that cannot be opened is logged once and not offered (never fatal).
     """
@@ -326,7 +344,7 @@ def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: 
     except OSError as exc:
         log.warning("in-process restart is off: its control channel cannot be opened: %s", exc)
         return InProcess(None, events, grace, raised_alarm)
-    inproc = InProcess(channel, events, grace, raised_alarm)
+    inproc = InProcess(channel, events, grace, raised_alarm, on_late=on_late)
     supervisor.add(channel, THREADS, on_death=OFF, wakes=False, turned_off=inproc.turned_off,
                    note="in-process restart is off; failures restart every worker")
     return inproc

@@ -127,14 +127,19 @@ def test_a_process_group_whose_destroy_fails_is_forgotten(reference, tmp_path, f
 
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
-    --shutdown-timeout (1 s), so it is killed and replaced like the dead one, both by --warm-start spares;
-    rank 0 keeps its process."""
+    --shutdown-timeout (1 s), so its stacks are written to the log directory (where it hung) and it is killed
+    and replaced like the dead one, both by --warm-start spares; rank 0 keeps its process."""
     out = tmp_path / "out"
     out.mkdir()
-    r = run("elaunch", *JOB, "--shutdown-timeout=1", "--warm-start", "--warm-start-modules=torch", SCRIPT, str(out),
-            "--kill", "1:5", "--block", "2:5", "--timeout", PG_TIMEOUT, timeout=60)
+    r = run("elaunch", *JOB, "--shutdown-timeout=1", "--warm-start", "--warm-start-modules=torch",
+            "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
+            "--timeout", PG_TIMEOUT, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "local rank(s) [2] not ready within 1.0 s; killing them" in r.stderr
+    assert "local rank(s) [2] not ready within 1.0 s; killing them (their stacks: " in r.stderr
+    (stacks,) = (tmp_path / "logs").glob("*/stacks/restart*_inprocess_not_ready_*.txt")
+    text = stacks.read_text()
+    assert "did not say ready within 1 s of the abort" in text and "local rank 2" in text
+    assert "restartable_train.py" in text and "main" in text  # where it was: blocked in main()'s sleep
     rounds = _rounds(out)
     assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, False]
     assert [a["warm"] for a in rounds[1]] == [True, True, True]  # spares: the first attempt's and the replacements
