@@ -21,7 +21,7 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-400}  # seconds: a part that would start after this is skipped (the call's limit is the device's)
 FSDP_SIZE=${FSDP_SIZE:---dim 512 --layers 7 --heads 8}  # 255 MiB of parameters and AdamW moments, as the benchmark
-W=/tmp/gpu_check; rm -rf "$W"; mkdir -p "$W"
+W=${W:-/tmp/gpu_check}; rm -rf "$W"; mkdir -p "$W"  # every log (logs.tgz)
 T0=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,7 +34,7 @@ PARTS=" ${PARTS:-probe fsdp_ip bench fsdp_compare bench_aeh digits} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.txt"; }
 left() { [ $(( $(date +%s) - T0 )) -lt "$BUDGET" ] || { say "skipped (budget): $1"; return 1; }; }
-finish() { tar czf "$OUT/logs.tgz" -C /tmp gpu_check 2>/dev/null; say "end"; }
+finish() { tar czf "$OUT/logs.tgz" -C "$(dirname "$W")" "$(basename "$W")" 2>/dev/null; say "end"; }
 trap finish EXIT
 { nvidia-smi -L 2>&1; $PY --version
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),
@@ -51,7 +51,8 @@ if cuda:
 dist.init_process_group("nccl" if cuda else "gloo")
 t = torch.ones(4, device="cuda" if cuda else "cpu") * (dist.get_rank() + 1)
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} of {dist.get_world_size()}: all_reduce -> {t[0].item()}", flush=True)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} (NCCL_HOSTID {os.environ.get('NCCL_HOSTID')}): "
+      f"all_reduce -> {t[0].item()}", flush=True)
 dist.destroy_process_group()
 PYEOF
 NPROC=${NPROC:-2}
@@ -199,6 +200,6 @@ for ev in glob.glob(f"{w}/*-logs/**/events.jsonl", recursive=True):
     for line in open(ev):
         e = json.loads(line)
         if e.get("kind") == "inprocess_restart":
-            print(f"{ev.split('/')[3]}: inprocess_restart kept {e.get('kept')} started {e.get('started')} "
-                  f"{e.get('seconds')} s to go ({e.get('cause')})")
+            print(f"{os.path.relpath(ev, w).split('/')[0]}: inprocess_restart kept {e.get('kept')} "
+                  f"started {e.get('started')} {e.get('seconds')} s to go ({e.get('cause')})")
 PYEOF
