@@ -635,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts, "device": a.device,
             "agent_args": a.agent_args,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-            "notes": [f"process groups: {'nccl' if a.device == 'cuda' else 'gloo'}; init_process_group's timeout {s.pg_timeout:g} s in the raise rows (the "
+            "notes": [f"process groups: {'nccl' if a.device == 'cuda' else 'gloo'}; init_process_group's timeout "
+                      f"{s.pg_timeout:g} s in the raise rows (the "
                       f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (a restarted group's "
                       "first collectives wait for its slowest worker, importing torch cold)"]}
     emit(meta, rows, results, a.json, markdown(rows))

@@ -24,11 +24,12 @@ as nvidia-resiliency-ext's ``inprocess.Wrapper`` does; it lands when the blocked
 returns). A call that waits in a system call (``time.sleep``, a queue's ``get``, a lock,
 a socket read) is woken at once: the control thread also sends :data:`WAKE_SIGNAL` to that
 thread, whose do-nothing Python handler is where the pending exception lands (the wrapper
-installs it only where the script left the signal's default, ignore). The wrapper destroys what is left of the process group, tells the agent
-"ready" and waits for "go". When ``main()`` itself raises (an ``Exception``), the
-wrapper aborts NCCL's communicators and shuts the round's connections at once (its peers' collectives fail now, not at
-their timeout), prints its traceback to stderr as the interpreter would, and reports
-"raised"; the agent counts it like a worker failure. Either way, "go" brings the next
+installs it only where the script left the signal's default, ignore). The wrapper destroys
+what is left of the process group, tells the agent "ready" and waits for "go". When
+``main()`` itself raises (an ``Exception``), the wrapper aborts NCCL's communicators and
+shuts the round's connections at once (its peers' collectives fail now, not at their
+timeout), prints its traceback to stderr as the interpreter would, and reports "raised";
+the agent counts it like a worker failure. Either way, "go" brings the next
 round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, a new
 ``TORCHELASTIC_RESTART_COUNT``, so a fresh store prefix, the checkpoint restore) and the
 attempt's log files; the wrapper sets them and calls ``main()`` again.

@@ -1,7 +1,8 @@
 """A small restartable gloo training for the in-process restart tests (``elaunch.restartable``).
 
-``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S] [--own-sigurg PATH] [--profile] [--plain]
-[--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH] [--destroy-fails]``
+``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S]
+[--own-sigurg PATH] [--profile] [--plain] [--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]
+[--destroy-fails]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
