@@ -12,7 +12,8 @@
 #      TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly) beside the default 1 (TearDown, as torchrun sets it);
 #   3. issue 37: examples/ddp_digits.py --in-process under nccl, a rank raising mid-epoch, against a clean run.
 # PARTS (space-separated; default all): probe fsdp_ip bench fsdp_compare bench_aeh digits, or the focused ones
-# bench_kill, bench_kill_aeh0 (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), bench_raise, bench_kill_warm. While a benchmark part runs, py-spy
+# bench_kill, bench_kill_aeh0 (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), bench_kill_nodump (NCCL's flight recorder off),
+# bench_raise, bench_kill_warm. While a benchmark part runs, py-spy
 # dumps its workers' stacks (Python and native) every 3 s into its folder: where a survivor waits, if it does.
 # DEVICE=cpu runs the same plumbing on a machine without a GPU (gloo), to check the script itself.
 # Everything goes to $OUT: summary.txt, env.txt, the benchmark's JSON, logs.tgz (every log).
@@ -104,6 +105,9 @@ if [ "$NPROC" -gt 1 ]; then
   want bench_kill && bench inprocess_kill --reps 3 --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
   want bench_kill_aeh0 && TORCH_NCCL_ASYNC_ERROR_HANDLING=0 bench inprocess_kill_aeh0 --reps 3 \
     --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
+  # the flight recorder off: a watchdog that sees the dead peer first waits for its dump (Python stacks, so the GIL)
+  want bench_kill_nodump && TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 bench inprocess_kill_nodump \
+    --reps 3 --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
   want bench_raise && bench inprocess_raise --reps 2 --only raise.elaunch_inprocess --agent-args=--shutdown-timeout=8
   want bench_kill_warm && bench inprocess_kill_warm --reps 2 --only kill.elaunch_inprocess_warm \
     --agent-args=--shutdown-timeout=8
