@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_start": load_start, "loadavg_end": suite._loadavg(), "duration_s": time.monotonic() - t_begin,
             "quick": a.quick, "sizes": asdict(s), "nproc": NPROC, "hosts": a.hosts, "device": a.device,
             "agent_args": a.agent_args,
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))},
             "notes": [f"process groups: {'nccl' if a.device == 'cuda' else 'gloo'}; init_process_group's timeout "
                       f"{s.pg_timeout:g} s in the raise rows (the "
                       f"same for elaunch and NVRx), {s.pg_timeout_kill:g} s in the kill rows (a restarted group's "
