@@ -430,37 +430,22 @@ def _destroy_process_group() -> None:
     After an abort (NCCL) nothing is left. A destroy that raises (a NCCL communicator broken by
     the fault fails its shutdown) leaves torch's registry of groups in place, and the next
     round's ``init_process_group`` would fail with "trying to initialize the default process
-    group twice"; the groups are then forgotten without their shutdown (:func:`_forget_groups`).
+    group twice"; the groups are then aborted with torch's ``_abort_process_group``, which clears
+    that registry too.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return
-    try:
-        if not dist.is_initialized():
-            return
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - the groups are forgotten below; the next init makes new ones
-        print(f"elaunch.restartable: destroy_process_group: {exc}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        _forget_groups(dist)
-
-
-def _forget_groups(dist: Any) -> None:
-    """Clear torch's registry of process groups as ``destroy_process_group`` does after shutting the
-    groups down (torch's private ``_world``; each step skipped where this torch lacks it)."""
-    c10d = dist.distributed_c10d
-    steps = [lambda: c10d._update_default_pg(None)]
-    steps += [lambda name=name: getattr(c10d._world, name).clear()
-              for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
-                           "pg_coalesce_state")]
-    steps += [lambda: c10d._unregister_all_process_groups(), lambda: setattr(c10d._world, "group_count", 0)]
-    for step in steps:
+    for name, end in (("destroy_process_group", dist.destroy_process_group),
+                      ("abort_process_group", dist.distributed_c10d._abort_process_group)):
         try:
-            step()
-        except Exception:  # noqa: BLE001 - a private name this torch does not have
-            pass
+            if not dist.is_initialized():
+                return
+            end()
+        except Exception as exc:  # noqa: BLE001 - the next way of ending them, or the message below
+            print(f"elaunch.restartable: {name}: {exc}", file=sys.stderr, flush=True)
     if dist.is_initialized():
-        print("elaunch.restartable: the last round's process group could not be forgotten; the next "
+        print("elaunch.restartable: the last round's process group could not be ended; the next "
               "init_process_group may fail", file=sys.stderr, flush=True)
 
 
