@@ -60,7 +60,8 @@ the launchers get 30 s to exit by themselves before the job's processes are kill
 row says how many of its jobs ended by themselves.
 
 ``--device cuda`` (the GPU check, ``scripts/gpu_check_inprocess.sh``): the workers use nccl and the
-GPU; with fewer GPUs than ranks they share one (the worker sets a ``NCCL_HOSTID`` a rank). Each
+GPU; they run through ``scripts/gpu_shared.py``, so with fewer GPUs than ranks they share one (a
+``NCCL_HOSTID`` a rank). Each
 fault's sample then also says how long the new ranks took to their first step, by phase
 (``phases_s``). ``--agent-args``: more flags for elaunch's agents (``--shutdown-timeout=8``: what a
 survivor that never answers the abort costs).
@@ -93,6 +94,8 @@ import psutil
 from benchmarks.common import REPO, DidNotComplete, emit, free_port, kill_tree, launcher_cmd, launcher_env, log_line
 
 WORKER = str(REPO / "benchmarks" / "workers" / "inprocess_train.py")
+#: ``--device cuda`` runs the worker through it: ranks may share a GPU (a ``NCCL_HOSTID`` each where there are fewer)
+GPU_SHARED = str(REPO / "scripts" / "gpu_shared.py")
 TAG_VAR = "ELAUNCH_BENCH_INPROCESS_TAG"  # every process of a job carries it: what is left is found by it
 NPROC = 3
 #: --hosts 3: the c10d store's port on the first host, and the rendezvous settings of benchmarks/goodput_hosts.py
@@ -262,8 +265,9 @@ class Job:
 
     def _worker_args(self) -> list[str]:
         s = self.sizes
-        args = [WORKER, str(self.out), "--mode", self.way.mode, "--pg-timeout", str(self.pg_timeout), "--step-sleep",
-                str(s.step_sleep), "--dim", str(s.dim), "--layers", str(s.layers), "--device", self.device]
+        args = [*([GPU_SHARED] if self.device == "cuda" else []), WORKER, str(self.out), "--mode", self.way.mode,
+                "--pg-timeout", str(self.pg_timeout), "--step-sleep", str(s.step_sleep), "--dim", str(s.dim),
+                "--layers", str(s.layers), "--device", self.device]
         if self.way.nvrx_interval is not None:
             args += ["--nvrx-interval", str(self.way.nvrx_interval)]
         return args + list(self.way.worker_args)
@@ -597,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "hosts, one agent and one worker each); default 1")
     p.add_argument("--work-dir", type=Path, default=None, help="keep logs here (default: a temporary directory)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: nccl, the model on the GPU (ranks may share one GPU: the worker's NCCL_HOSTID); "
+                   help="cuda: nccl, the model on the GPU (ranks may share one GPU: scripts/gpu_shared.py); "
                         "default cpu (gloo)")
     p.add_argument("--agent-args", default="", metavar="FLAGS",
                    help="more flags for elaunch's agents, space-separated (e.g. --shutdown-timeout=8)")

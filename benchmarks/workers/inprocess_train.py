@@ -13,10 +13,8 @@ agent's memory; elsewhere (torchrun, ft_launcher) ``ELAUNCH_CHECKPOINT_DIR``, wh
 benchmark puts in ``/dev/shm``.
 
 ``--device cuda`` (the GPU check): nccl instead of gloo, the model and its data on
-``cuda:LOCAL_RANK`` (modulo the GPUs there are). Where a node has fewer GPUs than ranks (one GPU,
-several ranks), each rank sets ``NCCL_HOSTID`` to one of its own, so NCCL takes the ranks for
-hosts of their own (its network transport between them) instead of refusing two ranks on one
-device.
+``cuda:LOCAL_RANK`` (modulo the GPUs there are; the benchmark runs the worker through
+``scripts/gpu_shared.py``, which lets several ranks share a GPU).
 
 ``--mode``: ``elaunch`` wraps ``main`` in ``@elaunch.restartable`` (opts in to in-process
 restart); ``plain`` calls it as is (elaunch's full restart, torchrun); ``nvrx`` wraps it in
@@ -65,10 +63,7 @@ parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
 BACKEND = "nccl" if args.device == "cuda" else "gloo"
 if args.device == "cuda":
-    _local = int(os.environ.get("LOCAL_RANK", "0"))
-    DEVICE = torch.device("cuda", _local % torch.cuda.device_count())
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{_local}"  # ranks sharing a GPU: a host each
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.cuda.set_device(DEVICE)
 else:
     DEVICE = torch.device("cpu")
