@@ -35,10 +35,10 @@ right after saving STEP), ``--disk DIR`` (also ``dcp.save`` every step to
 ``DIR/step_<step>`` with DCP's FileSystemWriter, to compare with), ``--verify-out FILE``
 (after a restore, load the same step from ``--disk`` too and write, per rank, whether
 every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
-``--timings FILE`` (per rank, seconds spent in each save, in the last build and in the restore), ``--journal FILE``
-(every rank appends a JSON line to FILE when it starts: its attempt, rank, group rank, world
-size, and the step restored with its source, or null; and one just before a ``--crash-at``
-SIGKILL: the rank and step; each with the time and the process id).
+``--timings FILE`` (per rank, seconds spent in each save, in the last build and in the restore),
+``--journal FILE`` (every rank appends a JSON line to FILE when it starts: its attempt, rank,
+group rank, world size, and the step restored with its source, or null; and one just before a
+``--crash-at`` SIGKILL: the rank and step; each with the time and the process id).
 
 In-process restart (``--in-process``, elaunch only): the training is wrapped with
 ``elaunch.restartable``. On a fault (a rank killed, or one whose training raised) the

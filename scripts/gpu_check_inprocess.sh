@@ -153,11 +153,10 @@ def sha(name):
         return None
 clean = sha("fsdp_clean.sha")
 for name in ("fsdp_kill_inprocess", "fsdp_kill_full"):
-    recs = []
     try:
         recs = [json.loads(line) for line in open(f"{w}/{name}.journal")]
     except OSError:
-        pass
+        continue  # the part did not run (PARTS, the budget)
     crash = next((r for r in recs if r["event"] == "crash"), None)
     first = {r["rank"]: r for r in recs if r["event"] == "start" and r["attempt"] == 0}
     if crash is None:
