@@ -52,8 +52,9 @@ if cuda:
 dist.init_process_group("nccl" if cuda else "gloo")
 t = torch.ones(4, device="cuda" if cuda else "cpu") * (dist.get_rank() + 1)
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} of {dist.get_world_size()} (NCCL_HOSTID {os.environ.get('NCCL_HOSTID')}): "
-      f"all_reduce -> {t[0].item()}", flush=True)
+# one write a line: under PYTHONUNBUFFERED print writes the text and its newline apart, and two ranks share a log
+os.write(1, f"rank {dist.get_rank()} of {dist.get_world_size()} (NCCL_HOSTID {os.environ.get('NCCL_HOSTID')}): "
+            f"all_reduce -> {t[0].item()}\n".encode())
 dist.destroy_process_group()
 PYEOF
 NPROC=${NPROC:-2}

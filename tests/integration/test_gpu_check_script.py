@@ -8,6 +8,7 @@ with a ``NCCL_HOSTID`` of its own, under elaunch.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,6 @@ def test_the_probe_runs_two_ranks_through_the_shim(tmp_path):
                        timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "probe, 2 ranks on one device: exit 0 -> 2 rank(s) a job" in (out / "summary.txt").read_text()
-    hostids = {line.split("NCCL_HOSTID ")[1].split(")")[0]
-               for line in r.stdout.splitlines() if "all_reduce -> 3.0" in line}
+    hostids = set(re.findall(r"\(NCCL_HOSTID ([^)]*)\): all_reduce -> 3\.0$", r.stdout, re.M))
     assert len(hostids) == 2 and all(h.endswith(("-rank0", "-rank1")) for h in hostids), r.stdout[-2000:]
     assert (out / "logs.tgz").stat().st_size > 0
