@@ -63,7 +63,7 @@ row says how many of its jobs ended by themselves.
 GPU; they run through ``scripts/gpu_shared.py``, so with fewer GPUs than ranks they share one (a
 ``NCCL_HOSTID`` a rank). Each
 fault's sample then also says how long the new ranks took to their first step, by phase
-(``phases_s``). ``--agent-args``: more flags for elaunch's agents (``--shutdown-timeout=8``: what a
+(``phases_s``). ``--agent-args``: more flags for elaunch's agents (``--inprocess-timeout=8``: what a
 survivor that never answers the abort costs).
 
 Prints a markdown table; ``--json FILE`` writes meta, rows and the raw samples.
@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: nccl, the model on the GPU (ranks may share one GPU: scripts/gpu_shared.py); "
                         "default cpu (gloo)")
     p.add_argument("--agent-args", default="", metavar="FLAGS",
-                   help="more flags for elaunch's agents, space-separated (e.g. --shutdown-timeout=8)")
+                   help="more flags for elaunch's agents, space-separated (e.g. --inprocess-timeout=8)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite

@@ -103,15 +103,15 @@ bench() {  # name, then benchmarks.inprocess's arguments
 if [ "$NPROC" -gt 1 ]; then
   want bench && bench inprocess_ddp --reps 2 \
     --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
-  want bench_kill && bench inprocess_kill --reps 3 --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
+  want bench_kill && bench inprocess_kill --reps 3 --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
   want bench_kill_aeh0 && TORCH_NCCL_ASYNC_ERROR_HANDLING=0 bench inprocess_kill_aeh0 --reps 3 \
-    --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
+    --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
   # the flight recorder off: a watchdog that sees the dead peer first waits for its dump (Python stacks, so the GIL)
   want bench_kill_nodump && TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 bench inprocess_kill_nodump \
-    --reps 3 --only kill.elaunch_inprocess --agent-args=--shutdown-timeout=8
-  want bench_raise && bench inprocess_raise --reps 2 --only raise.elaunch_inprocess --agent-args=--shutdown-timeout=8
+    --reps 3 --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
+  want bench_raise && bench inprocess_raise --reps 2 --only raise.elaunch_inprocess --agent-args=--inprocess-timeout=8
   want bench_kill_warm && bench inprocess_kill_warm --reps 2 --only kill.elaunch_inprocess_warm \
-    --agent-args=--shutdown-timeout=8
+    --agent-args=--inprocess-timeout=8
 else
   say "the benchmark parts: skipped (one rank a job: no survivors to keep)"
 fi

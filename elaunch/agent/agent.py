@@ -78,7 +78,8 @@ class ElasticAgent:
         config: the launch's options; the agent applies ``max_restarts`` (the job's
             budget, see :class:`~elaunch.agent.job.JobView`), ``monitor_interval``
             (seconds), ``shutdown_timeout`` (seconds between the stop signal and SIGKILL
-            when stopping workers), the watchdogs' options (:mod:`elaunch.agent.watchdogs`),
+            when stopping workers), ``inprocess_timeout`` (seconds an interrupted survivor of an
+            in-process restart has to say "ready"), the watchdogs' options (:mod:`elaunch.agent.watchdogs`),
             ``warm_start_modules`` (``--warm-start``: one spare interpreter per local
             rank with these imported runs the next attempt's workers; None: cold, as
             torchrun) and ``event_log_handler`` (where a copy of each event of
@@ -140,7 +141,7 @@ class ElasticAgent:
         self._keeper = CheckpointKeeper.for_launch(config, env_opts.run_id, rdzv.job_channel)
         self._node_check: NodeCheck | None = None  # --node-check; made in run() (its child needs the reaper)
         self._notices = Notices(self._forward)  # --forward-signals: the handler records, the monitor acts
-        self._inproc = InProcess(None, self._events, config.shutdown_timeout)  # run() offers the channel
+        self._inproc = InProcess(None, self._events, config.inprocess_timeout)  # run() offers the channel
         self._fork_target = fork_target
 
     @property
@@ -177,7 +178,7 @@ class ElasticAgent:
         # in-process restart (elaunch.restartable): the channel's name in every worker's environment; a
         # worker's "raised" fails the group like an exit. Offered to exec'd script workers only.
         self._inproc = open_inprocess(self._launcher.supervisor, self._env_opts.run_id, self._events,
-                                      self._config.shutdown_timeout, lambda: Alarm("raised", {}),
+                                      self._config.inprocess_timeout, lambda: Alarm("raised", {}),
                                       offered=self._fork_target is None and not _function_workers(self._spec),
                                       on_late=self._late_stacks)
         self._watchdogs.insert(0, self._inproc)
@@ -362,7 +363,7 @@ class ElasticAgent:
 
         files = self._progress.files.stacks_files() if self._progress is not None else None
         why = (f"in-process restart: local rank(s) {sorted(pids)} did not say ready within "
-               f"{self._config.shutdown_timeout:g} s of the abort (--shutdown-timeout); killed after this dump")
+               f"{self._config.inprocess_timeout:g} s of the abort (--inprocess-timeout); killed after this dump")
         return write_stacks(pids, files, self.log_root, f"restart{self._job.restarts}_inprocess_not_ready", why)[1]
 
     def _failure_seen(self) -> tuple[dict[int, int | None], dict[int, float]]:

@@ -43,6 +43,9 @@ class LaunchConfig:
         local_ranks_filter: local ranks whose output reaches the console, None for all.
         local_addr: this node's address as others reach it, None for the FQDN.
         shutdown_timeout: seconds between SIGTERM and SIGKILL when stopping workers, >= 0.
+        inprocess_timeout: seconds a survivor of an in-process restart has to say "ready" after
+            the abort before it is killed and its rank replaced (``--inprocess-timeout``, elaunch
+            only), > 0.
         signals_to_handle: signal names the agent forwards to workers before stopping
             them and exiting 128 + signum (``"SIGTERM"``, ...).
         forward_signals: signal names the agent forwards to every worker's process
@@ -110,6 +113,7 @@ class LaunchConfig:
     local_ranks_filter: frozenset[int] | None = None
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    inprocess_timeout: float = default_of("inprocess_timeout")
     signals_to_handle: tuple[str, ...] = default_of("signals_to_handle")
     forward_signals: tuple[str, ...] | None = None
     hang_timeout: float = default_of("hang_timeout")

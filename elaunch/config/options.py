@@ -21,12 +21,17 @@ from elaunch.config import values as V
 from elaunch.config.errors import ConfigError
 from elaunch.rendezvous.registry import user_backend_names
 
-__all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_MASTER_PORT", "DEFAULT_PERSIST_INTERVAL", "DEFAULT_SHUTDOWN_TIMEOUT",
-           "DEFAULT_SIGNALS", "DEFAULT_WARM_MODULES", "GROUPS", "NUMA_MODES", "OPTIONS", "START_METHODS",
-           "LaunchOptions", "Option", "default_of", "parse_replicas", "replicas_for"]
+__all__ = ["DEFAULT_FORWARD_SIGNALS", "DEFAULT_INPROCESS_TIMEOUT", "DEFAULT_MASTER_PORT", "DEFAULT_PERSIST_INTERVAL",
+           "DEFAULT_SHUTDOWN_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_WARM_MODULES", "GROUPS", "NUMA_MODES", "OPTIONS",
+           "START_METHODS", "LaunchOptions", "Option", "default_of", "parse_replicas", "replicas_for"]
 
 #: Seconds between SIGTERM and SIGKILL when neither the flag nor ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+#: ``--inprocess-timeout`` default, seconds. A survivor is ready well under a second after the abort (its
+#: collectives end when the dead peer's sockets close or NCCL is aborted); one that is not within this
+#: is stuck (an NCCL abort that did not return, a call no signal ends) and costs its rank a new process,
+#: what the full restart costs anyway, instead of --shutdown-timeout's 30 s first.
+DEFAULT_INPROCESS_TIMEOUT = 10.0
 #: torch's variable for the seconds between SIGTERM and SIGKILL (its ``LaunchConfig.shutdown_timeout`` default).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: ``--master-port`` default for the static rendezvous, as torchrun.
@@ -209,11 +214,14 @@ _ROWS = (
     Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance (torch._dynamo: the first "
            "torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES), "MOD,...",
            V.parse_comma_list, argtype=comma_list, elaunch_only=True),
-    Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers; also the "
-           "seconds a survivor of an in-process restart has to stop its round [default: "
+    Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
            f"${SHUTDOWN_TIMEOUT_ENV} or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
            "seconds", argtype=float, torch="shutdown_timeout", env_fallback=SHUTDOWN_TIMEOUT_ENV,
            fallback=DEFAULT_SHUTDOWN_TIMEOUT),
+    Option("inprocess_timeout", WORKERS, "Seconds a survivor of an in-process restart (elaunch.restartable) has "
+           "to stop its round and say ready after the abort; one that has not is killed, its stacks written first, "
+           "and its rank replaced like a dead worker's (elaunch only).", f"{DEFAULT_INPROCESS_TIMEOUT:g}", "SECONDS",
+           _seconds(False), "seconds", argtype=float, elaunch_only=True),
     Option("signals_to_handle", WORKERS, "Signals the agent catches and forwards to the workers before stopping "
            "them.", ",".join(DEFAULT_SIGNALS), "SIG,...", V.parse_signals, torch="signals_to_handle"),
     Option("forward_signals", WORKERS, "Signals the agent forwards to every worker's process group while it keeps "

@@ -7,8 +7,7 @@ reads what the workers said; a worker that reports ``raised`` fails the group (a
 then calls, in order, on a failure that :meth:`InProcess.applies` to:
 
 1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; wait up to
-   ``grace`` seconds (``--shutdown-timeout``, the grace a SIGTERM gets) for each to say
-   "ready"; dump the stacks of those that did not (``on_late``) and SIGKILL them (they are
+   ``grace`` seconds (``--inprocess-timeout``) for each to say "ready"; dump the stacks of those that did not (``on_late``) and SIGKILL them (they are
    replaced like dead ones).
 2. the agent decides and counts the restart as for any failure (``JobView.decide``);
 3. on RESTART, :meth:`InProcess.keep`: the waiting workers are released from the attempt
@@ -327,7 +326,7 @@ def open_inprocess(supervisor, run_id: str, events, grace: float, raised_alarm: 
             tier ``THREADS``, policy ``OFF``: when its thread dies the run goes on with full restarts).
         run_id: the job's id (part of the channel's name).
         events: the run's ``AgentEvents``.
-        grace: seconds an interrupted worker has to be ready (``--shutdown-timeout``).
+        grace: seconds an interrupted worker has to be ready (``--inprocess-timeout``).
         raised_alarm: the watchdog alarm a "raised" fails the group with (see :class:`InProcess`).
         offered: False: no channel (function workers); every failure restarts every worker.
         on_late: see :class:`InProcess`.

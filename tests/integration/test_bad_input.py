@@ -36,6 +36,7 @@ CASES = [
     (["--event-log-handler", "logging", SCRIPT], {}, "--event-log-handler=logging: not a torch event handler"),
     (["--shutdown-timeout", "-5", SCRIPT], {}, "--shutdown-timeout=-5"),
     (["--shutdown-timeout", "later", SCRIPT], {}, "--shutdown-timeout=later"),
+    (["--inprocess-timeout", "0", SCRIPT], {}, "--inprocess-timeout=0"),
     (["--rdzv-backend", "zookeeper", SCRIPT], {}, "--rdzv-backend=zookeeper: unknown rendezvous backend (known: static, c10d, etcd, etcd-v2, etcd-v3"),
     # torchrun.logs_specs / torchrun.handlers entry points (tests/plugins/elaunch_test_plugin)
     (["--logs-specs=nope", SCRIPT], {}, "--logs-specs=nope: no 'torchrun.logs_specs' entry point of that name "

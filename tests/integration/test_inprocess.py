@@ -127,11 +127,12 @@ def test_a_process_group_whose_destroy_fails_is_ended_all_the_same(reference, tm
 
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
-    --shutdown-timeout (1 s), so its stacks are written to the log directory (where it hung) and it is killed
-    and replaced like the dead one, both by --warm-start spares; rank 0 keeps its process."""
+    --inprocess-timeout (1 s; --shutdown-timeout stays at its 30 s), so its stacks are written to the log
+    directory (where it hung) and it is killed and replaced like the dead one, both by --warm-start spares;
+    rank 0 keeps its process."""
     out = tmp_path / "out"
     out.mkdir()
-    r = run("elaunch", *JOB, "--shutdown-timeout=1", "--warm-start", "--warm-start-modules=torch",
+    r = run("elaunch", *JOB, "--inprocess-timeout=1", "--warm-start", "--warm-start-modules=torch",
             "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
             "--timeout", PG_TIMEOUT, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -149,10 +150,10 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
 def test_a_survivor_waiting_in_a_system_call_is_woken_and_kept(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps an hour in ``time.sleep``: the abort's signal ends the
     sleep, so rank 2 is ready at once and keeps its process, like rank 0 (before the wake signal it
-    slept past --shutdown-timeout and was killed and replaced, as a blocked call still is)."""
+    slept past the ready deadline and was killed and replaced, as a blocked call still is)."""
     out = tmp_path / "out"
     out.mkdir()
-    r = run("elaunch", *JOB, "--shutdown-timeout=5", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
+    r = run("elaunch", *JOB, "--inprocess-timeout=5", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
             "--timeout", PG_TIMEOUT, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "not ready within" not in r.stderr
@@ -163,11 +164,11 @@ def test_a_survivor_waiting_in_a_system_call_is_woken_and_kept(reference, tmp_pa
 
 def test_the_wake_signal_leaves_a_scripts_own_sigurg_handler_alone(reference, tmp_path):
     """A script that handles SIGURG itself: an abort does not signal it (its handler never runs), so
-    rank 2, asleep when rank 1 is SIGKILLed, is not woken: it is killed after --shutdown-timeout and
+    rank 2, asleep when rank 1 is SIGKILLed, is not woken: it is killed after --inprocess-timeout and
     replaced, as before the wake signal; rank 0 keeps its process."""
     out, seen = tmp_path / "out", tmp_path / "sigurg.txt"
     out.mkdir()
-    r = run("elaunch", *JOB, "--shutdown-timeout=2", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
+    r = run("elaunch", *JOB, "--inprocess-timeout=2", SCRIPT, str(out), "--kill", "1:5", "--sleep", "2:5",
             "--own-sigurg", str(seen), "--timeout", PG_TIMEOUT, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not seen.exists(), seen.read_text()

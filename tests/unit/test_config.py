@@ -35,7 +35,7 @@ def test_defaults_become_standalone_for_single_node_static(script):
     assert (c.min_nodes, c.max_nodes, c.nproc_per_node, c.max_restarts) == (1, 1, 1, 0)
     assert c.cmd == (sys.executable, "-u", script)
     assert c.shutdown_timeout == 30.0 and c.signals_to_handle == C.DEFAULT_SIGNALS
-    assert c.forward_signals == ("SIGUSR1", "SIGUSR2") and c.hang_timeout == 0.0
+    assert c.forward_signals == ("SIGUSR1", "SIGUSR2") and c.hang_timeout == 0.0 and c.inprocess_timeout == 10.0
     assert c.redirects == Std.NONE and c.tee == Std.NONE
 
 
@@ -95,6 +95,7 @@ def test_etcd_endpoint_list_allowed(script):
         ({"max_restarts": -1}, "-1"),
         ({"monitor_interval": 0}, "--monitor-interval=0"),
         ({"shutdown_timeout": -1}, "--shutdown-timeout=-1"),
+        ({"inprocess_timeout": 0}, "--inprocess-timeout=0"),
         ({"hang_timeout": -0.5}, "--hang-timeout=-0.5: must be >= 0"),
         ({"hang_timeout": float("nan")}, "--hang-timeout=nan"),
         ({"forward_signals": ("SIGHUP",)}, "--forward-signals=SIGHUP: SIGHUP is also in --signals-to-handle"),

@@ -163,7 +163,8 @@ def test_parse_args_has_torch_namespace_shape():
             assert ours[name] is value is None
             continue
         assert ours[name] == value and type(ours[name]) is type(value), name
-    assert set(ours) - set(theirs) == {"warm_start", "warm_start_modules", "hang_timeout", "forward_signals",
+    assert set(ours) - set(theirs) == {"warm_start", "warm_start_modules", "hang_timeout", "inprocess_timeout",
+                                       "forward_signals",
                                        "checkpoint_replicas", "checkpoint_dir", "checkpoint_persist_interval",
                                        "checkpoint_timeout", "checkpoint_exchange_timeout", "node_check",
                                        "metrics_port"}
