@@ -103,7 +103,10 @@ bench() {  # name, then benchmarks.inprocess's arguments
 if [ "$NPROC" -gt 1 ]; then
   want bench && bench inprocess_ddp --reps 2 \
     --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
-  want bench_kill && bench inprocess_kill --reps 3 --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
+  # torch's INFO lines say whether each communicator's abort returned ("... aborts successfully"): a survivor
+  # that hangs in ncclCommAbort (NVIDIA/nccl#1777: the proxy thread stuck in poll) never prints its own
+  want bench_kill && TORCH_CPP_LOG_LEVEL=INFO bench inprocess_kill --reps 3 --only kill.elaunch_inprocess \
+    --agent-args=--inprocess-timeout=8
   want bench_kill_aeh0 && TORCH_NCCL_ASYNC_ERROR_HANDLING=0 bench inprocess_kill_aeh0 --reps 3 \
     --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
   # the flight recorder off: a watchdog that sees the dead peer first waits for its dump (Python stacks, so the GIL)
