@@ -75,7 +75,7 @@ class InProcess:
         self._clock = clock
         self._pids: dict[int, int] = {}  # local rank -> pid of the running attempt
         self._hello: set[int] = set()  # pids that opted in
-        self._waiting: set[int] = set()  # pids that said ready/raised since their last "go"
+        self._waiting: set[int] = set()  # pids that said "ready" (round torn down) since their last "go"
         self._raised: dict[int, tuple[str, float]] = {}  # pid -> (error, arrival), reported while the round ran
         self._gone: dict[int, float] = {}  # pid -> when its connection ended (its death, if it died)
         self._kept: dict[int, subprocess.Popen] = {}  # local rank -> a released survivor
@@ -299,8 +299,7 @@ class InProcess:
             op = msg["op"]
             if op == "hello":
                 self._hello.add(pid)
-            elif op == "raised":
-                self._waiting.add(pid)
+            elif op == "raised":  # main() raised; "ready" follows once its round is torn down
                 if self._fault_at is None:  # during the round: a failure; after the abort: its effect
                     self._raised[pid] = (msg["error"], at)
             elif op == "ready":

@@ -9,10 +9,10 @@ what a message says, so a worker can only speak for itself. Nothing is unpickled
 Worker -> agent (:data:`WORKER_OPS`):
 
 * ``{"op": "hello"}``: this worker runs under ``restartable``; it can be restarted in process.
-* ``{"op": "raised", "error": "<type: text>"}``: its ``main()`` raised; its process group is
-  torn down, its error file written; it waits for "go".
-* ``{"op": "ready"}``: it was interrupted after an "abort"; its process group is torn down;
-  it waits for "go".
+* ``{"op": "raised", "error": "<type: text>"}``: its ``main()`` raised (sent at once, before its
+  process group is torn down: the failure's time); "ready" follows.
+* ``{"op": "ready"}``: its round ended (interrupted after an "abort", or raised); its process
+  group is torn down; it waits for "go".
 
 Agent -> worker (:data:`AGENT_OPS`):
 

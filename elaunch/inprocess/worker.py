@@ -29,7 +29,8 @@ what is left of the process group, tells the agent "ready" and waits for "go". W
 ``main()`` itself raises (an ``Exception``), the wrapper aborts NCCL's communicators and
 shuts the round's connections at once (its peers' collectives fail now, not at their
 timeout), prints its traceback to stderr as the interpreter would, and reports "raised";
-the agent counts it like a worker failure. Either way, "go" brings the next
+the agent counts it like a worker failure. Either way the wrapper says "ready" once the round is
+torn down (a process still tearing down is not handed the next round's rank), and "go" brings the next
 round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, a new
 ``TORCHELASTIC_RESTART_COUNT``, so a fresh store prefix, the checkpoint restore) and the
 attempt's log files; the wrapper sets them and calls ``main()`` again.
@@ -173,8 +174,9 @@ class _Control:
                 # connections shut: the peers' collectives fail now, on every node
                 _abort_collectives(self._baseline)
             _destroy_process_group()
-            if outcome == "aborted":
-                self._send({"op": "ready"})
+            # only now, torn down: the agent keeps a process for the next round once it said "ready" (a raised
+            # one whose abort never returns is late, killed and replaced, not handed a rank it cannot take)
+            self._send({"op": "ready"})
             if isinstance(value, BaseException):  # its traceback's frames hold the last round's objects
                 traceback.clear_frames(value.__traceback__)
             gc.collect()  # the last round's objects in reference cycles, while the agent prepares the next round

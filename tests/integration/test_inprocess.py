@@ -147,6 +147,34 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
     assert _digest(out) == reference
 
 
+@pytest.mark.parametrize("fault, kept", [(("--kill", "1:5"), [True, False, False]),
+                                         (("--raise", "2:5"), [True, True, False])], ids=["peer-killed", "raised"])
+def test_a_survivor_whose_abort_never_returns_costs_only_its_rank_and_the_ready_deadline(reference, tmp_path,
+                                                                                         fault, kept):
+    """Rank 2's wrapper never returns from ending its round's collectives (as a survivor's ``ncclCommAbort`` hung
+    on a GPU): after rank 1's SIGKILL (its control thread hangs there, or its main() thread when its collective
+    broke first), or after its own main() raised (its main() thread hangs there, after its "raised"). After
+    --inprocess-timeout (2 s, against --shutdown-timeout's 30 s) its stacks are written, showing where it hangs,
+    and it is killed and replaced; the others keep their processes and the job ends as the uninterrupted one.
+    (Before, a "raised" counted as ready: the hung process was kept and handed its rank, and the next round
+    waited for it until the process group's timeout.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run("elaunch", *JOB, "--inprocess-timeout=2", "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out),
+            *fault, "--abort-hangs", "2", "--timeout", PG_TIMEOUT, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "local rank(s) [2] not ready within 2.0 s; killing them (their stacks: " in r.stderr
+    (stacks,) = (tmp_path / "logs").glob("*/stacks/restart*_inprocess_not_ready_*.txt")
+    assert "_planted_abort_that_never_returns" in stacks.read_text()
+    rounds = _rounds(out)
+    assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == kept
+    restart = [e for e in _events(tmp_path / "logs") if e["kind"] == "inprocess_restart"]
+    new = [lr for lr, k in enumerate(kept) if not k]
+    assert [(e["kept"], e["started"]) for e in restart] == [([lr for lr, k in enumerate(kept) if k], new)]
+    assert restart[0]["seconds"] < 20.0  # the 2 s deadline and a new process, not --shutdown-timeout's 30 s
+    assert _digest(out) == reference
+
+
 def test_a_survivor_waiting_in_a_system_call_is_woken_and_kept(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps an hour in ``time.sleep``: the abort's signal ends the
     sleep, so rank 2 is ready at once and keeps its process, like rank 0 (before the wake signal it

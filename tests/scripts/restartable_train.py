@@ -2,7 +2,7 @@
 
 ``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S]
 [--own-sigurg PATH] [--profile] [--plain] [--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]
-[--destroy-fails]``
+[--destroy-fails] [--abort-hangs R]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -21,7 +21,9 @@ waiting for it would be obvious). ``--step-sleep``: seconds each rank sleeps aft
 longer run, for faults driven from outside). ``--stop-file``: after each step the ranks agree (an
 ``all_reduce``) whether PATH exists, and all end there when it does (a run as long as its driver needs).
 ``--destroy-fails``: in the first round ``dist.destroy_process_group`` raises before it destroys anything, as
-NCCL's shutdown of a communicator broken by a fault does.
+NCCL's shutdown of a communicator broken by a fault does. ``--abort-hangs R``: in the first round rank R's
+wrapper never returns from ending the round's collectives (``elaunch.inprocess.worker._abort_collectives`` sleeps
+an hour), as a survivor whose ``ncclCommAbort`` hung on a GPU did.
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>_<call>.json`` per call of main() (its number in the process,
 world size,
@@ -59,7 +61,17 @@ parser.add_argument("--timeout", type=float, default=120.0)
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--stop-file", default=None)
 parser.add_argument("--destroy-fails", action="store_true")
+parser.add_argument("--abort-hangs", type=int, default=None)
 args = parser.parse_args()
+
+if args.abort_hangs is not None and os.environ.get("RANK") == str(args.abort_hangs) \
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import elaunch.inprocess.worker as _worker
+
+    def _planted_abort_that_never_returns(baseline):
+        time.sleep(3600)
+
+    _worker._abort_collectives = _planted_abort_that_never_returns
 
 if args.destroy_fails:
     _destroy = dist.destroy_process_group
