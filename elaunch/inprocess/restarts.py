@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from elaunch.inprocess import decide
 from elaunch.inprocess.channel import GONE, Channel
 from elaunch.inprocess.wire import CONTROL_ENV
+from elaunch.procs.deferral import from_signal
 
 if TYPE_CHECKING:
     from elaunch.procs import AttemptLogs, WorkerProcesses
@@ -239,6 +240,8 @@ class InProcess:
         try:
             return self._on_late({lr: self._pids[lr] for lr in late if lr in self._pids})
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not keep the restart from going on
+            if from_signal(exc):  # a handled signal (SIGTERM) stops the agent, dump or not
+                raise
             log.warning("in-process restart: the late workers' stacks could not be dumped: %s", exc)
             return None
 

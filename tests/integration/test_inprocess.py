@@ -147,6 +147,7 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
     assert _digest(out) == reference
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 @pytest.mark.parametrize("fault, kept", [(("--kill", "1:5"), [True, False, False]),
                                          (("--raise", "2:5"), [True, True, False])], ids=["peer-killed", "raised"])
 def test_a_survivor_whose_abort_never_returns_costs_only_its_rank_and_the_ready_deadline(reference, tmp_path,
