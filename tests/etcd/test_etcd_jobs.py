@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import SCRIPTS, alive, finish_agents, kill_tree, load_envs, start_agent
+from tests.helpers import SCRIPTS, alive, finish_agents, free_port, kill_tree, load_envs, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,37 @@ def test_two_agents_run_gloo_workers(backend, etcd_v2, etcd_v3, tmp_path):
     for code, err, _ in finish_agents(agents):
         assert code == 0, err
     assert (tmp_path / "progress_2").read_text().split()[1] == "2"  # worker rank 0 hosted the store
+
+
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2", "c10d"])
+def test_sigterm_while_the_rendezvous_waits_stops_the_agent(backend, etcd_v2, tmp_path):
+    """One agent of a two-node job waits in the rendezvous for a node that never comes; SIGTERM stops it with
+    128 + 15, as torchrun. Before, etcd's waits (a v3 watch, a v2 long poll) took the signal's
+    SignalException for a failed wait, dropped it and waited on: the agent never stopped."""
+    endpoint = etcd_v2.endpoints if backend != "c10d" else f"127.0.0.1:{free_port()}"
+    agent = _agent(backend, endpoint, [str(SCRIPTS / "sleeper.py"), str(tmp_path)], rdzv_id=f"sigterm-{backend}",
+                   conf="join_timeout=120")
+    try:
+        waits = ("wait_for_arrival", "wait_for_change")  # where the rendezvous waits for the other node
+        wait_for(lambda: any(w in _main_stack(agent.pid) for w in waits), 60, interval=0.2,
+                 what="the agent waiting in its rendezvous (a watch, a long poll, a store wait)")
+        agent.send_signal(signal.SIGTERM)
+        _out, err = agent.communicate(timeout=30)
+        assert agent.returncode == 128 + signal.SIGTERM, err[-2000:]
+    finally:
+        kill_tree(agent.pid)
+
+
+def _main_stack(pid: int) -> str:
+    """The main thread's Python stack of ``pid`` (``py-spy dump``), '' when it cannot be read now."""
+    from elaunch.procs.stacks import find_py_spy
+
+    try:
+        r = subprocess.run([find_py_spy(), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    main = r.stdout.split('"MainThread"', 1)
+    return main[1].split("\nThread ", 1)[0] if len(main) == 2 else ""
 
 
 def _pids(out: Path, restart: int) -> list[int]:
