@@ -55,8 +55,15 @@ log = logging.getLogger("elaunch.agent")
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
 
-class SignalException(Exception):
+class SignalException(BaseException):
     """Raised in the agent's main thread when it receives a handled signal.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: the handler raises it wherever the main
+    thread happens to be, and an ``except Exception`` there (a user's event handler, a
+    best-effort exchange, an etcd watch's wait, a library's retry) must not take it for its own
+    error and drop it (an agent SIGTERMed while it waited in an etcd rendezvous never stopped).
+    The torch-compatible entry points (``elaunch.launcher``, ``elaunch.run``) raise torch's
+    ``SignalException`` in its place, as torch's agent does.
 
     Attributes:
         sigval: the signal number received.

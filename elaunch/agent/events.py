@@ -32,7 +32,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from elaunch.features.event_log import EVENT_LOG_HANDLERS
-from elaunch.procs.deferral import from_signal
 from elaunch.spec import signal_name
 
 log = logging.getLogger("elaunch.agent")
@@ -155,16 +154,12 @@ class EventLog:
             self._quiet = True
             self._echo = None
         except Exception as exc:  # a user's torch handler: its fault is logged, never the agent's end
-            if from_signal(exc):  # a handled signal landed here (mid-write): it stops the agent, as anywhere
-                raise
             log.warning("--event-log-handler failed: %s; events go to the file only", exc)
             self._echo = None
         for observer in tuple(self._observers):
             try:
                 observer(doc)
             except Exception as exc:
-                if from_signal(exc):
-                    raise
                 log.warning("event observer %s failed on a %s event: %r; it gets no more events",
                             getattr(observer, "__qualname__", observer), kind, exc)
                 self._observers.remove(observer)

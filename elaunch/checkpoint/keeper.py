@@ -52,7 +52,6 @@ from elaunch.checkpoint import persisted
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
 from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
-from elaunch.procs.deferral import from_signal
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
 from elaunch.supervision import OFF, SERVICES
 from elaunch.rendezvous.job_channel import publish
@@ -302,8 +301,6 @@ class CheckpointKeeper:
         try:
             got = self._channel().exchange("checkpoint", round, doc, self._exchange_timeout)
         except Exception as exc:  # noqa: BLE001 - a restore aid: the round goes on without the others' documents
-            if from_signal(exc):  # a handled signal during the exchange stops the agent
-                raise
             log.warning("checkpoint restore: the inventory exchange of round %d failed (%s)", round, exc)
             return {}
         out = {}

@@ -7,8 +7,8 @@ reads what the workers said; a worker that reports ``raised`` fails the group (a
 then calls, in order, on a failure that :meth:`InProcess.applies` to:
 
 1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; wait up to
-   ``grace`` seconds (``--inprocess-timeout``) for each to say "ready"; dump the stacks of those that did not (``on_late``) and SIGKILL them (they are
-   replaced like dead ones).
+   ``grace`` seconds (``--inprocess-timeout``) for each to say "ready"; dump the stacks of
+   those that did not (``on_late``) and SIGKILL them (they are replaced like dead ones).
 2. the agent decides and counts the restart as for any failure (``JobView.decide``);
 3. on RESTART, :meth:`InProcess.keep`: the waiting workers are released from the attempt
    (``WorkerProcesses.release``) and held here while the agent joins the next round;
@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 from elaunch.inprocess import decide
 from elaunch.inprocess.channel import GONE, Channel
 from elaunch.inprocess.wire import CONTROL_ENV
-from elaunch.procs.deferral import from_signal
 
 if TYPE_CHECKING:
     from elaunch.procs import AttemptLogs, WorkerProcesses
@@ -240,8 +239,6 @@ class InProcess:
         try:
             return self._on_late({lr: self._pids[lr] for lr in late if lr in self._pids})
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not keep the restart from going on
-            if from_signal(exc):  # a handled signal (SIGTERM) stops the agent, dump or not
-                raise
             log.warning("in-process restart: the late workers' stacks could not be dumped: %s", exc)
             return None
 

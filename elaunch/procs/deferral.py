@@ -12,13 +12,7 @@ block it, and the interpreter then runs the handler in the main thread.
 So the handlers ask :func:`raise_or_defer` to raise; inside a :func:`deferred`
 block it keeps the exception, and the block raises it when it ends, in the
 forking code's own frame (which then stops the half-started child). Main thread
-only, as signal handlers are.
-
-The exception can also land inside a ``try`` whose ``except Exception`` is meant for
-something else (``SignalException`` is an ``Exception``, as torch's is): a user's event
-handler, a best-effort exchange, a diagnosis. Such a handler asks :func:`from_signal`
-and re-raises what a signal raised, so the signal is not lost (it was: an agent
-SIGTERMed while it wrote an event went on with its rendezvous). Stdlib only.
+only, as signal handlers are. Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ from contextlib import contextmanager
 
 _depth = 0
 _held: list[BaseException] = []
-_raised: list[BaseException] = []  # every exception a handler passed to raise_or_defer (one per handled signal)
 
 
 @contextmanager
@@ -58,17 +51,7 @@ def raise_or_defer(exc: BaseException) -> None:
     Raises:
         BaseException: ``exc``, outside a deferred block.
     """
-    _raised.append(exc)
     if _depth:
         _held.append(exc)
         return
     raise exc
-
-
-def from_signal(exc: BaseException) -> bool:
-    """True when ``exc`` is what a signal handler raised through :func:`raise_or_defer`.
-
-    For an ``except Exception`` in the main thread that must not swallow a signal: ``if
-    from_signal(exc): raise``.
-    """
-    return any(exc is seen for seen in _raised)

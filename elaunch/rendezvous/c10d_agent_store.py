@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from elaunch.procs.deferral import from_signal
 from elaunch.rendezvous.contract import RendezvousConfigError
 from elaunch.rendezvous.c10d_store import _STORE_ERRORS, _translated
 
@@ -47,9 +46,8 @@ def is_this_machine(host: str, local_addr: str | None = None) -> bool:
         import psutil
 
         mine |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    except Exception as exc:  # noqa: BLE001 - interface listing is a best-effort extra
-        if from_signal(exc):
-            raise
+    except Exception:  # noqa: BLE001 - interface listing is a best-effort extra
+        pass
     return bool(host_ips & mine)
 
 

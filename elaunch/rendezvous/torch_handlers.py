@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import api as tapi
 from torch.distributed.elastic.utils import store as store_util
 
-from elaunch.procs.deferral import from_signal
 from elaunch.rendezvous.contract import (
     NodeInfo,
     RendezvousClosedError,
@@ -190,8 +189,6 @@ class TorchHandlerAdapter(RendezvousHandler):
             store_util.barrier(self._store, self._world_size, key_prefix=EXIT_BARRIER_PREFIX,
                                barrier_timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - torch's agent logs and goes on too
-            if from_signal(exc):  # and re-raises a signal's SignalException, as torch's agent does
-                raise
             log.warning("exit barrier of the %s rendezvous: %s", self._backend, exc)
 
 

@@ -110,8 +110,8 @@ def test_raising_rank_restarts_in_place_without_waiting_for_the_timeout(referenc
 def test_a_process_group_whose_destroy_fails_is_ended_all_the_same(reference, tmp_path, fault):
     """The last round's destroy_process_group raises in every process (as NCCL's shutdown of a communicator the
     fault broke did on a GPU): the wrapper ends the group with torch's abort instead, and the next round's
-    init_process_group builds a new one, so one restart suffices (before, every kept process failed again: "initialize the default process group
-    twice")."""
+    init_process_group builds a new one, so one restart suffices (before, every kept process failed again:
+    "initialize the default process group twice")."""
     out = tmp_path / "out"
     out.mkdir()
     r = run("elaunch", *JOB, SCRIPT, str(out), fault, "1:5", "--destroy-fails", "--timeout", PG_TIMEOUT, timeout=60)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from elaunch.procs.deferral import deferred, from_signal, raise_or_defer
+from elaunch.procs.deferral import deferred, raise_or_defer
 
 
 class Handled(Exception):
@@ -57,33 +57,3 @@ def test_the_signal_wins_over_the_blocks_own_error_which_it_carries(raising_usr1
             raise OSError("the fork failed")
     assert isinstance(info.value.__context__, OSError)
 
-
-def test_what_a_signal_raised_is_told_apart_from_an_ordinary_error(raising_usr1):
-    with pytest.raises(Handled) as info:
-        os.kill(os.getpid(), signal.SIGUSR1)
-    assert from_signal(info.value)
-    assert not from_signal(Handled(signal.SIGUSR1)) and not from_signal(OSError("ordinary"))
-
-
-def test_a_signal_landing_in_an_event_write_stops_the_agent_and_the_event_is_kept(tmp_path):
-    """The agent's real handlers (SIGTERM -> SignalException); SIGTERM arrives while an event is written
-    (inside its echo to --event-log-handler): the exception leaves ``emit``, as it would anywhere else.
-    Before, the event log's ``except Exception`` for a failing user handler took it for one and dropped it,
-    and the agent went on (a SIGTERMed agent kept its rendezvous and its spares)."""
-    from elaunch.agent.agent import SignalException
-    from elaunch.agent.events import AgentEvents
-    from elaunch.launch import _SignalHandlers
-
-    echoed = []
-
-    def echo(line: bytes) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before this function returns
-        echoed.append(line)
-
-    events = AgentEvents(str(tmp_path / "events.jsonl"), "node", "host", 3, echo=echo)
-    with _SignalHandlers(("SIGTERM",)):
-        with pytest.raises(SignalException):
-            events.emit("rendezvous_join")
-        events.emit("after")  # the echo was not dropped as a failing handler (it runs, and is not signalled again)
-    assert echoed and b'"after"' in echoed[-1]
-    assert (tmp_path / "events.jsonl").read_text().count('"kind"') == 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 
 import pytest
 
@@ -149,3 +151,27 @@ def test_a_failure_reported_elsewhere_without_an_earlier_count_is_logged_counted
     ev.rendezvous_complete(_info(5, 2), None)
     ev.close()
     assert _restarts(path) == [(True, 2, "failure", 4)]
+
+
+def test_a_signal_landing_in_an_event_write_stops_the_agent_and_the_event_is_kept(tmp_path):
+    """The agent's real handlers (SIGTERM -> SignalException); SIGTERM arrives while an event is written
+    (inside its echo to --event-log-handler): the exception leaves ``emit``, as it would anywhere else.
+    Before (SignalException an ``Exception``), the event log's ``except Exception`` for a failing user
+    handler took it for one and dropped it, and the agent went on (a SIGTERMed agent kept its rendezvous
+    and its spares)."""
+    from elaunch.agent.agent import SignalException
+    from elaunch.launch import _SignalHandlers
+
+    echoed = []
+
+    def echo(line: bytes) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before this function returns
+        echoed.append(line)
+
+    events = AgentEvents(str(tmp_path / "events.jsonl"), "node", "host", 3, echo=echo)
+    with _SignalHandlers(("SIGTERM",)):
+        with pytest.raises(SignalException):
+            events.emit("rendezvous_join")
+        events.emit("after")  # the echo was not dropped as a failing handler (it runs, and is not signalled again)
+    assert echoed and b'"after"' in echoed[-1]
+    assert (tmp_path / "events.jsonl").read_text().count('"kind"') == 2

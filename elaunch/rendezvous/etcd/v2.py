@@ -23,7 +23,6 @@ from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any
 
-from elaunch.procs.deferral import from_signal
 from elaunch.rendezvous.contract import RendezvousParameters, RendezvousStateError
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
@@ -148,9 +147,8 @@ class EtcdV2KV(FailoverKV):
             if token is not None:
                 kwargs["waitIndex"] = int(token) + 1
             self._client().read(key, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a wait only shortens polling; the next read reports errors
-            if from_signal(exc):  # SIGTERM while the rendezvous long-polls here: the agent stops (it was lost)
-                raise
+        except Exception:  # noqa: BLE001 - a wait only shortens polling; the next read reports errors
+            pass
 
 
 class EtcdV2StateBackend(EtcdStateBackend):

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elaunch.procs.deferral import from_signal
 from elaunch.rendezvous.dynamic.backend import Token
 from elaunch.rendezvous.etcd.common import EtcdConf, FailoverKV, import_client
 from elaunch.rendezvous.etcd.standing import Opener, StandingWatches
@@ -259,8 +258,6 @@ class EtcdV3KV(FailoverKV):
             finally:
                 client.cancel_watch(watch_id)
         except Exception as exc:  # noqa: BLE001 - a watch only shortens waiting; reads report errors
-            if from_signal(exc):  # SIGTERM while the rendezvous waits here: the agent stops (it was lost)
-                raise
             log.debug("etcd-v3: watching %s failed: %s", key, exc)
             time.sleep(max(0.0, deadline - time.monotonic()))
             return False
@@ -271,8 +268,6 @@ class EtcdV3KV(FailoverKV):
             client = self._client()
             standing = self._standing.covering(key, client)
         except Exception as exc:  # noqa: BLE001 - reading reports errors; this only saves a watch
-            if from_signal(exc):
-                raise
             log.debug("etcd-v3: standing watch for %s: %s", key, exc)
             standing = None
         if standing is None:
