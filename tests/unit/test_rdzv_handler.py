@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -205,6 +206,32 @@ def test_a_member_leaving_to_rejoin_is_lost_for_the_others(world_factory):
     assert b.job_channel().num_nodes_new() == 0  # a rejoining member is not a newcomer: b's failures still count
     b.next_rendezvous()
     assert fut.result(timeout=20).round == 1
+
+
+def test_a_member_leaving_to_rejoin_has_not_left_the_job(world_factory, caplog):
+    # seen on namespace hosts: at a worker's failure the node that left second said "only 1 of the job's nodes
+    # are left ... waiting up to join_timeout" when the other had left first to rejoin, every node alive
+    w = world_factory(2, 2)
+    a, b = w.handler("a"), w.handler("b")
+    list(w.join(a, b))
+    fut = w.pool.submit(a.next_rendezvous)
+    wait_for(lambda: b.job_channel().num_nodes_lost() == 1, 5, what="b to see a leave")
+    with caplog.at_level(logging.WARNING, logger="elaunch"):
+        b.next_rendezvous()
+    assert fut.result(timeout=20).round == 1
+    assert "nodes are left" not in caplog.text
+
+
+def test_a_member_gone_for_good_is_said_when_the_next_round_waits(world_factory, caplog):
+    w = world_factory(2, 3, keep_alive_interval=0.2, keep_alive_max_attempt=5, last_call_timeout=0.5, join_timeout=2)
+    a, b, c = w.handler("a"), w.handler("b"), w.handler("c")
+    list(w.join(a, b, c))
+    b._stop_heartbeats()
+    c._stop_heartbeats()  # b and c die: a waits for one more node
+    wait_for(lambda: a.job_channel().num_nodes_lost() == 2, 10, what="b and c seen as lost")
+    with caplog.at_level(logging.WARNING, logger="elaunch"), pytest.raises(RendezvousTimeoutError):
+        a.next_rendezvous()
+    assert "only 1 of the job's nodes are left (--nnodes=2:3)" in caplog.text
 
 
 def test_heartbeats_in_keys_keep_members_alive_though_the_stored_state_is_old():

@@ -175,7 +175,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if view.info is None:
             return
         state = view.cached() or self._executor.state
-        alive = len(view.members) - view.lost(state)
+        alive = len(view.members) - view.left(state)  # a member rejoining with us has not left
         if alive < s.min_nodes:
             log.warning("only %d of the job's nodes are left (--nnodes=%d:%d); waiting up to join_timeout=%g s "
                         "for more to join", alive, s.min_nodes, s.max_nodes, s.join_timeout)

@@ -125,16 +125,40 @@ def lost_members(state: RendezvousState, round: int, members: frozenset[str], me
         return 0  # a read from before our round completed: nothing to judge yet
     if state.round > round:
         return max(1, len(members - {me} - set(state.participants)))
+    return _gone(state, members, me, settings, watched, stalled_until, state.participants)
+
+
+def members_left(state: RendezvousState, round: int, members: frozenset[str], me: str,
+                 settings: RendezvousSettings, watched: tuple[str, ...] | None = None,
+                 stalled_until: float = 0.0) -> int:
+    """Return how many of ``me``'s round's other members have left the rendezvous (pure).
+
+    As :func:`lost_members`, except that a member still in the rendezvous is not counted:
+    one that left the round to rejoin (it waits on the wait or redundancy list, or is a
+    participant of a newer round) is lost for the round, which must restart, but it has
+    not left the job. What a node waiting for its next round says of the job's size
+    (``only N of the job's nodes are left``) counts these; counting a rejoining member
+    as gone made that line appear, falsely, at a worker failure while every node lived.
+    """
+    if state.closed or not members or state.round < round:
+        return 0
+    present = set(state.participants) | set(state.wait_list) | set(state.redundancy_list)
+    return _gone(state, members, me, settings, watched, stalled_until, present)
+
+
+def _gone(state: RendezvousState, members: frozenset[str], me: str, settings: RendezvousSettings,
+          watched: tuple[str, ...] | None, stalled_until: float, present: Collection[str]) -> int:
+    """Members other than ``me`` not in ``present``, or watched and silent for longer than ``member_lost_after``."""
     mine = state.last_heartbeats.get(me)
-    lost = 0
+    gone = 0
     judged = members if watched is None else frozenset(watched)
     for node in members - {me}:
-        if node not in state.participants:
-            lost += 1
+        if node not in present:
+            gone += 1
         elif (node in judged and mine is not None
               and mine - _silent_since(state, node, stalled_until) > settings.member_lost_after):
-            lost += 1
-    return lost
+            gone += 1
+    return gone
 
 
 def _silent_since(state: RendezvousState, node: str, stalled_until: float) -> float:
