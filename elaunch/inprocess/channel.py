@@ -15,7 +15,8 @@ known by its kernel credentials (``SO_PEERCRED``), never by what it writes:
   closes its connection with one log line.
 
 The thread only reads: each good message is queued, for the agent's main thread to
-take (:meth:`Channel.take`), and a ``raised`` wakes the agent's monitor (``wake``).
+take (:meth:`Channel.take`); a ``raised`` or a ``ready`` wakes the agent (``wake``): its
+monitor, or its wait for the interrupted workers' ``ready``.
 The main thread sends (:meth:`Channel.send`). The channel is a helper of the run's
 supervisor (tier ``THREADS``, policy ``OFF``): its descriptors are closed in forked
 workers, and if its thread dies the job goes on with full restarts. torchrun has no
@@ -67,9 +68,9 @@ class Channel:
 
     Args:
         run_id: the job's id, part of the socket's name (for ``ss -x`` readers).
-        wake: called (from the channel's thread) when a ``raised`` arrives: the agent's
-            monitor looks at once (``WorkerProcesses.wakeup``). May be replaced later
-            (:attr:`wake`).
+        wake: called (from the channel's thread) when a ``raised`` or a ``ready`` arrives: the
+            agent's monitor, or its wait for the interrupted workers, looks at once
+            (``WorkerProcesses.wakeup``). May be replaced later (:attr:`wake`).
 
     Attributes:
         name: how the supervisor's lines name it.
@@ -274,5 +275,5 @@ class Channel:
         with self._lock:
             now = time.time()
             self._inbox.extend((conn.pid, m, now) for m in msgs)
-        if any(m["op"] == "raised" for m in msgs) and self.wake is not None:
+        if any(m["op"] in ("raised", "ready") for m in msgs) and self.wake is not None:
             self.wake()

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -136,6 +137,26 @@ def test_channel_reads_only_expected_workers_and_survives_junk(channel):
     finally:
         attacker.kill()
         attacker.wait()
+
+
+def test_a_ready_wakes_the_agent_as_a_raised_does(channel):
+    """The agent waits for its interrupted workers' "ready" in ``WorkerProcesses.wait``: each "ready" (and
+    "raised") wakes it at once; a "hello" does not. Before, only "raised" woke it, and the agent saw the
+    last "ready" at its next 50 ms look (namespace hosts: 60 ms of the 0.13 s from a kill to "go")."""
+    woke = threading.Event()
+    channel.wake = woke.set
+    channel.expect([os.getpid()])
+    worker = _connect(channel)
+    try:
+        worker.sendall(b'{"op":"hello"}\n')
+        wait_for(lambda: [m for _, m, _ in channel.take()] == [{"op": "hello"}], 10, what="the hello")
+        assert not woke.is_set()
+        for line in (b'{"op":"ready"}\n', b'{"op":"raised","error":"RuntimeError: x"}\n'):
+            woke.clear()
+            worker.sendall(line)
+            assert woke.wait(10), line
+    finally:
+        worker.close()
 
 
 def test_channel_closes_unknown_peers_after_their_grace(channel, monkeypatch):
