@@ -16,6 +16,7 @@ import pytest
 
 from elaunch.agent.decide import Step, Verdict
 from elaunch.agent.job import JobView
+from elaunch.rendezvous.dynamic.channel import AWAIT_FAST, AWAIT_SCALE, AWAIT_SLOW, await_interval
 from elaunch.rendezvous.job_channel import publish
 from elaunch.rendezvous.contract import FailureRecord, JobState, NodeInfo
 from elaunch.rendezvous.dynamic.exchange import NodeExchange
@@ -233,3 +234,14 @@ def test_unreadable_documents_count_as_missing():
     for node, data in [("b", b"not json"), ("c", b'{"round": 0}'), ("d", b'{"round": "0", "doc": {}}')]:
         backend.put_node_key("exchange-ckpt", node, data)
     assert _exchange_all(backend, [("a", 0, {}, {"a", "b", "c", "d"})], timeout=0.1) == [{"a": {}}]
+
+
+@pytest.mark.parametrize("members", [2, 3, 8, 16, 17, 64, 1024])
+def test_waiting_for_the_others_reads_often_in_small_rounds_and_no_more_often_at_scale(members):
+    interval = await_interval(members, poll_interval=1.0)
+    # the job's reads a second: never more than every 50 ms (as before), nor than a 16-node job's in a smaller round
+    assert members / interval <= max(members, AWAIT_SCALE) / AWAIT_SLOW + 1e-6
+    assert AWAIT_FAST <= interval <= AWAIT_SLOW
+    if members <= 2:
+        assert interval <= 0.01  # an answer written 10 ms later is seen within 10 ms, not 50
+    assert await_interval(members, poll_interval=0.002) == 0.002  # never above poll_interval

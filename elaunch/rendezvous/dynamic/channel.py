@@ -34,7 +34,24 @@ log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 #: next one) before it counts as lost rather than on its way to the next round.
 LEFT_FOR_GOOD = 0.5
 
+#: Seconds between two reads of an agent waiting for the other members (:func:`await_interval`): the
+#: shortest, and the longest (a round of ``AWAIT_SCALE`` members or more).
+AWAIT_FAST, AWAIT_SLOW, AWAIT_SCALE = 0.005, 0.05, 16
+
 Tolerate = Callable[[Callable[[], Any], Any], Any]
+
+
+def await_interval(members: int, poll_interval: float) -> float:
+    """Seconds between two state reads of an agent that waits for the other members of its round (pure).
+
+    In proportion to the round's size, from ``AWAIT_FAST`` (5 ms) to ``AWAIT_SLOW`` (50 ms, every agent's
+    interval before; reached at ``AWAIT_SCALE`` = 16 members), never above ``poll_interval``: in a round
+    under 16 members the reads a second of all its agents waiting at once (``members / interval``) stay
+    within what 16 agents reading every 50 ms make, and an answer another agent wrote a few milliseconds
+    later is seen then, not up to 50 ms later (at an in-process restart each node's decision waits for
+    the others' answers); larger rounds read as before.
+    """
+    return min(poll_interval, AWAIT_SLOW, max(AWAIT_FAST, AWAIT_SLOW * members / AWAIT_SCALE))
 
 
 def untolerated(read: Callable[[], Any], fallback: Any) -> Any:
@@ -348,4 +365,4 @@ class DynamicJobChannel(JobChannel):
             left = pending(state)
             if not left or time.monotonic() >= deadline:
                 return left
-            self._sleep(min(0.05, self._settings.poll_interval))
+            self._sleep(await_interval(len(self._view.members), self._settings.poll_interval))
