@@ -9,9 +9,13 @@ The warm pool knows nothing of checkpoints: the agent names this hook (:data:`HO
 its launcher, the warm pool puts it in the spares' own environment
 (``procs.warm.WARM_HOOK_ENV``; never in a worker's), and a spare calls whatever hook is
 named there (``procs/_warm_child.py``). Stdlib only when
-imported (the spare imports it in its main thread before the script runs); ``_shm``
-(torch) is imported with it only when torch is already there, so that a low-priority
-thread never imports torch while holding the import lock the script needs.
+imported: a warm template imports it after its modules, before it forks spares (a cold
+spare, after its modules too); what a worker's saves and restores import (``_shm``,
+``_tree``, ``_read``, ``_local``; ``dcp`` when ``torch.distributed.checkpoint`` is loaded) is
+imported with it only when torch is already there, so that a low-priority thread never
+imports torch while holding the import lock the script needs. A replacement worker's
+import of ``SnapshotReader`` took 50-90 ms of its start (namespace hosts, 2 loaded cores)
+before these were inherited from the template.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import time
 
 from elaunch.checkpoint import slotfile
 
-if "torch" in sys.modules:
-    from elaunch.checkpoint import _shm  # noqa: F401 - imported here, in the spare's main thread
+if "torch" in sys.modules:  # a worker's imports at its first save or restore, done before the handoff
+    from elaunch.checkpoint import _local, _read, _shm, _tree  # noqa: F401
+
+    if "torch.distributed.checkpoint" in sys.modules:  # SnapshotWriter, SnapshotReader
+        from elaunch.checkpoint import dcp  # noqa: F401
 
 #: The hook the agent names to its warm pool (``module:function``).
 HOOK = "elaunch.checkpoint.spare:premap"

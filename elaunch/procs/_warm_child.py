@@ -131,8 +131,10 @@ def _importer_gone(wait):
 
 
 def _import_all(names, done, nice=IMPORT_NICE, premap=True):
-    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), run the spare's hook
-    (``premap``: a spare, not a template; :func:`_hook`), then release ``done``."""
+    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), then the spare's hook's module
+    (:func:`_hook`; a template's spares inherit it, and what it imports, instead of each importing it
+    as the group it serves next starts) and run the hook (``premap``: a spare, not a template), then
+    release ``done``."""
     _IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
     try:
         try:
@@ -145,8 +147,8 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
                 __import__(name)
             except Exception:  # noqa: BLE001 - the script meets the same error cold, if it needs the module
                 pass
-        hook = _hook() if premap else None
-        if hook is not None:
+        hook = _hook()
+        if premap and hook is not None:
             _run_hook(hook)
     finally:
         done.release()
@@ -180,9 +182,9 @@ def _run_hook(hook, wait=0.0):
 def _hook_later():
     """The hook in a thread of the lowest CPU priority (a forked spare, beside the group it serves next).
 
-    The hook's module is imported here, in the spare's main thread, before the script
-    runs: a nice-19 thread that imports beside the script's main thread could hold a
-    module's import lock while it waits for a CPU.
+    The hook's module is looked up here, in the spare's main thread, before the script
+    runs (the template imported it before the fork): a nice-19 thread that imports beside
+    the script's main thread could hold a module's import lock while it waits for a CPU.
     """
     hook = _hook()
     if hook is None:
