@@ -414,7 +414,48 @@ def journal_summary(path: Path, t_start: float, events: list[dict]) -> dict:
         earlier = {r["pid"] for r in recs if r.get("event") == "start" and r["attempt"] < attempt}
         rd["kept"] = sum(1 for r in recs if r.get("event") == "start" and r["attempt"] == attempt
                          and r["pid"] in earlier)
-    return {"rounds": [rounds[k] for k in sorted(rounds)]}
+    return {"rounds": [rounds[k] for k in sorted(rounds)], **fault_costs(recs, rounds, t_start, events)}
+
+
+def fault_costs(recs: list[dict], rounds: dict[int, dict], t_start: float, events: list[dict]) -> dict:
+    """What each fault cost, read from the faulty run's own steps (the journal's ``step`` records).
+
+    A step's end is its last rank's record (attempt, step). The step time is the median of the gaps
+    between consecutive ends within an attempt. A fault at time ``k`` is followed by the first
+    attempt that starts after it, which restored step ``R``: the fault cost the time from R's end
+    (in the attempt before) to R + 1's end in that attempt, less one step time; this holds the
+    restart, the interrupted step's lost work and a slower first step. ``None`` when R + 1 did not
+    end in that attempt (another fault came first).
+
+    Returns:
+        ``step_s``: the step time; ``fault_costs_s``: one cost per fault event, in their order;
+        ``goodput_in_run``: 1 - (the costs' sum) / (the run's length, the last step's end less
+        ``t_start``), an estimate of T0 / T that needs no uninterrupted run (None when a cost is None).
+    """
+    ends: dict[tuple[int, int], float] = {}
+    for r in recs:
+        if r.get("event") == "step":
+            key = (r["attempt"], r["step"])
+            ends[key] = max(ends.get(key, 0.0), r["time"])
+    if not ends:
+        return {"step_s": None, "fault_costs_s": [], "goodput_in_run": None}
+    gaps = [t - ends[(a, st - 1)] for (a, st), t in ends.items() if (a, st - 1) in ends]
+    step_s = statistics.median(gaps) if gaps else None
+    costs: list[float | None] = []
+    for event in events:
+        k = t_start + event["t"]
+        after = [a for a in sorted(rounds) if rounds[a]["t"] + t_start > k and rounds[a]["step"] is not None]
+        if not after or step_s is None:
+            costs.append(None)
+            continue
+        attempt, restored = after[0], rounds[after[0]]["step"]
+        before = [t for (a, st), t in ends.items() if st == restored and a < attempt]
+        done = ends.get((attempt, restored + 1))
+        costs.append(round(done - max(before) - step_s, 3) if before and done is not None else None)
+    length = max(ends.values()) - t_start
+    whole = costs and all(c is not None for c in costs)
+    return {"step_s": step_s, "fault_costs_s": costs,
+            "goodput_in_run": (1 - sum(costs) / length) if whole else None}
 
 
 def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple(GP_RUNS),
@@ -569,6 +610,15 @@ def rows_of(res: dict) -> list[dict]:
                      "median": pct, "vs": None, "ratio": None,
                      "target": {"kind": "abs_ge", "value": 95, "text": ">= 95 %"},
                      "met": pct is not None and pct >= 95})
+        costs = [c for c in g.get("fault_costs_s", []) if c is not None]
+        if g.get("goodput_in_run") is not None:
+            own = g["goodput_in_run"] * 100
+            rows.append({"key": f"goodput_in_run.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
+                         "label": f"{label[g['fault']]}, {how}: from the run's own steps, 1 - the faults' cost / "
+                         f"its length (cost of a fault: median {_med(costs):.2f} s, range {min(costs):.2f}-"
+                         f"{max(costs):.2f} s; step {g['step_s']:.2f} s; an estimate without T0, not the target's "
+                         "measure)", "unit": "%", "values": [own], "median": own, "vs": None, "ratio": None,
+                         "target": None, "met": None})
     return rows
 
 

@@ -37,8 +37,9 @@ right after saving STEP), ``--disk DIR`` (also ``dcp.save`` every step to
 every tensor is equal: ``FILE.<rank>.json``), ``--step-sleep SECONDS``,
 ``--timings FILE`` (per rank, seconds spent in each save, in the last build and in the restore),
 ``--journal FILE`` (every rank appends a JSON line to FILE when it starts: its attempt, rank,
-group rank, world size, and the step restored with its source, or null; and one just before a
-``--crash-at`` SIGKILL: the rank and step; each with the time and the process id).
+group rank, world size, and the step restored with its source, or null; one as it completes
+each step, saved included: the step; and one just before a ``--crash-at`` SIGKILL: the rank
+and step; each with the attempt, the time and the process id).
 
 In-process restart (``--in-process``, elaunch only): the training is wrapped with
 ``elaunch.restartable``. On a fault (a rank killed, or one whose training raised) the
@@ -104,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS", help="sleep after each step")
     p.add_argument("--timings", default=None, metavar="FILE", help="write save/restore seconds to FILE.<rank>.json")
     p.add_argument("--journal", default=None, metavar="FILE",
-                   help="append a JSON line to FILE at each start (step restored, source) and before each crash")
+                   help="append a JSON line to FILE at each start (step restored, source), at each step's end "
+                        "and before each crash")
     p.add_argument("--in-process", action="store_true",
                    help="opt in to elaunch's in-process restart (elaunch.restartable): survivors of a fault keep "
                         "their processes")
@@ -335,6 +337,7 @@ def train(args: argparse.Namespace) -> None:
                 journal(args.journal, event="crash", attempt=attempt, rank=rank, step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
         progress(step=step + 1)
+        journal(args.journal, event="step", attempt=attempt, rank=rank, step=step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if pending is not None:
