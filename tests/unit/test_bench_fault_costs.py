@@ -11,8 +11,8 @@ T = 1000.0  # the run's start
 
 def _steps(attempt, first, last, at, step_s=1.0, ranks=2, skew=0.01):
     """Every rank's "step" records of ``attempt`` for steps first..last, step ``first`` ending at ``T + at``."""
-    return [{"event": "step", "attempt": attempt, "rank": r, "step": s, "time": T + at + (s - first) * step_s + r * skew}
-            for s in range(first, last + 1) for r in range(ranks)]
+    return [{"event": "step", "attempt": attempt, "rank": r, "step": s,
+             "time": T + at + (s - first) * step_s + r * skew} for s in range(first, last + 1) for r in range(ranks)]
 
 
 def _rounds(*starts):

@@ -102,7 +102,8 @@ class RoundView:
                                 self.watched[1:], self.stalls.ended)
 
     def left(self, state: RendezvousState) -> int:
-        """How many members of this node's round have left the rendezvous (``liveness.members_left``); 0 before a round."""
+        """How many members of this node's round have left the rendezvous (``liveness.members_left``);
+        0 before a round."""
         if self.info is None:
             return 0
         return liveness.members_left(state, self.info.round, self.members, self.node_id, self._settings,
