@@ -22,7 +22,8 @@ import pytest
 from tests.helpers import SCRIPTS, free_port, launcher_env, run
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+# whole training runs under faults: in the long part, so that the suite stays under its 20 minutes
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 WORLD_1_LOAD = """
 import sys, torch.distributed as dist, elaunch.checkpoint as ckpt

@@ -37,6 +37,7 @@ def test_example_trains_to_accuracy(tmp_path):
     assert len(re.findall(r"^epoch \d+/\d+ ", r.stdout, re.M)) >= 5
 
 
+@pytest.mark.long  # in the long part: the suite stays under its 20 minutes
 def test_example_recovers_from_a_crashed_rank(tmp_path):
     r = run("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
             str(EXAMPLES / "ddp_digits.py"), "--checkpoint", str(tmp_path / "ck.pt"),
@@ -196,6 +197,7 @@ def test_sigusr1_to_a_worker_saves_a_checkpoint_and_training_continues(tmp_path,
     assert final_digest(tmp_path / "final.json") == reference_digest
 
 
+@pytest.mark.long  # in the long part: the suite stays under its 20 minutes
 def test_sigterm_to_a_worker_saves_stops_and_the_restart_resumes_from_that_step(tmp_path, reference_digest, launch):
     # the workers die of SIGTERM after saving (a stop, not a success): the launcher counts a
     # failure, and the restarted group resumes at the saved step with the same final parameters

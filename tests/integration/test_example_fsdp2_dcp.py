@@ -18,7 +18,8 @@ import pytest
 from tests.helpers import launcher_env, run
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+# whole training runs under faults: in the long part, so that the suite stays under its 20 minutes
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "fsdp2_dcp.py")
 STEPS = "12"
