@@ -325,6 +325,7 @@ def test_a_warm_spare_has_imported_what_a_restore_needs(tmp_path):
     script.write_text(
         "import json, os, sys\n"
         f"seen = {{m: m in sys.modules for m in {CHECKPOINT_MODULES!r}}}\n"
+        "seen['forked'] = '--template' in open('/proc/self/cmdline').read().split(chr(0))\n"
         "rank, attempt = os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT']\n"
         "open(os.path.join(sys.argv[1], f'{rank}_{attempt}.json'), 'w').write(json.dumps(seen))\n"
         "sys.exit(1 if (rank, attempt) == ('1', '0') else 0)\n")
@@ -334,7 +335,10 @@ def test_a_warm_spare_has_imported_what_a_restore_needs(tmp_path):
             "--warm-start-modules=torch,torch.distributed.checkpoint", str(script), str(out), timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("0_0", "1_0", "0_1", "1_1"):
-        assert json.loads((out / f"{name}.json").read_text()) == dict.fromkeys(CHECKPOINT_MODULES, True), name
+        # the restart's spares still forked from their templates (what the template imports starts no thread)
+        forked = name.endswith("_1")
+        assert json.loads((out / f"{name}.json").read_text()) == {**dict.fromkeys(CHECKPOINT_MODULES, True),
+                                                                 "forked": forked}, name
 
 
 def test_a_forwarded_notice_persists_at_once(tmp_path):
