@@ -192,20 +192,23 @@ def fork_worker(
     fds: dict[str, int | None] = {}  # closed in this process once the child runs, or failed
     pid = 0
     try:
-        with deferred():  # a handled signal raises once the fork is over, here (see deferral)
-            fds["out"] = _open_append(stdout_path)
-            fds["err"] = _open_append(stderr_path)
-            fds["ready_read"], fds["ready"] = os.pipe()
-            fds["go_read"], fds["go"] = os.pipe()
-            _flush()  # what this process printed must not be printed again by the child
-            pid = _fork(run, env, fds, close_fds)
-            started = _handshake(pid, fds, before_run)
-            proc = ForkedProcess(pid)
+        # a handled signal raises once the fork and the closing of the descriptors are over, here (see
+        # deferral): one whose handler ran as the closing began (outside the block) left the child running
+        with deferred():
+            try:
+                fds["out"] = _open_append(stdout_path)
+                fds["err"] = _open_append(stderr_path)
+                fds["ready_read"], fds["ready"] = os.pipe()
+                fds["go_read"], fds["go"] = os.pipe()
+                _flush()  # what this process printed must not be printed again by the child
+                pid = _fork(run, env, fds, close_fds)
+                started = _handshake(pid, fds, before_run)
+                proc = ForkedProcess(pid)
+            finally:
+                _close_all(fds)
     except BaseException:  # e.g. a handled signal: no child behind
         _kill_and_reap(pid)
         raise
-    finally:
-        _close_all(fds)
     if not started:
         code = proc.wait()
         raise OSError(f"forked worker {pid} exited ({code}) before it was set up")

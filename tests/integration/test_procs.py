@@ -358,6 +358,31 @@ def test_a_forked_worker_whose_before_run_raised_never_runs(tmp_path):
     assert not ran.exists()
 
 
+def test_a_signal_handled_as_the_fork_closes_its_descriptors_leaves_no_child(tmp_path, monkeypatch):
+    """A handled signal's exception raised as fork_worker began closing its end of the pipes (a
+    handler runs at a function's entry, so at ``_close_all``'s, outside its own deferral) left the
+    forked worker running and untracked: a function worker outlived its agent's SIGTERM once in
+    the suite (a forked process of the pytest run, left behind). The handler is run there, as the
+    interpreter would; the child must be killed and reaped."""
+    from elaunch.procs import forked
+    from elaunch.procs.deferral import raise_or_defer
+
+    real = forked._close_all
+    started = tmp_path / "started"
+
+    def a_handler_runs_first(fds):
+        raise_or_defer(Handled("SIGTERM"))  # what the agent's handler does, here
+        real(fds)
+
+    monkeypatch.setattr(forked, "_close_all", a_handler_runs_first)
+    children = set(psutil.Process().children())
+    with pytest.raises(Handled):
+        forked.fork_worker(lambda: started.write_text("x") and time.sleep(60) or 0, dict(os.environ),
+                           os.devnull, os.devnull)
+    assert {p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE} \
+        <= children, "the forked worker was left running"
+
+
 class Handled(Exception):
     """What the pelting handler raises (deferred inside a start, see ``procs.deferral``)."""
 
