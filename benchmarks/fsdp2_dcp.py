@@ -394,11 +394,13 @@ def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | N
 
 
 def journal_summary(path: Path, t_start: float, events: list[dict]) -> dict:
-    """What the example's ``--journal`` tells: each round's step restored, and whose processes were kept.
+    """What the example's ``--journal`` tells: each round's step restored, whose processes were kept,
+    and what each fault in ``events`` cost.
 
     Returns:
         ``rounds``: per attempt, the step restored (None: a fresh start), its time after the start,
-        the ranks that started and how many of them were processes of an earlier round (kept).
+        the ranks that started and how many of them were processes of an earlier round (kept);
+        and :func:`fault_costs`' keys (none when there is no journal).
     """
     if not path.exists():
         return {"rounds": []}
@@ -610,9 +612,8 @@ def rows_of(res: dict) -> list[dict]:
                      "median": pct, "vs": None, "ratio": None,
                      "target": {"kind": "abs_ge", "value": 95, "text": ">= 95 %"},
                      "met": pct is not None and pct >= 95})
-        costs = [c for c in g.get("fault_costs_s", []) if c is not None]
-        if g.get("goodput_in_run") is not None:
-            own = g["goodput_in_run"] * 100
+        if g.get("goodput_in_run") is not None:  # every fault's cost read
+            costs, own = g["fault_costs_s"], g["goodput_in_run"] * 100
             rows.append({"key": f"goodput_in_run.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
                          "label": f"{label[g['fault']]}, {how}: from the run's own steps, 1 - the faults' cost / "
                          f"its length (cost of a fault: median {_med(costs):.2f} s, range {min(costs):.2f}-"

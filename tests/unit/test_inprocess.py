@@ -150,6 +150,13 @@ def test_a_ready_wakes_the_agent_as_a_raised_does(channel):
     try:
         worker.sendall(b'{"op":"hello"}\n')
         wait_for(lambda: [m for _, m, _ in channel.take()] == [{"op": "hello"}], 10, what="the hello")
+        # the channel's one thread wakes (or not) right after it queued the hello: once it has closed a
+        # later connection's junk, that decision was made
+        junk = _connect(channel)
+        junk.settimeout(10)
+        junk.sendall(b"\x00\xffnot json\n")
+        assert junk.recv(1) == b""
+        junk.close()
         assert not woke.is_set()
         for line in (b'{"op":"ready"}\n', b'{"op":"raised","error":"RuntimeError: x"}\n'):
             woke.clear()
