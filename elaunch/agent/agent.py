@@ -428,7 +428,7 @@ class ElasticAgent:
         log.warning(
             "membership changed (0 node(s) waiting to join, %d lost); re-forming the group"
             " (not counted as a restart): the workers failed (%s) after node(s) %s stopped answering",
-            len(lost), describe_exits(stopped.codes), ", ".join(lost),
+            len(lost), describe_exits(stopped.codes, self._inproc.raised_errors()), ", ".join(lost),
         )
         self._events.restart(False, self._job.restarts, "node_lost", stopped.record)
 

@@ -105,10 +105,21 @@ def _mtime(path: str) -> float | None:
         return None
 
 
-def describe_exits(codes: Mapping[int, int | None]) -> str:
-    """``"local rank 0: exitcode 1, local rank 1: SIGTERM"`` for the workers that failed."""
+def describe_exits(codes: Mapping[int, int | None], raised: Mapping[int, str] | None = None) -> str:
+    """``"local rank 0: exitcode 1, local rank 1: SIGTERM"`` for the workers that failed.
+
+    Args:
+        codes: local rank -> exit code (None: running).
+        raised: local rank -> the exception an ``elaunch.restartable`` worker reported
+            (``"RuntimeError: ..."``); such a rank is alive (its code 1 or None) and is described
+            as ``"raised RuntimeError"``, not as the exit code it never had.
+    """
+    raised = raised or {}
     parts = []
     for lr, code in sorted(codes.items()):
+        if lr in raised and code in (None, 1):
+            parts.append(f"local rank {lr}: raised {raised[lr].split(':', 1)[0]}")
+            continue
         if code is None or code == 0:
             continue
         what = signal_name(code) if code < 0 else f"exitcode {code}"

@@ -187,6 +187,10 @@ class InProcess:
         """Local ranks that reported "raised" while the round ran (before any abort): failures to count."""
         return sorted(lr for lr, pid in self._pids.items() if pid in self._raised)
 
+    def raised_errors(self) -> dict[int, str]:
+        """Local rank -> the exception it reported (``"RuntimeError: ..."``) while the round ran; see :meth:`raised`."""
+        return {lr: self._raised[pid][0] for lr, pid in self._pids.items() if pid in self._raised}
+
     def death_times(self, exits: Mapping[int, float]) -> dict[int, float]:
         """``exits`` (local rank -> when the agent saw its exit), each dated no later than its control
         connection's end: a killed worker's sockets close as it dies, and its peers' "raised" (their

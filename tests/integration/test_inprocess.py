@@ -360,8 +360,11 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
         wait_for(lambda: [c for c in _calls(out) if c["world"] == 3 and c["pid"] not in pids], 60,
                  what="node C's worker trained a step in a world of 3")
         nodes.kill("c")
-        wait_for(lambda: len([c for c in _calls(out) if c["pid"] in pids and c["call"] == 3]) == 2, 90,
-                 what="A's and B's workers called a third time")
+        try:
+            wait_for(lambda: len([c for c in _calls(out) if c["pid"] in pids and c["call"] == 3]) == 2, 90,
+                     what="A's and B's workers called a third time")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- a:\n{nodes.err('a')[-6000:]}\n--- b:\n{nodes.err('b')[-6000:]}") from None
         nodes.stop.touch()  # enough: the job ends at the next step
         for name in ("a", "b"):
             assert nodes.agents[name].wait(90) == 0, nodes.err(name)[-3000:]
@@ -378,6 +381,8 @@ def test_scale_up_and_node_lost_keep_the_survivors_processes(tmp_path):
         assert [(e["cause"], e["world_size"], len(e["kept"])) for e in events if e["kind"] == "inprocess_restart"] \
             == [("membership", 3, 1), ("membership", 2, 1)]
         assert not [e for e in events if e["kind"] == "restart" and e["counted"]]  # nothing counted
+        # a kept worker whose collective broke is described as raised, never by an exit code it did not have
+        assert "exitcode 1) after node(s)" not in nodes.err(name)
     assert (out / "final.json").exists()
 
 

@@ -754,3 +754,14 @@ def test_dump_acknowledgements_belong_to_their_request():
     again = job_ops.request_dump(acked, FailureRecord(round=0, at=2.0, rank=4))
     assert again.dump_id == 2 and again.dump_acks == []  # a new request starts afresh
     assert job_ops.dumps_pending(again, 1, {"b", "c"}) == []  # the old one is superseded
+
+
+def test_a_worker_that_raised_is_described_by_its_exception_not_an_exit_code():
+    from elaunch.agent.failures import describe_exits
+
+    codes = {0: 1, 1: None, 2: -9, 3: 0, 4: 2}
+    assert describe_exits(codes) == "local rank 0: exitcode 1, local rank 2: SIGKILL, local rank 4: exitcode 2"
+    raised = {0: "RuntimeError: Connection closed by peer [127.0.0.1]:1: a: b", 1: "ValueError: x"}
+    assert describe_exits(codes, raised) == \
+        "local rank 0: raised RuntimeError, local rank 1: raised ValueError, local rank 2: SIGKILL, " \
+        "local rank 4: exitcode 2"
