@@ -349,7 +349,7 @@ class ElasticAgent:
         failed = stopped.verdict is Verdict.FAILED
         exited = self._failure_seen() if failed else None
         # HEALTHY -> INTERRUPTED: "abort" to the running workers; those not ready within the grace are killed
-        waiting = self._inproc.interrupt(self._procs)
+        waiting = self._inproc.interrupt(self._procs, prestart=self._starter.prestart)
         if failed:
             self._keeper.persist_now("failure")
             stopped.observe_failure(self._monitor.alarm, *exited, self._failed_codes(), self._attempt_logs,
@@ -360,6 +360,7 @@ class ElasticAgent:
             self._inproc.keep(self._procs, waiting, "failure" if stopped.step is Step.RESTART else "membership")
             self._stop_workers(signal.SIGKILL, grace=0.0)
         else:
+            self._inproc.drop()  # replacements started for a round that does not come
             self._stop_workers(signal.SIGTERM)
         return stopped
 

@@ -47,6 +47,7 @@ class GroupStarter:
         self._base_env = base_env
         self._prefix_template = line_prefix_template
         self._watchdogs = watchdogs
+        self._last: tuple[dict[int, list[str]], dict[int, dict[str, str]]] = ({}, {})  # the running attempt's
 
     def group(self, info: RendezvousInfo) -> WorkerGroup:
         """This node's WorkerGroup of the round ``info``: ranks assigned, INIT, no pids yet.
@@ -90,6 +91,7 @@ class GroupStarter:
         if opts.use_agent_store != use_agent_store:
             opts = dataclasses.replace(opts, use_agent_store=use_agent_store)
         cmds, envs = self._commands(group, restarts, logs.error_file, opts)
+        self._last = cmds, envs
         prefixes = {w.local_rank: line_prefix(self._prefix_template, self._spec.role, w.global_rank, w.local_rank)
                     for w in group.workers}
         for watchdog in self._watchdogs:
@@ -103,6 +105,15 @@ class GroupStarter:
                  group.group_world_size, workers[0].global_rank, workers[-1].global_rank, workers[0].world_size,
                  group.master_addr, group.master_port)
         return procs
+
+    def prestart(self, local_rank: int, extra_env: dict[str, str]):
+        """Hand ``local_rank``'s next warm spare the running attempt's worker of that rank now
+        (``WorkerLauncher.prestart``: in-process restart's replacement of a dead worker, which the
+        next attempt adopts); its process, or None when none was started."""
+        cmds, envs = self._last
+        if local_rank not in cmds:
+            return None
+        return self._launcher.prestart(local_rank, cmds[local_rank], envs[local_rank], extra_env)
 
     def prewarm(self, restarts: int) -> None:
         """With ``--warm-start``, start the first attempt's spares now, before the first round.

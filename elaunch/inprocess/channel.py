@@ -89,6 +89,7 @@ class Channel:
         self._expected: frozenset[int] = frozenset()
         self._conns: dict[int, _Conn] = {}  # fd -> connection
         self._inbox: list[tuple[int, dict, float]] = []
+        self._queued: dict[int, bytes] = {}  # pid -> a message for an expected worker that has not connected yet
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -150,6 +151,7 @@ class Channel:
         """The pids of the agent's workers from now on: only they are read; others wait to be closed."""
         with self._lock:
             self._expected = frozenset(pids)
+            self._queued = {pid: data for pid, data in self._queued.items() if pid in self._expected}
         # the thread (un)registers the connections at its next tick
 
     def take(self) -> list[tuple[int, dict, float]]:
@@ -164,11 +166,23 @@ class Channel:
             out, self._inbox = self._inbox, []
         return out
 
-    def send(self, pid: int, msg: dict) -> bool:
-        """Send ``msg`` to the worker with ``pid`` (its latest connection); False when it has none or it failed."""
+    def send(self, pid: int, msg: dict, queue: bool = False) -> bool:
+        """Send ``msg`` to the worker with ``pid`` (its latest connection); False when it has none or it failed.
+
+        Args:
+            pid: an expected worker's (:meth:`expect`); any other gets nothing (False).
+            msg: the message (:mod:`~elaunch.inprocess.wire`'s agent ops).
+            queue: when the worker has not connected yet, keep ``msg`` and send it as its connection is
+                accepted (True: queued): a replacement started before its round (``wire.PRESTART_ENV``)
+                may still be on its way to the wrapper when the round's "go" is due. One message is
+                kept per pid (the last); :meth:`expect` without the pid drops it.
+        """
         with self._lock:
             conn = next((c for c in reversed(list(self._conns.values())) if c.pid == pid), None) \
                 if pid in self._expected else None
+            if conn is None and queue and pid in self._expected:
+                self._queued[pid] = encode(msg)
+                return True
         if conn is None:
             return False
         try:
@@ -220,9 +234,19 @@ class Channel:
         if uid != self._uid:  # another user's process: never a worker of ours
             sock.close()
             return
-        sock.setblocking(False)
         with self._lock:
             self._conns[sock.fileno()] = _Conn(sock, pid, time.monotonic())
+            queued = self._queued.pop(pid, None)
+            if queued is not None:  # a fresh connection's buffer is empty: this never waits long
+                try:
+                    sock.settimeout(SEND_TIMEOUT)
+                    sock.sendall(queued)
+                except OSError as exc:  # closed: the worker's wait ends, it exits 1 and fails its round
+                    log.warning("in-process restart: cannot send a queued message to worker %d: %s", pid, exc)
+                    del self._conns[sock.fileno()]
+                    sock.close()
+                    return
+        sock.setblocking(False)
 
     def _tend(self, sel: selectors.BaseSelector) -> None:
         """Register connections of expected pids; close those of unknown pids past :data:`PENDING_S`, or too many."""

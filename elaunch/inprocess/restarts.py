@@ -6,17 +6,20 @@ reads what the workers said; a worker that reports ``raised`` fails the group (a
 :class:`~elaunch.agent.watchdog.Alarm` of kind ``"raised"``) as its exit would. The agent
 then calls, in order, on a failure that :meth:`InProcess.applies` to:
 
-1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; wait up to
-   ``grace`` seconds (``--inprocess-timeout``) for each to say "ready"; dump the stacks of
-   those that did not (``on_late``) and SIGKILL them (they are replaced like dead ones).
+1. :meth:`InProcess.interrupt`: "abort" to every running worker not waiting yet; hand each dead
+   worker's warm spare its environment at once (``prestart``: it waits in the wrapper for the
+   next round's "go", like a survivor); wait up to ``grace`` seconds (``--inprocess-timeout``)
+   for each survivor to say "ready"; dump the stacks of those that did not (``on_late``) and
+   SIGKILL them (they are replaced like dead ones).
 2. the agent decides and counts the restart as for any failure (``JobView.decide``);
 3. on RESTART, :meth:`InProcess.keep`: the waiting workers are released from the attempt
    (``WorkerProcesses.release``) and held here while the agent joins the next round;
    on any other step the agent stops them as today;
 4. :meth:`InProcess.adopter`, the next attempt's first ``adopt`` hook: a kept worker of a
    local rank is sent "go" with that worker's full environment and log files and runs
-   the attempt's rank; the other ranks start as new processes (a warm spare when there
-   is one); :meth:`InProcess.started` then writes the ``inprocess_restart`` event.
+   the attempt's rank, and so does a replacement started in step 1; the other ranks start as
+   new processes (a warm spare when there is one); :meth:`InProcess.started` then writes the
+   ``inprocess_restart`` event.
 
 The decisions are :mod:`elaunch.inprocess.decide`'s. torchrun stops every worker on any
 failure. Stdlib only.
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from elaunch.inprocess import decide
 from elaunch.inprocess.channel import GONE, Channel
-from elaunch.inprocess.wire import CONTROL_ENV
+from elaunch.inprocess.wire import CONTROL_ENV, PRESTART_ENV
 
 if TYPE_CHECKING:
     from elaunch.procs import AttemptLogs, WorkerProcesses
@@ -79,9 +82,11 @@ class InProcess:
         self._raised: dict[int, tuple[str, float]] = {}  # pid -> (error, arrival), reported while the round ran
         self._gone: dict[int, float] = {}  # pid -> when its connection ended (its death, if it died)
         self._kept: dict[int, subprocess.Popen] = {}  # local rank -> a released survivor
+        self._prestarted: dict[int, subprocess.Popen] = {}  # local rank -> a dead worker's replacement, waiting
         self._fault_at: float | None = None
         self._cause = "failure"
-        self._go_sent: list[int] = []
+        self._go_sent: list[int] = []  # local ranks of the survivors sent "go"
+        self._pre_sent: list[int] = []  # local ranks of the replacements started before the round, sent "go"
 
     @property
     def offered(self) -> bool:
@@ -165,11 +170,12 @@ class InProcess:
             world = workers[0].world_size if workers else None
             self._events.emit("inprocess_restart", kept=sorted(ranks[lr] for lr in kept),
                               started=sorted(g for lr, g in ranks.items() if lr not in kept), seconds=round(seconds, 3),
-                              cause=self._cause, world_size=world)
+                              cause=self._cause, world_size=world,
+                              prestarted=sorted(ranks[lr] for lr in self._pre_sent if lr in ranks))
             log.warning("in-process restart: %d worker(s) kept their processes, %d started, %.2f s after the %s"
                         " (world size %s)", len(kept), len(ranks) - len(kept), seconds,
                         "fault" if self._cause == "failure" else "membership change", world)
-        self._fault_at, self._go_sent = None, []
+        self._fault_at, self._go_sent, self._pre_sent = None, [], []
 
     def applies(self, codes: Mapping[int, int | None], fixable: bool) -> bool:
         """Whether this failure goes in process (:func:`decide.goes_in_process`; reads the messages first)."""
@@ -205,8 +211,17 @@ class InProcess:
         self._read()
         return {lr: self._raised[pid][1] for lr, pid in self._pids.items() if pid in self._raised}
 
-    def interrupt(self, procs: "WorkerProcesses") -> list[int]:
+    def interrupt(self, procs: "WorkerProcesses",
+                  prestart: "Callable[[int, dict[str, str]], Popen | None] | None" = None) -> list[int]:
         """End the round in process: "abort" to the running workers; SIGKILL those not ready in time.
+
+        Args:
+            procs: the attempt's processes.
+            prestart: ``(local rank, extra env) -> process or None``: hands that rank's next warm spare
+                the dead worker's environment plus ``extra_env`` (``GroupStarter.prestart``); called for
+                each worker that opted in and is dead (or killed here), so that its replacement runs the
+                script up to the wrapper while the agents decide and re-form. None: replacements start
+                with the next attempt.
 
         Returns:
             The local ranks to keep (running, waiting for "go"), sorted.
@@ -216,6 +231,7 @@ class InProcess:
         for lr in decide.laggards(procs.poll(), waiting):
             if not self._channel.send(self._pids[lr], {"op": "abort"}) and procs.poll().get(lr) is None:
                 log.warning("in-process restart: local rank %d cannot be told to stop its round", lr)
+        self._prestart_dead(procs, prestart)
         deadline = self._clock() + self._grace
         while True:
             self._read()
@@ -232,9 +248,29 @@ class InProcess:
                 procs.notify(signal.SIGKILL, late)
                 procs.wait(1.0)
                 self._wait_dead(procs, late)
+                self._prestart_dead(procs, prestart)
                 break
             procs.wait(min(left, 0.05))
         return decide.kept(procs.poll(), self._waiting_ranks())
+
+    def _prestart_dead(self, procs: "WorkerProcesses", prestart) -> None:
+        """Start the replacement of each dead worker that opted in and has none yet (see :meth:`interrupt`)."""
+        if prestart is None or self._channel is None:
+            return
+        for lr, code in sorted(procs.poll().items()):
+            if code is None or lr in self._prestarted or self._pids.get(lr) not in self._hello:
+                continue
+            try:
+                proc = prestart(lr, {PRESTART_ENV: "1"})
+            except OSError as exc:  # the rank starts with the next attempt instead
+                log.warning("in-process restart: local rank %d's replacement cannot be started early: %s", lr, exc)
+                continue
+            if proc is not None:
+                log.debug("in-process restart: local rank %d's replacement %d started before the round", lr,
+                          proc.pid)
+                self._prestarted[lr] = proc
+        if self._prestarted:  # their "hello" is read, and a "go" is queued for one not connected yet
+            self._channel.expect({*self._pids.values(), *(p.pid for p in self._prestarted.values())})
 
     def _late_stacks(self, late: list[int]) -> str | None:
         """Where the stacks of ``late`` (local ranks) were written by ``on_late``; None: not dumped."""
@@ -262,31 +298,36 @@ class InProcess:
     def adopter(self, logs: "AttemptLogs") -> "Callable[[int, list[str], dict[str, str]], Popen | None] | None":
         """The next attempt's first ``adopt`` hook: a kept worker gets "go" and runs its local rank.
 
-        Returns None when no worker is kept.
+        A replacement started before the round (:meth:`interrupt`'s ``prestart``) gets its "go" the
+        same way; queued by the channel when it has not reached the wrapper yet. Returns None when no
+        worker is kept or started.
         """
-        if not self._kept:
+        if not self._kept and not self._prestarted:
             return None
 
         def adopt(local_rank: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
-            proc = self._kept.pop(local_rank, None)
+            early = local_rank not in self._kept
+            proc = (self._prestarted if early else self._kept).pop(local_rank, None)
             if proc is None:
                 return None
             go = {"op": "go", "env": dict(env), "stdout": logs.stdout.get(local_rank),
                   "stderr": logs.stderr.get(local_rank)}
-            if proc.poll() is None and self._channel is not None and self._channel.send(proc.pid, go):
+            if proc.poll() is None and self._channel is not None and self._channel.send(proc.pid, go, queue=early):
                 self._waiting.discard(proc.pid)
-                self._go_sent.append(local_rank)
+                (self._pre_sent if early else self._go_sent).append(local_rank)
                 return proc
-            log.warning("in-process restart: local rank %d's kept worker %d is gone; starting it anew", local_rank,
-                        proc.pid)
+            log.warning("in-process restart: local rank %d's %s %d is gone; starting it anew", local_rank,
+                        "replacement started before the round" if early else "kept worker", proc.pid)
             _kill(proc)
             return None
 
         return adopt
 
     def drop(self) -> None:
-        """Kill and reap every kept survivor not handed a rank (the job ends, or the next attempt did not use it)."""
-        kept, self._kept = list(self._kept.values()), {}
+        """Kill and reap every kept survivor, and every replacement started before the round, not handed a
+        rank (the job ends, the failure is not restarted, or the next attempt did not use it)."""
+        kept = [*self._kept.values(), *self._prestarted.values()]
+        self._kept, self._prestarted = {}, {}
         for proc in kept:
             _kill(proc)
 
@@ -296,7 +337,7 @@ class InProcess:
         """Take the channel's messages; what a pid says counts only while it is one of the attempt's workers."""
         if self._channel is None:
             return
-        current = set(self._pids.values()) | {p.pid for p in self._kept.values()}
+        current = set(self._pids.values()) | {p.pid for p in (*self._kept.values(), *self._prestarted.values())}
         for pid, msg, at in self._channel.take():
             if pid not in current:
                 continue

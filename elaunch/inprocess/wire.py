@@ -29,6 +29,10 @@ import json
 
 #: The variable that names the agent's channel (an abstract Unix socket name, without its leading NUL).
 CONTROL_ENV = "ELAUNCH_CONTROL"
+#: Set ("1") in the environment of a replacement the agent starts before the next round forms (a warm spare
+#: handed the dead worker's environment as soon as its death is seen): the wrapper says "hello" and waits for
+#: the round's "go" before its first call of ``main()``, like a survivor. Removed from the environment then.
+PRESTART_ENV = "ELAUNCH_RESTARTABLE_PRESTARTED"
 #: Longest line either side accepts, bytes (a "go" carries a whole environment); a longer one closes the connection.
 MAX_LINE = 1 << 20
 #: Ops a worker may send.

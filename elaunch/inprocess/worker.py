@@ -35,6 +35,11 @@ round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_POR
 ``TORCHELASTIC_RESTART_COUNT``, so a fresh store prefix, the checkpoint restore) and the
 attempt's log files; the wrapper sets them and calls ``main()`` again.
 
+A replacement the agent starts before the next round forms (a warm spare handed the dead
+worker's environment with :data:`~elaunch.inprocess.wire.PRESTART_ENV`, as soon as the death is
+seen) runs the script up to the wrapper, says "hello" and waits for that round's "go" before
+its first call, like a survivor: at "go" it is where a survivor is, instead of starting then.
+
 ``SystemExit`` and ``KeyboardInterrupt`` end the process as they would without the
 wrapper (the agent then replaces the process). Without the channel (torchrun, no
 launcher, an agent that does not offer it) ``main()`` is called once, plainly.
@@ -59,7 +64,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from elaunch.inprocess.wire import CONTROL_ENV, BadMessage, LineReader, decode_agent, encode
+from elaunch.inprocess.wire import CONTROL_ENV, PRESTART_ENV, BadMessage, LineReader, decode_agent, encode
 
 log = logging.getLogger("elaunch.inprocess")
 
@@ -105,11 +110,14 @@ def restartable(fn: _F) -> _F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         address = os.environ.get(CONTROL_ENV)
+        prestarted = os.environ.pop(PRESTART_ENV, None) == "1"
         control = _Control.connect(address) if address else None
         if control is None:
+            if prestarted:  # started for a round whose environment only the channel brings
+                raise SystemExit(1)
             return fn(*args, **kwargs)
         try:
-            return control.run(fn, args, kwargs)
+            return control.run(fn, args, kwargs, prestarted)
         finally:
             control.close()
 
@@ -149,8 +157,12 @@ class _Control:
 
     # ------------------------------------------------------------ the thread running main()
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def run(self, fn: Callable, args: tuple, kwargs: dict, prestarted: bool = False) -> Any:
         """Call ``fn`` once per round until it returns; see the module docstring.
+
+        ``prestarted``: this process was started before its round formed (:data:`PRESTART_ENV`): it waits
+        for the round's "go" before the first call (``SystemExit(1)`` when the agent closes the channel
+        instead: the round it was started for does not come).
 
         Everything alive before the first call (the imported modules: torch's tens of thousands
         of objects) is moved out of the garbage collector's sight (``gc.freeze``), and so is
@@ -160,6 +172,11 @@ class _Control:
         which imports more of torch, this one took 0.07-0.11 s on 2 loaded cores).
         """
         gc.freeze()
+        if prestarted:
+            go = self._wait_go()
+            if go is None:
+                raise SystemExit(1)
+            self._apply(go)
         while True:
             outcome, value = self._round(fn, args, kwargs)
             if outcome == "returned":

@@ -205,6 +205,23 @@ class WorkerLauncher:
                          lock_dir=self._lock_dir(cmds))
         return procs
 
+    def prestart(self, local_rank: int, cmd: list[str], env: Mapping[str, str],
+                 extra_env: Mapping[str, str]) -> "subprocess.Popen | ForkedProcess | None":
+        """Hand the next attempt's warm spare of ``local_rank`` a worker now, before that attempt starts.
+
+        In-process restart's replacement of a dead worker (``elaunch.inprocess``): the spare gets the
+        dead worker's ``(cmd, env)`` and ``extra_env`` (the mark that makes it wait for its round) as
+        soon as the death is seen, and is adopted by the next attempt's ``keep`` hook. None (nothing
+        started; the rank starts at the attempt, as before) without ``--warm-start``, for function
+        workers, or when the spare is not ready to be handed over without a wait.
+        """
+        pool = self.pool
+        if not pool.enabled or self._fork_target is not None or return_barrier.target(env) is not None:
+            return None
+        if not pool.ready(local_rank):
+            return None
+        return pool.handoff(local_rank, cmd, env, extra_env)
+
     # ------------------------------------------------------------ return barrier
 
     def _lock_dir(self, cmds: Mapping[int, list[str]]) -> str | None:

@@ -201,10 +201,12 @@ class WarmPool:
         self.name = "warm pool"
         self.enabled = True  # False once the workers turned out not to be warmable
         self.used = 0  # spares handed a worker so far (for tests and logs)
+        self._handed = 0  # spares of the prepared attempt handed a worker so far
 
     def logs_for(self, attempt: int) -> "AttemptLogs | None":
-        """Return the log destinations the spares of ``attempt`` write to, or None if none are ready."""
-        return self._logs if self._attempt == attempt and self._spares else None
+        """Return the log destinations the spares of ``attempt`` write to, or None if none are ready and
+        none was handed a worker before the attempt (``WorkerLauncher.prestart``: its files must stay)."""
+        return self._logs if self._attempt == attempt and (self._spares or self._handed) else None
 
     def prepare(
         self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]],
@@ -232,7 +234,7 @@ class WarmPool:
             The number of spares started (0 when the workers cannot be warmed).
         """
         self.discard()
-        self._attempt, self._logs = attempt, logs
+        self._attempt, self._logs, self._handed = attempt, logs, 0
         for lr in sorted(cmds):
             target = parse_worker_cmd(cmds[lr])
             if target is None:
@@ -336,7 +338,18 @@ class WarmPool:
                 os.close(lock_fd)  # the spare holds it now
         return _Spare(proc, wfd, cmd, env, target, lock=lock)
 
-    def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen | None:
+    def ready(self, local_rank: int) -> bool:
+        """True when :meth:`handoff` of ``local_rank`` would not wait: its spare runs, or its template's
+        fork of it has been answered. Never blocks."""
+        spare = self._spares.get(local_rank)
+        if spare is None:
+            return False
+        if spare.proc is None:
+            return spare.template is not None and spare.template.answered()
+        return spare.proc.poll() is None
+
+    def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str],
+                extra_env: Mapping[str, str] | None = None) -> subprocess.Popen | None:
         """Give the worker ``(cmd, env)`` to the spare of ``local_rank``; return its Popen, or None.
 
         None (start the worker cold) when there is no spare, it died, or the worker's
@@ -344,6 +357,9 @@ class WarmPool:
         or the worker waits for its siblings and the spare holds no lock. Once the
         handoff is written, the spare's locked file replaces the rank's file of the
         attempt's return barrier. Usable as ``WorkerProcesses.start(adopt=...)``.
+
+        ``extra_env``: variables handed over besides ``env`` and left out of the comparison (in-process
+        restart's mark on a replacement started before its round, ``elaunch.inprocess.wire.PRESTART_ENV``).
         """
         spare = self._spares.pop(local_rank, None)
         if spare is None:
@@ -364,7 +380,7 @@ class WarmPool:
             log.warning("local rank %d: the warm template did not fork a spare (it cannot, or not within %.0f s); "
                         "starting cold", local_rank, IMPORT_WAIT)
             return None
-        data = encode_handoff(spare.target, list(cmd), env)
+        data = encode_handoff(spare.target, list(cmd), {**env, **(extra_env or {})})
         try:
             if spare.proc.poll() is not None:
                 raise BrokenPipeError(f"spare exited with {spare.proc.returncode}")
@@ -387,6 +403,7 @@ class WarmPool:
             spare.lock = None
         spare.drop_lock()  # a lock the worker does not use
         self.used += 1
+        self._handed += 1
         return spare.proc
 
     def discard(self) -> None:

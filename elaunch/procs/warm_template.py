@@ -161,6 +161,13 @@ class Template:
             end(ForkedProcess(pid))  # a request given up (:meth:`drop`): its spare goes
         return None
 
+    def answered(self) -> bool:
+        """True when the template's answer to the oldest request is waiting to be read (:meth:`collect`
+        then returns at once); never blocks."""
+        if not self._asked or self._chan.fileno() < 0:
+            return False
+        return bool(select.select([self._chan], [], [], 0)[0])
+
     def drop(self) -> None:
         """Give up the oldest request not collected (its handoff fd is closed): its spare is reaped once forked."""
         if self._asked:

@@ -127,23 +127,44 @@ def test_a_process_group_whose_destroy_fails_is_ended_all_the_same(reference, tm
 
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
-    --inprocess-timeout (1 s; --shutdown-timeout stays at its 30 s), so its stacks are written to the log
+    --inprocess-timeout (2 s; --shutdown-timeout stays at its 30 s), so its stacks are written to the log
     directory (where it hung) and it is killed and replaced like the dead one, both by --warm-start spares;
-    rank 0 keeps its process."""
-    out = tmp_path / "out"
+    rank 0 keeps its process. Each replacement is handed over as soon as its worker is dead (rank 1's at the
+    kill, rank 2's at its kill), before the round forms, and waits there for the round's "go": rank 1's ran
+    the script while the agent still waited for rank 2 to be ready. (The kill comes once the next attempt's
+    spares were forked: before, a replacement was handed over only when the next attempt started.)"""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree, start
+
+    out, go = tmp_path / "out", tmp_path / "go"
     out.mkdir()
-    r = run("elaunch", *JOB, "--inprocess-timeout=1", "--warm-start", "--warm-start-modules=torch",
-            "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
-            "--timeout", PG_TIMEOUT, timeout=60)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "local rank(s) [2] not ready within 1.0 s; killing them (their stacks: " in r.stderr
+    agent = start("elaunch", *JOB, "--inprocess-timeout=2", "--warm-start", "--warm-start-modules=torch",
+                  "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
+                  "--wait-file", str(go), "--timeout", PG_TIMEOUT)
+    try:
+        def spares_forked() -> bool:  # a template per local rank, and the spare each forked for attempt 1
+            kids = psutil.Process(agent.pid).children()
+            return sum("--template" in " ".join(k.cmdline()) for k in kids if k.is_running()) >= 6
+
+        wait_for(spares_forked, 60, what="the next attempt's spares, forked by their templates")
+        go.touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 0, err[-3000:]
+    assert "local rank(s) [2] not ready within 2.0 s; killing them (their stacks: " in err
     (stacks,) = (tmp_path / "logs").glob("*/stacks/restart*_inprocess_not_ready_*.txt")
     text = stacks.read_text()
-    assert "did not say ready within 1 s of the abort" in text and "local rank 2" in text
+    assert "did not say ready within 2 s of the abort" in text and "local rank 2" in text
     assert "restartable_train.py" in text and "main" in text  # where it was: blocked in main()'s sleep
     rounds = _rounds(out)
     assert [a["pid"] == b["pid"] for a, b in zip(rounds[0], rounds[1])] == [True, False, False]
     assert [a["warm"] for a in rounds[1]] == [True, True, True]  # spares: the first attempt's and the replacements
+    (restart,) = [e for e in _events(tmp_path / "logs") if e["kind"] == "inprocess_restart"]
+    assert (restart["kept"], restart["started"], restart["prestarted"]) == ([0], [1, 2], [1, 2])
+    fault = json.loads((out / "fault.json").read_text())
+    assert rounds[1][1]["loaded"] < fault["at"] + 1.5  # rank 1's replacement ran while rank 2 had 2 s to be ready
+    assert rounds[1][1]["started"] > fault["at"] + 2.0  # and called main() at the round's "go", after rank 2's kill
     assert _digest(out) == reference
 
 

@@ -244,3 +244,38 @@ def test_a_template_with_a_thread_running_does_not_fork_and_spares_start_as_inte
         # the second attempt, which found it out, started cold; the later ones in spares again
         spares = [any(a.endswith("_warm_child.py") for a in p["cmdline"]) for p in probes]
         assert spares == [True, False, True, True], [p["cmdline"] for p in probes]
+
+
+def test_a_spare_handed_a_worker_before_its_attempt_keeps_its_log_files_and_is_not_compared_on_the_mark(tmp_path):
+    """``WorkerLauncher.prestart`` (in-process restart's replacement of a dead worker, as soon as the death is
+    seen): the next attempt's spare of the rank is handed the running attempt's worker plus a mark that is not
+    part of the comparison with the spare's environment, and runs it at once. When that attempt's logs are then
+    asked for (the agent does at its start), they are the spare's, whose files the worker writes: before, with
+    every spare handed over, the attempt's directory was made anew and the worker's output was lost."""
+    from elaunch.procs import LogsSpec, Std, WorkerLauncher
+    from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
+
+    script = tmp_path / "says.py"
+    script.write_text("import os\nprint('mark', os.environ.get('MARK'), 'restart', os.environ['RESTART'], flush=True)\n")
+    launcher = WorkerLauncher(LogsSpec(log_dir=str(tmp_path / "logs"), redirects=Std.ALL), "pre",
+                              warm_modules=("json",))
+    subreaper = is_subreaper()
+    launcher.open()
+    try:
+        cmds = {0: [os.path.realpath(os.sys.executable), "-u", str(script)]}
+        envs = {0: {**launcher_env(), "RESTART": "0"}}
+        procs = launcher.start(0, launcher.attempt_logs(0, 1), cmds, envs, {}, another_may_follow=True)
+        wait_for(lambda: procs.poll()[0] is not None, 30, what="attempt 0's worker")
+        procs.close()
+        assert launcher.prestart(0, cmds[0], {**envs[0], "RESTART": "9"}, {"MARK": "early"}) is None  # changed env
+        launcher.pool.prepare(1, launcher.attempt_logs(1, 1), cmds, envs, templates=False)
+        wait_for(lambda: launcher.pool.ready(0), 30, what="attempt 1's spare")
+        proc = launcher.prestart(0, cmds[0], envs[0], {"MARK": "early"})
+        assert proc is not None
+        assert proc.wait(30) == 0
+        logs = launcher.attempt_logs(1, 1)
+        assert open(logs.stdout[0]).read() == "mark early restart 0\n"
+    finally:
+        launcher.close()
+        if not subreaper:
+            stop_being_subreaper()

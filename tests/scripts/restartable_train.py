@@ -2,7 +2,7 @@
 
 ``restartable_train.py OUT [--steps N] [--kill R:S] [--raise R:S] [--stop R:S] [--block R:S] [--sleep R:S]
 [--own-sigurg PATH] [--profile] [--plain] [--timeout SECONDS] [--step-sleep SECONDS] [--stop-file PATH]
-[--destroy-fails] [--abort-hangs R]``
+[--destroy-fails] [--abort-hangs R] [--wait-file PATH]``
 
 Every rank trains a tiny linear model (SGD with momentum) on data that depends only on
 (step, rank), averages its gradients with gloo ``all_reduce`` and saves model and
@@ -23,12 +23,14 @@ longer run, for faults driven from outside). ``--stop-file``: after each step th
 ``--destroy-fails``: in the first round ``dist.destroy_process_group`` raises before it destroys anything, as
 NCCL's shutdown of a communicator broken by a fault does. ``--abort-hangs R``: in the first round rank R's
 wrapper never returns from ending the round's collectives (``elaunch.inprocess.worker._abort_collectives`` sleeps
-an hour), as a survivor whose ``ncclCommAbort`` hung on a GPU did.
+an hour), as a survivor whose ``ncclCommAbort`` hung on a GPU did. ``--wait-file PATH``: in the first round every
+rank waits (up to 60 s) for PATH to exist before the step of its fault (``--kill``'s), so a test decides when
+the fault comes.
 
 Writes ``OUT/round_<rank>_<pid>_<restart count>_<call>.json`` per call of main() (its number in the process,
 world size,
-step restored, when main() started and when its first step was done, whether the process is a
-``--warm-start`` spare) and, on rank 0 at
+step restored, when the script was loaded, when main() started and when its first step was done, whether the
+process is a ``--warm-start`` spare) and, on rank 0 at
 the end, ``OUT/final.json`` with the SHA-256 of the final parameters.
 """
 import argparse
@@ -39,6 +41,8 @@ import os
 import signal
 import sys
 import time
+
+LOADED = time.time()  # the script's first line run: a replacement started before its round runs it then
 
 import torch
 import torch.distributed as dist
@@ -62,6 +66,7 @@ parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--stop-file", default=None)
 parser.add_argument("--destroy-fails", action="store_true")
 parser.add_argument("--abort-hangs", type=int, default=None)
+parser.add_argument("--wait-file", default=None)
 args = parser.parse_args()
 
 if args.abort_hangs is not None and os.environ.get("RANK") == str(args.abort_hangs) \
@@ -124,10 +129,14 @@ def main():
     with open("/proc/self/cmdline", "rb") as f:
         warm = any(a.endswith(b"_warm_child.py") for a in f.read().split(b"\0"))  # a --warm-start spare
     record = {"rank": rank, "pid": os.getpid(), "world": world, "restarts": restarts, "start": start,
-              "started": started, "first_step": None, "warm": warm, "call": CALLS[0]}
+              "loaded": LOADED, "started": started, "first_step": None, "warm": warm, "call": CALLS[0]}
     kill, raise_, stop, block = _fault(args.kill), _fault(args.raise_), _fault(args.stop), _fault(args.block)
     sleep = _fault(args.sleep)
     for step in range(start, args.steps):
+        if args.wait_file and restarts == 0 and step == kill[1]:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(args.wait_file) and time.monotonic() < deadline:
+                time.sleep(0.02)
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(8, 16, generator=g)
         model(x).pow(2).mean().backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -164,6 +165,46 @@ def test_a_ready_wakes_the_agent_as_a_raised_does(channel):
             assert woke.wait(10), line
     finally:
         worker.close()
+
+
+def test_a_replacement_started_before_its_round_gets_a_queued_go_and_calls_main_only_then(channel, tmp_path):
+    """A worker started with ``PRESTART_ENV`` (a warm spare handed a dead worker's environment before the next
+    round formed) says hello and waits for "go" before main()'s first call. The agent's "go" may be due before
+    the worker has connected at all: the channel keeps it (``send(queue=True)``) and sends it as the connection
+    is accepted. main() sees the round's environment from "go" (and not the mark); the process ends 0."""
+    from elaunch.inprocess.wire import CONTROL_ENV, PRESTART_ENV
+
+    seen = tmp_path / "seen"
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import json, os, sys
+        import elaunch
+
+        @elaunch.restartable
+        def main():
+            with open({str(seen)!r}, "w") as f:
+                json.dump({{"mark": os.environ.get("ROUND_MARK"), "prestarted": {PRESTART_ENV!r} in os.environ}}, f)
+
+        sys.stdin.readline()  # the test queued the go: connect now
+        main()
+    """)], stdin=subprocess.PIPE, text=True,
+        env={**os.environ, CONTROL_ENV: channel.address, PRESTART_ENV: "1"})
+    try:
+        channel.expect([worker.pid])
+        env = {**os.environ, CONTROL_ENV: channel.address, "ROUND_MARK": "round 1"}
+        assert not channel.send(worker.pid, {"op": "go", "env": env, "stdout": None, "stderr": None})  # not queued
+        assert channel.send(worker.pid, {"op": "go", "env": env, "stdout": None, "stderr": None}, queue=True)
+        assert not channel.send(os.getpid(), {"op": "go", "env": env}, queue=True)  # only an expected worker's
+        worker.stdin.write("connect\n")
+        worker.stdin.flush()
+        assert worker.wait(30) == 0
+        assert json.loads(seen.read_text()) == {"mark": "round 1", "prestarted": False}
+        got: list = []
+        wait_for(lambda: got.extend(m for _, m, _ in channel.take()) or {"op": "gone"} in got, 10,
+                 what="the worker's messages to its connection's end")
+        assert got == [{"op": "hello"}, {"op": "gone"}]  # no "ready": it had no round to end before it ran
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_channel_closes_unknown_peers_after_their_grace(channel, monkeypatch):
