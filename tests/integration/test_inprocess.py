@@ -169,6 +169,40 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
 
 
 @pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
+def test_a_replacement_started_for_a_restart_that_does_not_come_is_killed(tmp_path):
+    """--max-restarts=0 with a rendezvous that can re-form (c10d, --nnodes=1:2), so the next attempt's spares
+    are ready: rank 1's SIGKILL hands its spare the dead worker's environment at once, then the job fails (no
+    restart left). The job fails as before, with rank 1's SIGKILL as its root cause, and the replacement that
+    waited for a round that never came is gone when the agent is (the agent kills it when it decides not to
+    restart; had it not, the replacement's wrapper exits when the channel closes: with neither, it is left)."""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree, start
+
+    out, go = tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    agent = start("elaunch", "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=0.1",
+                  "--max-restarts=0", "--warm-start", "--warm-start-modules=torch", SCRIPT, str(out),
+                  "--kill", "1:5", "--wait-file", str(go), "--timeout", PG_TIMEOUT,
+                  env=launcher_env(LOGLEVEL="DEBUG"))
+    try:
+        def spares_forked() -> bool:  # a template per local rank, and the spare each forked for attempt 1
+            kids = psutil.Process(agent.pid).children()
+            return sum("--template" in " ".join(k.cmdline()) for k in kids if k.is_running()) >= 4
+
+        wait_for(spares_forked, 60, what="the next attempt's spares, forked by their templates")
+        go.touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 1, err[-3000:]
+    assert "local rank 1's replacement" in err and "started before the round" in err, err[-3000:]
+    early = int(err.split("local rank 1's replacement ")[1].split()[0])
+    assert not psutil.pid_exists(early) or psutil.Process(early).status() == psutil.STATUS_ZOMBIE
+    assert "exitcode  : -9 (pid:" in err  # the root cause: rank 1's SIGKILL, in torchrun's failure summary
+
+
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite is near its 20 minutes
 @pytest.mark.parametrize("fault, kept", [(("--kill", "1:5"), [True, False, False]),
                                          (("--raise", "2:5"), [True, True, False])], ids=["peer-killed", "raised"])
 def test_a_survivor_whose_abort_never_returns_costs_only_its_rank_and_the_ready_deadline(reference, tmp_path,
