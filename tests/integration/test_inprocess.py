@@ -125,6 +125,28 @@ def test_a_process_group_whose_destroy_fails_is_ended_all_the_same(reference, tm
     assert _digest(out) == reference
 
 
+def _fault_once_spares_are_forked(tmp_path: Path, local_ranks: int, *args: str, env: dict | None = None) -> tuple:
+    """Run ``elaunch *args`` (``restartable_train.py`` with a ``--kill``) whose fault waits (``--wait-file``)
+    until the next attempt's spares exist: a template per local rank and the spare each forked. Returns
+    ``(exit code, stderr)``."""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree, start
+
+    go = tmp_path / "go"
+    agent = start("elaunch", *args, "--wait-file", str(go), env=env)
+    try:
+        def spares_forked() -> bool:
+            kids = psutil.Process(agent.pid).children()
+            return sum("--template" in " ".join(k.cmdline()) for k in kids if k.is_running()) >= 2 * local_ranks
+
+        wait_for(spares_forked, 60, what="the next attempt's spares, forked by their templates")
+        go.touch()
+        _out, err = agent.communicate(timeout=60)
+    finally:
+        kill_tree(agent.pid)
+    return agent.returncode, err
+
+
 def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path):
     """Rank 1 is SIGKILLed while rank 2 sleeps where no interrupt lands: rank 2 is not ready within
     --inprocess-timeout (2 s; --shutdown-timeout stays at its 30 s), so its stacks are written to the log
@@ -133,25 +155,12 @@ def test_a_survivor_not_ready_in_time_is_killed_and_replaced(reference, tmp_path
     kill, rank 2's at its kill), before the round forms, and waits there for the round's "go": rank 1's ran
     the script while the agent still waited for rank 2 to be ready. (The kill comes once the next attempt's
     spares were forked: before, a replacement was handed over only when the next attempt started.)"""
-    from tests.conftest import wait_for
-    from tests.helpers import kill_tree, start
-
-    out, go = tmp_path / "out", tmp_path / "go"
+    out = tmp_path / "out"
     out.mkdir()
-    agent = start("elaunch", *JOB, "--inprocess-timeout=2", "--warm-start", "--warm-start-modules=torch",
-                  "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5",
-                  "--wait-file", str(go), "--timeout", PG_TIMEOUT)
-    try:
-        def spares_forked() -> bool:  # a template per local rank, and the spare each forked for attempt 1
-            kids = psutil.Process(agent.pid).children()
-            return sum("--template" in " ".join(k.cmdline()) for k in kids if k.is_running()) >= 6
-
-        wait_for(spares_forked, 60, what="the next attempt's spares, forked by their templates")
-        go.touch()
-        _out, err = agent.communicate(timeout=60)
-    finally:
-        kill_tree(agent.pid)
-    assert agent.returncode == 0, err[-3000:]
+    code, err = _fault_once_spares_are_forked(
+        tmp_path, 3, *JOB, "--inprocess-timeout=2", "--warm-start", "--warm-start-modules=torch", "--log-dir",
+        str(tmp_path / "logs"), SCRIPT, str(out), "--kill", "1:5", "--block", "2:5", "--timeout", PG_TIMEOUT)
+    assert code == 0, err[-3000:]
     assert "local rank(s) [2] not ready within 2.0 s; killing them (their stacks: " in err
     (stacks,) = (tmp_path / "logs").glob("*/stacks/restart*_inprocess_not_ready_*.txt")
     text = stacks.read_text()
@@ -175,27 +184,14 @@ def test_a_replacement_started_for_a_restart_that_does_not_come_is_killed(tmp_pa
     restart left). The job fails as before, with rank 1's SIGKILL as its root cause, and the replacement that
     waited for a round that never came is gone when the agent is (the agent kills it when it decides not to
     restart; had it not, the replacement's wrapper exits when the channel closes: with neither, it is left)."""
-    from tests.conftest import wait_for
-    from tests.helpers import kill_tree, start
-
-    out, go = tmp_path / "out", tmp_path / "go"
+    out = tmp_path / "out"
     out.mkdir()
-    agent = start("elaunch", "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=0.1",
-                  "--max-restarts=0", "--warm-start", "--warm-start-modules=torch", SCRIPT, str(out),
-                  "--kill", "1:5", "--wait-file", str(go), "--timeout", PG_TIMEOUT,
-                  env=launcher_env(LOGLEVEL="DEBUG"))
-    try:
-        def spares_forked() -> bool:  # a template per local rank, and the spare each forked for attempt 1
-            kids = psutil.Process(agent.pid).children()
-            return sum("--template" in " ".join(k.cmdline()) for k in kids if k.is_running()) >= 4
-
-        wait_for(spares_forked, 60, what="the next attempt's spares, forked by their templates")
-        go.touch()
-        _out, err = agent.communicate(timeout=60)
-    finally:
-        kill_tree(agent.pid)
-    assert agent.returncode == 1, err[-3000:]
+    code, err = _fault_once_spares_are_forked(
+        tmp_path, 2, "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=0.1", "--max-restarts=0",
+        "--warm-start", "--warm-start-modules=torch", SCRIPT, str(out), "--kill", "1:5", "--timeout", PG_TIMEOUT,
+        env=launcher_env(LOGLEVEL="DEBUG"))
+    assert code == 1, err[-3000:]
     assert "local rank 1's replacement" in err and "started before the round" in err, err[-3000:]
     early = int(err.split("local rank 1's replacement ")[1].split()[0])
     assert not psutil.pid_exists(early) or psutil.Process(early).status() == psutil.STATUS_ZOMBIE
