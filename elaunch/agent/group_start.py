@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
 from collections.abc import Mapping, Sequence
 
 from elaunch.agent.env import EnvOptions, worker_env
@@ -106,7 +107,7 @@ class GroupStarter:
                  group.master_addr, group.master_port)
         return procs
 
-    def prestart(self, local_rank: int, extra_env: dict[str, str]):
+    def prestart(self, local_rank: int, extra_env: dict[str, str]) -> "subprocess.Popen | None":
         """Hand ``local_rank``'s next warm spare the running attempt's worker of that rank now
         (``WorkerLauncher.prestart``: in-process restart's replacement of a dead worker, which the
         next attempt adopts); its process, or None when none was started."""

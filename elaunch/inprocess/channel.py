@@ -178,13 +178,13 @@ class Channel:
                 kept per pid (the last); :meth:`expect` without the pid drops it.
         """
         with self._lock:
-            conn = next((c for c in reversed(list(self._conns.values())) if c.pid == pid), None) \
-                if pid in self._expected else None
-            if conn is None and queue and pid in self._expected:
-                self._queued[pid] = encode(msg)
-                return True
-        if conn is None:
-            return False
+            if pid not in self._expected:
+                return False
+            conn = next((c for c in reversed(list(self._conns.values())) if c.pid == pid), None)
+            if conn is None:
+                if queue:
+                    self._queued[pid] = encode(msg)
+                return queue
         try:
             conn.sock.settimeout(SEND_TIMEOUT)
             conn.sock.sendall(encode(msg))

@@ -191,7 +191,7 @@ class InProcess:
 
     def raised(self) -> list[int]:
         """Local ranks that reported "raised" while the round ran (before any abort): failures to count."""
-        return sorted(lr for lr, pid in self._pids.items() if pid in self._raised)
+        return sorted(self.raised_errors())
 
     def raised_errors(self) -> dict[int, str]:
         """Local rank -> the exception it reported (``"RuntimeError: ..."``) while the round ran; see :meth:`raised`."""

@@ -173,10 +173,7 @@ class _Control:
         """
         gc.freeze()
         if prestarted:
-            go = self._wait_go()
-            if go is None:
-                raise SystemExit(1)
-            self._apply(go)
+            self._next_round(None)
         while True:
             outcome, value = self._round(fn, args, kwargs)
             if outcome == "returned":
@@ -198,12 +195,21 @@ class _Control:
                 traceback.clear_frames(value.__traceback__)
             gc.collect()  # the last round's objects in reference cycles, while the agent prepares the next round
             gc.freeze()  # what outlived it (modules main() imported) is not scanned again at the next restart
-            go = self._wait_go()
-            if go is None:  # the agent closed the channel: this process's part is over
-                if outcome == "raised":
-                    raise value
-                raise SystemExit(1)
-            self._apply(go)
+            self._next_round(value if outcome == "raised" else None)
+
+    def _next_round(self, failed: BaseException | None) -> None:
+        """Wait for "go" and become the next round's worker (:meth:`_apply`).
+
+        Raises:
+            ``failed`` (the last round's exception), or ``SystemExit(1)`` when there is none: the agent
+            closed the channel instead, so this process's part is over.
+        """
+        go = self._wait_go()
+        if go is None:
+            if failed is not None:
+                raise failed
+            raise SystemExit(1)
+        self._apply(go)
 
     def _round(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
         """Call ``fn`` once: ("returned", value), ("aborted", None), ("raised", exc) or ("exit", exc)."""

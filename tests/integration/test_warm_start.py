@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import psutil
 import pytest
@@ -262,7 +263,7 @@ def test_a_spare_handed_a_worker_before_its_attempt_keeps_its_log_files_and_is_n
     subreaper = is_subreaper()
     launcher.open()
     try:
-        cmds = {0: [os.path.realpath(os.sys.executable), "-u", str(script)]}
+        cmds = {0: [os.path.realpath(sys.executable), "-u", str(script)]}
         envs = {0: {**launcher_env(), "RESTART": "0"}}
         procs = launcher.start(0, launcher.attempt_logs(0, 1), cmds, envs, {}, another_may_follow=True)
         wait_for(lambda: procs.poll()[0] is not None, 30, what="attempt 0's worker")
