@@ -46,8 +46,11 @@ In-process restart (``--in-process``, elaunch only): the training is wrapped wit
 surviving ranks keep their processes: their round is interrupted, and they run the
 training again in the next round, with its ranks and store; everything a round needs
 (the process group, the device mesh, the model with ``fully_shard``, the optimizer) is
-built inside it, and every rank restores the step the job agreed on
-(``SnapshotReader().step``); only a dead rank gets a new process. Under torchrun, or
+built inside it, and every rank resumes from the step the job agreed on
+(``SnapshotReader().step``); only a dead rank gets a new process. A survivor whose memory
+still holds that step (it took no optimizer step after it) copies its own shards
+into the new model instead of loading them; the ranks that load do it alone
+(``dcp.load(..., no_dist=True)``), since the others do not take part. Under torchrun, or
 with no launcher, the flag changes nothing.
 """
 
@@ -184,11 +187,61 @@ def allocate_optimizer_state(optim: torch.optim.Optimizer) -> None:
                               "exp_avg_sq": torch.empty_like(p)}
 
 
-def restore(model, optim, reader: SnapshotReader) -> None:
+def restore(model, optim, reader: SnapshotReader, alone: bool = False) -> None:
+    """Fill the model's and the optimizer's shards with ``reader``'s step. ``alone``: without DCP's planning
+    collectives (``no_dist``), for a rank that restores while others keep their state (:func:`take_kept`).
+    A ``SnapshotReader`` reads only this node's memory and each rank plans its own reads, so no rank needs
+    another's plan; DCP's collectives would only make every rank wait for the slowest one's build."""
     allocate_optimizer_state(optim)
     state = state_of(model, optim)
-    dcp.load(state, storage_reader=reader)
+    with warnings.catch_warnings():  # no_dist: DCP warns that it "assumes the intent is to load in a single process"
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=alone)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+#: In-process restart (``--in-process``): the step this rank's memory holds, for the next round:
+#: ``{"step", "world", "rank", "params": {name: local shard}, "optim": {name: {key: local tensor}}}``. Set after
+#: each optimizer step and restore, emptied just before each optimizer step, so it never names a step the memory
+#: has left. It is used only when the job agrees on that very step, i.e. when every rank saved it. References,
+#: not copies: the old round's model is never used again, and only its local tensors are read.
+_kept: dict = {}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def keep(step: int, world: int, rank: int, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Remember that this rank's model and optimizer hold exactly step ``step`` (just taken or restored)."""
+    names = {p: n for n, p in model.named_parameters()}
+    _kept.clear()
+    _kept.update(step=step, world=world, rank=rank,
+                 params={n: _local(p).detach() for n, p in model.named_parameters()},
+                 optim={names[p]: {k: _local(v) for k, v in s.items()} for p, s in optim.state.items()})
+
+
+def take_kept(model: nn.Module, optim: torch.optim.Optimizer, step: int, world: int, rank: int) -> bool:
+    """A survivor of an in-process restart whose memory holds the agreed ``step``, at the same rank and world
+    size (so the same shards), copies it into the new round's model and optimizer instead of loading it: its
+    shards are those of the snapshot it saved. False (nothing copied) otherwise: then it restores.
+
+    The new round's model is built anew (``fully_shard`` on the new mesh): only the old local tensors are
+    read, nothing of the old process group is used."""
+    if (_kept.get("step"), _kept.get("world"), _kept.get("rank")) != (step, world, rank):
+        return False
+    params = dict(model.named_parameters())
+    allocate_optimizer_state(optim)
+    if (params.keys() != _kept["params"].keys() or len(optim.state) != len(params)
+            or any(_kept["optim"].get(n, {}).keys() != optim.state[p].keys() for n, p in params.items())):
+        return False  # another optimizer, or a state this script does not know: restore it
+    with torch.no_grad():
+        for n, p in params.items():
+            _local(p).copy_(_kept["params"][n])
+            for k, v in optim.state[p].items():
+                _local(v).copy_(_kept["optim"][n][k])
+    return True
 
 
 def verify(args, model, optim, step: int, rank: int) -> None:
@@ -273,6 +326,16 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)
 
 
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step on this rank's slice ``x``, ``y`` (``[batch / world, seq, dim]``); returns the loss."""
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    _kept.clear()  # the optimizer step changes what the last save holds: this rank's memory is no saved step now
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(args: argparse.Namespace) -> None:
     """Join the group, build the sharded model and its optimizer, restore the agreed step, train to ``--steps``."""
     cuda = torch.cuda.is_available()
@@ -295,30 +358,37 @@ def train(args: argparse.Namespace) -> None:
     ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
     timings: dict = {"saves": [], "restore": None, "source": None, "build": t_build}
 
-    start, restored = 0, None
+    start, restored, source = 0, None, None
     if reader.step is not None:
         t0 = time.perf_counter()
-        restore(model, optim, reader)
+        # in process, a survivor that holds the agreed step keeps it; the others load alone (no rank waits for
+        # another's collectives, since some do not load)
+        if args.in_process and take_kept(model, optim, reader.step, world, rank):
+            source = "kept"
+        else:
+            restore(model, optim, reader, alone=args.in_process)
+            source = reader.source
         restored = reader.step
-        timings["restore"], timings["source"] = time.perf_counter() - t0, reader.source
+        timings["restore"], timings["source"] = time.perf_counter() - t0, source
+        if args.in_process:
+            keep(reader.step, world, rank, model, optim)
         start = reader.step + 1
         if rank == 0:
-            print(f"restored step {reader.step} from {reader.source} (world size {world})", flush=True)
+            print(f"restored step {reader.step} from {source} (world size {world})", flush=True)
         if args.verify_out and args.disk:
             verify(args, model, optim, reader.step, rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     crash = args.crash_at[attempt] if attempt < len(args.crash_at) else None
     journal(args.journal, event="start", attempt=attempt, rank=rank, world_size=world,
-            group_rank=int(os.environ.get("GROUP_RANK", "0") or 0), step=restored,
-            source=None if restored is None else reader.source)
+            group_rank=int(os.environ.get("GROUP_RANK", "0") or 0), step=restored, source=source)
     pending = None
 
     for step in range(start, args.steps):
-        x, y = batch(args, step, rank, world, device)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        loss = train_step(model, optim, *batch(args, step, rank, world, device))
+        if args.in_process:
+            # the memory is step `step`'s state now, before its save: a fault during the save still finds it
+            # kept when the job agrees on this step (every rank committed it); else the job's step is older
+            keep(step, world, rank, model, optim)
         if (step + 1) % args.save_every == 0 or step == args.steps - 1:
             t0 = time.perf_counter()
             state = state_of(model, optim)

@@ -78,4 +78,7 @@ def test_in_process_a_sigkilled_rank_is_replaced_the_survivor_keeps_its_process_
     pid = {(r["attempt"], r["rank"]): r["pid"] for r in starts}
     assert pid[(1, 0)] == pid[(0, 0)] and pid[(1, 1)] != pid[(0, 1)], starts  # rank 0 kept, rank 1 replaced
     assert {r["step"] for r in starts if r["attempt"] == 1} == {4}, starts
+    # the survivor held step 4 (saved just before the kill) and copied it into its new model; the replacement loaded
+    # its rank's part alone (DCP without collectives), the survivor not joining a load
+    assert {r["rank"]: r["source"] for r in starts if r["attempt"] == 1} == {0: "kept", 1: "memory"}, starts
     assert digest == uninterrupted
