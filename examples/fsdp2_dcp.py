@@ -330,7 +330,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, 
     """One step on this rank's slice ``x``, ``y`` (``[batch / world, seq, dim]``); returns the loss."""
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
-    _kept.clear()  # the optimizer step changes what the last save holds: this rank's memory is no saved step now
+    _kept.clear()  # the optimizer step leaves the step `keep` named: nothing is kept until the caller keeps anew
     optim.step()
     optim.zero_grad(set_to_none=True)
     return loss
