@@ -215,10 +215,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def keep(step: int, world: int, rank: int, model: nn.Module, optim: torch.optim.Optimizer) -> None:
     """Remember that this rank's model and optimizer hold exactly step ``step`` (just taken or restored)."""
-    names = {p: n for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    names = {p: n for n, p in params.items()}
     _kept.clear()
-    _kept.update(step=step, world=world, rank=rank,
-                 params={n: _local(p).detach() for n, p in model.named_parameters()},
+    _kept.update(step=step, world=world, rank=rank, params={n: _local(p).detach() for n, p in params.items()},
                  optim={names[p]: {k: _local(v) for k, v in s.items()} for p, s in optim.state.items()})
 
 
@@ -282,10 +282,7 @@ def _flat(obj, prefix: str = "") -> dict:
 
 
 def _equal(a, b) -> bool:
-    if isinstance(a, DTensor):
-        a = a.to_local()
-    if isinstance(b, DTensor):
-        b = b.to_local()
+    a, b = (_local(v) if isinstance(v, torch.Tensor) else v for v in (a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     return a == b

@@ -206,7 +206,7 @@ class WorkerLauncher:
         return procs
 
     def prestart(self, local_rank: int, cmd: list[str], env: Mapping[str, str],
-                 extra_env: Mapping[str, str]) -> "subprocess.Popen | ForkedProcess | None":
+                 extra_env: Mapping[str, str]) -> "subprocess.Popen | None":
         """Hand the next attempt's warm spare of ``local_rank`` a worker now, before that attempt starts.
 
         In-process restart's replacement of a dead worker (``elaunch.inprocess``): the spare gets the

@@ -35,13 +35,9 @@ model, optim = ex.build(args, cpu, mesh)
 ex.train_step(model, optim, *ex.batch(args, 0, 0, 1, cpu))
 ex.keep(3, 1, 0, model, optim)
 
-def local(t):
-    return t.to_local() if isinstance(t, ex.DTensor) else t
-
 def same(a, b):
     sa, sb = ex._flat(ex.state_of(*a)), ex._flat(ex.state_of(*b))
-    return sa.keys() == sb.keys() and all(
-        torch.equal(local(sa[k]), local(sb[k])) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k] for k in sa)
+    return sa.keys() == sb.keys() and all(ex._equal(sa[k], sb[k]) for k in sa)
 
 out = {}
 for name, (step, world, rank) in {"other step": (4, 1, 0), "other world": (3, 2, 0), "other rank": (3, 1, 1)}.items():
