@@ -48,7 +48,9 @@ straggler watch (``agent.straggler_watch``, added at the monitor's first look of
 and the console copy of one attempt's tee'd output (``procs.tee``, added by that attempt's
 ``WorkerProcesses`` once its workers started and stopped there after the final copy; a copy
 that failed and was not yet seen is the same one line at its stop; before, an ERROR line
-with its traceback), tier :data:`THREADS`; the dynamic rendezvous' keep-alive
+with its traceback), and the checkpoint keeper's slot reservation for a round's restoring
+ranks (``checkpoint.keeper``: it ends by itself; the keeper stops it at the next round and at
+its close, before the node directory goes), tier :data:`THREADS`; the dynamic rendezvous' keep-alive
 (``rendezvous.dynamic.keepalive``, c10d and etcd: added when a round starts, stopped with
 ``Supervisor.stop`` when the handler leaves it), tier :data:`RENDEZVOUS`; and the ``--metrics-port`` server
 (``agent.metrics.AgentMetrics``, prometheus_client's own thread: ``check()`` reports it

@@ -24,6 +24,10 @@ the :class:`CheckpointKeeper` owns that directory for the agent's run:
   does not exist, so its ``ckpt.load()`` raises and the round fails (a counted
   restart, after which every node plans again): ranks never resume from different
   steps, and a node never silently starts fresh beside peers that restored.
+  A local rank that restores here but has no slot on this node yet (a replacement
+  node) gets both its slot files reserved, the restored snapshot's size, by a
+  thread of the agent while its worker starts, so that its first saves do not
+  allocate them while its peers wait (:meth:`CheckpointKeeper._reserve_slots`).
 * **the helpers** (added to the launcher's supervisor, ``elaunch.supervision``: checked at
   each look of the monitor, a dead one restarted, then turned off with one warning; the
   keeper stops them itself at its close, before the directory goes): the replica service (``checkpoint.replicas``, with
@@ -44,6 +48,7 @@ kind. Stdlib only: no torch in the agent.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -51,9 +56,9 @@ from typing import NamedTuple
 from elaunch.checkpoint import persisted
 from elaunch.checkpoint import plan as planner
 from elaunch.checkpoint import slotfile
-from elaunch.checkpoint.restore import RoundRestore, ranks_by_group, successors
+from elaunch.checkpoint.restore import MISSING, RoundRestore, ranks_by_group, successors
 from elaunch.procs.snapshot_dir import SHM_ROOT, NodeDir
-from elaunch.supervision import OFF, SERVICES
+from elaunch.supervision import OFF, SERVICES, THREADS, HelperThread
 from elaunch.rendezvous.job_channel import publish
 
 log = logging.getLogger("elaunch.agent")
@@ -127,6 +132,7 @@ class CheckpointKeeper:
         self._env: dict[int, dict[str, str]] = {}  # local rank -> this round's restore variables
         self._published_at = float("-inf")
         self._publishing = None  # the thread writing the last status record
+        self._reserving: HelperThread | None = None  # the round's slot reservation (see _reserve_slots)
         self._signalled = False
         self._warned_static = False
         self._asked: str | None = None  # a persist asked from a signal handler, done at the next poll
@@ -174,6 +180,8 @@ class CheckpointKeeper:
     def close(self) -> None:
         """Wait for a persist asked on a signal (up to ``persist_wait`` seconds), stop the helpers, remove the
         directory. Idempotent."""
+        if self._launcher is not None:
+            self._stop_reserving()
         persister, self._persister = self._persister, None
         if persister is not None:
             if self._signalled:
@@ -200,6 +208,7 @@ class CheckpointKeeper:
         self._env = {}
         if self.node_dir is None:
             return
+        self._stop_reserving()
         nd = self.node_dir
         nd.clear_restore()
         me = str(info.rank)
@@ -227,10 +236,59 @@ class CheckpointKeeper:
             for w in workers:
                 self._env[w.local_rank] = {ENV_RESTORE: files[w.global_rank][0], ENV_STEP: str(plan.step)}
             self._events.checkpoint_restore(info.round, plan.step, {r: kind for r, (_path, kind) in files.items()})
+            if not plan.parts:
+                self._reserve_slots({w.local_rank: files[w.global_rank] for w in workers})
         if self._service is not None:
             addrs = {g: planner.addr_from_doc(d) for g, d in docs.items() if keys.get(g)}
             peers = [(host, port, keys[g]) for g, (host, port) in successors(addrs, me, self._replicas)] if multi else []
             self._service.set_ring(peers)
+
+    def _reserve_slots(self, files: dict[int, tuple[str, str]]) -> None:
+        """Reserve the slots of each local rank that restores here and has none yet, in a thread of the agent.
+
+        A replacement node's workers (or a rank moved to another node) find no slot of theirs
+        in this node's memory, and each made its two slot files at its first two saves, the
+        whole snapshot's pages each time (0.9 s for 256 MiB on a fresh test host, against
+        0.05-0.1 s for a save into existing slots), while every peer waited for it at the
+        next collective. The agent makes them, the restored snapshot's size each
+        (``slotfile.reserve``), while the worker starts: its first save finds them, and a
+        warm spare's hook maps them (``checkpoint.spare``). Not when the step is resharded
+        (a new rank's state has another size than the part it reads). The thread (tier
+        :data:`~elaunch.supervision.THREADS`) ends by itself; the next round's
+        :meth:`prepare` and :meth:`close` stop it first.
+
+        Args:
+            files: local rank -> (the file its worker restores, its kind), as ``RoundRestore.gather`` gave them.
+        """
+        sizes = {}
+        for local_rank, (path, kind) in sorted(files.items()):
+            if kind == MISSING or any(os.path.lexists(p) for p in slotfile.slot_paths(self.node_dir.path, local_rank)):
+                continue
+            info = slotfile.read_info(path)
+            if info is not None:
+                sizes[local_rank] = info.size
+        if not sizes:
+            return
+        node_dir = self.node_dir.path
+
+        def run(stop) -> None:
+            took = 0
+            for local_rank, size in sizes.items():
+                if stop.is_set():
+                    break
+                took += slotfile.reserve(node_dir, local_rank, size)
+            log.info("checkpoint restore: reserved %.1f MiB of slots for local rank(s) %s", took / (1 << 20),
+                     sorted(sizes))
+
+        self._reserving = self._launcher.supervisor.add(
+            HelperThread("slot reservation", run, thread_name="elaunch-slot-reserve", warn_late=False),
+            THREADS, on_death=OFF, wakes=False, start=True)
+
+    def _stop_reserving(self) -> None:
+        """Stop (wait for) the last round's slot reservation, if any."""
+        thread, self._reserving = self._reserving, None
+        if thread is not None:
+            self._launcher.supervisor.stop(thread)
 
     def _peer_key(self, doc: dict) -> bytes:
         """The key of the replica service a node's document names: the job's, or the one it published (b"": none)."""

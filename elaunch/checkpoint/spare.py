@@ -2,8 +2,10 @@
 
 A restarted worker's first two ``ckpt.save`` calls took 0.3 s each instead of 0.05 s:
 every page of the two slot files faulted into the new process's mapping. The slots
-exist from the second attempt on (the workers before saved into them); a spare maps
-them while it waits (:func:`premap`), and the worker it becomes finds them mapped.
+exist from the second attempt on (the workers before saved into them), and on a
+replacement node from its first round that restores (its agent reserves them,
+``CheckpointKeeper._reserve_slots``); a spare maps them while it waits (:func:`premap`),
+and the worker it becomes finds them mapped.
 
 The warm pool knows nothing of checkpoints: the agent names this hook (:data:`HOOK`) to
 its launcher, the warm pool puts it in the spares' own environment

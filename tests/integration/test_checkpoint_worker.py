@@ -99,6 +99,23 @@ def test_round_trip_is_bit_identical(shm_dir):
     assert load_result(ELAUNCH_CHECKPOINT_SHM=shm_dir) == {"step": None}
 
 
+def test_saves_go_into_the_slots_the_agent_reserved_without_growing_them(shm_dir):
+    """A replacement node's agent reserves its rank's slots at the restored snapshot's size (``slotfile.reserve``):
+    the worker's saves commit into those very files, as they are, and read back whole."""
+    peer = shm_dir + "/peer"
+    os.mkdir(peer, 0o700)
+    assert run_worker("save", 3, ELAUNCH_CHECKPOINT_SHM=peer).returncode == 0
+    size = slotfile.read_info(os.path.join(peer, "slots", "0.0")).size
+    os.mkdir(os.path.join(shm_dir, "slots"), 0o700)
+    assert slotfile.reserve(shm_dir, 0, size) == 2 * (-(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+    reserved = {p: (os.stat(p).st_ino, os.stat(p).st_size) for p in slotfile.slot_paths(shm_dir, 0)}
+    r = run_worker("save", 4, 5, ELAUNCH_CHECKPOINT_SHM=shm_dir, LOCAL_RANK=0, RANK=0, WORLD_SIZE=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p: (os.stat(p).st_ino, os.stat(p).st_size) for p in reserved} == reserved
+    assert committed(shm_dir) == {"0.0": 4, "0.1": 5}
+    assert same(ckpt.read_slot(os.path.join(shm_dir, "slots", "0.1")).state, make_state(5))
+
+
 def test_header_names_rank_and_world(shm_dir):
     r = run_worker("save", 7, ELAUNCH_CHECKPOINT_SHM=shm_dir, LOCAL_RANK=1, RANK=5, WORLD_SIZE=6, CKPT_SHARDED=1)
     assert r.returncode == 0, r.stderr[-3000:]

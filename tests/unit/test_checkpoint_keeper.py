@@ -123,6 +123,51 @@ def test_replicated_state_serves_a_local_rank_from_another_ranks_slot(tmp_path):
     k.close()
 
 
+def _reserved(k: CheckpointKeeper) -> None:
+    """Wait for the round's slot reservation thread, if the keeper started one."""
+    if k._reserving is not None:
+        k._reserving.thread.join(30)
+        assert not k._reserving.is_alive()
+
+
+def test_a_local_rank_with_no_slot_here_gets_both_reserved_at_the_restored_size(tmp_path, caplog):
+    """Local rank 1 restores from rank 0's slot and has none of its own (a replacement node's case): the agent
+    makes both its slot files, empty, the size of the snapshot it restores; rank 0's are left as they are."""
+    k = keeper(tmp_path, LocalJobChannel(), [])
+    shm = k.node_dir.path
+    a0, b0 = slotfile.slot_paths(shm, 0)
+    write_slot(a0, 9, data=b"x" * 100_000, rank=0, world_size=2, replicated=True)
+    held = slotfile.read_info(a0)
+    with caplog.at_level(logging.INFO, logger="elaunch.agent"):
+        k.prepare(info(1, 0, 1, 2), workers(1, 2, 0), 2)
+        _reserved(k)
+    assert k.env(1)[ENV_RESTORE] == a0
+    size = -(-held.size // 4096) * 4096
+    for path in slotfile.slot_paths(shm, 1):
+        st = os.stat(path)
+        assert st.st_size == size and st.st_blocks * 512 >= size, path
+    assert not os.path.exists(b0)  # rank 0 holds a slot here: it needs nothing made
+    assert slotfile.inventory(shm) == [held]  # the reserved files read as empty
+    assert "reserved 0.2 MiB of slots for local rank(s) [1]" in caplog.text
+    k.prepare(info(2, 0, 1, 2), workers(1, 2, 0), 2)  # the next round: every rank has its slots
+    assert k._reserving is None
+    k.close()
+
+
+def test_a_resharded_step_reserves_no_slot(tmp_path):
+    """World 2 saved step 5; one node now runs 3 ranks: each reads every part, and its own state has another
+    size than any part, so nothing is reserved for the ranks without slots."""
+    k = keeper(tmp_path, LocalJobChannel(), [])
+    shm = k.node_dir.path
+    write_part(slotfile.slot_paths(shm, 0)[0], 5, 0, 2)
+    write_part(os.path.join(shm, "replicas", "r1"), 5, 1, 2)
+    k.prepare(info(1, 0, 1, 3), workers(1, 3, 0), 3)
+    assert k.env(2)[ENV_STEP] == "5"
+    _reserved(k)
+    assert not any(os.path.exists(p) for lr in (1, 2) for p in slotfile.slot_paths(shm, lr))
+    k.close()
+
+
 def test_several_nodes_without_an_exchange_restore_nothing_alike(tmp_path):
     """A static job of two nodes: each would choose from its own memory alone, so none restores."""
     k = keeper(tmp_path, LocalJobChannel(), [])

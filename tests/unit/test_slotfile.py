@@ -71,3 +71,22 @@ def test_missing_and_short_files_are_empty(tmp_path):
     (tmp_path / "short").write_bytes(b"ELCK")
     assert slotfile.read_info(str(tmp_path / "short")) is None
     assert slotfile.inventory(str(tmp_path / "nothing")) == []
+
+
+def test_reserve_makes_only_the_missing_slot_files_whole_and_empty(tmp_path):
+    """The agent reserves a restoring rank's slots: never a file that exists, pages allocated, nothing committed."""
+    d = str(tmp_path)
+    os.mkdir(os.path.join(d, "slots"))
+    a, b = slotfile.slot_paths(d, 3)
+    _write(a, 5, rank=3)
+    before = open(a, "rb").read()
+    page = mmap.PAGESIZE
+    assert slotfile.reserve(d, 3, 3 * page + 1) == 4 * page  # one file, rounded up to a page
+    assert open(a, "rb").read() == before  # the worker's own snapshot untouched
+    st = os.stat(b)
+    assert st.st_size == 4 * page and st.st_blocks * 512 >= 4 * page and st.st_mode & 0o777 == 0o600
+    assert slotfile.read_info(b) is None  # reads as empty: no inventory sees it
+    assert [i.path for i in slotfile.inventory(d)] == [a]
+    assert slotfile.reserve(d, 3, 3 * page) == 0  # both exist now
+    assert slotfile.reserve(d, 4, page) == 2 * page and all(os.path.getsize(p) == page for p in slotfile.slot_paths(d, 4))
+    assert slotfile.reserve(str(tmp_path / "gone"), 0, page) == 0  # no slots directory: nothing, no error
