@@ -21,7 +21,11 @@ turns it off). Each configuration runs once uninterrupted (T0), then under each 
   process in its namespace; its ``/dev/shm`` entries removed, as a dead machine's memory
   would be) and a fresh host with a new agent joins at once.
 
-Goodput = T0 / T_faulty (launch to the last agent's exit). A faulty run is bounded by
+Goodput = T0 / T_faulty (launch to the last agent's exit). Beside it, the in-run estimate
+(``goodput_results.in_run``): each fault's cost read from the faulty run's own step times
+(``fault_costs_s``), and ``1 - their sum / T_faulty``; two runs on this shared machine differ
+by seconds in their start-up and by percents in their step time, which T0 / T counts as the
+faults'. A faulty run is bounded by
 ``Sizes.bound`` x T0 (2 in full mode): a run that needs longer is "did not complete", i.e.
 a goodput below 1 / bound. Steps lost per restart (configurations a-c) = the
 steps the group had started when it stopped (the worker's step counter) minus the step it
@@ -64,7 +68,7 @@ from pathlib import Path
 
 from benchmarks.common import DidNotComplete, log_line
 from benchmarks.goodput_hosts import Cluster
-from benchmarks.goodput_results import attempts, fmt_s, markdown, report_scenario, summarize
+from benchmarks.goodput_results import attempts, fmt_s, in_run, markdown, read_steps, report_scenario, summarize
 
 
 
@@ -277,6 +281,7 @@ def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm:
                 if path.startswith("/dev/shm/"):
                     shutil.rmtree(path, ignore_errors=True)
         row["attempts"] = attempts(cluster.lines, cluster.workers(), cluster.t_start)
+        fault_times = [event["t"] for event in row["events"]]
         for event in row["events"]:
             event["t"] = round(event["t"] - cluster.t_start, 2)
     done = not row["note"] and all(c == 0 for c in row["exit_codes"] if c is not None)
@@ -285,6 +290,7 @@ def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm:
     row["T_s"] = elapsed if done else None
     row["T0_s"] = row["T_s"] if fault == "none" else t0
     row["goodput"] = (t0 / row["T_s"]) if (t0 and row["T_s"]) else None
+    row.update(in_run(read_steps(workdir / "counters"), fault_times, row["T_s"]))
     final = workdir / "final.json"
     if cfg.launcher == "elaunch":
         row["from_events"] = from_events(read_events(workdir / "logs"), row["events"], cluster.t_start)

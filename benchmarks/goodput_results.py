@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 from benchmarks.goodput_hosts import Worker
 
@@ -114,17 +115,87 @@ def fmt_s(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f} s"
 
 
+#: Steps after a fault over which :func:`in_run` reads its cost (fewer when the next fault or the run's end comes first).
+WINDOW = 40
+
+
+def read_steps(counters: Path) -> list[tuple[float, int, int]]:
+    """Every worker's ``(time, step, world size)`` records: the ``steps-*`` files the goodput worker appends to at
+    each step's start (``benchmarks/workers/goodput_worker.py``); a line cut by a kill is skipped."""
+    found = []
+    for path in sorted(counters.glob("steps-*")):
+        for line in path.read_text(errors="replace").splitlines():
+            parts = line.split()
+            try:
+                found.append((float(parts[0]), int(parts[1]), int(parts[2])))
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+def in_run(records: Sequence[tuple[float, int, int]], fault_times: Sequence[float], T_s: float | None,
+           window: int = WINDOW) -> dict:
+    """Each fault's cost read from the faulty run's own steps, and the goodput that implies.
+
+    T0 / T compares two runs, and on this shared machine two runs differ by seconds in their
+    start-up and by a few percent in their step time (machine speed): more than a node
+    replacement costs. Read from one run, the cost needs neither.
+
+    ``F[s]``: the last start of step ``s`` by any worker (the start that counted: a step redone
+    after a fault counts its redo). The step time is the median of ``F[s + 1] - F[s]``. For a
+    fault at time ``k``: ``a``, the last step with ``F[a] < k``; ``b``, ``window`` steps later, or
+    fewer when the next fault or the run's end comes first; the cost is ``F[b] - F[a] - (b - a)``
+    step times: the restart, the work lost since ``a`` (redone steps), and any slower step after
+    it (a replacement's first saves). None when a step from ``a`` to ``b`` ran at another world
+    size than ``a`` (the example numbers steps by its world's epochs) or no step follows.
+
+    Args:
+        records: ``(time, step, world size)`` of every worker (:func:`read_steps`); times in seconds
+            since the epoch.
+        fault_times: when each fault was injected, same clock, in order.
+        T_s: the faulty run's length (launch to the last exit), or None (it did not complete).
+
+    Returns:
+        ``step_s``, ``fault_costs_s`` (one per fault, seconds or None), and ``goodput_in_run``:
+        ``1 - sum(costs) / T_s``, the T0 / T of an uninterrupted run as long as this one less its
+        faults' costs (None when a cost or ``T_s`` is None).
+    """
+    last: dict[int, tuple[float, int]] = {}
+    for t, step, world in records:
+        if step not in last or t > last[step][0]:
+            last[step] = (t, world)
+    gaps = [last[s + 1][0] - last[s][0] for s in last if s + 1 in last and last[s + 1][1] == last[s][1]]
+    step_s = statistics.median(gaps) if gaps else None
+    costs: list[float | None] = []
+    for i, k in enumerate(fault_times):
+        until = fault_times[i + 1] if i + 1 < len(fault_times) else float("inf")
+        before = [s for s, (t, _w) in last.items() if t < k]
+        if not before or step_s is None:
+            costs.append(None)
+            continue
+        a = b = max(before)
+        while b + 1 in last and b + 1 - a <= window and last[b + 1][0] < until:
+            b += 1
+        same = all(last[s][1] == last[a][1] for s in range(a, b + 1))
+        costs.append(round(last[b][0] - last[a][0] - (b - a) * step_s, 3) if b > a and same else None)
+    whole = bool(T_s) and bool(costs) and all(c is not None for c in costs)
+    return {"step_s": None if step_s is None else round(step_s, 4), "fault_costs_s": costs,
+            "goodput_in_run": (1 - sum(costs) / T_s) if whole else None}
+
+
 def markdown(rows: Sequence[dict]) -> str:
     """The rows as a markdown table (one per configuration and fault)."""
-    lines = ["| config | fault | T0 | T faulty | goodput | restarts | steps lost | restored from | "
-             "fault -> training (median) | bit-identical | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | fault | T0 | T faulty | goodput | in-run estimate | restarts | steps lost | restored from | "
+             "fault -> training (median) | bit-identical | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gp = "—" if r["goodput"] is None else f"{100 * r['goodput']:.1f} %"
+        est = r.get("goodput_in_run")
+        est = "—" if est is None else f"{100 * est:.1f} % ({', '.join(fmt_s(c) for c in r['fault_costs_s'])})"
         src = ", ".join(f"{k} {v}" for k, v in r["restores"].items() if v) or "—"
         same = {None: "—", True: "yes", False: "no"}[r["bit_identical"]]
         back = fmt_s(statistics.median(r["recovery_s"])) if r["recovery_s"] else "—"
         lines.append(f"| {r['config']}: {r['label']} | {r['fault_label']} | {fmt_s(r['T0_s'])} | "
-                     f"{fmt_s(r['T_s'])} | {gp} | {r['restarts']} | {r['steps_lost']} | {src} | {back} | {same} | "
+                     f"{fmt_s(r['T_s'])} | {gp} | {est} | {r['restarts']} | {r['steps_lost']} | {src} | {back} | {same} | "
                      f"{r['note']} |")
     return "\n".join(lines) + "\n"
 

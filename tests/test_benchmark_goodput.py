@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from benchmarks.goodput_hosts import Worker
-from benchmarks.goodput_results import attempts, report_scenario, steps_per_epoch, summarize
+from benchmarks.goodput_results import attempts, in_run, read_steps, report_scenario, steps_per_epoch, summarize
 from tests.conftest import REPO
 from tests.helpers import kill_tree, launcher_env
 
@@ -73,6 +73,49 @@ def test_attempts_count_where_each_group_started_and_what_it_lost(case):
     lines, workers, want = CASES[case]
     got = attempts(lines, workers, T)
     assert [(a["from"], a["position"], a["reached"], a.get("lost")) for a in got] == want
+
+
+def _steps(first: int, last: int, t: float, dt: float = 0.5, world: int = 3, slow: dict | None = None) -> list:
+    """Records of steps ``first .. last`` on each of 3 workers, the first at ``t``, each ``dt`` (``slow``: step ->
+    extra seconds before the next)."""
+    out = []
+    for s in range(first, last + 1):
+        out += [(t + 0.001 * r, s, world) for r in range(3)]
+        t += dt + (slow or {}).get(s, 0.0)
+    return out
+
+
+def test_in_run_costs_are_the_delay_of_the_steps_after_each_fault():
+    """Steps every 0.5 s; step 20 was under way at the kill (10.2 s) and began again at 13.0 s: 3 s lost."""
+    recs = _steps(0, 20, 0.0) + _steps(20, 100, 13.0)
+    got = in_run(recs, [10.2], 200.0)
+    assert got["step_s"] == 0.5 and got["fault_costs_s"] == [pytest.approx(3.0, abs=0.01)]
+    assert got["goodput_in_run"] == pytest.approx(1 - 3.0 / 200.0, abs=1e-4)
+    # two slow steps after the restart (a replacement's first saves into new memory) count too
+    slow = in_run(_steps(0, 20, 0.0) + _steps(20, 100, 13.0, slow={21: 0.9, 22: 0.9}), [10.2], 200.0)
+    assert slow["fault_costs_s"] == [pytest.approx(4.8, abs=0.01)]
+    # a full restart redoes the steps since the last checkpoint (step 12): their first run is lost work
+    redo = in_run(_steps(0, 20, 0.0) + _steps(13, 100, 14.0), [10.2], 200.0)
+    assert redo["fault_costs_s"] == [pytest.approx(14.0 - 6.5, abs=0.01)]  # step 13 was due at 6.5 s
+
+
+def test_in_run_reads_each_fault_up_to_the_next_and_none_where_it_cannot():
+    recs = _steps(0, 20, 0.0) + _steps(20, 30, 12.0) + _steps(30, 100, 19.0)
+    got = in_run(recs, [10.2, 17.1], 100.0)  # the second cut step 30 (begun at 17.0, again at 19.0)
+    assert got["fault_costs_s"] == [pytest.approx(2.0, abs=0.01), pytest.approx(2.0, abs=0.01)]
+    # a new world size numbers the steps anew: no cost read, no estimate
+    shrink = in_run(_steps(0, 20, 0.0) + _steps(20, 100, 13.0, world=2), [10.2], 100.0)
+    assert shrink["fault_costs_s"] == [None] and shrink["goodput_in_run"] is None
+    assert in_run(recs, [10.2], None)["goodput_in_run"] is None  # the run did not complete
+    assert in_run([], [10.2], 100.0) == {"step_s": None, "fault_costs_s": [None], "goodput_in_run": None}
+    assert in_run(recs, [], 100.0)["goodput_in_run"] is None  # no fault: nothing to estimate
+
+
+def test_read_steps_takes_every_workers_file_and_skips_a_cut_line(tmp_path):
+    (tmp_path / "steps-h1-p10").write_text("1.5 3 3\n2.0 4 3\n2.5 5")  # killed while writing
+    (tmp_path / "steps-h2-p11").write_text("1.6 3 3\n")
+    (tmp_path / "w-h1-r0-n3-p10").write_text("ignored\n")
+    assert sorted(read_steps(tmp_path)) == [(1.5, 3, 3), (1.6, 3, 3), (2.0, 4, 3)]
 
 
 def test_summary_compares_digests_and_excuses_a_world_change():
@@ -140,6 +183,9 @@ def test_quick_run_injects_faults_counts_restores_and_leaves_nothing(tmp_path):
     assert faulty["T_s"] > 0 and 0 < faulty["goodput"] == pytest.approx(base["T_s"] / faulty["T_s"])
     kills = [e for e in faulty["events"] if e["fault"] == "worker SIGKILL"]
     assert kills and faulty["restarts"] >= len(kills), faulty
+    # each kill's cost read from the run's own step times: a full restart costs seconds, never nothing
+    assert len(faulty["fault_costs_s"]) == len(kills) and all(c > 0.5 for c in faulty["fault_costs_s"]), faulty
+    assert 0 < faulty["goodput_in_run"] < 1 and base["fault_costs_s"] == [] and base["goodput_in_run"] is None
     assert faulty["restores"]["disk"] >= 1 and faulty["steps_lost"] >= 0, faulty
     # same world throughout (no node sits out); the digest is compared (whether it matches is the
     # example's business: its resumes at world 3 are not always bit-identical, see the report)

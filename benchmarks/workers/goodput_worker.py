@@ -6,8 +6,11 @@ per-step hook: the example calls ``progress_function()()`` at the start of every
 here that call also writes the number of steps this process has started into
 ``COUNTER_DIR/w-h<GOODPUT_HOST>-r<RANK>-n<WORLD_SIZE>-p<pid>`` (one ``pwrite`` of a
 fixed-width line ``<start time> <first step's time> <count>``; the file outlives the process, so the
-benchmark reads how far a killed worker got) and then calls the real
-``elaunch.progress`` (hang detection works as in the plain example).
+benchmark reads how far a killed worker got), appends ``<time> <step> <world size>`` (the step
+number the example passes, steps since the run's start; ``WORLD_SIZE`` as the round set it) to
+``COUNTER_DIR/steps-h<GOODPUT_HOST>-p<pid>`` (the benchmark's in-run estimate of each fault's cost,
+``benchmarks.goodput_results.in_run``), and then calls the real ``elaunch.progress`` (hang
+detection works as in the plain example).
 """
 
 from __future__ import annotations
@@ -44,7 +47,13 @@ def main() -> None:
     state, write = counter(directory)
     real = example.progress_function()
 
+    steps = os.open(os.path.join(directory, f"steps-h{os.environ.get('GOODPUT_HOST', '0')}-p{os.getpid()}"),
+                    os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
     def progress(*args, **kwargs) -> None:  # the example may pass step=...
+        step = kwargs.get("step", args[0] if args else None)
+        if step is not None:
+            os.write(steps, f"{time.time():.6f} {int(step)} {os.environ.get('WORLD_SIZE', '0')}\n".encode())
         state["n"] += 1
         if state["n"] == 1:
             state["first"] = time.time()
