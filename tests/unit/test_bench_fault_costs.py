@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fsdp2_dcp import fault_costs
+from benchmarks.fsdp2_dcp import fault_costs, window_costs
 
 T = 1000.0  # the run's start
 
@@ -46,3 +46,25 @@ def test_a_fault_before_the_restored_step_ended_again_has_no_cost_and_no_estimat
 
 def test_no_step_records_is_no_estimate():
     assert fault_costs([], {}, T, [{"t": 3.0}]) == {"step_s": None, "fault_costs_s": [], "goodput_in_run": None}
+
+
+def test_an_in_process_node_replacement_is_read_over_a_window_of_steps():
+    """The journal's attempt stays 0 (a membership change); the replacement's ranks start with new pids.
+    fault_costs reads nothing; window_costs reads the delay of the steps after the kill, slow ones included."""
+    starts = [{"event": "start", "attempt": 0, "rank": r, "world_size": 2, "step": None, "pid": 10 + r,
+               "time": T + 4.0} for r in range(2)]
+    new = [{"event": "start", "attempt": 0, "rank": 1, "world_size": 2, "step": 9, "pid": 20, "time": T + 20.0}]
+    steps = _steps(0, 0, 9, 5.0)  # steps 0-9 end at 5..14 s
+    steps = [dict(r, pid=10 + r["rank"]) for r in steps]
+    after = [dict(r, pid=10 if r["rank"] == 0 else 20) for r in _steps(0, 10, 60, 22.0)]
+    after = [dict(r, time=r["time"] + 0.8) if r["step"] >= 11 else r for r in after]  # step 11 took 1.8 s
+    recs = starts + steps + new + after
+    rounds = {0: {"attempt": 0, "step": None, "t": 4.0}}
+    assert fault_costs(recs, rounds, T, [{"t": 14.5}])["fault_costs_s"] == [None]
+    got = window_costs(recs, T, [{"t": 14.5}])
+    # step 9 ended at 14.01, step 10 at 22.01 (7 s late), step 11 0.8 s later than a step: 7.8 s
+    assert got["fault_costs_window_s"] == [pytest.approx(7.8, abs=0.02)]
+    assert got["goodput_in_run_window"] == pytest.approx(1 - 7.8 / (72.81 - 0.0), abs=1e-3)
+    shrunk = [dict(r, world_size=1) if r["event"] == "start" and r["pid"] == 20 else r for r in recs]
+    assert window_costs(shrunk, T, [{"t": 14.5}])["fault_costs_window_s"] == [None]  # steps renumbered
+    assert window_costs([], T, [{"t": 1.0}]) == {"fault_costs_window_s": [None], "goodput_in_run_window": None}
