@@ -446,9 +446,8 @@ def window_costs(recs: list[dict], t_start: float, events: list[dict]) -> dict:
             world[r["pid"]] = r.get("world_size", 0)
         elif r.get("event") == "step":
             records.append((r["time"], r["step"], world.get(r.get("pid"), 0)))
-    if not records:
-        return {"fault_costs_window_s": [None] * len(events), "goodput_in_run_window": None}
-    got = in_run(records, [t_start + e["t"] for e in events], max(t for t, _s, _w in records) - t_start)
+    length = max((t for t, _s, _w in records), default=t_start) - t_start
+    got = in_run(records, [t_start + e["t"] for e in events], length)
     return {"fault_costs_window_s": got["fault_costs_s"], "goodput_in_run_window": got["goodput_in_run"]}
 
 
@@ -645,22 +644,18 @@ def rows_of(res: dict) -> list[dict]:
                      "median": pct, "vs": None, "ratio": None,
                      "target": {"kind": "abs_ge", "value": 95, "text": ">= 95 %"},
                      "met": pct is not None and pct >= 95})
-        if g.get("goodput_in_run") is not None:  # every fault's cost read
-            costs, own = g["fault_costs_s"], g["goodput_in_run"] * 100
-            rows.append({"key": f"goodput_in_run.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
-                         "label": f"{label[g['fault']]}, {how}: from the run's own steps, 1 - the faults' cost / "
-                         f"its length (cost of a fault: median {_med(costs):.2f} s, range {min(costs):.2f}-"
-                         f"{max(costs):.2f} s; step {g['step_s']:.2f} s; an estimate without T0, not the target's "
-                         "measure)", "unit": "%", "values": [own], "median": own, "vs": None, "ratio": None,
-                         "target": None, "met": None})
-        if g.get("goodput_in_run_window") is not None:
-            costs, own = g["fault_costs_window_s"], g["goodput_in_run_window"] * 100
-            rows.append({"key": f"goodput_in_run_window.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
-                         "label": f"{label[g['fault']]}, {how}: from the run's own steps, 40 steps after each fault "
-                         f"(goodput_results.in_run; cost of a fault: median {_med(costs):.2f} s, range "
-                         f"{min(costs):.2f}-{max(costs):.2f} s; an estimate without T0, not the target's measure)",
-                         "unit": "%", "values": [own], "median": own, "vs": None, "ratio": None,
-                         "target": None, "met": None})
+        suffix = f"{g['fault']}{'_inprocess' if g.get('in_process') else ''}"
+        for key, costs_key, how_read in (
+                ("goodput_in_run", "fault_costs_s", f"1 - the faults' cost / its length (step {g.get('step_s') or 0:.2f} s"),
+                ("goodput_in_run_window", "fault_costs_window_s", "40 steps after each fault (goodput_results.in_run")):
+            if g.get(key) is None:  # a fault's cost not read
+                continue
+            costs, own = g[costs_key], g[key] * 100
+            rows.append({"key": f"{key}.{suffix}",
+                         "label": f"{label[g['fault']]}, {how}: from the run's own steps, {how_read}; cost of a fault: "
+                         f"median {_med(costs):.2f} s, range {min(costs):.2f}-{max(costs):.2f} s; an estimate "
+                         "without T0, not the target's measure)", "unit": "%", "values": [own], "median": own,
+                         "vs": None, "ratio": None, "target": None, "met": None})
     return rows
 
 

@@ -183,8 +183,7 @@ class CheckpointKeeper:
     def close(self) -> None:
         """Wait for a persist asked on a signal (up to ``persist_wait`` seconds), stop the helpers, remove the
         directory. Idempotent."""
-        if self._launcher is not None:
-            self._stop_reserving()
+        self._stop_reserving()
         persister, self._persister = self._persister, None
         if persister is not None:
             if self._signalled:
