@@ -81,6 +81,8 @@ fsdp() {  # name, then the example's arguments
   grep -E "Error|error:|NCCL WARN|abort" "$W/$name.log" | head -5
 }
 want fsdp_ip && fsdp fsdp_kill_inprocess --in-process --crash-at "$VICTIM:10"
+# the uninterrupted run to compare the final parameters with, before the benchmark parts can use up the budget
+want fsdp_compare && fsdp fsdp_clean --in-process
 
 # -- 2. DDP, fault -> training (issue 37) --------------------------------------------------------------------------
 bench() {  # name, then benchmarks.inprocess's arguments
@@ -118,9 +120,6 @@ if [ "$NPROC" -gt 1 ]; then
 else
   say "the benchmark parts: skipped (one rank a job: no survivors to keep)"
 fi
-
-# -- 1 (cont.): the runs to compare against ------------------------------------------------------------------------
-want fsdp_compare && fsdp fsdp_clean --in-process
 
 # -- 2 (cont.): NCCL's watchdog in CleanUpOnly mode (abort the communicators, keep the process) -------------------
 # The default, 1 (TearDown, as torchrun sets it), ends a process whose communicator reports an error: a survivor
