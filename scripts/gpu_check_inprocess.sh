@@ -29,6 +29,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || exit 1
 fi
 PY=${PY:-python3}
+# --target puts the wheels' scripts (py-spy) in /tmp/site/bin: on PATH for the stack dumps, the script's and the agent's
+export PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 PARTS=" ${PARTS:-probe fsdp_ip bench fsdp_compare bench_aeh digits} "
