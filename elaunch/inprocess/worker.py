@@ -135,7 +135,6 @@ class _Control:
         self._go: dict | None = None
         self._closed = False
         self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
-        self._watchdogs: set[int] = set()  # NCCL watchdog threads that existed before this round's main()
         self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
         _install_wake()
         self._thread = threading.Thread(target=self._listen, name="elaunch-restartable", daemon=True)
@@ -176,7 +175,7 @@ class _Control:
         if prestarted:
             self._next_round(None)
         while True:
-            outcome, value, held = self._round(fn, args, kwargs)
+            outcome, value = self._round(fn, args, kwargs)
             if outcome == "returned":
                 return value
             if outcome == "exit":
@@ -189,10 +188,6 @@ class _Control:
                 # connections shut: the peers' collectives fail now, on every node
                 _abort_collectives(self._baseline)
             _destroy_process_group()
-            # the round's objects (main()'s frames, held by its exception) are let go only once NCCL's
-            # watchdog threads of this round have ended: see _await_watchdogs
-            _await_watchdogs(self._watchdogs)
-            del held
             # only now, torn down: the agent keeps a process for the next round once it said "ready" (a raised
             # one whose abort never returns is late, killed and replaced, not handed a rank it cannot take)
             self._send({"op": "ready"})
@@ -216,37 +211,30 @@ class _Control:
             raise SystemExit(1)
         self._apply(go)
 
-    def _round(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any, Any]:
-        """Call ``fn`` once: ("returned", value), ("aborted", None), ("raised", exc) or ("exit", exc), and
-        what ``fn`` left behind (its exception, whose traceback holds main()'s frames and so the round's
-        process group, DDP and tensors): the caller lets go of it once the round is torn down."""
+    def _round(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        """Call ``fn`` once: ("returned", value), ("aborted", None), ("raised", exc) or ("exit", exc)."""
         self._baseline = _socket_inodes()
-        self._watchdogs = _nccl_watchdogs()
         with self._lock:
             # LEFT -> RUNNING: an "abort" may interrupt main() from now on
             self._state = RUNNING
         outcome: tuple[str, Any] | None = None
-        held: list = []
         try:
             try:
                 outcome = ("returned", fn(*args, **kwargs))
-            except RoundAborted as exc:
-                held.append(exc)
+            except RoundAborted:
                 outcome = ("aborted", None)
             except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
                 outcome = ("exit", exc)
             except BaseException as exc:  # noqa: BLE001 - reported to the agent, the round restarts
-                held.append(exc)
                 outcome = ("raised", exc)
             finally:
                 aborting = self._leave()
-        except RoundAborted as exc:  # an interrupt that landed in the few lines above, before _leave absorbed it
-            held.append(exc)
+        except RoundAborted:  # an interrupt that landed in the few lines above, before _leave absorbed it
             aborting = True
         if outcome is None or (aborting and outcome[0] in ("raised", "returned")):
             # an abort came first: whatever main() then raised (a closed socket) is the abort's doing
             outcome = ("aborted", None)
-        return outcome[0], outcome[1], held
+        return outcome
 
     def _leave(self) -> bool:
         """RUNNING/ABORTING -> LEFT: no interrupt is sent from now on; one sent and still pending lands
@@ -476,57 +464,6 @@ def _abort_nccl() -> None:
             print(f"elaunch.restartable: NCCL abort took {took:.1f} s", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - the sockets below still end a blocked collective
         print(f"elaunch.restartable: NCCL abort failed: {exc}", file=sys.stderr, flush=True)
-
-
-#: The name torch gives each NCCL process group's watchdog thread (``c10::setThreadName``).
-WATCHDOG_THREAD = "pt_nccl_watchdg"
-#: How long the wrapper waits for a round's NCCL watchdog threads to end (seconds), :func:`_await_watchdogs`.
-WATCHDOG_WAIT_S = 8.0
-
-
-def _nccl_watchdogs() -> set[int]:
-    """The thread ids of this process's NCCL watchdog threads (:data:`WATCHDOG_THREAD`), from ``/proc/self/task``."""
-    out = set()
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == WATCHDOG_THREAD:
-                    out.add(int(tid))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def _await_watchdogs(before: set[int], timeout: float = WATCHDOG_WAIT_S) -> float:
-    """Wait until the NCCL watchdog threads started since ``before`` have ended; return the seconds waited.
-
-    Why: the last reference to an aborted ``ProcessGroupNCCL`` is often held by C++ (DDP's
-    ``Reducer``), so its destructor runs where that owner is freed, with the GIL held, and joins
-    the group's watchdog thread. A watchdog that saw the dead peer may still want the GIL (torch
-    prints the failed collective's Python stack, and its flight recorder takes Python stacks for
-    its dump): the destructor and the watchdog then waited for each other for ever (seen on a
-    GPU: a survivor's main thread in ``~ProcessGroupNCCL`` -> ``Watchdog::join``, never "ready").
-    This waits with the GIL released (``time.sleep``) before the round's objects are let go.
-    After ``timeout`` seconds (a watchdog stuck in NCCL itself) it gives up with one line on
-    stderr; the agent kills a survivor that is not ready in time (``--inprocess-timeout``).
-    Nothing to wait for without NCCL.
-    """
-    began = time.monotonic()
-    while _nccl_watchdogs() - before:
-        waited = time.monotonic() - began
-        if waited >= timeout:
-            print(f"elaunch.restartable: NCCL's watchdog thread did not end within {timeout:.0f} s of the abort",
-                  file=sys.stderr, flush=True)
-            return waited
-        time.sleep(0.01)
-    waited = time.monotonic() - began
-    if waited > 1.0:
-        print(f"elaunch.restartable: NCCL's watchdog threads took {waited:.1f} s to end", file=sys.stderr, flush=True)
-    return waited
 
 
 def _destroy_process_group() -> None:
