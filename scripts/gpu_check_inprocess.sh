@@ -13,8 +13,9 @@
 #   3. issue 37: examples/ddp_digits.py --in-process under nccl, a rank raising mid-epoch, against a clean run.
 # PARTS (space-separated; default all): probe fsdp_ip bench fsdp_compare bench_aeh digits, or the focused ones
 # bench_kill, bench_kill_aeh0 (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), bench_kill_nodump (NCCL's flight recorder off),
-# bench_raise, bench_kill_warm. While a benchmark part runs, py-spy
-# dumps its workers' stacks (Python and native) every 3 s into its folder: where a survivor waits, if it does.
+# bench_raise, bench_kill_warm, bench_kill_gdb (cuda-gdb's backtrace of every thread of a survivor stuck in
+# ~ProcessGroupNCCL's join, the C++ watchdog's too). While a benchmark part runs, py-spy dumps its workers' stacks
+# (Python and native) every 3 s into its folder, with every thread's name and state: where a survivor waits.
 # DEVICE=cpu runs the same plumbing on a machine without a GPU (gloo), to check the script itself.
 # Everything goes to $OUT: summary.txt, env.txt, the benchmark's JSON, logs.tgz (every log).
 set -u
@@ -93,7 +94,17 @@ bench() {  # name, then benchmarks.inprocess's arguments
   mkdir -p "$W/$name"
   ( while sleep 3; do  # the workers' stacks, Python and native, while the part runs
       for pid in $(pgrep -f "inprocess_train.py"); do
-        echo "=== $(date +%T.%N) pid $pid"; timeout 10 py-spy dump --native --pid "$pid" 2>&1
+        echo "=== $(date +%T.%N) pid $pid"; timeout 10 py-spy dump --native --pid "$pid" 2>&1 | tee "$W/$name/last"
+        # every thread, C++ ones too (py-spy shows Python threads only): name, state, kernel wait
+        for t in /proc/"$pid"/task/*; do
+          echo "  thread ${t##*/} $(cat "$t/comm" 2>/dev/null) $(awk '{print $3}' "$t/stat" 2>/dev/null) $(cat "$t/wchan" 2>/dev/null)"
+        done
+        # a survivor in ~ProcessGroupNCCL's join (issue 37, bug 2): every thread's native stack, once per process
+        if [ -n "${GDB:-}" ] && grep -q "Watchdog::join" "$W/$name/last" && [ ! -e "$W/$name/gdb.$pid.txt" ]; then
+          timeout 90 cuda-gdb -p "$pid" -batch -ex "set pagination off" -ex "thread apply all bt 30" \
+            >"$W/$name/gdb.$pid.txt" 2>&1
+          cp "$W/$name/gdb.$pid.txt" "$OUT/" 2>/dev/null
+        fi
       done >>"$W/$name/pyspy.txt"
     done ) &
   local spy=$!
@@ -117,6 +128,9 @@ if [ "$NPROC" -gt 1 ]; then
   want bench_kill_nodump && TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 bench inprocess_kill_nodump \
     --reps 3 --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
   want bench_raise && bench inprocess_raise --reps 2 --only raise.elaunch_inprocess --agent-args=--inprocess-timeout=8
+  # bug 2's stack: cuda-gdb's backtrace of every thread of a survivor stuck in ~ProcessGroupNCCL (the agent waits 60 s)
+  want bench_kill_gdb && GDB=1 bench inprocess_kill_gdb --reps 3 --only kill.elaunch_inprocess \
+    --agent-args=--inprocess-timeout=60
   want bench_kill_warm && bench inprocess_kill_warm --reps 2 --only kill.elaunch_inprocess_warm \
     --agent-args=--inprocess-timeout=8
 else
