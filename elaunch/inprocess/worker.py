@@ -169,7 +169,9 @@ class _Control:
         what outlives each round; the full collection between two rounds, which frees the last
         round's process group, DDP and tensors held in reference cycles, then scans only what
         the round made (a whole collection with torch imported takes 0.08 s; after a first round,
-        which imports more of torch, this one took 0.07-0.11 s on 2 loaded cores).
+        which imports more of torch, this one took 0.07-0.11 s on 2 loaded cores). It runs while the
+        agent prepares the next round, except after a round with NCCL groups: there it comes before
+        "ready", as the groups are let go only after it (:func:`_keep_groups`).
         """
         gc.freeze()
         if prestarted:
@@ -188,12 +190,18 @@ class _Control:
                 # connections shut: the peers' collectives fail now, on every node
                 _abort_collectives(self._baseline)
             _destroy_process_group()
+            groups = _ended_groups()
+            nccl = any(has_nccl for _, has_nccl in groups)
+            if nccl:
+                # an NCCL group's destructor joins its watchdog thread: let the round go before "ready", so that
+                # a destructor that never returns costs this process (killed at the agent's deadline), not the
+                # next round, whose other ranks would wait for this one
+                _let_go(value, groups)
             # only now, torn down: the agent keeps a process for the next round once it said "ready" (a raised
             # one whose abort never returns is late, killed and replaced, not handed a rank it cannot take)
             self._send({"op": "ready"})
-            if isinstance(value, BaseException):  # its traceback's frames hold the last round's objects
-                traceback.clear_frames(value.__traceback__)
-            gc.collect()  # the last round's objects in reference cycles, while the agent prepares the next round
+            if not nccl:
+                _let_go(value, groups)  # while the agent prepares the next round
             gc.freeze()  # what outlived it (modules main() imported) is not scanned again at the next restart
             self._next_round(value if outcome == "raised" else None)
 
@@ -438,9 +446,69 @@ def _abort_collectives(baseline: set[str]) -> None:
 
     From the control thread at an "abort" (main() still runs), or from main()'s thread after it
     raised; never from both for one round (the control thread acts only while main() runs).
+    The round's process group objects are kept first (:func:`_keep_groups`).
     """
+    _keep_groups()
     _abort_nccl()
     _shut_round_sockets(baseline)
+
+
+#: The round's process group objects, kept from its abort until :func:`_let_go` (with whether each has an
+#: NCCL backend). Appended to by the control thread or main()'s thread, emptied by main()'s thread.
+_KEPT_GROUPS: list = []
+
+
+def _keep_groups() -> None:
+    """Keep a reference to every process group torch knows now (before an abort or destroy forgets them).
+
+    Why: ``~ProcessGroupNCCL`` joins the group's watchdog thread. Torch runs it with the GIL released
+    where the group's Python object is the last owner (its no-GIL holder), but DDP's ``Reducer`` (a
+    plain pybind class) often was the last owner here, freed with main()'s frames: the destructor then
+    joined the watchdog with the GIL held, and at a survivor's second in-process restart it never
+    returned (seen on a GPU: main thread in ``~ProcessGroupNCCL`` -> ``Watchdog::join`` under
+    ``Reducer``'s dealloc). Not at the first: DDP's first construction imports
+    ``torch.distributed.nn.functional``, whose functions take the default group of that moment as
+    their default argument, so the first round's group is never freed at all. Kept here, the groups
+    outlive the round's other objects and are let go last, by :func:`_let_go`.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - not initialised, or torch's internals moved: nothing kept
+        return
+    for group in groups:
+        if not any(group is kept for kept, _ in _KEPT_GROUPS):
+            _KEPT_GROUPS.append((group, _has_nccl(group)))
+
+
+def _has_nccl(group: Any) -> bool:
+    try:
+        import torch
+
+        return type(group._get_backend(torch.device("cuda"))).__name__ == "ProcessGroupNCCL"
+    except Exception:  # noqa: BLE001 - no CUDA backend in this group
+        return False
+
+
+def _ended_groups() -> list:
+    """Take the kept groups (:data:`_KEPT_GROUPS`) out of the module's list, as ``[(group, has_nccl)]``."""
+    groups = list(_KEPT_GROUPS)
+    del _KEPT_GROUPS[:len(groups)]
+    return groups
+
+
+def _let_go(value: Any, groups: list) -> None:
+    """Let the round go, its process groups last: the frames of ``value`` (the exception main() raised, if
+    it did) cleared (main()'s locals: DDP, its ``Reducer``, tensors), the reference cycles collected, then
+    ``groups`` emptied, so that each group's destructor runs from its Python object, without the GIL
+    (:func:`_keep_groups`). Empties ``groups`` (the caller's list).
+    """
+    if isinstance(value, BaseException):
+        traceback.clear_frames(value.__traceback__)
+    gc.collect()
+    groups.clear()
 
 
 def _abort_nccl() -> None:

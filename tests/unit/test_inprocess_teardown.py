@@ -1,8 +1,10 @@
 """The restartable wrapper's end of a round, where it broke on a GPU at a process's second in-process restart.
 
-Seen in py-spy stacks of survivors under nccl (docs/benchmarks.md, "On a GPU", session 35): the interrupt
-landed just after ``_leave`` took the lock, the lock stayed taken, and the next "abort" waited for it for
-ever in the control thread.
+Seen in py-spy stacks of survivors under nccl (docs/benchmarks.md, "On a GPU", session 35):
+- the interrupt landed just after ``_leave`` took the lock, the lock stayed taken, and the next "abort"
+  waited for it for ever in the control thread;
+- the main thread sat in ``~ProcessGroupNCCL`` -> ``Watchdog::join`` under DDP's ``Reducer`` being freed,
+  with the GIL held: the group's Python object, which torch frees without the GIL, had gone first.
 """
 
 from __future__ import annotations
@@ -68,3 +70,101 @@ def test_an_interrupt_landing_just_after_the_lock_is_taken_does_not_keep_the_loc
     other.join(10)
     assert taken == [True], "the lock stayed with the thread that ran main(): the next abort would wait for ever"
     control._sock.close()
+
+
+@pytest.fixture
+def channel():
+    from elaunch.inprocess.channel import Channel
+
+    ch = Channel("test/teardown").open()
+    yield ch
+    ch.close()
+
+
+@pytest.mark.parametrize("how", ["aborted", "raises"])
+def test_the_rounds_process_group_is_let_go_after_ddp_and_the_cycle_collection(channel, tmp_path, how):
+    """A real gloo group and DDP in main()'s frame; the round ends by the agent's abort or by main() raising.
+    Torch frees a process group without the GIL only where its Python object is the last owner, and DDP
+    lets go of its group's Python object before its ``Reducer`` (a C++ owner, freed with the GIL held).
+    So the wrapper keeps the group from the abort on and lets it go only after DDP is gone and the
+    round's reference cycles are collected: the group's Python object is freed last."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    from elaunch.inprocess.wire import CONTROL_ENV
+    from tests.conftest import wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen = tmp_path / "seen"
+    blocked = tmp_path / "blocked"
+    script = textwrap.dedent(f"""
+        import gc, json, time, weakref
+        import torch, torch.distributed as dist
+        # imported before any group exists: imported under DDP's first construction, it takes that round's
+        # default group as its functions' default argument for good, so only a later round's group can end
+        # (on the GPU, why a process's first restart passed and its second hung)
+        import torch.distributed.nn.functional
+        import elaunch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from elaunch.inprocess import worker
+
+        events = []
+
+        class CountedGc:  # the wrapper's collections, marked in the order of events
+            def __getattr__(self, name):
+                return getattr(gc, name)
+
+            def collect(self):
+                n = gc.collect()
+                events.append("collected")
+                return n
+
+        worker.gc = CountedGc()
+        calls = []
+
+        @elaunch.restartable
+        def main():
+            calls.append(1)
+            if len(calls) == 2:
+                return "second round"
+            dist.init_process_group("gloo")
+            model = DDP(torch.nn.Linear(4, 4))
+            weakref.finalize(model, lambda: events.append("ddp"))
+            weakref.finalize(dist.group.WORLD, lambda: events.append("group"))
+            if {how!r} == "raises":
+                raise RuntimeError("a collective failed")
+            open({str(blocked)!r}, "w").close()
+            time.sleep(60)  # the agent's abort lands here
+
+        print(main(), flush=True)
+        with open({str(seen)!r}, "w") as f:
+            json.dump(events, f)
+    """)
+    env = {**os.environ, CONTROL_ENV: channel.address, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        channel.expect([proc.pid])
+        got: list = []
+        if how == "aborted":
+            wait_for(blocked.exists, 60, what="main() in its first round")
+            assert channel.send(proc.pid, {"op": "abort"})
+        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "ready" in got, 60,
+                 what="the worker's ready")
+        assert channel.send(proc.pid, {"op": "go", "env": env, "stdout": None, "stderr": None})
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert out.strip() == "second round"
+        events = json.loads(seen.read_text())
+        assert events == ["ddp", "collected", "group"], events
+    finally:
+        proc.kill()
+        proc.wait()
