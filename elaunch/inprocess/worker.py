@@ -33,7 +33,10 @@ the agent counts it like a worker failure. Either way the wrapper says "ready" o
 torn down (a process still tearing down is not handed the next round's rank), and "go" brings the next
 round's full environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, a new
 ``TORCHELASTIC_RESTART_COUNT``, so a fresh store prefix, the checkpoint restore) and the
-attempt's log files; the wrapper sets them and calls ``main()`` again.
+attempt's log files; the wrapper sets them and calls ``main()`` again. What the script itself set in
+(or removed from) the environment before ``main()``'s first call, told from the environment the process
+was started with, is set again on top, as the script would in a fresh worker (``NCCL_*`` read at the
+next ``init_process_group``).
 
 A replacement the agent starts before the next round forms (a warm spare handed the dead
 worker's environment with :data:`~elaunch.inprocess.wire.PRESTART_ENV`, as soon as the death is
@@ -65,6 +68,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elaunch.inprocess.wire import CONTROL_ENV, PRESTART_ENV, BadMessage, LineReader, decode_agent, encode
+from elaunch.procs.launch_env import launch_environ
 
 log = logging.getLogger("elaunch.inprocess")
 
@@ -136,6 +140,12 @@ class _Control:
         self._closed = False
         self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
         self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
+        # what the script set (or unset) itself before main()'s first call: a fresh worker's script would do it
+        # again, so each round does (computed once: a value derived from the round's RANK is not derived again)
+        launch = launch_environ()
+        now = dict(os.environ)
+        self._script_env = {} if launch is None else {k: v for k, v in now.items() if launch.get(k) != v}
+        self._script_unset = set() if launch is None else set(launch) - set(now)
         _install_wake()
         self._thread = threading.Thread(target=self._listen, name="elaunch-restartable", daemon=True)
 
@@ -291,6 +301,9 @@ class _Control:
         for key in self._env_keys - set(env):
             os.environ.pop(key, None)
         os.environ.update(env)
+        os.environ.update(self._script_env)
+        for key in self._script_unset:
+            os.environ.pop(key, None)
         self._env_keys = set(env)
         for stream, fd, path in ((sys.stdout, 1, go["stdout"]), (sys.stderr, 2, go["stderr"])):
             if path is None:

@@ -334,6 +334,9 @@ def main():
     _hand_lock(env, lock)
     os.environb.clear()
     os.environb.update(env)
+    # the environment this worker starts with, for @restartable (elaunch.procs.launch_env; not imported here:
+    # elaunch may not be importable where this bootstrap runs)
+    sys._elaunch_launch_env = {os.fsdecode(name): os.fsdecode(value) for name, value in env.items()}
     sys.orig_argv = orig
     try:
         if mode == "module":

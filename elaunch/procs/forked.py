@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Callable
 
+from . import launch_env
+
 from .deferral import deferred
 from .spawn import _child_setup
 
@@ -126,6 +128,7 @@ def _child(run: Callable[[], int], env: Mapping[str, str], out: int | None, err:
                 os.close(fd)
         os.environ.clear()
         os.environ.update(env)
+        launch_env.record(env)  # what the script then sets itself, @restartable sets again each round
         os.write(ready, b"1")
         os.close(ready)
         if os.read(go, 1) != b"1":

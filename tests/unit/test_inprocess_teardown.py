@@ -9,6 +9,8 @@ Seen in py-spy stacks of survivors under nccl (docs/benchmarks.md, "On a GPU", s
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -168,3 +170,74 @@ def test_the_rounds_process_group_is_let_go_after_ddp_and_the_cycle_collection(c
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_what_the_script_set_in_its_environment_before_main_stays_across_rounds(channel, tmp_path):
+    """A fresh worker's script would set its own variables again at the top (an ``NCCL_*`` read at the next
+    ``init_process_group``, ``MASTER_PORT`` as tutorials set it): a survivor keeps them each round, also one
+    the agent sets as well, and one the script removed stays removed; the agent's other variables follow
+    "go" (a new one appears, one it no longer sends goes). Before, "go" dropped every variable it did not
+    carry, the script's own ones too (seen on the GPU: the one-GPU aid's ``NCCL_HOSTID``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from elaunch.inprocess.wire import CONTROL_ENV
+    from tests.conftest import wait_for
+
+    seen = tmp_path / "seen"
+    script = textwrap.dedent(f"""
+        import json, os
+        import elaunch
+
+        os.environ["SCRIPT_VAR"] = "mine"
+        os.environ["OMP_NUM_THREADS"] = "7"
+        del os.environ["DROPPED_BY_SCRIPT"]
+        rounds = []
+
+        @elaunch.restartable
+        def main():
+            rounds.append({{k: os.environ.get(k) for k in ("SCRIPT_VAR", "OMP_NUM_THREADS", "DROPPED_BY_SCRIPT",
+                                                           "AGENT_OLD", "AGENT_NEW", "RANK")}})
+            if len(rounds) == 1:
+                raise RuntimeError("round 1 fails")
+            with open({str(seen)!r}, "w") as f:
+                json.dump(rounds, f)
+
+        main()
+    """)
+    launch = {**os.environ, CONTROL_ENV: channel.address, "OMP_NUM_THREADS": "1", "DROPPED_BY_SCRIPT": "x",
+              "AGENT_OLD": "old", "RANK": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, env=launch)
+    try:
+        channel.expect([proc.pid])
+        got: list = []
+        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "ready" in got, 30,
+                 what="the worker's ready")
+        go = {k: v for k, v in launch.items() if k != "AGENT_OLD"}
+        go.update({"AGENT_NEW": "new", "RANK": "1"})
+        assert channel.send(proc.pid, {"op": "go", "env": go, "stdout": None, "stderr": None})
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        first, second = json.loads(seen.read_text())
+        assert first == {"SCRIPT_VAR": "mine", "OMP_NUM_THREADS": "7", "DROPPED_BY_SCRIPT": None,
+                         "AGENT_OLD": "old", "AGENT_NEW": None, "RANK": "0"}
+        assert second == {"SCRIPT_VAR": "mine", "OMP_NUM_THREADS": "7", "DROPPED_BY_SCRIPT": None,
+                          "AGENT_OLD": None, "AGENT_NEW": "new", "RANK": "1"}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_launch_environ_prefers_what_a_forked_worker_was_given(monkeypatch):
+    from elaunch.procs import launch_env
+
+    assert launch_env.launch_environ().get("PATH") == os.environ.get("PATH")  # this process's exec environment
+    monkeypatch.setattr(sys, launch_env.ATTR, {"A": "1"}, raising=False)  # what a forked worker's bootstrap records
+    assert launch_env.launch_environ() == {"A": "1"}
+    # the warm spare's bootstrap cannot import launch_env: it writes the same attribute by name
+    import elaunch.procs._warm_child as warm_child
+
+    assert f"sys.{launch_env.ATTR} = " in open(warm_child.__file__).read()
