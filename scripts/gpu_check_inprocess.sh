@@ -11,6 +11,7 @@
 #      training, in process and by elaunch's full restart; the in-process kill again with
 #      TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly) beside the default 1 (TearDown, as torchrun sets it);
 #   3. issue 37: examples/ddp_digits.py --in-process under nccl, a rank raising mid-epoch, against a clean run.
+# KILL_REPS: faults in the bench_kill job (default 3; every fault after the first is a survivor's later restart).
 # PARTS (space-separated; default all): probe fsdp_ip bench fsdp_compare bench_aeh digits, or the focused ones
 # bench_kill, bench_kill_aeh0 (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), bench_kill_nodump (NCCL's flight recorder off),
 # bench_raise, bench_kill_warm, bench_kill_gdb (cuda-gdb's backtrace of every thread of a survivor stuck in
@@ -120,7 +121,7 @@ if [ "$NPROC" -gt 1 ]; then
     --only kill.elaunch_inprocess,kill.elaunch_inprocess_warm,raise.elaunch_inprocess,kill.elaunch_full
   # torch's INFO lines say whether each communicator's abort returned ("... aborts successfully"): a survivor
   # that hangs in ncclCommAbort (NVIDIA/nccl#1777: the proxy thread stuck in poll) never prints its own
-  want bench_kill && TORCH_CPP_LOG_LEVEL=INFO bench inprocess_kill --reps 3 --only kill.elaunch_inprocess \
+  want bench_kill && TORCH_CPP_LOG_LEVEL=INFO bench inprocess_kill --reps "${KILL_REPS:-3}" --only kill.elaunch_inprocess \
     --agent-args=--inprocess-timeout=8
   want bench_kill_aeh0 && TORCH_NCCL_ASYNC_ERROR_HANDLING=0 bench inprocess_kill_aeh0 --reps 3 \
     --only kill.elaunch_inprocess --agent-args=--inprocess-timeout=8
