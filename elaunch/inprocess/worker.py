@@ -200,6 +200,7 @@ class _Control:
                 # connections shut: the peers' collectives fail now, on every node
                 _abort_collectives(self._baseline)
             _destroy_process_group()
+            _leave_if_out_of_descriptors()
             groups = _ended_groups()
             nccl = any(has_nccl for _, has_nccl in groups)
             if nccl:
@@ -434,13 +435,26 @@ def _shut_round_sockets(baseline: set[str]) -> int:
     its listener fails), as are sockets that existed before ``main()`` started.
     """
     shut = 0
-    for name in os.listdir("/proc/self/fd"):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in names:
         try:
             fd = int(name)
-            if os.readlink(f"/proc/self/fd/{name}") in baseline:
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
+            link = os.readlink(f"/proc/self/fd/{name}")
         except (OSError, ValueError):
+            continue
+        if link in baseline or not link.startswith("socket:"):
+            continue  # before: every other new descriptor was dup'ed too, and the dup leaked where socket() failed
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
             continue
         try:
             if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
@@ -570,6 +584,34 @@ def _destroy_process_group() -> None:
     if dist.is_initialized():
         print("elaunch.restartable: the last round's process group could not be ended; the next "
               "init_process_group may fail", file=sys.stderr, flush=True)
+
+
+#: Share of the soft ``RLIMIT_NOFILE`` limit a process may hold open at a round's end and still be kept.
+DESCRIPTOR_SHARE = 0.75
+
+
+def _leave_if_out_of_descriptors() -> None:
+    """End this process (``SystemExit(1)``: the agent replaces it, fresh) when it holds more than
+    :data:`DESCRIPTOR_SHARE` of its descriptor limit at a round's end.
+
+    A library may leave descriptors behind at each failed round (seen on a GPU: every NCCL set-up
+    that failed, "Duplicate GPU detected", left its sockets open, and after 11 such rounds a kept
+    process's next one failed on "Too many open files"); a fresh process starts with none of them.
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:  # EMFILE: not one left to list them with
+        held = soft
+    if soft != resource.RLIM_INFINITY and held > DESCRIPTOR_SHARE * soft:
+        print(f"elaunch.restartable: {held} descriptors open of a limit of {soft} after the round (left by a "
+              "library); leaving for a fresh process", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _print_traceback(exc: BaseException) -> None:

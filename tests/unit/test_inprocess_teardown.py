@@ -241,3 +241,68 @@ def test_launch_environ_prefers_what_a_forked_worker_was_given(monkeypatch):
     import elaunch.procs._warm_child as warm_child
 
     assert f"sys.{launch_env.ATTR} = " in open(warm_child.__file__).read()
+
+
+def test_a_process_near_its_descriptor_limit_leaves_for_a_fresh_one(channel, tmp_path):
+    """A round that leaves descriptors behind (as failed NCCL set-ups did on the GPU, until "Too many open
+    files") brings the process near its limit: instead of "ready" it ends with one line, and the agent
+    replaces it with a fresh process, as it does a dead worker."""
+    import subprocess
+    import textwrap
+
+    from elaunch.inprocess.wire import CONTROL_ENV
+    from tests.conftest import wait_for
+
+    script = textwrap.dedent("""
+        import os, resource
+        import elaunch
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        leaked = []
+
+        @elaunch.restartable
+        def main():
+            while len(os.listdir("/proc/self/fd")) < 56:
+                leaked.append(os.open(os.devnull, os.O_RDONLY))  # a library's descriptors, never closed
+            raise RuntimeError("the set-up failed")
+
+        main()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, CONTROL_ENV: channel.address})
+    try:
+        channel.expect([proc.pid])
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1, err
+        assert "descriptors open of a limit of 64 after the round" in err
+        got: list = []
+        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "gone" in got, 10,
+                 what="the worker's connection to end")
+        assert got == ["hello", "raised", "gone"]  # never "ready": not kept
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_shutting_the_rounds_sockets_leaves_other_descriptors_alone_and_leaks_none():
+    """Only the round's connected TCP sockets are shut; a file the round opened is not touched, and no
+    descriptor is left behind (each socket is looked at through a dup, closed again; before, every new
+    descriptor was dup'ed and the dup of a non-socket leaked, until "Too many open files")."""
+    import socket
+
+    baseline = worker._socket_inodes()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        assert worker._shut_round_sockets(baseline) == 2  # the client's and the accepted end; not the listener
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert client.recv(1) == b""  # shut
+        assert all(os.fstat(fd) for fd in files)  # still open
+    finally:
+        for fd in files:
+            os.close(fd)
+        for s in (client, peer, server):
+            s.close()
