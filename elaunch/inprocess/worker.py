@@ -264,7 +264,7 @@ class _Control:
         :data:`WAKE_SIGNAL`, while it holds the lock, then lets go; this thread, waiting for the lock,
         may get the lock before it runs the signal's handler). The lock then stayed this thread's
         for good (it is re-entrant, so this thread never noticed), and the next round's "abort" waited
-        for it for ever in the control thread: seen on a GPU, at every process's second in-process
+        for it for ever in the control thread: seen on a GPU at a process's second in-process
         restart, where NCCL's abort holds the lock long enough for main()'s failed collective to
         bring it here first. So whatever lands where, the lock is let go, and the state is LEFT.
         At most one interrupt is sent a round.
