@@ -409,21 +409,27 @@ def _land_pending() -> None:
         pass
 
 
-def _socket_inodes() -> set[str]:
-    """The ``socket:[inode]`` links of this process's open descriptors."""
-    out = set()
+def _socket_links() -> dict[int, str]:
+    """This process's socket descriptors and their ``socket:[inode]`` links (``/proc/self/fd``); {} where
+    that cannot be read."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return out
+        return {}
+    out = {}
     for name in names:
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
         if link.startswith("socket:"):
-            out.add(link)
+            out[int(name)] = link
     return out
+
+
+def _socket_inodes() -> set[str]:
+    """The ``socket:[inode]`` links of this process's open descriptors."""
+    return set(_socket_links().values())
 
 
 def _shut_round_sockets(baseline: set[str]) -> int:
@@ -435,18 +441,9 @@ def _shut_round_sockets(baseline: set[str]) -> int:
     its listener fails), as are sockets that existed before ``main()`` started.
     """
     shut = 0
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for name in names:
-        try:
-            fd = int(name)
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except (OSError, ValueError):
+    for fd, link in _socket_links().items():  # sockets only: the dup of anything else leaked where socket() failed
+        if link in baseline:
             continue
-        if link in baseline or not link.startswith("socket:"):
-            continue  # before: every other new descriptor was dup'ed too, and the dup leaked where socket() failed
         try:
             dup = os.dup(fd)
         except OSError:

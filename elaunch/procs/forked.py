@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from typing import Callable
 
 from . import launch_env
-
 from .deferral import deferred
 from .spawn import _child_setup
 

@@ -9,13 +9,21 @@ Seen in py-spy stacks of survivors under nccl (docs/benchmarks.md, "On a GPU", s
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
 
 from elaunch.inprocess import worker
+from elaunch.inprocess.channel import Channel
+from elaunch.inprocess.wire import CONTROL_ENV
+from tests.conftest import wait_for
 
 
 class _LandsAfterAcquire:
@@ -46,18 +54,23 @@ class _LandsAfterAcquire:
         return self._lock._is_owned()
 
 
-def _control_with(lock: _LandsAfterAcquire) -> worker._Control:
-    import socket
+@pytest.fixture
+def control_with_lock():
+    """A ``_Control`` over a dead socket pair whose lock is a :class:`_LandsAfterAcquire`; the wake signal's
+    handler it installs in this (pytest's) process is put back afterwards."""
+    before = signal.getsignal(worker.WAKE_SIGNAL)
     a, b = socket.socketpair()
     b.close()
+    lock = _LandsAfterAcquire()
     control = worker._Control(a)
     control._lock = threading.Condition(lock)
-    return control
+    yield control, lock
+    a.close()
+    signal.signal(worker.WAKE_SIGNAL, before)
 
 
-def test_an_interrupt_landing_just_after_the_lock_is_taken_does_not_keep_the_lock():
-    lock = _LandsAfterAcquire()
-    control = _control_with(lock)
+def test_an_interrupt_landing_just_after_the_lock_is_taken_does_not_keep_the_lock(control_with_lock):
+    control, lock = control_with_lock
     control._state = worker.ABORTING  # the control thread interrupted this round and let go of the lock
     lock.armed = True
     try:
@@ -71,16 +84,21 @@ def test_an_interrupt_landing_just_after_the_lock_is_taken_does_not_keep_the_loc
     other.start()
     other.join(10)
     assert taken == [True], "the lock stayed with the thread that ran main(): the next abort would wait for ever"
-    control._sock.close()
 
 
 @pytest.fixture
 def channel():
-    from elaunch.inprocess.channel import Channel
-
     ch = Channel("test/teardown").open()
     yield ch
     ch.close()
+
+
+def _ops_until(channel: Channel, op: str, timeout: float) -> list[str]:
+    """The ops the channel heard from its workers, read until ``op`` is among them (AssertionError after ``timeout``)."""
+    got: list[str] = []
+    wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or op in got, timeout,
+             what=f"the worker's {op!r}")
+    return got
 
 
 @pytest.mark.parametrize("how", ["aborted", "raises"])
@@ -90,16 +108,6 @@ def test_the_rounds_process_group_is_let_go_after_ddp_and_the_cycle_collection(c
     lets go of its group's Python object before its ``Reducer`` (a C++ owner, freed with the GIL held).
     So the wrapper keeps the group from the abort on and lets it go only after DDP is gone and the
     round's reference cycles are collected: the group's Python object is freed last."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    import textwrap
-
-    from elaunch.inprocess.wire import CONTROL_ENV
-    from tests.conftest import wait_for
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -155,12 +163,10 @@ def test_the_rounds_process_group_is_let_go_after_ddp_and_the_cycle_collection(c
                             text=True, env=env)
     try:
         channel.expect([proc.pid])
-        got: list = []
         if how == "aborted":
             wait_for(blocked.exists, 60, what="main() in its first round")
             assert channel.send(proc.pid, {"op": "abort"})
-        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "ready" in got, 60,
-                 what="the worker's ready")
+        _ops_until(channel, "ready", 60)
         assert channel.send(proc.pid, {"op": "go", "env": env, "stdout": None, "stderr": None})
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
@@ -178,15 +184,6 @@ def test_what_the_script_set_in_its_environment_before_main_stays_across_rounds(
     the agent sets as well, and one the script removed stays removed; the agent's other variables follow
     "go" (a new one appears, one it no longer sends goes). Before, "go" dropped every variable it did not
     carry, the script's own ones too (seen on the GPU: the one-GPU aid's ``NCCL_HOSTID``)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    from elaunch.inprocess.wire import CONTROL_ENV
-    from tests.conftest import wait_for
-
     seen = tmp_path / "seen"
     script = textwrap.dedent(f"""
         import json, os
@@ -213,9 +210,7 @@ def test_what_the_script_set_in_its_environment_before_main_stays_across_rounds(
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, env=launch)
     try:
         channel.expect([proc.pid])
-        got: list = []
-        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "ready" in got, 30,
-                 what="the worker's ready")
+        _ops_until(channel, "ready", 30)
         go = {k: v for k, v in launch.items() if k != "AGENT_OLD"}
         go.update({"AGENT_NEW": "new", "RANK": "1"})
         assert channel.send(proc.pid, {"op": "go", "env": go, "stdout": None, "stderr": None})
@@ -247,12 +242,6 @@ def test_a_process_near_its_descriptor_limit_leaves_for_a_fresh_one(channel, tmp
     """A round that leaves descriptors behind (as failed NCCL set-ups did on the GPU, until "Too many open
     files") brings the process near its limit: instead of "ready" it ends with one line, and the agent
     replaces it with a fresh process, as it does a dead worker."""
-    import subprocess
-    import textwrap
-
-    from elaunch.inprocess.wire import CONTROL_ENV
-    from tests.conftest import wait_for
-
     script = textwrap.dedent("""
         import os, resource
         import elaunch
@@ -275,10 +264,7 @@ def test_a_process_near_its_descriptor_limit_leaves_for_a_fresh_one(channel, tmp
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 1, err
         assert "descriptors open of a limit of 64 after the round" in err
-        got: list = []
-        wait_for(lambda: got.extend(m["op"] for _, m, _ in channel.take()) or "gone" in got, 10,
-                 what="the worker's connection to end")
-        assert got == ["hello", "raised", "gone"]  # never "ready": not kept
+        assert _ops_until(channel, "gone", 10) == ["hello", "raised", "gone"]  # never "ready": not kept
     finally:
         proc.kill()
         proc.wait()
@@ -288,8 +274,6 @@ def test_shutting_the_rounds_sockets_leaves_other_descriptors_alone_and_leaks_no
     """Only the round's connected TCP sockets are shut; a file the round opened is not touched, and no
     descriptor is left behind (each socket is looked at through a dup, closed again; before, every new
     descriptor was dup'ed and the dup of a non-socket leaked, until "Too many open files")."""
-    import socket
-
     baseline = worker._socket_inodes()
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
