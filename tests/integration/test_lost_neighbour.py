@@ -23,7 +23,8 @@ import pytest
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS, kill_tree, start
 
-pytestmark = pytest.mark.slow
+# In the long part (scripts/test.sh --long): ~13 s per backend, and the suite is near its 20 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 AGENTS = 4
 

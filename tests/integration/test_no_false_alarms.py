@@ -33,7 +33,8 @@ import pytest
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS, kill_tree, start
 
-pytestmark = pytest.mark.slow
+# In the long part (scripts/test.sh --long): full CPU load for ~12 s per backend, and the suite is near its 20 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 BACKENDS = ["c10d", "etcd-v2", "etcd-v3"]
 #: Seconds an agent is frozen: the issue's figure, below the default ``lost_after`` (3 s).

@@ -11,6 +11,8 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from tests.conftest import wait_for
 from tests.cpu_cap import CpuCap
 from tests.helpers import SCRIPTS, kill_tree, launcher_env, start
@@ -23,6 +25,7 @@ def _named(log_dir) -> list[dict]:
             if e["kind"] == "straggler" and e["stragglers"]]
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): a CPU cap over several 2 s windows; the suite is near its 20 minutes
 def test_a_capped_local_rank_is_named_within_three_windows(tmp_path):
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
