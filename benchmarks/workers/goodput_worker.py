@@ -11,17 +11,78 @@ number the example passes, steps since the run's start; ``WORLD_SIZE`` as the ro
 ``COUNTER_DIR/steps-h<GOODPUT_HOST>-p<pid>`` (the benchmark's in-run estimate of each fault's cost,
 ``benchmarks.goodput_results.in_run``), and then calls the real ``elaunch.progress`` (hang
 detection works as in the plain example).
+
+It also appends ``<time> <phase>`` lines to ``COUNTER_DIR/phases-h<GOODPUT_HOST>-p<pid>``: the
+process's creation (``created``), this script's start (``script``: a warm spare's handoff), and the
+start and end of each ``train()`` call's slow parts (``init_pg``, ``data``, ``model``, ``restore``,
+``ddp``; ``<name>.end`` at each end): with the steps file, where a restart's time goes. A few writes
+per ``train()`` call.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 
+SCRIPT_START = time.time()
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_digits.py"
+
+
+def phase_stamps(directory: str, example) -> None:
+    """Wrap ``example``'s slow calls so that each appends ``<time> <phase>[.end]`` to this process's phases file."""
+    import torch.distributed as dist
+
+    fd = os.open(os.path.join(directory, f"phases-h{os.environ.get('GOODPUT_HOST', '0')}-p{os.getpid()}"),
+                 os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def stamp(name: str, at: float | None = None) -> None:
+        os.write(fd, f"{time.time() if at is None else at:.6f} {name}\n".encode())
+
+    # the process's start in ticks since boot, on this clock (psutil's create_time rounds the boot time to a second)
+    ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
+    stamp("created", time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK"))
+    stamp("script", SCRIPT_START)
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            stamp(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stamp(name + ".end")
+        return call
+
+    example.load_data = timed("data", example.load_data)
+    example.make_model = timed("model", example.make_model)
+    example.train = timed("train", example.train)
+    example.dist = _Proxy(dist, init_process_group=timed("init_pg", dist.init_process_group))
+    snapshots = example.snapshots
+    example.snapshots = lambda: (lambda m: None if m is None else _Proxy(m, load=timed("restore", m.load)))(snapshots())
+    ddp = example.DDP
+
+    class DDP(ddp):
+        @functools.wraps(ddp.__init__)  # the example reads DDP.__init__'s parameters (init_sync)
+        def __init__(self, *args, **kwargs):
+            stamp("ddp")
+            super().__init__(*args, **kwargs)
+            stamp("ddp.end")
+
+    example.DDP = DDP
+
+
+class _Proxy:
+    """``target`` with some attributes replaced."""
+
+    def __init__(self, target, **replaced):
+        self.__dict__.update(replaced)
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
 
 
 def counter(directory: str):
@@ -45,6 +106,7 @@ def main() -> None:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     state, write = counter(directory)
+    phase_stamps(directory, example)
     real = example.progress_function()
 
     steps = os.open(os.path.join(directory, f"steps-h{os.environ.get('GOODPUT_HOST', '0')}-p{os.getpid()}"),
