@@ -132,9 +132,9 @@ class Cluster:
         self.t_mono = time.monotonic()  # the same moment on the monotonic clock
         self.deadline = float("inf")  # time.monotonic() by which the run must end
 
-    def start_agent(self):
-        """Add a host and start an agent in it; the first host holds the c10d store."""
-        host = self.net.add_host()
+    def start_agent(self, host=None):
+        """Start an agent in ``host`` (None: a host added now); the first host holds the c10d store."""
+        host = self.net.add_host() if host is None else host
         if self.store_host is None:
             self.store_host = host
         conf = f"is_host={int(host is self.store_host)},{RDZV_CONF}"
@@ -195,16 +195,22 @@ class Cluster:
         except ProcessLookupError:
             pass
 
-    def kill_node(self, agent: Agent) -> set[str]:
-        """SIGKILL every process of ``agent``'s host and drop the shared memory they held.
+    def held_shm(self, agent: Agent) -> set[str]:
+        """The ``/dev/shm`` entries the processes of ``agent``'s host hold now (read before :meth:`kill_node`)."""
+        return shm_paths(agent.host.pids())
 
-        Returns:
-            The ``/dev/shm`` entries removed (a dead machine's memory is gone with it).
-        """
-        held = shm_paths(agent.host.pids())
+    def kill_node(self, agent: Agent) -> list:
+        """SIGKILL every process of ``agent``'s host; return them, to wait for with :meth:`drop_shm`.
+
+        Their exit runs at nice 19: a dead machine's memory is freed by no one's CPU, but here the kernel frees
+        theirs (gigabytes) on the CPUs the other hosts and the fresh one share."""
         agent.killed = True
-        self.netns.kill_namespace_processes(agent.host.ns)
-        agent.proc.wait(timeout=10)
+        return self.netns.sigkill_namespace_processes(agent.host.ns, nice=19)
+
+    def drop_shm(self, held: set[str], killed: list = ()) -> set[str]:
+        """Wait for the ``killed`` processes (:meth:`kill_node`) to go, then remove ``held`` (:meth:`held_shm` of that
+        host: a dead machine's memory is gone with it); return it."""
+        psutil.wait_procs(list(killed), timeout=10)
         for path in held:
             shutil.rmtree(path, ignore_errors=True)
         self.shm_dropped |= held
