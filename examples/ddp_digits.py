@@ -62,7 +62,10 @@ the surviving ranks keep their processes: their round is interrupted, and they
 run ``train`` again in the next round, with its ranks and store, restoring the
 snapshot the job agreed on; only a dead rank gets a new process. Everything the
 round needs (the process group, the data, the model, DDP) is built inside ``train``.
-Under torchrun, or with no launcher, the flag changes nothing.
+A survivor's new model takes over the tensors of its last round's model before the
+restore copies the agreed step into them: memory already in use, where a new model's
+256 MiB would be faulted in page by page (a second of CPU on each survivor, beside the
+replacement's own restore). Under torchrun, or with no launcher, the flag changes nothing.
 
 Hang detection and the goodput ledger: ``elaunch.progress(step=...)`` is called
 every step with the job's step count since the start (the same on every attempt),
@@ -364,6 +367,24 @@ def init_ballast(model: nn.Module) -> None:
             m.reset_parameters()
 
 
+#: In-process restart (``--in-process``): the last round's model tensors in this process (``state_dict()``:
+#: references, not copies), which the next round's model takes over when a snapshot is restored into them
+#: (:func:`adopt`). What they hold does not matter: the restore overwrites every one of them.
+_last_model: dict = {}
+
+
+def adopt(model: nn.Module, last: dict) -> dict | None:
+    """The tensors of ``last`` (a state dict of this process's last round) to restore into, in place of
+    ``model``'s own: a copy of ``last`` when it has exactly ``model``'s entries, shapes, dtypes and devices; else
+    None.
+    After a restore into them, ``model.load_state_dict(last, assign=True)`` makes them ``model``'s."""
+    own = model.state_dict()
+    if list(last) != list(own) or any((t.shape, t.dtype, t.device) != (last[k].shape, last[k].dtype, last[k].device)
+                                      for k, t in own.items()):
+        return None
+    return dict(last)
+
+
 def snapshots():
     """``elaunch.checkpoint``, or None when elaunch is not importable."""
     try:
@@ -464,13 +485,22 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
     sampler = DistributedSampler(x_tr, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
 
     model = make_model(args.hidden, args.state_mib).to(device)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     # A snapshot is newer than any disk checkpoint: the job agreed on its step. Its model
-    # tensors are copied straight into the model's own (no new memory to fault in).
+    # tensors are copied straight into the model's own (no new memory to fault in), or, in a
+    # survivor of an in-process restart, into its last round's, which the new model then takes.
     own = model.state_dict()
-    snap = ckpt.load(map_location=device, into={"model": own}) if ckpt is not None else None
+    last = adopt(model, _last_model) if args.in_process and _last_model else None
+    snap = ckpt.load(map_location=device, into={"model": own if last is None else last}) if ckpt is not None else None
+    _last_model.clear()
     if snap is not None:
         state, source = snap.state, f"snapshot of step {snap.step}"
+        if last is not None and all(state["model"][k] is t for k, t in last.items()):
+            model.load_state_dict(last, assign=True)  # every tensor restored in place: the new model takes them
+            own = model.state_dict()
+    if args.in_process:
+        _last_model.update(own)
+    # built after the restore: an assign above gives the model new Parameter objects
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     # position: `done_epochs` epochs complete, then `done_steps` steps of the next one;
     # `partial` is the all-reduced (loss sum, samples) of those steps, for the epoch line
     done_epochs, done_steps, partial = 0, 0, torch.zeros(2)
