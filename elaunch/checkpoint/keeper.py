@@ -95,6 +95,19 @@ class NodeSnapshot(NamedTuple):
     persisted_time: float | None = None
 
 
+def plan_reason_line(plan: "planner.Plan") -> tuple[int, str]:
+    """``(logging level, message)`` of the agent's line for ``plan.reason`` (which must be set).
+
+    A newer step that some saved rank had not committed (``plan.partial``: a fault during its save, after
+    most kills) while an older step restores is the normal course: INFO, naming the step restored. A step
+    blocked by its world size, or no step at all (the workers start fresh), is a WARNING.
+    """
+    if plan.step is not None and plan.partial:
+        return logging.INFO, f"checkpoint restore: step {plan.step} restored, not a newer one: {plan.reason}"
+    tail = f"; step {plan.step} restored" if plan.step is not None else "; the workers start fresh"
+    return logging.WARNING, f"checkpoint restore: {plan.reason}{tail}"
+
+
 class CheckpointKeeper:
     """One agent run's in-memory checkpoints (see the module docstring).
 
@@ -226,7 +239,7 @@ class CheckpointKeeper:
         restore = RoundRestore(docs, me, nd.restore, self._fetch_timeout, keys=keys, source=source)
         plan = self._plan(info, restore, workers, local_world_size)
         if plan.reason:
-            log.warning("checkpoint restore: %s", plan.reason)
+            log.log(*plan_reason_line(plan))
         if plan.parts:
             log.info("checkpoint restore: step %d saved at world size %d is resharded from memory to world size %d "
                      "(this node gathers every saved rank's part)", plan.step, plan.saved_world_size,

@@ -111,6 +111,8 @@ class Plan:
         sources: new global rank -> its :class:`Source`, for every rank of every node (empty when ``step`` is None).
         mine: this node's ranks -> their sources (a subset of ``sources``).
         reason: why a newer snapshot could not serve ("" when none was blocked that way), for the agent's log.
+        partial: True when ``reason`` names a newer reshardable step that some saved rank had not committed
+            (a fault during that step's save, the usual case after a kill), not one blocked by its world size.
         refused: one line per replica refused because it is ahead of every node's own snapshots (see the
             module's rules), for the agent's log.
         parts: when the step is resharded from memory: node -> saved rank -> the :class:`Source` of that
@@ -124,6 +126,7 @@ class Plan:
     sources: dict[int, Source] = field(default_factory=dict)
     mine: dict[int, Source] = field(default_factory=dict)
     reason: str = ""
+    partial: bool = False
     refused: tuple[str, ...] = ()
     parts: dict[str, dict[int, Source]] = field(default_factory=dict)
     saved_world_size: int | None = None
@@ -161,16 +164,17 @@ def choose(ranks_by_node: Mapping[str, Iterable[int]], held: Mapping[str, Iterab
     for node in sorted(held):
         for h in held[node]:
             by_step.setdefault(h.step, []).append((node, h))
-    reason = ""
+    reason, partial = "", False
     nodes = sorted(set(node_of.values()))  # the nodes that run ranks: each gathers the parts it needs
     for step in sorted(by_step, reverse=True):
         sources, parts, saved = _serve(node_of, nodes, by_step[step], world_size)
         if sources is None:
-            reason = reason or _mismatch(step, by_step[step], world_size)
+            if not reason:
+                reason, partial = _mismatch(step, by_step[step], world_size)
             continue
         mine = {r: s for r, s in sources.items() if node_of[r] == me}
-        return Plan(step, sources, mine, reason, refused, parts, saved)
-    return Plan(None, reason=reason, refused=refused)
+        return Plan(step, sources, mine, reason, partial, refused, parts, saved)
+    return Plan(None, reason=reason, partial=partial, refused=refused)
 
 
 def _serve(node_of: dict[int, str], nodes: list[str], entries: list[tuple[str, Held]], world_size: int):
@@ -285,18 +289,19 @@ def _best(at: str, candidates: list[tuple[str, Held]], load: dict[str, int]) -> 
     return min(usable, key=rank_of, default=None)
 
 
-def _mismatch(step: int, entries: list[tuple[str, Held]], world_size: int) -> str:
-    """The reason when a sharded ``step`` is whole for another world size (all its ranks held), else ""."""
+def _mismatch(step: int, entries: list[tuple[str, Held]], world_size: int) -> tuple[str, bool]:
+    """``(reason, partial)``: the reason when a reshardable ``step`` lacks a saved rank's part (``partial`` True)
+    or a sharded one is whole for another world size (all its ranks held); else ``("", False)``."""
     entries = [(n, h) for n, h in entries if not _is_dcp_dir(h)]
     missing = _missing_parts(entries)
     if missing:
-        return missing
+        return missing, True
     for saved in sorted({h.world_size for _, h in entries if h.world_size != world_size}):
         ranks = {h.rank for _, h in entries if h.world_size == saved}
         if ranks >= set(range(saved)):
             return (f"sharded snapshot of step {step} of world size {saved} cannot serve world size {world_size}: "
-                    f"load the persisted checkpoint with torch.distributed.checkpoint")
-    return ""
+                    f"load the persisted checkpoint with torch.distributed.checkpoint"), False
+    return "", False
 
 
 def _missing_parts(entries: list[tuple[str, Held]]) -> str:

@@ -6,12 +6,14 @@ Pure logic, tables of cases: nodes' inventories in, the chosen step and sources 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 
 from elaunch.checkpoint import plan
+from elaunch.checkpoint.keeper import plan_reason_line
 from elaunch.checkpoint.plan import DISK, REPLICA, SLOT, Held, Plan, Source, choose
 from elaunch.checkpoint.slotfile import SlotInfo
 
@@ -261,3 +263,26 @@ def test_malformed_documents_hold_nothing(doc):
 def test_the_plan_imports_no_torch():
     code = "import sys, elaunch.checkpoint.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_newer_step_some_rank_had_not_committed_is_named_at_info_with_the_step_restored():
+    # a node replaced during the save of step 26: ranks 2, 3 died before committing it; step 25 is whole
+    held = {"a": [part(26, 0, 4), part(26, 1, 4), part(25, 0, 4), part(25, 1, 4),
+                  part(25, 2, 4, REPLICA), part(25, 3, 4, REPLICA)], "new": []}
+    got = choose({"a": [0, 1], "new": [2, 3]}, held, 4, "new")
+    assert got.step == 25 and got.partial
+    assert "reshardable step 26 of world size 4: the part of saved rank(s) 2, 3 is in no node's memory" in got.reason
+    level, line = plan_reason_line(got)
+    assert level == logging.INFO
+    assert line.startswith("checkpoint restore: step 25 restored, not a newer one: reshardable step 26")
+
+
+def test_a_step_blocked_by_its_world_size_or_no_step_at_all_is_a_warning():
+    older = choose({"a": [0, 1]}, {"a": [shard(9, r, 4) for r in range(4)] + [shard(3, 0, 2), shard(3, 1, 2)]},
+                   2, "a")
+    assert older.step == 3 and not older.partial
+    assert plan_reason_line(older) == (logging.WARNING, f"checkpoint restore: {older.reason}; step 3 restored")
+    fresh = choose({"a": [0, 1]}, {"a": [part(5, 0, 4), part(5, 1, 4), part(5, 3, 4, REPLICA)]}, 2, "a")
+    assert fresh.step is None and fresh.partial  # the newest step lacks a part, and none is older
+    level, line = plan_reason_line(fresh)
+    assert level == logging.WARNING and line.endswith("; the workers start fresh")
