@@ -56,6 +56,7 @@ def check(path: str, expected: str, out, world: int) -> list[str]:
     return verdicts
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite took 19:54 of its 20 minutes on a fresh machine
 def test_a_dcp_save_is_persisted_as_a_dcp_directory_dcp_loads_without_elaunch_at_world_sizes_2_and_1(tmp_path):
     out, ckpt, logs = tmp_path / "out", tmp_path / "ckpt", tmp_path / "logs"
     out.mkdir()

@@ -303,6 +303,7 @@ def test_a_hang_kills_only_its_culprit(reference, tmp_path):
     assert _digest(out) == reference
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite took 19:54 of its 20 minutes on a fresh machine
 def test_undecorated_script_restarts_every_worker(reference, tmp_path):
     """Without the decorator nothing changes: a SIGKILL restarts all three workers in new processes."""
     out = tmp_path / "out"

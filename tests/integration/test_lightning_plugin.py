@@ -46,6 +46,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     return json.loads((out / "final.json").read_text())
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite took 19:54 of its 20 minutes on a fresh machine
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkill_resumes_from_memory_at_the_saved_step_and_ends_bit_identical(tmp_path, uninterrupted, strategy):
     """ddp: ``SnapshotCheckpointIO`` (rank 0 saves, replicated); fsdp: FSDP2 DTensors through

@@ -118,6 +118,7 @@ def _promtool_check(port: int) -> None:
     assert r.returncode == 0, (r.stdout + r.stderr).decode(errors="replace") + body.decode()[:3000]
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite took 19:54 of its 20 minutes on a fresh machine
 def test_prometheus_sees_one_restart_one_node_loss_and_the_ledgers_goodput(prometheus, tmp_path):
     rdzv_port = free_port()
     ports = [free_port(), free_port()]

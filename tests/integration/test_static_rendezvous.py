@@ -82,6 +82,7 @@ def rank_env(docs: dict[str, dict]) -> dict[str, dict[str, str]]:
     return {name: {k: d["env"].get(k) for k in RANK_VARS} for name, d in docs.items()}
 
 
+@pytest.mark.long  # in the long part (scripts/test.sh --long): the suite took 19:54 of its 20 minutes on a fresh machine
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [[(1, "default"), (3, "default")], [(3, "trainer"), (1, "reader"), (2, "trainer")]],
                          ids=["nproc-1-3", "nproc-3-1-2-roles"])
