@@ -137,18 +137,25 @@ class Job:
     def node_dir(self, agent: dict) -> str:
         return f"/dev/shm/elaunch-{self.run_id}-{agent['proc'].pid}"
 
-    def kill_node(self, agent: dict) -> None:
-        """SIGKILL every process of the agent's host and drop the shared memory they held (a dead machine)."""
+    def kill_node(self, agent: dict, then=None):
+        """SIGKILL every process of the agent's host and drop the shared memory they held (a dead machine).
+
+        ``then``: called as soon as the SIGKILLs are sent, before the processes are gone (their exit then runs
+        at nice 19, on idle CPU only), and its result returned (:meth:`replace_node`).
+        """
         held = shm_paths(agent["host"].pids()) | {self.node_dir(agent)}
         agent["killed"] = True
-        self.netns.kill_namespace_processes(agent["host"].ns)
+        killed = self.netns.sigkill_namespace_processes(agent["host"].ns, nice=None if then is None else 19)
+        result = then() if then is not None else None
+        psutil.wait_procs(killed, timeout=10)
         agent["proc"].wait(timeout=10)
         for path in held:
             shutil.rmtree(path, ignore_errors=True)
+        return result
 
     def replace_node(self, agent: dict) -> tuple[float, float]:
-        """Kill ``agent``'s host as :meth:`kill_node` does and start a fresh one's agent at once; return the kill's
-        time and the seconds from it to the fresh agent's start.
+        """Kill ``agent``'s host and start a fresh one's agent at once; return the kill's time and the seconds
+        from it to the fresh agent's start.
 
         The fresh host's network is made before the kill, and the fresh agent starts as soon as the dead host's
         processes are sent SIGKILL, before they are gone and their memory is dropped, and their exit runs at nice 19:
@@ -156,16 +163,8 @@ class Job:
         one's processes need no exit, and its memory is freed on no one's CPUs).
         """
         fresh = self.net.add_host()
-        held = shm_paths(agent["host"].pids()) | {self.node_dir(agent)}
         t = time.time()
-        agent["killed"] = True
-        killed = self.netns.sigkill_namespace_processes(agent["host"].ns, nice=19)  # their exit on idle CPU only
-        self.start_agent(fresh)
-        started = time.time() - t
-        psutil.wait_procs(killed, timeout=10)
-        agent["proc"].wait(timeout=10)
-        for path in held:
-            shutil.rmtree(path, ignore_errors=True)
+        started = self.kill_node(agent, then=lambda: (self.start_agent(fresh), time.time() - t)[1])
         return t, started
 
     def events(self, agent: dict, kind: str) -> list[dict]:

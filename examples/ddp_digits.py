@@ -373,12 +373,11 @@ def init_ballast(model: nn.Module) -> None:
 _last_model: dict = {}
 
 
-def adopt(model: nn.Module, last: dict) -> dict | None:
+def adopt(own: dict, last: dict) -> dict | None:
     """The tensors of ``last`` (a state dict of this process's last round) to restore into, in place of
-    ``model``'s own: a copy of ``last`` when it has exactly ``model``'s entries, shapes, dtypes and devices; else
-    None.
-    After a restore into them, ``model.load_state_dict(last, assign=True)`` makes them ``model``'s."""
-    own = model.state_dict()
+    ``own`` (the new model's ``state_dict()``): a copy of ``last`` when it has exactly ``own``'s entries, shapes,
+    dtypes and devices; else None.
+    After a restore into them, ``model.load_state_dict(last, assign=True)`` makes them the model's."""
     if list(last) != list(own) or any((t.shape, t.dtype, t.device) != (last[k].shape, last[k].dtype, last[k].device)
                                       for k, t in own.items()):
         return None
@@ -489,7 +488,7 @@ def train(args: argparse.Namespace, notices: Notices) -> None:
     # tensors are copied straight into the model's own (no new memory to fault in), or, in a
     # survivor of an in-process restart, into its last round's, which the new model then takes.
     own = model.state_dict()
-    last = adopt(model, _last_model) if args.in_process and _last_model else None
+    last = adopt(own, _last_model) if args.in_process and _last_model else None
     snap = ckpt.load(map_location=device, into={"model": own if last is None else last}) if ckpt is not None else None
     _last_model.clear()
     if snap is not None:

@@ -30,20 +30,23 @@ from pathlib import Path
 
 SCRIPT_START = time.time()
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_digits.py"
+#: this worker's test host (the benchmark sets GOODPUT_HOST), in its files' names
+HOST = os.environ.get("GOODPUT_HOST", "0")
 
 
 def phase_stamps(directory: str, example) -> None:
     """Wrap ``example``'s slow calls so that each appends ``<time> <phase>[.end]`` to this process's phases file."""
     import torch.distributed as dist
 
-    fd = os.open(os.path.join(directory, f"phases-h{os.environ.get('GOODPUT_HOST', '0')}-p{os.getpid()}"),
+    fd = os.open(os.path.join(directory, f"phases-h{HOST}-p{os.getpid()}"),
                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def stamp(name: str, at: float | None = None) -> None:
         os.write(fd, f"{time.time() if at is None else at:.6f} {name}\n".encode())
 
     # the process's start in ticks since boot, on this clock (psutil's create_time rounds the boot time to a second)
-    ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rpartition(")")[2].split()[19])
     stamp("created", time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK"))
     stamp("script", SCRIPT_START)
 
@@ -87,7 +90,7 @@ class _Proxy:
 
 def counter(directory: str):
     """Return (state, write): ``write()`` puts ``<start> <first step> <steps started>`` (state's) in this process's file."""
-    name = (f"w-h{os.environ.get('GOODPUT_HOST', '0')}-r{os.environ.get('RANK', '0')}"
+    name = (f"w-h{HOST}-r{os.environ.get('RANK', '0')}"
             f"-n{os.environ.get('WORLD_SIZE', '0')}-p{os.getpid()}")
     fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     started = time.time()
@@ -109,7 +112,7 @@ def main() -> None:
     phase_stamps(directory, example)
     real = example.progress_function()
 
-    steps = os.open(os.path.join(directory, f"steps-h{os.environ.get('GOODPUT_HOST', '0')}-p{os.getpid()}"),
+    steps = os.open(os.path.join(directory, f"steps-h{HOST}-p{os.getpid()}"),
                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def progress(*args, **kwargs) -> None:  # the example may pass step=...
