@@ -124,7 +124,7 @@ class Job:
         with open(self.workdir / f"agent-h{host.index}.log", "ab") as f:
             proc = host.popen(argv, stdout=f, stderr=f, stdin=__import__("subprocess").DEVNULL, env=env,
                               cwd=str(REPO))
-        agent = {"host": host, "proc": proc, "log_dir": log_dir, "killed": False, "exited": None}
+        agent = {"host": host, "proc": proc, "log_dir": log_dir, "killed": False, "exited": None, "started": time.time()}
         self.agents.append(agent)
         return agent
 
@@ -336,6 +336,8 @@ def _training_since(job: Job, t: float) -> bool:
 
 #: The goodput part's faulty runs: (fault, in process), in the order they run.
 GP_RUNS = {"kill": ("kill", False), "node": ("node", False), "kill-ip": ("kill", True), "node-ip": ("node", True)}
+#: Runs on request only (``--gp-runs``): a node killed and a standby, waiting since the job trains, takes its place.
+GP_EXTRA = {"standby": ("standby", False), "standby-ip": ("standby", True)}
 
 
 def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | None, seed: int = 0,
@@ -376,14 +378,23 @@ def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | N
                         row["events"].append({"t": round(last - t_start, 2), "fault": "worker SIGKILL"})
                     except psutil.Error:
                         pass
-            elif fault == "node":
+            elif fault in ("node", "standby"):
+                standby = None
+                if fault == "standby":  # a third agent: on the redundancy list (the world is at --nnodes=2)
+                    job.wait(lambda: _training_since(job, t_start), 300, "the job to train")
+                    standby = job.start_agent()
                 at = t_start + s.node_at * (t0 or 0)
                 while job.live() and time.time() < at:
                     time.sleep(0.2)
-                if job.live():
+                if job.live() and standby is None:
                     t, started = job.replace_node(h2)
                     row["events"].append({"t": round(t - t_start, 2), "fault": "node killed, a fresh one joins",
                                           "agent_started_s": round(started, 3)})
+                elif job.live():
+                    t = time.time()
+                    job.kill_node(h2, then=lambda: None)
+                    row["events"].append({"t": round(t - t_start, 2), "fault": "node killed, a standby takes its place",
+                                          "standby_waited_s": round(t - standby["started"], 1)})
             while job.live() and time.monotonic() < deadline:
                 time.sleep(0.2)
             if job.live():
@@ -522,7 +533,7 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
     ``gc.freeze`` alone may change the step time). ``reference``: an earlier result's uninterrupted rows,
     taken instead of running them (same sizes).
     """
-    ways = list(dict.fromkeys(GP_RUNS[name][1] for name in runs)) or [False]
+    ways = list(dict.fromkeys({**GP_RUNS, **GP_EXTRA}[name][1] for name in runs)) or [False]
     base: dict[bool, list[dict]] = {w: [] for w in ways}
     rows: list[dict] = []
 
@@ -544,7 +555,7 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
     if not all(any(r["T_s"] is not None for r in base[w]) for w in ways):
         return rows
     for name in runs:
-        fault, in_process = GP_RUNS[name]
+        fault, in_process = {**GP_RUNS, **GP_EXTRA}[name]
         t0_first = next(r["T_s"] for r in base[in_process] if r["T_s"] is not None)
         log_line(f"goodput: {name} (T0 {t0_first:.1f} s)")
         rows.append(goodput_run(s, root, disk_root, fault, t0_first, in_process=in_process))
@@ -651,7 +662,8 @@ def rows_of(res: dict) -> list[dict]:
         if g["fault"] == "none":
             continue
         pct = g["goodput"] * 100 if g.get("goodput") else None
-        label = {"kill": "goodput: a worker SIGKILL every 20 s", "node": "goodput: a node killed, a fresh one joins"}
+        label = {"kill": "goodput: a worker SIGKILL every 20 s", "node": "goodput: a node killed, a fresh one joins",
+                 "standby": "goodput: a node killed, a standby node (waiting since the job trains) takes its place"}
         how = "in-process restart" if g.get("in_process") else "full restart"
         rec = [e["recovered_s"] for e in g["events"] if e.get("recovered_s") is not None]
         recovery = f"fault to training again: median {_med(rec):.1f} s" if rec else "recovery not read"
@@ -712,12 +724,14 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of running them (same sizes)")
     p.add_argument("--gp-runs", default=",".join(GP_RUNS),
                    help="the goodput part's faulty runs, in order (default kill,node,kill-ip,node-ip: each fault "
-                        "with elaunch's full restart, then in process (-ip, the example's --in-process))")
+                        "with elaunch's full restart, then in process (-ip, the example's --in-process)); also "
+                        "standby and standby-ip: a node killed, a third agent waiting since the job trains takes "
+                        "its place")
     a = p.parse_args(argv)
     runs = tuple(x for x in a.gp_runs.split(",") if x)
-    bad = [x for x in runs if x not in GP_RUNS]
+    bad = [x for x in runs if x not in GP_RUNS and x not in GP_EXTRA]
     if bad:
-        p.error(f"--gp-runs: unknown {bad} (known: {', '.join(GP_RUNS)})")
+        p.error(f"--gp-runs: unknown {bad} (known: {', '.join([*GP_RUNS, *GP_EXTRA])})")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite
     from tests.multinode import netns

@@ -19,7 +19,10 @@ turns it off). Each configuration runs once uninterrupted (T0), then under each 
   worker killed once the group trains; the next kill 20 s later, once the new group trains);
 * ``node``: at 40 % of T0 one node other than the store's is killed outright (every
   process in its namespace; its ``/dev/shm`` entries removed, as a dead machine's memory
-  would be) and a fresh host with a new agent joins at once.
+  would be) and a fresh host with a new agent joins at once;
+* ``standby`` (on request): the same kill, but the node that takes its place is a standby: a
+  fourth agent, started once the group trains, waiting on the rendezvous' redundancy list
+  (the world is at ``--nnodes``' maximum) with its warm spare, as a cluster's hot spare would.
 
 Goodput = T0 / T_faulty (launch to the last agent's exit). Beside it, the in-run estimate
 (``goodput_results.in_run``): each fault's cost read from the faulty run's own step times
@@ -89,7 +92,8 @@ CONFIGS = {
 }
 #: Configurations that restart in process: their rows are read from the event logs (see the docstring).
 IN_PROCESS = {"d"}
-FAULTS = {"kill": "a worker SIGKILL every {every:g} s", "node": "a node killed, a fresh one joins"}
+FAULTS = {"kill": "a worker SIGKILL every {every:g} s", "node": "a node killed, a fresh one joins",
+          "standby": "a node killed, a standby takes its place"}
 
 
 @dataclass(frozen=True)
@@ -201,26 +205,31 @@ def fault_kill(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, ev
         events.append(_kill_one(cluster, rng))
 
 
-def _replace_node(cluster: Cluster, rng: random.Random) -> dict:
-    """Kill a node other than the store's outright and start a fresh host with a new agent."""
+def _replace_node(cluster: Cluster, rng: random.Random, standby=None) -> dict:
+    """Kill a node other than the store's outright; a fresh host with a new agent joins, or ``standby`` (an
+    :class:`~benchmarks.goodput_hosts.Agent` waiting on the rendezvous' redundancy list) takes its place."""
     _wait(cluster, cluster.training, 300, "the group to train")
-    victim = rng.choice([a for a in cluster.live_agents() if a.host is not cluster.store_host])
+    victim = rng.choice([a for a in cluster.live_agents() if a.host is not cluster.store_host and a is not standby])
     worker = cluster.live_worker(victim.host.index)
     # The fresh host's network is made before the kill, and the fresh agent starts as soon as the dead host's
     # processes are sent SIGKILL, before they are gone and their memory is dropped: a replacement machine's
     # network is up before its agent starts, and a dead machine's processes need no exit. All three are the
     # harness's work (1.3-1.5 s between the kill and the fresh agent's start before, mostly the killed processes'
     # exit). The kernel still frees their memory on the same CPUs, at nice 19 (Cluster.kill_node).
-    fresh = cluster.net.add_host()
+    fresh = cluster.net.add_host() if standby is None else None
     held = cluster.held_shm(victim)
     t = time.time()  # the fault's time is the kill's
     killed = cluster.kill_node(victim)  # SIGKILLed; their exit (freeing their memory) is waited for below
-    new = cluster.start_agent(fresh)
+    new = cluster.start_agent(fresh) if standby is None else standby.host
     started = time.time() - t
     dropped = cluster.drop_shm(held, killed)
-    return {"t": t, "fault": "node killed", "host": victim.host.index,
-            "rank": worker.rank if worker else None, "shm_dropped": sorted(dropped), "joined": new.index,
-            "agent_started_s": round(started, 3)}
+    event = {"t": t, "fault": "node killed", "host": victim.host.index,
+             "rank": worker.rank if worker else None, "shm_dropped": sorted(dropped), "joined": new.index}
+    if standby is None:
+        event["agent_started_s"] = round(started, 3)
+    else:
+        event["standby_waited_s"] = round(t - standby.started, 1)
+    return event
 
 
 def fault_node(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, events: list) -> None:
@@ -228,6 +237,20 @@ def fault_node(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, ev
     cluster.note_shm()
     _pause(cluster, max(0.0, cluster.t_start + sizes.node_at * t0 - time.time()))
     events.append(_replace_node(cluster, rng))
+    _wait(cluster, cluster.training, 300, "the new group to train")
+    cluster.note_shm()
+
+
+def fault_standby(cluster: Cluster, rng: random.Random, sizes: Sizes, t0: float, events: list) -> None:
+    """A standby node takes a killed node's place: a fourth agent, started once the group trains, waits on the
+    rendezvous' redundancy list (the world is at ``--nnodes``' maximum, 3) with its warm spare, as a cluster's hot
+    spare would; at ``sizes.node_at`` of T0 a node is killed as in ``node`` and no fresh host is started."""
+    _wait(cluster, cluster.training, 300, "the group to train")
+    cluster.start_agent()
+    standby = cluster.agents[-1]
+    cluster.note_shm()
+    _pause(cluster, max(0.0, cluster.t_start + sizes.node_at * t0 - time.time()))
+    events.append(_replace_node(cluster, rng, standby=standby))
     _wait(cluster, cluster.training, 300, "the new group to train")
     cluster.note_shm()
 
@@ -263,7 +286,7 @@ def _raise_one(cluster: Cluster, rng: random.Random) -> dict:
     return {"t": t, "fault": "worker raise", "host": index, "rank": worker.rank, "pid": worker.pid}
 
 
-FAULT_DRIVERS = {"kill": fault_kill, "node": fault_node, "lost": fault_lost}
+FAULT_DRIVERS = {"kill": fault_kill, "node": fault_node, "standby": fault_standby, "lost": fault_lost}
 
 
 def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm: bool,
@@ -412,7 +435,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the rows and the report scenario here")
     p.add_argument("--configs", default="a,b,c",
                    help="which configurations (default a,b,c; d: a in process, --configs a,d compares them)")
-    p.add_argument("--faults", default="kill,node", help="which faults (default kill,node)")
+    p.add_argument("--faults", default="kill,node", help="which faults (default kill,node; also standby)")
     p.add_argument("--lost", default="a", help="configuration of the nothing-lost run ('' = none; default a)")
     p.add_argument("--seed", type=int, default=0, help="the example's and the fault schedule's seed")
     p.add_argument("--no-warm-start", action="store_true", help="elaunch without --warm-start")
@@ -429,7 +452,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [c for c in a.configs + ([a.lost] if a.lost else []) if c not in CONFIGS]
     bad += [f for f in a.faults if f not in FAULTS]
     if bad:
-        p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c,d; faults kill,node)")
+        p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c,d; faults kill,node,standby)")
     return a
 
 

@@ -101,6 +101,7 @@ class Agent:
         self.log = log
         self.killed = False
         self.exited: float | None = None  # time.monotonic() when first seen exited
+        self.started = time.time()
         with open(log, "ab") as f:
             self.proc = host.popen(argv, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))
 
