@@ -304,3 +304,56 @@ def test_report_scenario_judges_in_process_against_issue_37s_targets():
     metrics = {m["key"]: m for m in report_scenario(rows, 256)["metrics"]}
     assert target_status(metrics["goodput.kill_d"], metrics) == "not met"  # >= 99 %
     assert target_status(metrics["goodput.node_d"], metrics) == "met"  # >= 97 %
+
+
+def test_a_standby_takes_the_killed_nodes_place_and_is_never_the_victim(monkeypatch):
+    """``--faults standby``: the node killed is one with a worker other than the store's, never the standby
+    (it has none: it waits on the redundancy list); no network is made and no agent started, and the event
+    names the standby's host and how long it had waited."""
+    import random
+    import time
+    from types import SimpleNamespace
+
+    import benchmarks.goodput as goodput
+
+    monkeypatch.setattr(goodput, "time", SimpleNamespace(time=lambda: 1000.0, monotonic=time.monotonic))
+    store, victim, spare = SimpleNamespace(index=1), SimpleNamespace(index=2), SimpleNamespace(index=4)
+    standby = SimpleNamespace(host=spare, started=940.0)
+    agents = [SimpleNamespace(host=store), SimpleNamespace(host=victim), standby]
+    calls = []
+
+    class Cluster:  # pure logic: the driver's calls
+        store_host = store
+        deadline = float("inf")
+        net = SimpleNamespace(add_host=lambda: calls.append("network"))
+
+        def poll(self):
+            pass
+
+        def training(self):
+            return True
+
+        def live_agents(self):
+            return agents
+
+        def live_worker(self, index):
+            return SimpleNamespace(rank=1, pid=0)
+
+        def held_shm(self, agent):
+            return {"/dev/shm/x"}
+
+        def kill_node(self, agent):
+            calls.append(("kill", agent.host.index))
+            return []
+
+        def start_agent(self, host=None):
+            calls.append("agent")
+
+        def drop_shm(self, held, killed):
+            return held
+
+    for seed in range(20):  # every draw: the standby is never the one killed
+        calls.clear()
+        event = goodput._replace_node(Cluster(), random.Random(seed), standby=standby)
+        assert calls == [("kill", 2)], calls
+        assert event["joined"] == 4 and event["standby_waited_s"] == 60.0 and "agent_started_s" not in event
