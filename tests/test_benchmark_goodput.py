@@ -213,6 +213,27 @@ def test_a_kill_due_after_the_job_ended_ends_the_fault_driver():
         _kill_one(Ended(), random.Random(0))
 
 
+class _DriversCluster:
+    """Pure logic: what a fault driver asks of a Cluster (benchmarks.goodput_hosts), with a group that trains;
+    a test's subclass names the store's host, the network, the agents and what a kill and a start do."""
+
+    deadline = float("inf")
+
+    def poll(self):
+        pass
+
+    def training(self):
+        return True
+
+    def live_worker(self, index):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(rank=1, pid=0)
+
+    def held_shm(self, agent):
+        return {"/dev/shm/x"}
+
+
 def test_a_node_faults_time_is_the_kills_not_after_the_fresh_host_started(monkeypatch):
     """The recovery is measured from the fault: a stamp taken after the kill's clean-up and the fresh
     host's start (0.2-1 s) made every node fault look that much quicker to recover. The harness's own work
@@ -230,22 +251,12 @@ def test_a_node_faults_time_is_the_kills_not_after_the_fresh_host_started(monkey
     agents = [SimpleNamespace(host=store), SimpleNamespace(host=victim)]
     killed_at, calls = [], []
 
-    class Cluster:  # pure logic: the driver's calls, with a kill and a start that take their time
+    class Cluster(_DriversCluster):  # with a kill and a start that take their time
         store_host = store
-        deadline = float("inf")
         net = SimpleNamespace(add_host=lambda: calls.append("network") or SimpleNamespace(index=3))
-
-        def poll(self):
-            pass
-
-        def training(self):
-            return True
 
         def live_agents(self):
             return agents
-
-        def live_worker(self, index):
-            return SimpleNamespace(rank=1, pid=0)
 
         def held_shm(self, agent):
             calls.append("held")
@@ -322,25 +333,12 @@ def test_a_standby_takes_the_killed_nodes_place_and_is_never_the_victim(monkeypa
     agents = [SimpleNamespace(host=store), SimpleNamespace(host=victim), standby]
     calls = []
 
-    class Cluster:  # pure logic: the driver's calls
+    class Cluster(_DriversCluster):
         store_host = store
-        deadline = float("inf")
         net = SimpleNamespace(add_host=lambda: calls.append("network"))
-
-        def poll(self):
-            pass
-
-        def training(self):
-            return True
 
         def live_agents(self):
             return agents
-
-        def live_worker(self, index):
-            return SimpleNamespace(rank=1, pid=0)
-
-        def held_shm(self, agent):
-            return {"/dev/shm/x"}
 
         def kill_node(self, agent):
             calls.append(("kill", agent.host.index))
