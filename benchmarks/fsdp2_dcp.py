@@ -124,7 +124,8 @@ class Job:
         with open(self.workdir / f"agent-h{host.index}.log", "ab") as f:
             proc = host.popen(argv, stdout=f, stderr=f, stdin=__import__("subprocess").DEVNULL, env=env,
                               cwd=str(REPO))
-        agent = {"host": host, "proc": proc, "log_dir": log_dir, "killed": False, "exited": None, "started": time.time()}
+        agent = {"host": host, "proc": proc, "log_dir": log_dir, "killed": False, "exited": None,
+                 "started": time.time()}
         self.agents.append(agent)
         return agent
 
