@@ -138,15 +138,15 @@ class Job:
     def node_dir(self, agent: dict) -> str:
         return f"/dev/shm/elaunch-{self.run_id}-{agent['proc'].pid}"
 
-    def kill_node(self, agent: dict, then=None):
+    def kill_node(self, agent: dict, then=None, nice: int | None = None):
         """SIGKILL every process of the agent's host and drop the shared memory they held (a dead machine).
 
-        ``then``: called as soon as the SIGKILLs are sent, before the processes are gone (their exit then runs
-        at nice 19, on idle CPU only), and its result returned (:meth:`replace_node`).
+        ``then``: called as soon as the SIGKILLs are sent, before the processes are gone, and its result returned
+        (:meth:`replace_node`). ``nice``: the killed processes' exit runs at that nice value (19: on idle CPU only).
         """
         held = shm_paths(agent["host"].pids()) | {self.node_dir(agent)}
         agent["killed"] = True
-        killed = self.netns.sigkill_namespace_processes(agent["host"].ns, nice=None if then is None else 19)
+        killed = self.netns.sigkill_namespace_processes(agent["host"].ns, nice=nice)
         result = then() if then is not None else None
         psutil.wait_procs(killed, timeout=10)
         agent["proc"].wait(timeout=10)
@@ -165,7 +165,7 @@ class Job:
         """
         fresh = self.net.add_host()
         t = time.time()
-        started = self.kill_node(agent, then=lambda: (self.start_agent(fresh), time.time() - t)[1])
+        started = self.kill_node(agent, then=lambda: (self.start_agent(fresh), time.time() - t)[1], nice=19)
         return t, started
 
     def events(self, agent: dict, kind: str) -> list[dict]:
@@ -339,6 +339,7 @@ def _training_since(job: Job, t: float) -> bool:
 GP_RUNS = {"kill": ("kill", False), "node": ("node", False), "kill-ip": ("kill", True), "node-ip": ("node", True)}
 #: Runs on request only (``--gp-runs``): a node killed and a standby, waiting since the job trains, takes its place.
 GP_EXTRA = {"standby": ("standby", False), "standby-ip": ("standby", True)}
+_ALL_RUNS = {**GP_RUNS, **GP_EXTRA}
 
 
 def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | None, seed: int = 0,
@@ -387,15 +388,16 @@ def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | N
                 at = t_start + s.node_at * (t0 or 0)
                 while job.live() and time.time() < at:
                     time.sleep(0.2)
-                if job.live() and standby is None:
-                    t, started = job.replace_node(h2)
-                    row["events"].append({"t": round(t - t_start, 2), "fault": "node killed, a fresh one joins",
-                                          "agent_started_s": round(started, 3)})
-                elif job.live():
-                    t = time.time()
-                    job.kill_node(h2, then=lambda: None)
-                    row["events"].append({"t": round(t - t_start, 2), "fault": "node killed, a standby takes its place",
-                                          "standby_waited_s": round(t - standby["started"], 1)})
+                if job.live():
+                    if standby is None:
+                        t, started = job.replace_node(h2)
+                        event = {"fault": "node killed, a fresh one joins", "agent_started_s": round(started, 3)}
+                    else:
+                        t = time.time()
+                        job.kill_node(h2, nice=19)  # their exit on idle CPU only, as in replace_node
+                        event = {"fault": "node killed, a standby takes its place",
+                                 "standby_waited_s": round(t - standby["started"], 1)}
+                    row["events"].append({"t": round(t - t_start, 2), **event})
             while job.live() and time.monotonic() < deadline:
                 time.sleep(0.2)
             if job.live():
@@ -534,7 +536,7 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
     ``gc.freeze`` alone may change the step time). ``reference``: an earlier result's uninterrupted rows,
     taken instead of running them (same sizes).
     """
-    ways = list(dict.fromkeys({**GP_RUNS, **GP_EXTRA}[name][1] for name in runs)) or [False]
+    ways = list(dict.fromkeys(_ALL_RUNS[name][1] for name in runs)) or [False]
     base: dict[bool, list[dict]] = {w: [] for w in ways}
     rows: list[dict] = []
 
@@ -556,7 +558,7 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
     if not all(any(r["T_s"] is not None for r in base[w]) for w in ways):
         return rows
     for name in runs:
-        fault, in_process = {**GP_RUNS, **GP_EXTRA}[name]
+        fault, in_process = _ALL_RUNS[name]
         t0_first = next(r["T_s"] for r in base[in_process] if r["T_s"] is not None)
         log_line(f"goodput: {name} (T0 {t0_first:.1f} s)")
         rows.append(goodput_run(s, root, disk_root, fault, t0_first, in_process=in_process))
@@ -730,9 +732,9 @@ def main(argv: list[str] | None = None) -> int:
                         "its place")
     a = p.parse_args(argv)
     runs = tuple(x for x in a.gp_runs.split(",") if x)
-    bad = [x for x in runs if x not in GP_RUNS and x not in GP_EXTRA]
+    bad = [x for x in runs if x not in _ALL_RUNS]
     if bad:
-        p.error(f"--gp-runs: unknown {bad} (known: {', '.join([*GP_RUNS, *GP_EXTRA])})")
+        p.error(f"--gp-runs: unknown {bad} (known: {', '.join(_ALL_RUNS)})")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from benchmarks import run as suite
     from tests.multinode import netns
