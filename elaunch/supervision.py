@@ -52,7 +52,10 @@ with its traceback), and the checkpoint keeper's slot reservation for a round's 
 ranks (``checkpoint.keeper``: it ends by itself; the keeper stops it at the next round and at
 its close, before the node directory goes), tier :data:`THREADS`; the dynamic rendezvous' keep-alive
 (``rendezvous.dynamic.keepalive``, c10d and etcd: added when a round starts, stopped with
-``Supervisor.stop`` when the handler leaves it), tier :data:`RENDEZVOUS`; and the ``--metrics-port`` server
+``Supervisor.stop`` when the handler leaves it), tier :data:`RENDEZVOUS`, and beside it the
+dynamic rendezvous' presence port (``rendezvous.dynamic.presence``: a listening socket, no
+thread; added before the first round, ``private_fds()`` is the socket, stopped when the node
+leaves the rendezvous for good); and the ``--metrics-port`` server
 (``agent.metrics.AgentMetrics``, prometheus_client's own thread: ``check()`` reports it
 gone, ``private_fds()`` is its listening socket), tier :data:`METRICS`, added by the launch
 right after it was bound (a taken port is bad input before anything else starts).

@@ -19,10 +19,11 @@ import time
 from typing import Any, Callable
 
 from elaunch.rendezvous.contract import FailureRecord, JobState, RendezvousError
-from elaunch.rendezvous.dynamic import job_ops, liveness
+from elaunch.rendezvous.dynamic import job_ops, liveness, ops
 from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.exchange import NodeExchange
+from elaunch.rendezvous.dynamic.presence import Presence
 from elaunch.rendezvous.dynamic.round_view import RoundView
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.state import RendezvousState
@@ -73,6 +74,8 @@ class DynamicJobChannel(JobChannel):
         tolerate: ``tolerate(read, fallback)`` runs a monitor read (state, lost, new counts); a
             backend that rides out short outages returns ``fallback`` instead of raising
             (etcd: ``outage_timeout``). Default: the read itself.
+        presence: the handler's presence ports (``presence.py``): at a failure, a member whose
+            port is refused is lost at once; None: the heartbeat rules alone.
 
     Attributes:
         declared_end: this node declared the job failed or succeeded (its handler's
@@ -83,8 +86,10 @@ class DynamicJobChannel(JobChannel):
 
     def __init__(self, view: RoundView, executor: OpExecutor, lock: threading.RLock, settings: RendezvousSettings,
                  backend: RendezvousBackend, heartbeats: tuple[Callable[[], None], Callable[[], None]],
-                 clock: Callable[[], float], sleep: Callable[[float], None], tolerate: Tolerate = untolerated) -> None:
+                 clock: Callable[[], float], sleep: Callable[[float], None], tolerate: Tolerate = untolerated,
+                 presence: Presence | None = None) -> None:
         self.node_id = view.node_id
+        self._presence = presence
         self._view = view
         self._executor = executor
         self._lock = lock
@@ -176,7 +181,9 @@ class DynamicJobChannel(JobChannel):
         When one left or does not answer within ``probe_timeout`` seconds, its loss
         is what broke the workers' collectives (``kill -9`` of its agent closes their
         sockets before any heartbeat lapses): nothing is counted and the returned
-        state names it in ``lost``.
+        state names it in ``lost``. A ring neighbour whose presence port is refused
+        (``presence.py``: its agent is gone, its host is up) is lost at once: it is
+        removed from the state first, so no one waits for its heartbeat to lapse.
 
         Raises:
             RendezvousTimeoutError: not written within ``close_timeout`` seconds.
@@ -185,18 +192,48 @@ class DynamicJobChannel(JobChannel):
         mine = dataclasses.replace(failure, node=self.node_id)
         others = self._view.members - {self.node_id}
         since = self._clock()
+        gone = self._refused(others, failure.round)
         state = self._update_job(lambda s: job_ops.note_failure(s, mine, probe_at=since if others else None))
-        alive, lost = self._answers(failure.round, others, since) if others and not state.job_failed else ((), ())
+        alive, lost = self._answers(failure.round, others, since, gone) if others and not state.job_failed else ((), ())
         if lost:
             return dataclasses.replace(job_ops.job_state(state, self.node_id, len(alive), self._settings), lost=lost)
         state = self._update_job(lambda s: job_ops.count_round(s, failure.round))
         # the others answered, but may have left the round by now to re-form: they still count as live
         return job_ops.job_state(state, self.node_id, len(alive), self._settings)
 
-    def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted."""
+    def _refused(self, others: frozenset[str], round: int) -> set[str]:
+        """Members among ``others`` whose presence port was refused, removed from the state (they are gone)."""
+        if self._presence is None:
+            return set()
+        gone = self._presence.refused(others)
+        if not gone:
+            return gone
+
+        def remove(state: RendezvousState) -> RendezvousState | None:
+            if state.round != round:
+                return None  # the round moved on: its re-form judges them
+            s = state.copy()
+            if not ops.remove_nodes(s, gone, self._settings):
+                return None
+            ops.prune_node_infos(s)
+            return s
+
+        log.warning("node %s: node(s) %s of round %d refused their presence port: their agents are gone",
+                    self.node_id, ", ".join(sorted(gone)), round)
+        try:
+            self._update_job(remove)
+        except RendezvousError as exc:  # they are still lost for this node; the others find it by heartbeats
+            log.warning("node %s could not remove %s from the rendezvous: %s", self.node_id, ", ".join(sorted(gone)), exc)
+        return gone
+
+    def _answers(self, round: int, others: frozenset[str], since: float,
+                 gone: set[str] = frozenset()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted.
+
+        ``gone``: members known lost already (their presence port refused).
+        """
         seen: set[str] = set()
-        lost: set[str] = set()
+        lost: set[str] = set(gone)
         out_since: dict[str, float] = {}  # a node that left the round: when it was first seen out
 
         def pending(state: RendezvousState) -> list[str]:

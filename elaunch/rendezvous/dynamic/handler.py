@@ -35,6 +35,7 @@ from elaunch.rendezvous.dynamic.backend import RendezvousBackend
 from elaunch.rendezvous.dynamic.channel import DynamicJobChannel, Tolerate, untolerated
 from elaunch.rendezvous.dynamic.executor import OpExecutor
 from elaunch.rendezvous.dynamic.keepalive import KeepAlive
+from elaunch.rendezvous.dynamic.presence import Presence
 from elaunch.rendezvous.dynamic.round_view import RoundView
 from elaunch.rendezvous.dynamic.settings import RendezvousSettings
 from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
@@ -122,10 +123,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         stalls = StoreStalls(clock, slow_after(settings))  # when the store last stalled for this node
         self._view = RoundView(self._node_id, settings, backend, clock, stalls)
         self._view.on_read = self._answer_probe
-        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, stalls)
+        # its port, listening from the first round on, shows peers at once when this agent is gone
+        self._presence = Presence(self._node_id, node.addr, backend) if settings.presence else None
+        on_tick = None if self._presence is None else (lambda: self._presence.tick(self._view.watched[1:]))
+        self._keep_alive = KeepAlive(self._node_id, settings, backend, clock, stalls, on_tick)
         self._stop_watch: Callable[[], None] | None = None
         self._channel = DynamicJobChannel(self._view, self._executor, self._lock, settings, backend,
-                                          (self._start_heartbeats, self._stop_heartbeats), clock, sleep, tolerate)
+                                          (self._start_heartbeats, self._stop_heartbeats), clock, sleep, tolerate,
+                                          presence=self._presence)
 
     @property
     def node_id(self) -> str:
@@ -195,6 +200,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
         self._stop_heartbeats()
+        self._open_presence()
         s = self._settings
         view = self._view
         previous_rank = -1 if view.info is None else view.info.rank
@@ -308,6 +314,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             True when the rendezvous was closed, False when that failed (logged).
         """
         self._stop_heartbeats()
+        self._close_presence()
         if self._backend.never_reached():
             return False  # its error is the run's: nothing was written, nothing to close
         try:
@@ -357,6 +364,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         finally:
             self._view.invalidate()
             if not rejoin:
+                self._close_presence()
                 self._stores.close()
 
     # -- keep-alive (the thread itself: keepalive.py) -------------------------------------
@@ -365,6 +373,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_watch = self._backend.watch_state(self._view.state_written)
         self._supervisor.add(self._keep_alive, RENDEZVOUS, on_death=OFF, wakes=False, start=True,
                              note="this node's heartbeat is no longer written: the others will find it lost")
+
+    def _open_presence(self) -> None:
+        """Listen on the presence port from the first round on (``presence.py``), a helper of the supervisor.
+
+        The port is published by the keep-alive's first tick, off the join's path (no extra store call there).
+        """
+        presence = self._presence
+        if presence is not None and not self._supervisor.has(presence) and presence.open():
+            self._supervisor.add(presence, RENDEZVOUS, watched=False, wakes=False)
+
+    def _close_presence(self) -> None:
+        if self._presence is not None:
+            self._supervisor.stop(self._presence)
+            self._presence.close()  # also when it was never added (nothing to close then)
 
     def _stop_heartbeats(self) -> None:
         if self._stop_watch is not None:

@@ -37,11 +37,14 @@ class KeepAlive:
         clock: seconds since the epoch, the time written into a heartbeat.
         stalls: where a beat that failed or was slow is noted as this node's store
             stall: the handler's, shared with the reads its loss rule judges by.
+        on_tick: called after each beat, in the thread (the presence port's upkeep:
+            ``presence.Presence.tick``); it must not raise, and should not block for long.
     """
 
     def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
-                 clock: Callable[[], float], stalls: StoreStalls) -> None:
+                 clock: Callable[[], float], stalls: StoreStalls, on_tick: Callable[[], None] | None = None) -> None:
         self._node_id = node_id
+        self._on_tick = on_tick
         self._settings = settings
         self._backend = backend
         self._clock = clock
@@ -114,6 +117,8 @@ class KeepAlive:
                 log.warning("node %s: keep-alive heartbeat failed: %s", self._node_id, exc)
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
                 log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
+            if self._on_tick is not None:
+                self._on_tick()
             self._beat_now.wait(tick)  # a probe to answer, or ``stop``, wakes it early
             self._beat_now.clear()
             if stop.is_set():

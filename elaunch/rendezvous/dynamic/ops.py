@@ -216,16 +216,8 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         s.redundancy_list.discard(me)
         s.last_heartbeats.pop(me, None)
     elif action is Action.REMOVE_DEAD_NODES:
-        removed_participant = False
-        for node in dead_nodes(s, settings, now, exclude=me):
-            # ANY -> GONE: no heartbeat for keep_alive_interval * keep_alive_max_attempt
-            del s.last_heartbeats[node]
-            removed_participant |= s.participants.pop(node, None) is not None
-            s.wait_list.discard(node)
-            s.redundancy_list.discard(node)
-            s.sitting_out.discard(node)
-        if removed_participant:
-            after_participant_removed(s, settings)
+        # ANY -> GONE: no heartbeat for keep_alive_interval * keep_alive_max_attempt
+        remove_nodes(s, dead_nodes(s, settings, now, exclude=me), settings)
     elif action is Action.MARK_COMPLETE:
         _mark_complete(s, me)  # INCOMPLETE -> COMPLETE: last call expired
     elif action is Action.MARK_CLOSED:
@@ -236,6 +228,27 @@ def apply(action: Action, state: RendezvousState, ctx: OpContext, now: float) ->
         raise ValueError(f"apply({action}): not a write action")
     prune_node_infos(s)
     return s
+
+
+def remove_nodes(s: RendezvousState, nodes, settings: RendezvousSettings) -> bool:
+    """In place: ANY -> GONE for each of ``nodes`` (dead, or its agent found gone); True if any was there.
+
+    Each leaves the participants, the wait, redundancy and sitting-out lists and the
+    heartbeats; the next round opens when that empties a complete round. Node infos are
+    pruned by :func:`apply` (or the caller: :func:`prune_node_infos`).
+    """
+    found = removed_participant = False
+    for node in nodes:
+        found |= s.last_heartbeats.pop(node, None) is not None
+        in_round = s.participants.pop(node, None) is not None
+        removed_participant |= in_round
+        found |= in_round or node in s.wait_list or node in s.redundancy_list or node in s.sitting_out
+        s.wait_list.discard(node)
+        s.redundancy_list.discard(node)
+        s.sitting_out.discard(node)
+    if removed_participant:
+        after_participant_removed(s, settings)
+    return found
 
 
 def prune_node_infos(s: RendezvousState) -> None:

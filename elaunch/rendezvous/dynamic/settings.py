@@ -65,6 +65,10 @@ class RendezvousSettings:
             0 = never), when the others still meet ``min_nodes``. An elaunch addition.
         exclude_cooldown: seconds such a node sits out before it rejoins (conf
             ``exclude_cooldown``, 600).
+        presence: whether each running member listens on a presence port, so that its
+            neighbours find it lost at once, by a refused connection, when its agent is
+            killed while its host stays up (``presence.py``; conf ``presence``, true).
+            An elaunch addition.
     """
 
     run_id: str
@@ -83,6 +87,7 @@ class RendezvousSettings:
     probe_timeout: float = 3.0
     exclude_after: int = 2
     exclude_cooldown: float = 600.0
+    presence: bool = True
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -169,4 +174,5 @@ class RendezvousSettings:
             probe_timeout=params.get_as_seconds("probe_timeout", d["probe_timeout"].default),
             exclude_after=params.get_as_int("exclude_after", d["exclude_after"].default),
             exclude_cooldown=params.get_as_seconds("exclude_cooldown", d["exclude_cooldown"].default),
+            presence=params.get_as_bool("presence", d["presence"].default),
         )
