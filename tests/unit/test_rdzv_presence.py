@@ -146,6 +146,32 @@ def test_a_member_whose_agent_is_gone_is_lost_at_once_and_removed():
         b._close_presence()
 
 
+def test_a_port_that_closes_after_the_failure_was_seen_is_tried_again():
+    # on a loaded host a killed agent may run its exit (closing its port) after its workers' sockets
+    # closed, so after the failure was seen: the wait for the probe's answers tries the ports again
+    backend = InMemoryBackend()
+    a, b, round = _pair(backend)
+    box: list = []
+    try:
+        wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
+        a._stop_heartbeats()  # a's agent is dying: no more heartbeats, its port still open
+        tries: list = []
+        refused = b._presence.refused
+        b._presence.refused = lambda nodes, *args: tries.append(refused(nodes, *args)) or tries[-1]  # a spy
+        t = threading.Thread(target=_record, args=(b, round, box), daemon=True)
+        t.start()
+        wait_for(lambda: tries, 10, what="b's first try of a's port after the failure")
+        assert not box and tries[0] == set()  # a's port still accepts: no verdict yet
+        a._close_presence()
+        wait_for(lambda: box, 15, what="b's verdict once a's port closed (60 s by the heartbeat rules)")
+        assert box[0].lost == (a.node_id,) and tries[-1] == {a.node_id}
+    finally:
+        a._stop_heartbeats()
+        b._stop_heartbeats()
+        a._close_presence()
+        b._close_presence()
+
+
 def _monitor(handler: DynamicRendezvousHandler, stop: threading.Event) -> None:
     """The agent's monitor loop: it reads the state (here every 0.05 s) and so answers probes."""
     while not stop.wait(0.05):

@@ -35,6 +35,10 @@ log = logging.getLogger("elaunch.rendezvous.dynamic.handler")
 #: next one) before it counts as lost rather than on its way to the next round.
 LEFT_FOR_GOOD = 0.5
 
+#: Seconds between two tries of the presence ports of the members that have not answered a failure's
+#: probe yet (``presence.py``; each try takes at most ``presence.PROBE_TIMEOUT``).
+PRESENCE_EVERY = 0.05
+
 #: Seconds between two reads of an agent waiting for the other members (:func:`await_interval`): the
 #: shortest, and the longest (a round of ``AWAIT_SCALE`` members or more).
 AWAIT_FAST, AWAIT_SLOW, AWAIT_SCALE = 0.005, 0.05, 16
@@ -192,20 +196,17 @@ class DynamicJobChannel(JobChannel):
         mine = dataclasses.replace(failure, node=self.node_id)
         others = self._view.members - {self.node_id}
         since = self._clock()
-        gone = self._refused(others, failure.round)
         state = self._update_job(lambda s: job_ops.note_failure(s, mine, probe_at=since if others else None))
-        alive, lost = self._answers(failure.round, others, since, gone) if others and not state.job_failed else ((), ())
+        alive, lost = self._answers(failure.round, others, since) if others and not state.job_failed else ((), ())
         if lost:
             return dataclasses.replace(job_ops.job_state(state, self.node_id, len(alive), self._settings), lost=lost)
         state = self._update_job(lambda s: job_ops.count_round(s, failure.round))
         # the others answered, but may have left the round by now to re-form: they still count as live
         return job_ops.job_state(state, self.node_id, len(alive), self._settings)
 
-    def _refused(self, others: frozenset[str], round: int) -> set[str]:
-        """Members among ``others`` whose presence port was refused, removed from the state (they are gone)."""
-        if self._presence is None:
-            return set()
-        gone = self._presence.refused(others)
+    def _refused(self, nodes: list[str], round: int) -> set[str]:
+        """Members among ``nodes`` whose presence port is refused now, removed from the state (they are gone)."""
+        gone = self._presence.refused(nodes) if self._presence is not None else set()
         if not gone:
             return gone
 
@@ -226,17 +227,20 @@ class DynamicJobChannel(JobChannel):
             log.warning("node %s could not remove %s from the rendezvous: %s", self.node_id, ", ".join(sorted(gone)), exc)
         return gone
 
-    def _answers(self, round: int, others: frozenset[str], since: float,
-                 gone: set[str] = frozenset()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Wait until each of ``others`` answered after ``round``'s failure at ``since``; return (alive, lost), sorted.
 
-        ``gone``: members known lost already (their presence port refused).
+        Meanwhile, every ``PRESENCE_EVERY`` seconds, the presence ports of those that have not
+        answered yet are tried (:meth:`_refused`): a killed agent's port closes only once its
+        process has run its exit, which on a loaded host can come after its workers' sockets closed.
         """
         seen: set[str] = set()
-        lost: set[str] = set(gone)
+        lost: set[str] = set()
         out_since: dict[str, float] = {}  # a node that left the round: when it was first seen out
+        next_try = 0.0  # time.monotonic() of the next try of the presence ports
 
         def pending(state: RendezvousState) -> list[str]:
+            nonlocal next_try
             if state.job_failed:
                 return []
             # ``others`` ran ``round`` (complete): a silent one is dead after lost_after, also when
@@ -250,7 +254,11 @@ class DynamicJobChannel(JobChannel):
                 # the wait list shows it: only one that stays out (or is dead) is lost
                 if n in dead or now - out_since.setdefault(n, now) >= LEFT_FOR_GOOD:
                     lost.add(n)
-            return [] if lost else sorted(others - seen)
+            left = [] if lost else sorted(others - seen)
+            if left and now >= next_try:
+                next_try = now + PRESENCE_EVERY
+                lost.update(self._refused(left, round))
+            return [] if lost else left
 
         left = self._await_others(pending, self._settings.probe_timeout + 0.5, "answers to the failure probe")
         return tuple(sorted(seen)), tuple(sorted(lost | set(left)))

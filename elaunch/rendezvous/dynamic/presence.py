@@ -10,8 +10,8 @@ its address for the handler's whole life (:class:`Presence`), publishes it besid
 the state (the node key ``presence``: ``{"addr": ..., "port": ...}``) and, once per
 round, connects to each ring neighbour's port (``liveness.ring_neighbours``, the same
 nodes whose heartbeats it judges) to see that it is reachable. When a local worker
-fails, the job channel connects to those verified ports again
-(:meth:`Presence.refused`): a neighbour whose host answers with a refusal (no
+fails, the job channel connects to those verified ports again, every 50 ms while it
+waits for the other members' answers (:meth:`Presence.refused`): a neighbour whose host answers with a refusal (no
 process listens on the port any more: the agent died, its kernel closed the socket)
 is lost now, and the channel removes it from the state in the same breath
 (``job_channel.record_failure``). A neighbour that cannot be reached at all (its
