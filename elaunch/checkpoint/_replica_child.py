@@ -24,8 +24,12 @@ that a newer replicated snapshot on this node supersedes (:func:`superseded`): t
 restores the highest step every rank can get, and any snapshot of replicated state
 serves every rank, so they can never be restored again. Without this, each round whose
 ring changed left a full copy of the state behind (``r<rank>`` is named by the lowest
-rank of its sender's node) until the run ended. Sharded replicas stay: one per rank,
-together at most one copy of the state.
+rank of its sender's node) until the run ended. Sharded replicas stay, two per rank as
+the slots are: the newest step (``r<rank>``) and the one it replaced
+(``r<rank>`` + :data:`PREVIOUS`). A node sends its ranks' copies of a step one after
+another, so one killed between two of them leaves some ranks' newest copies at the step
+before; the job then restores that step, which every rank's copy (the newest or the one
+kept) still holds, instead of starting fresh.
 
 Between agents the requests and answers are ``replica_wire``'s (its docstring has the
 format). Stdlib only (no torch, none of elaunch's imports when run as a script).
@@ -60,6 +64,7 @@ BACKOFF = (0.1, 5.0)  #: seconds before reconnecting to a successor after an err
 OWN_GRACE = 0.5  #: seconds an offer of replicated state waits for this node's ranks to commit that step
 PING_EVERY = 30.0  #: seconds of an idle sender's connection between two pings (the server's idle limit is 120)
 PRUNE_EVERY = 1.0  #: seconds between looks for superseded replicas (:func:`superseded`)
+PREVIOUS = ".prev"  #: suffix of a rank's replica of the step before its newest one (``r3`` -> ``r3.prev``)
 MAX_PENDING = 16  #: connections in their handshake at once; a new one beyond this closes the oldest
 MAX_PEERS = 64  #: authenticated connections at once; one more is closed after its handshake
 WARN_EVERY = 60.0  #: seconds between two warnings about refused connections
@@ -292,6 +297,10 @@ class Server:
             with self._lock:
                 have = slotfile.read_info(final)
                 if ok and (have is None or (have.step, have.time) <= (info.step, info.time)):
+                    if have is not None and have.step < info.step:
+                        # the step it replaces stays, as the slots' other file does: a node killed between
+                        # sending its ranks' copies of a step leaves the previous step whole here
+                        os.replace(final, final + PREVIOUS)
                     os.replace(tmp, final)  # the newest step wins
                     self.stats.add("received")
                 else:
@@ -336,7 +345,8 @@ class Server:
 
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
         held = slotfile.inventory(self.node_dir, ("slots",))
-        for path in [os.path.join(self.replicas, f"r{rank}"), *(i.path for i in held if i.rank == rank)]:
+        mine = os.path.join(self.replicas, f"r{rank}")
+        for path in [mine, mine + PREVIOUS, *(i.path for i in held if i.rank == rank)]:
             opened = wire.open_info(path)
             if opened is None:
                 continue

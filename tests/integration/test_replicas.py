@@ -67,8 +67,33 @@ def test_a_committed_slot_appears_on_the_successor_and_a_newer_one_replaces_it(n
     write_slot(slot1, 2, os.urandom(3 << 20))
     wait_for(lambda: replica_step(b_dir) == 2, DEADLINE, what="step 2's replica on b")
     assert read(replica) == read(slot1)
-    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0"]  # no receipt left behind
+    # no receipt left behind; step 1's copy stays beside it, as the slots keep the step before
+    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r0", "r0.prev"]
+    assert read(replica + ".prev") == read(slot0)
     assert a.stats()["sent"] == 2 and b.stats()["received"] == 2
+
+
+def test_a_node_killed_between_its_ranks_copies_of_a_step_leaves_the_step_before_whole(node, shm):
+    # a's two ranks reach step 2, but only rank 0's copy of it is sent before a dies: b still has
+    # step 1 of both ranks (rank 0's as the copy its step 2 replaced), and serves it
+    a_dir, a = node("a")
+    b_dir, b = node("b")
+    a.set_ring([("127.0.0.1", b.port, KEY)])
+    first = {r: os.urandom(1 << 20) for r in (0, 1)}
+    for r in (0, 1):
+        write_slot(slotfile.slot_paths(a_dir, r)[0], 1, first[r], rank=r, world_size=2)
+    wait_for(lambda: replica_step(b_dir, 0) == 1 and replica_step(b_dir, 1) == 1, DEADLINE, what="step 1's copies")
+    write_slot(slotfile.slot_paths(a_dir, 0)[1], 2, os.urandom(1 << 20), rank=0, world_size=2)
+    wait_for(lambda: replica_step(b_dir, 0) == 2, DEADLINE, what="rank 0's step 2 on b")
+    a.close()  # a is gone before rank 1's step 2 existed
+    held = {(i.rank, i.step) for i in slotfile.inventory(b_dir, ("replicas",))}
+    assert held == {(0, 2), (0, 1), (1, 1)}
+    restore = os.path.join(shm, "restore")
+    os.mkdir(restore)
+    for r in (0, 1):
+        dest = os.path.join(restore, str(r))
+        assert fetch("127.0.0.1", b.port, r, 1, dest, timeout=10, key=KEY)
+        assert read(dest)[-len(first[r]):] == first[r]
 
 
 def test_of_replicated_state_one_copy_goes_out_per_node(node):
@@ -82,7 +107,8 @@ def test_of_replicated_state_one_copy_goes_out_per_node(node):
     wait_for(lambda: replica_step(b_dir, 4) == 1 and replica_step(b_dir, 6) == 1, DEADLINE, what="r4 and r6 on b")
     write_slot(sharded[1], 2, os.urandom(1 << 16), rank=6)  # a's sender has looked at rank 5 since
     wait_for(lambda: replica_step(b_dir, 6) == 2, DEADLINE, what="r6's step 2 on b")
-    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r4", "r6"]
+    # one copy of the replicated state (r4, not r5); the sharded rank's step 1 kept beside its step 2
+    assert sorted(os.listdir(os.path.join(b_dir, "replicas"))) == ["r4", "r6", "r6.prev"]
 
 
 def test_replicated_state_is_not_copied_to_a_node_whose_own_workers_saved_that_step(node):

@@ -72,6 +72,34 @@ def test_a_refused_port_counts_only_once_it_was_reached():
         b.close()
 
 
+def test_a_port_that_does_not_answer_is_left_to_the_heartbeats():
+    # a full listen queue drops SYNs, as a host that is gone sends nothing back: the try times out
+    backend = InMemoryBackend()
+    b = Presence("b", "127.0.0.1", backend)
+    clogged = socket.socket()
+    held: list[socket.socket] = []
+    try:
+        assert b.open()
+        clogged.bind(("127.0.0.1", 0))
+        clogged.listen(0)
+        port = clogged.getsockname()[1]
+        for _ in range(8):  # fill the queue (never accepted)
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            held.append(c)
+        assert connect_all({"x": ("127.0.0.1", port)}, 0.3) == {"x": None}
+        b._verified = {"x": ("127.0.0.1", port)}  # as if reached when the round began
+        b._round = ("x",)
+        assert b.refused({"x"}, 0.3) == set()
+        assert "x" not in b._verified  # not tried again this round
+    finally:
+        for c in held:
+            c.close()
+        clogged.close()
+        b.close()
+
+
 def test_malformed_published_ports_are_ignored():
     backend = InMemoryBackend()
     b = Presence("b", "127.0.0.1", backend)

@@ -159,11 +159,19 @@ class Presence:
 
         A refusal (``ECONNREFUSED``: nothing listens there any more) means the node's agent is
         gone. Nodes without a verified port this round, and ports that accept, time out or fail
-        otherwise within ``timeout`` seconds in all, are not returned.
+        otherwise within ``timeout`` seconds in all, are not returned; a port that gave no answer
+        at all within ``timeout`` (its host is gone, or the link) is not tried again this round.
         """
         with self._lock:
             targets = {n: self._verified[n] for n in nodes if n in self._verified}
-        return {n for n, outcome in connect_all(targets, timeout).items() if outcome == errno.ECONNREFUSED}
+        outcomes = connect_all(targets, timeout)
+        silent = [n for n, outcome in outcomes.items() if outcome is None]
+        if silent:  # a host that does not answer at all is the heartbeats' to judge: not tried again this round
+            with self._lock:
+                for n in silent:
+                    if self._verified.get(n) == targets[n]:
+                        del self._verified[n]
+        return {n for n, outcome in outcomes.items() if outcome == errno.ECONNREFUSED}
 
     def _drain(self) -> None:
         sock = self._listener
