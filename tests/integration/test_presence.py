@@ -52,8 +52,9 @@ def _start(n: int, nnodes: str, ep: str, tmp_path, rdzv_id: str, extra_env: dict
         with open(err, "w") as f:
             agents.append(start("elaunch", f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                                 f"--rdzv-endpoint={ep}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={CONF}",
-                                "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3", str(SCRIPTS / "mn_loop.py"),
-                                str(tmp_path), env=env, stdout=subprocess.DEVNULL, stderr=f))
+                                "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
+                                str(SCRIPTS / "mn_loop.py"), str(tmp_path), env=env, stdout=subprocess.DEVNULL,
+                                stderr=f))
     return agents, errs
 
 

@@ -105,7 +105,8 @@ def test_malformed_published_ports_are_ignored():
     b = Presence("b", "127.0.0.1", backend)
     try:
         assert b.open()
-        for node, raw in {"x": b"not json", "y": b'{"addr": 1, "port": 2}', "z": b'{"addr": "127.0.0.1", "port": 0}'}.items():
+        bad = {"x": b"not json", "y": b'{"addr": 1, "port": 2}', "z": b'{"addr": "127.0.0.1", "port": 0}'}
+        for node, raw in bad.items():
             backend.put_node_key(presence_mod.KIND, node, raw)
         b.tick(["x", "y", "z"])
         assert b.refused({"x", "y", "z"}) == set()

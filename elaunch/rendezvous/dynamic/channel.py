@@ -224,7 +224,8 @@ class DynamicJobChannel(JobChannel):
         try:
             self._update_job(remove)
         except RendezvousError as exc:  # they are still lost for this node; the others find it by heartbeats
-            log.warning("node %s could not remove %s from the rendezvous: %s", self.node_id, ", ".join(sorted(gone)), exc)
+            log.warning("node %s could not remove %s from the rendezvous: %s", self.node_id,
+                        ", ".join(sorted(gone)), exc)
         return gone
 
     def _answers(self, round: int, others: frozenset[str], since: float) -> tuple[tuple[str, ...], tuple[str, ...]]:

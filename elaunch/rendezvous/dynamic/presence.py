@@ -142,8 +142,9 @@ class Presence:
 
         ``neighbours``: the members whose heartbeats this node judges (its ring neighbours).
         Each neighbour's port is read and connected to once per round (a port not yet published
-        is looked for again at the next ticks, :data:`READS_PER_ROUND` reads); only those reached are judged by :meth:`refused`. Never
-        raises: a backend error leaves the ports unknown (heartbeats decide).
+        is looked for again at the next ticks, :data:`READS_PER_ROUND` reads); only those reached
+        are judged by :meth:`refused`. Never raises: a backend error leaves the ports unknown
+        (heartbeats decide).
         """
         if self._listener is None:
             return
@@ -174,8 +175,10 @@ class Presence:
         return {n for n, outcome in outcomes.items() if outcome == errno.ECONNREFUSED}
 
     def _drain(self) -> None:
+        """Accept and close what the queue holds, at most :data:`BACKLOG` connections: a peer that connects
+        faster than they are closed cannot keep the keep-alive thread from its next beat."""
         sock = self._listener
-        while sock is not None:
+        for _ in range(BACKLOG if sock is not None else 0):
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
