@@ -147,6 +147,13 @@ def _pair(backend, **conf):
     return a, b, infos[1].round
 
 
+def _stop(*handlers: DynamicRendezvousHandler) -> None:
+    """Stop the handlers' keep-alives and close their ports (what their agents' ends would do)."""
+    for h in handlers:
+        h._stop_heartbeats()
+        h._close_presence()
+
+
 def _record(handler, round: int, box: list) -> None:
     box.append(handler.job_channel().record_failure(
         FailureRecord(round=round, at=time.time(), host="127.0.0.1", rank=0, exitcode=1, message="peer gone")))
@@ -169,10 +176,7 @@ def test_a_member_whose_agent_is_gone_is_lost_at_once_and_removed():
         assert a.node_id not in state.participants and a.node_id not in state.last_heartbeats
         assert b.node_id in state.participants
     finally:
-        a._stop_heartbeats()
-        b._stop_heartbeats()
-        a._close_presence()
-        b._close_presence()
+        _stop(a, b)
 
 
 def test_a_port_that_closes_after_the_failure_was_seen_is_tried_again():
@@ -195,10 +199,7 @@ def test_a_port_that_closes_after_the_failure_was_seen_is_tried_again():
         wait_for(lambda: box, 15, what="b's verdict once a's port closed (60 s by the heartbeat rules)")
         assert box[0].lost == (a.node_id,) and tries[-1] == {a.node_id}
     finally:
-        a._stop_heartbeats()
-        b._stop_heartbeats()
-        a._close_presence()
-        b._close_presence()
+        _stop(a, b)
 
 
 def _monitor(handler: DynamicRendezvousHandler, stop: threading.Event) -> None:
@@ -226,10 +227,7 @@ def test_a_live_member_is_not_lost_and_the_failure_counts(presence):
     finally:
         stop.set()
         watcher.join(5)
-        a._stop_heartbeats()
-        b._stop_heartbeats()
-        a._close_presence()
-        b._close_presence()
+        _stop(a, b)
 
 
 def test_the_port_is_a_private_descriptor_of_the_launch_from_the_first_round_to_the_leave():
@@ -248,5 +246,4 @@ def test_the_port_is_a_private_descriptor_of_the_launch_from_the_first_round_to_
         assert h._presence.endpoint is None and not set(fd) & set(supervisor.private_fds())
         assert connect_all({"h": port}, 2.0) == {"h": errno.ECONNREFUSED}
     finally:
-        h._stop_heartbeats()
-        h._close_presence()
+        _stop(h)
