@@ -159,16 +159,26 @@ def _record(handler, round: int, box: list) -> None:
         FailureRecord(round=round, at=time.time(), host="127.0.0.1", rank=0, exitcode=1, message="peer gone")))
 
 
+def _watched_pair(backend):
+    """A round of two (``_pair``) once b reached a's presence port."""
+    a, b, round = _pair(backend)
+    wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
+    return a, b, round
+
+
+def _failure_seen(b, round: int, box: list) -> None:
+    """b's agent reports its workers' failure, in a thread: its verdict lands in ``box``."""
+    threading.Thread(target=_record, args=(b, round, box), daemon=True).start()
+
+
 def test_a_member_whose_agent_is_gone_is_lost_at_once_and_removed():
     backend = InMemoryBackend()
-    a, b, round = _pair(backend)
+    a, b, round = _watched_pair(backend)
     box: list = []
     try:
-        wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
         a._stop_heartbeats()  # a's agent dies: no heartbeat, no leave, and its port closes
         a._close_presence()
-        t = threading.Thread(target=_record, args=(b, round, box), daemon=True)
-        t.start()
+        _failure_seen(b, round, box)
         wait_for(lambda: box, 15, what="b's verdict on the failure (60 s by the heartbeat rules)")
         job = box[0]
         assert job.lost == (a.node_id,) and job.restarts == 0  # a loss, not a counted failure
@@ -183,16 +193,14 @@ def test_a_port_that_closes_after_the_failure_was_seen_is_tried_again():
     # on a loaded host a killed agent may run its exit (closing its port) after its workers' sockets
     # closed, so after the failure was seen: the wait for the probe's answers tries the ports again
     backend = InMemoryBackend()
-    a, b, round = _pair(backend)
+    a, b, round = _watched_pair(backend)
     box: list = []
     try:
-        wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
         a._stop_heartbeats()  # a's agent is dying: no more heartbeats, its port still open
         tries: list = []
         refused = b._presence.refused
         b._presence.refused = lambda nodes, *args: tries.append(refused(nodes, *args)) or tries[-1]  # a spy
-        t = threading.Thread(target=_record, args=(b, round, box), daemon=True)
-        t.start()
+        _failure_seen(b, round, box)
         wait_for(lambda: tries, 10, what="b's first try of a's port after the failure")
         assert not box and tries[0] == set()  # a's port still accepts: no verdict yet
         a._close_presence()
