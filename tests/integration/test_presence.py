@@ -1,7 +1,8 @@
 """A node whose agent is killed is lost at once by its peers, through its refused presence port.
 
-Real agents (c10d, loopback) running ``mn_loop.py``. The heartbeat rules are set out of
-these tests' reach (``lost_after`` and ``probe_timeout`` 90 s, torch's rule at 90 s):
+Real agents (c10d, and etcd-v3 with the module's real etcd server; loopback) running
+``mn_loop.py``. The heartbeat rules are set out of these tests' reach (``lost_after`` and
+``probe_timeout`` 90 s, torch's rule and etcd-v3's presence lease at 90 s):
 without the presence port (``rendezvous/dynamic/presence.py``) the survivors would wait
 90 s before re-forming without a killed node. And an attacker process that floods every
 agent's presence port with connections and junk makes no live node look lost: a worker
@@ -44,25 +45,28 @@ def _stderr(errs) -> str:
     return "".join(f"--- {e.name} ---\n{e.read_text(errors='replace')[-3000:]}\n" for e in errs)
 
 
-def _start(n: int, nnodes: str, ep: str, tmp_path, rdzv_id: str, extra_env: dict | None = None):
+def _start(n: int, nnodes: str, ep: str, tmp_path, rdzv_id: str, backend: str = "c10d"):
     errs = [tmp_path / f"agent{i}.err" for i in range(n)]
     agents = []
+    conf = CONF + ("" if backend == "c10d" else ",read_timeout=20")
     for i, err in enumerate(errs):
-        env = launcher_env(MN_HOST=f"h{i}", **(extra_env or {}))
+        env = launcher_env(MN_HOST=f"h{i}")
         with open(err, "w") as f:
-            agents.append(start("elaunch", f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                                f"--rdzv-endpoint={ep}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={CONF}",
+            agents.append(start("elaunch", f"--nnodes={nnodes}", "--nproc-per-node=1", f"--rdzv-backend={backend}",
+                                f"--rdzv-endpoint={ep}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}",
                                 "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=3",
                                 str(SCRIPTS / "mn_loop.py"), str(tmp_path), env=env, stdout=subprocess.DEVNULL,
                                 stderr=f))
     return agents, errs
 
 
-def test_the_survivors_reform_at_once_without_a_killed_agent(tmp_path):
-    ep = f"127.0.0.1:{free_port()}"
-    store_port = int(ep.rpartition(":")[2])
+# etcd-v3: the killed agent's presence lease lives as long as the heartbeat rules (90 s here) too
+@pytest.mark.parametrize("endpoint", ["c10d", "etcd-v3"], indirect=True)
+def test_the_survivors_reform_at_once_without_a_killed_agent(endpoint, tmp_path):
+    backend, ep = endpoint
+    store_port = int(ep.rpartition(":")[2]) if backend == "c10d" else -1
     rounds = tmp_path / "rounds.txt"
-    agents, errs = _start(3, "2:3", ep, tmp_path, "presence-kill")
+    agents, errs = _start(3, "2:3", ep, tmp_path, f"presence-kill-{backend}", backend)
     try:
         wait_for(lambda: "3 3 0" in _lines(rounds) or any(a.poll() is not None for a in agents), 120,
                  what="a world of three")
