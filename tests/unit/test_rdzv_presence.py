@@ -51,6 +51,31 @@ def test_a_loopback_port_is_judged_only_from_the_same_address():
     assert judgeable("127.0.0.1", "127.0.0.1")
     assert not judgeable("127.0.1.1", "192.168.77.3")  # another host's /etc/hosts loopback name
     assert not judgeable("not-an-address", "127.0.0.1")
+    assert not judgeable("127.0.0.1", "127.0.1.1")  # loopback, but not where this node's port is bound
+
+
+def test_a_tick_that_raises_does_not_stop_the_heartbeats():
+    # the presence port's upkeep runs in the keep-alive thread: a bug there must not silence the node
+    from elaunch.rendezvous.dynamic.keepalive import KeepAlive
+    from elaunch.rendezvous.dynamic.stalls import StoreStalls, slow_after
+
+    settings = RendezvousSettings("job", 1, 1, lost_after=0.4)  # a beat every 0.05 s
+    backend = InMemoryBackend()
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.time())
+        raise RuntimeError("a bug in the tick")
+
+    keep = KeepAlive("n", settings, backend, time.time, StoreStalls(time.time, slow_after(settings)), tick)
+    keep.start()
+    try:
+        wait_for(lambda: len(ticks) >= 3, 10, what="three ticks, each raising")
+        first = backend.beats["n"]
+        wait_for(lambda: backend.beats["n"] > first, 10, what="a beat after the ticks raised")
+        assert keep.thread.is_alive()
+    finally:
+        keep.close()
 
 
 def test_a_refused_port_counts_only_once_it_was_reached():
@@ -162,7 +187,11 @@ def _record(handler, round: int, box: list) -> None:
 def _watched_pair(backend):
     """A round of two (``_pair``) once b reached a's presence port."""
     a, b, round = _pair(backend)
-    wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
+    try:
+        wait_for(lambda: a.node_id in b._presence._verified, 10, what="b reached a's presence port")
+    except AssertionError:
+        _stop(a, b)
+        raise
     return a, b, round
 
 

@@ -385,8 +385,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _close_presence(self) -> None:
         if self._presence is not None:
-            self._supervisor.stop(self._presence)
-            self._presence.close()  # also when it was never added (nothing to close then)
+            self._supervisor.stop(self._presence)  # it closes the port (one that never opened is not there)
 
     def _stop_heartbeats(self) -> None:
         if self._stop_watch is not None:

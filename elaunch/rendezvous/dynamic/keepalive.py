@@ -38,7 +38,8 @@ class KeepAlive:
         stalls: where a beat that failed or was slow is noted as this node's store
             stall: the handler's, shared with the reads its loss rule judges by.
         on_tick: called after each beat, in the thread (the presence port's upkeep:
-            ``presence.Presence.tick``); it must not raise, and should not block for long.
+            ``presence.Presence.tick``); it should not block for long. An exception it raises
+            is logged, as a beat's is: the thread beats on.
     """
 
     def __init__(self, node_id: str, settings: RendezvousSettings, backend: RendezvousBackend,
@@ -118,7 +119,10 @@ class KeepAlive:
             except Exception:  # noqa: BLE001 - a heartbeat thread must not die silently
                 log.exception("node %s: keep-alive heartbeat crashed", self._node_id)
             if self._on_tick is not None:
-                self._on_tick()
+                try:
+                    self._on_tick()
+                except Exception:  # noqa: BLE001 - the upkeep of a helper must not stop the heartbeats
+                    log.exception("node %s: keep-alive tick crashed", self._node_id)
             self._beat_now.wait(tick)  # a probe to answer, or ``stop``, wakes it early
             self._beat_now.clear()
             if stop.is_set():

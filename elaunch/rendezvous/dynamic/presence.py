@@ -11,9 +11,9 @@ the state (the node key ``presence``: ``{"addr": ..., "port": ...}``) and, once 
 round, connects to each ring neighbour's port (``liveness.ring_neighbours``, the same
 nodes whose heartbeats it judges) to see that it is reachable. When a local worker
 fails, the job channel connects to those verified ports again, every 50 ms while it
-waits for the other members' answers (:meth:`Presence.refused`): a neighbour whose host answers with a refusal (no
-process listens on the port any more: the agent died, its kernel closed the socket)
-is lost now, and the channel removes it from the state in the same breath
+waits for the other members' answers (:meth:`Presence.refused`): a neighbour whose host
+answers with a refusal (no process listens on the port any more: the agent died, its
+kernel closed the socket) is lost now, and the channel removes it from the state in the same breath
 (``job_channel.record_failure``). A neighbour that cannot be reached at all (its
 machine is gone, a link is cut) is not judged here: the heartbeat rules still
 decide, as before. A port never reached when the round began (a firewall that
@@ -118,9 +118,6 @@ class Presence:
         self._listener = sock
         return True
 
-    def start(self) -> None:
-        """Nothing to start (the supervisor's ``start=True``): the socket listens from :meth:`open`."""
-
     def check(self) -> bool:
         """Nothing to restart: the socket cannot die while the agent lives."""
         return False
@@ -209,8 +206,9 @@ class Presence:
             if not todo or self._reads_left <= 0:
                 return
             self._reads_left -= 1
+        own = self.endpoint
         ports = {n: port for n, port in _decode(self._backend.get_node_keys(KIND, todo)).items()
-                 if judgeable(port[0], self._addr)}
+                 if own is not None and judgeable(port[0], own[0])}
         reached = {n for n, outcome in connect_all(ports, VERIFY_TIMEOUT).items() if outcome == 0}
         with self._lock:
             if neighbours != self._round:
@@ -238,21 +236,18 @@ def _decode(docs: dict[str, bytes]) -> dict[str, tuple[str, int]]:
 
 
 def judgeable(addr: str, own: str) -> bool:
-    """Whether a refusal at ``addr`` can speak for the node that published it, seen from ``own``'s node.
+    """Whether a refusal at ``addr`` can speak for the node that published it, seen from the node whose
+    own presence port is bound to ``own``.
 
     Not a loopback address of another host's: a node whose name resolves to ``127.0.1.1`` (Debian's
-    ``/etc/hosts``) publishes a port that any other host would look up on itself.
+    ``/etc/hosts``) publishes a port that any other host would look up on itself. A loopback address
+    is judged only where this node's port is bound to the same one (nodes of one host).
     """
     try:
         loopback = ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return False
-    if not loopback:
-        return True
-    try:
-        return any(info[4][0] == addr for info in socket.getaddrinfo(own, 0, type=socket.SOCK_STREAM))
-    except OSError:
-        return False
+    return not loopback or addr == own
 
 
 def connect_all(targets: dict[str, tuple[str, int]], timeout: float) -> dict[str, int | None]:
