@@ -7,7 +7,13 @@ worker's ``sys.path[0]`` in place, imports ``<modules>`` (comma-separated, e.g.
 there at normal priority took seconds of CPU from the new group's own start (3 test
 hosts on 2 cores: about 3 s of CPU per spare). At nice 19 the import runs on idle CPU
 only; the main thread, which later runs the worker, keeps its priority (Linux nice is
-per thread, and an unprivileged process could never raise it back). The spares of a
+per thread, and an unprivileged process could never raise it back). A thread's nice value
+ranks it only within its autogroup (Linux's ``CONFIG_SCHED_AUTOGROUP``: one scheduling group per
+session, and every spare leads its own), and each autogroup gets an equal share of the CPU: the
+importing templates of a node took half of its 2 cores from the workers of the group that had just
+started. So the importing process also lowers its session's autogroup to ``<nice>``
+(``/proc/self/autogroup``) and raises it back to 0 once the imports end (:func:`_autogroup_nice`),
+before it forks or runs a worker. The spares of a
 node's first attempt start before any group runs and import at ``<nice>`` 0. A handoff waits for
 the import to finish: by then the group the spare replaces has stopped. The agent writes one handoff and
 closes the pipe; the handoff is NUL-separated, file-system-encoded strings:
@@ -130,11 +136,59 @@ def _importer_gone(wait):
     return True
 
 
+#: Linux's nice value of this process's autogroup (its session's scheduling group), where the kernel has them.
+AUTOGROUP = "/proc/self/autogroup"
+#: Seconds the importing thread tries to lower its autogroup: an unprivileged process may change an autogroup's
+#: nice value once per 0.1 s, machine-wide (EAGAIN otherwise), and a node starts a template per local rank at once.
+AUTOGROUP_LOWER_WAIT = 2.0
+#: Seconds it tries to raise it back to 0 before it releases the spare or the template (then the handoff tries again).
+AUTOGROUP_RAISE_WAIT = 10.0
+_LOWERED = []  # [True] while this process's autogroup is lowered
+
+
+def _autogroup_nice(value, wait=0.0):
+    """Set the nice value of this process's autogroup to ``value`` (>= 0), retrying for up to ``wait`` seconds
+    while the kernel's rate limit refuses; return True once set.
+
+    Only when this process leads its session (a spare or a template does, as every worker): the autogroup is
+    then this process's alone (its children until they lead sessions of their own). False where there is no
+    autogroup (a kernel without ``CONFIG_SCHED_AUTOGROUP``), it cannot be written, or the wait ran out. The
+    value is raised back by the same call with 0, which Linux allows an unprivileged process (not below 0).
+    """
+    import time
+
+    if os.getsid(0) != os.getpid():
+        return False
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fd = os.open(AUTOGROUP, os.O_WRONLY)
+            try:
+                os.write(fd, b"%d" % value)
+            finally:
+                os.close(fd)
+            return True
+        except BlockingIOError:  # EAGAIN: another process changed an autogroup less than 0.1 s ago
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        except OSError:
+            return False
+
+
+def _raise_autogroup(wait):
+    """Raise this process's autogroup back to nice 0 if :func:`_import_all` lowered it; True once it is not lowered."""
+    if _LOWERED and _autogroup_nice(0, wait):
+        _LOWERED.clear()
+    return not _LOWERED
+
+
 def _import_all(names, done, nice=IMPORT_NICE, premap=True):
-    """Import ``names`` at nice ``nice`` (this thread only; 0: left as is), then the spare's hook's module
+    """Import ``names`` at nice ``nice`` (this thread, and this process's autogroup while it imports;
+    0: left as is), then the spare's hook's module
     (:func:`_hook`; a template's spares inherit it, and what it imports, instead of each importing it
     as the group it serves next starts) and run the hook (``premap``: a spare, not a template), then
-    release ``done``."""
+    raise the autogroup back and release ``done``."""
     _IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
     try:
         try:
@@ -142,6 +196,8 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
                 os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), nice)  # Linux: a thread id
         except OSError:
             pass
+        if nice > 0 and _autogroup_nice(nice, AUTOGROUP_LOWER_WAIT):
+            _LOWERED.append(True)
         for name in names:
             try:
                 __import__(name)
@@ -151,6 +207,7 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
         if premap and hook is not None:
             _run_hook(hook)
     finally:
+        _raise_autogroup(AUTOGROUP_RAISE_WAIT)
         done.release()
 
 
@@ -330,6 +387,7 @@ def main():
         done.acquire()  # the imports finished (an empty handoff too: no import left half-done at exit)
     if not data:
         return 0  # discarded by the agent
+    _raise_autogroup(AUTOGROUP_RAISE_WAIT)  # a worker never runs lowered while the kernel lets it be raised
     mode, target, args, orig, env = _decode(data)
     _hand_lock(env, lock)
     os.environb.clear()

@@ -10,6 +10,7 @@ import sys
 import psutil
 import pytest
 
+from elaunch.procs import warm
 from tests.conftest import wait_for
 from tests.helpers import SCRIPTS, alive, free_port, kill_tree, launcher_env, run, start
 
@@ -83,25 +84,31 @@ def test_first_and_restarted_scripts_see_what_a_cold_one_sees(tmp_path):
 
 def test_spares_import_at_the_lowest_priority_beside_a_group_and_workers_run_at_the_agents(tmp_path):
     """A template started while a group runs (it forks the later attempts' spares) imports in a nice-19
-    thread (idle CPU only, beside the group); the first attempt's spares, started before any group,
-    import at the agent's priority. The worker a spare becomes runs its script at the agent's priority,
+    thread, in an autogroup lowered to nice 19 (idle CPU only, beside the group); the first attempt's spares,
+    started before any group, import at the agent's priority. The worker a spare becomes runs its script at the agent's priority,
     as a cold worker does."""
     nice = tmp_path / "nice"
     nice.mkdir()
     env = {**launcher_env(), "WARM_NICE_OUT": str(nice)}
     cold_out, out = _warm_and_cold(tmp_path, (str(SCRIPTS / "warm_probe.py"),),
                                    warm_args=("--warm-start", "--warm-start-modules=json,warm_nice_probe"), env=env)
-    imports = {p.name: p.read_text() for p in nice.iterdir()}
+    imports = {p.name: p.read_text().split() for p in nice.iterdir()}  # pid: [thread's nice, autogroup's]
     agent_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    group = "0" if os.path.exists("/proc/self/autogroup") else "-"  # a new session's autogroup starts at 0
     first = {str(_probe(out, rank, 0)["pid"]) for rank in (0, 1)}
     assert first <= set(imports), (first, imports)  # the first attempt's workers were these spares
-    assert {imports[p] for p in first} == {str(agent_nice)}, imports
+    assert {tuple(imports[p]) for p in first} == {(str(agent_nice), group)}, imports
     later = {p: v for p, v in imports.items() if p not in first}
-    assert len(later) == 2 and set(later.values()) == {"19"}, imports  # one template per local rank
+    # one template per local rank; its session's autogroup is lowered too: a thread's nice value ranks it only
+    # among the threads of its autogroup, and each autogroup has an equal share of the CPU
+    assert len(later) == 2 and {tuple(v) for v in later.values()} == {("19", "19" if group == "0" else "-")}, imports
     for rank in (0, 1):
         assert _forked(_probe(out, rank, 1)) and str(_probe(out, rank, 1)["pid"]) not in imports
         for attempt in (0, 1):
             assert _probe(out, rank, attempt)["nice"] == _probe(cold_out, rank, attempt)["nice"] == agent_nice
+            # the worker a spare (or a template's fork) became runs in an autogroup at 0, as a cold one
+            assert _probe(out, rank, attempt)["autogroup"] == _probe(cold_out, rank, attempt)["autogroup"] \
+                == (None if group == "-" else "0")
 
 
 def test_module_mode_relative_path_and_symlink(tmp_path):
@@ -277,6 +284,64 @@ def test_a_spare_handed_a_worker_before_its_attempt_keeps_its_log_files_and_is_n
         logs = launcher.attempt_logs(1, 1)
         assert open(logs.stdout[0]).read() == "mark early restart 0\n"
     finally:
+        launcher.close()
+        if not subreaper:
+            stop_being_subreaper()
+
+
+def _autogroup(pid: int | str = "self") -> str:
+    with open(f"/proc/{pid}/autogroup") as f:
+        return f.read().split()[-1]  # "/autogroup-<id> nice <n>"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel has no autogroups")
+def test_an_importing_template_or_spare_lowers_its_autogroup_then_raises_it_before_a_worker_runs(tmp_path):
+    """A thread's nice value ranks it only among its autogroup's threads (one autogroup per session, each with an
+    equal share of the CPU), so a template or spare that imports at nice 19 beside a group lowers its session's
+    autogroup too (measured: 4 templates took half of 2 cores from the group beside them). It raises it back once
+    the imports end: a template that forks spares, and the worker a spare becomes, run at 0."""
+    from elaunch.procs import LogsSpec, Std, WorkerLauncher
+    from elaunch.procs.spawn import is_subreaper, stop_being_subreaper
+
+    nice = tmp_path / "nice"
+    nice.mkdir()
+    script = tmp_path / "group.py"
+    script.write_text("print(open('/proc/self/autogroup').read().split()[-1], flush=True)\n")
+    launcher = WorkerLauncher(LogsSpec(log_dir=str(tmp_path / "logs"), redirects=Std.ALL), "ag",
+                              warm_modules=("json", "warm_nice_probe"))
+    subreaper = is_subreaper()
+    launcher.open()
+    pool = None
+    try:
+        cmds = {0: [os.path.realpath(sys.executable), "-u", str(script)]}
+        path = os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))  # warm_nice_probe
+        envs = {0: {**launcher_env(), "WARM_NICE_OUT": str(nice), "PYTHONPATH": path}}
+        procs = launcher.start(0, launcher.attempt_logs(0, 1), cmds, envs, {}, another_may_follow=True)
+        wait_for(lambda: procs.poll()[0] is not None, 30, what="attempt 0's worker")
+        procs.close()
+        wait_for(lambda: launcher.pool.ready(0), 60, what="the spare forked by attempt 1's template")
+        forked = [p for p in psutil.Process().children() if "--template" in p.cmdline()]  # the template, its fork
+        templates = [p.pid for p in forked if (nice / str(p.pid)).exists()]  # the one that imported
+        assert len(templates) == 1, forked
+        assert (nice / str(templates[0])).read_text() == "19 19"  # it imported lowered
+        assert _autogroup(templates[0]) == "0"  # and raised it back before it forked
+        proc = launcher.pool.handoff(0, cmds[0], envs[0])
+        assert proc is not None and proc.wait(30) == 0
+        assert open(launcher.attempt_logs(1, 1).stdout[0]).read() == "0\n"  # a forked spare's new session: 0
+
+        # a spare started as an interpreter beside a group (no template: no reaper) imports lowered too
+        pool = warm.WarmPool(("json", "warm_nice_probe"))
+        logs = launcher.attempt_logs(2, 1)
+        assert pool.prepare(2, logs, cmds, envs) == 1
+        spare = pool.pids()[0]
+        wait_for(lambda: (nice / str(spare)).exists(), 60, what="the spare's import")
+        assert (nice / str(spare)).read_text() == "19 19"
+        proc = pool.handoff(0, cmds[0], envs[0])
+        assert proc is not None and proc.pid == spare and proc.wait(30) == 0
+        assert open(logs.stdout[0]).read() == "0\n"  # the worker it became runs raised back
+    finally:
+        if pool is not None:
+            pool.close()
         launcher.close()
         if not subreaper:
             stop_being_subreaper()

@@ -40,6 +40,9 @@ doc = {
     "flags": list(sys.flags),
     "pid": os.getpid(),
     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # Linux: this (the main) thread's; a spare imports at 19
+    # the nice value of this process's autogroup (its session's scheduling group; None: no autogroups here)
+    "autogroup": (open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup")
+                  else None),
     "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),  # the real exec'd argv
     "ppid": os.getppid(),
     "main_thread": threading.current_thread() is threading.main_thread(),
