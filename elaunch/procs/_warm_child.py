@@ -263,7 +263,9 @@ def _serve_forks(sock_fd, done):
     Waits for the imports (``done``), then says ``R`` on the socket (``N`` and returns
     None when another Python thread runs or CUDA was initialized: a fork is not safe then; native
     threads, such as OpenBLAS's pool, are left to their libraries' fork handlers). Each request is
-    one byte with three descriptors (the spare's handoff pipe, its stdout and stderr) and
+    ``F`` and the spare's own variables (NUL-separated name, value pairs: its local rank's
+    ``LOCAL_RANK``..., set in its environment once forked, for its hook; one template serves every
+    local rank) with three descriptors (the spare's handoff pipe, its stdout and stderr) and
     optionally a fourth (a barrier lock the spare holds from then on);
     the template forks an intermediate child that forks the spare and exits at once,
     so that the spare is re-parented to the agent (a ``PR_SET_CHILD_SUBREAPER``), and
@@ -287,7 +289,7 @@ def _serve_forks(sock_fd, done):
     sock.sendall(b"R")
     while True:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
         except OSError:
             return None
         if not msg or len(fds) not in (3, 4):
@@ -296,6 +298,9 @@ def _serve_forks(sock_fd, done):
             return None
         pid = _fork_spare(agent, sock, fds)
         if pid is None:  # this process is the spare
+            fields = msg.split(b"\0")[1:]
+            os.environb.update(zip(fields[0::2], fields[1::2]))
+            _hook_later()  # with this spare's own variables
             return fds[0], (fds[3] if len(fds) > 3 else None)
         for fd in fds:
             os.close(fd)
@@ -355,7 +360,6 @@ def _become_spare(agent, middle, sock, fds):
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # a cold worker's global RandomState is seeded afresh
         numpy_random.seed()
-    _hook_later()
 
 
 def main():

@@ -269,11 +269,12 @@ class WorkerLauncher:
     def prewarm(self, attempt: int, cmds: dict[int, list[str]], envs: dict[int, dict[str, str]]) -> None:
         """Start ``attempt``'s spares before its round forms (warm start only).
 
-        No group runs on this node yet, so they import at normal priority. ``envs``
-        may lack what a round sets (``warm.ROUND_KEYS``): the handoff brings it.
+        The node's template starts now and imports at normal priority (no group runs on this
+        node yet); it forks the spares of every local rank once, and every later attempt's.
+        ``envs`` may lack what a round sets (``warm.ROUND_KEYS``): the handoff brings it.
         """
         if self.pool.enabled and self._fork_target is None:
-            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0, templates=False,
+            self.pool.prepare(attempt, self._run_dir().attempt(attempt, len(cmds)), cmds, envs, nice=0,
                               lock_dir=self._lock_dir(cmds))
 
     def serve_store(self, host: str, port: int) -> int:

@@ -1,13 +1,13 @@
 """Warm restart (``--warm-start``): spare worker interpreters with the heavy modules imported.
 
 torchrun restarts a failed group with fresh interpreters, each re-importing
-torch (about a second of CPU per worker). While a group runs, a :class:`WarmPool`
-keeps one spare per local rank for the *next* attempt: a direct child of the
-agent started exactly like a worker (own session, ``PR_SET_PDEATHSIG``, the next
-attempt's log files, registered with the reaper), with the environment known in
-advance (the agent's, ``OMP_NUM_THREADS``, ``LOCAL_RANK``...), which imports the
-configured modules (``--warm-start-modules``) at the lowest CPU priority, and blocks
-on a pipe. When the next
+torch (about a second of CPU per worker). A :class:`WarmPool` keeps one spare per
+local rank for the *next* attempt: a direct child of the agent started exactly like
+a worker (own session, ``PR_SET_PDEATHSIG``, the next attempt's log files,
+registered with the reaper), with the environment known in advance (the agent's,
+``OMP_NUM_THREADS``, ``LOCAL_RANK``...), forked from the node's one template
+(``warm_template``), which imported the configured modules (``--warm-start-modules``)
+once, and blocks on a pipe. When the next
 group starts, the agent hands each spare its argv and complete environment
 (rank-specific variables included) and the spare runs the script as
 ``python script.py`` / ``python -m module`` would (see ``_warm_child.py``).
@@ -137,15 +137,23 @@ def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in ROUND_KEYS}
 
 
+def _shared_env(envs: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
+    """The variables every local rank's pre-round environment has with the same value: the node's template
+    imports with these; each spare it forks is given the rest of its own (``LOCAL_RANK``...) with its request."""
+    first, *rest = envs.values()
+    return {k: v for k, v in first.items() if all(e.get(k) == v for e in rest)}
+
+
 class _Spare:
-    """A spare: ``proc`` None while its template has not forked it yet (``template``); ``lock`` the
-    path of the barrier file it holds (``return_barrier.spare_lock``), None if it holds none."""
+    """A spare: ``proc`` None while its template has not forked it yet (``template``, the request's
+    ``ticket``); ``lock`` the path of the barrier file it holds (``return_barrier.spare_lock``), None if
+    it holds none."""
 
     def __init__(self, proc: "subprocess.Popen | ForkedProcess | None", wfd: int, cmd: list[str],
                  env: dict[str, str], target: WarmTarget, template: Template | None = None,
-                 lock: str | None = None):
+                 lock: str | None = None, ticket: int = -1):
         self.proc, self.wfd, self.cmd, self.env, self.target = proc, wfd, cmd, env, target
-        self.template = template
+        self.template, self.ticket = template, ticket
         self.lock = lock
 
     def close_pipe(self) -> None:
@@ -195,8 +203,8 @@ class WarmPool:
         self._attempt: int | None = None
         self._logs: "AttemptLogs | None" = None
         self._spares: dict[int, _Spare] = {}
-        self._templates: dict[int, Template] = {}
-        self._no_template: set[int] = set()  # local ranks whose template could not fork
+        self._template: Template | None = None  # the node's template: it forks every local rank's spares
+        self._no_template = False  # True once a template could not fork: spares start as interpreters
         self._warned = False
         self.name = "warm pool"
         self.enabled = True  # False once the workers turned out not to be warmable
@@ -214,9 +222,10 @@ class WarmPool:
     ) -> int:
         """Start one spare per local rank for ``attempt``, replacing any earlier ones.
 
-        Where the local rank's template (``warm_template``) is ready, the spare is
-        forked from it; else an interpreter is started that imports the modules, and
-        (with ``templates``) a template is started beside it for the attempts after.
+        Each spare is asked of the node's template (``warm_template``): forked at once where it is
+        ready, else once it imported. With ``templates``, a template starts where none serves (one
+        for every local rank: the modules are imported once per node, not once per rank); without,
+        or where a template could not fork, an interpreter is started that imports the modules.
 
         Args:
             attempt: the attempt number the spares will serve.
@@ -225,8 +234,8 @@ class WarmPool:
                 spares get ``spawn_env(env)``.
             nice: the nice value of the importing thread: :data:`IMPORT_NICE`
                 (idle CPU only) while a group runs, 0 before the first one.
-            templates: start templates where there are none (False before the first
-                group: they would import beside the first spares).
+            templates: start a template where none serves (False: spares that no template
+                serves start as interpreters).
             lock_dir: the workers wait for their siblings (``return_barrier``): each
                 spare holds a locked file made here from its start. None: they do not.
 
@@ -235,6 +244,7 @@ class WarmPool:
         """
         self.discard()
         self._attempt, self._logs, self._handed = attempt, logs, 0
+        shared = _shared_env({lr: spawn_env(env) for lr, env in envs.items()})
         for lr in sorted(cmds):
             target = parse_worker_cmd(cmds[lr])
             if target is None:
@@ -245,7 +255,7 @@ class WarmPool:
                 break
             env = spawn_env(envs[lr])
             try:
-                spare = self._fork(lr, cmds[lr], env, target, logs, nice if templates else None, lock_dir)
+                spare = self._fork(lr, cmds[lr], env, shared, target, logs, nice if templates else None, lock_dir)
                 if spare is None:
                     spare = self._spawn(lr, cmds[lr], env, target, logs, nice, lock_dir)
             except OSError as exc:
@@ -261,50 +271,54 @@ class WarmPool:
                   for lr, s in self._spares.items()})
         return len(self._spares)
 
-    def _fork(self, lr: int, cmd: list[str], env: dict[str, str], target: WarmTarget, logs: "AttemptLogs",
-              nice: int | None, lock_dir: str | None = None) -> _Spare | None:
-        """A spare asked of ``lr``'s template (forked now if it is ready), or None; with ``nice``, a template
-        starts where none serves (the spare then forks once it imported)."""
-        tmpl = self._templates.get(lr)
+    def _fork(self, lr: int, cmd: list[str], env: dict[str, str], shared: dict[str, str], target: WarmTarget,
+              logs: "AttemptLogs", nice: int | None, lock_dir: str | None = None) -> _Spare | None:
+        """A spare of ``lr`` asked of the node's template (forked now if it is ready), or None; with ``nice``,
+        a template starts where none serves (the spare then forks once it imported). ``shared``: the
+        pre-round environment every local rank has (:func:`_shared_env`), the template's own."""
+        tmpl = self._template
         if tmpl is not None and not tmpl.usable():  # it refused to fork, failed or died
-            self._retire(lr)
+            self._retire()
             return None
-        if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != env):
-            self._end_template(lr)  # the worker changed: it serves no more
+        if tmpl is not None and (tmpl.cmd != cmd or tmpl.env != shared):
+            self._end_template()  # the workers changed: it serves no more
             tmpl = None
         if tmpl is None:
-            if nice is None or lr in self._no_template or self._reaper is None or not become_subreaper():
+            if nice is None or self._no_template or self._reaper is None or not become_subreaper():
                 return None
-            tmpl = self._templates[lr] = Template.start([target.python, *target.flags], target.path0,
-                                                       self._modules, cmd, env, nice, self._extra)
+            tmpl = self._template = Template.start([target.python, *target.flags], target.path0,
+                                                   self._modules, cmd, shared, nice, self._extra)
             self._reaper.watch([tmpl.proc.pid])
         lock_fd, lock = _new_lock(lock_dir)
         try:
-            wfd = tmpl.request(logs.stdout.get(lr), logs.stderr.get(lr), lock_fd)
+            own = {k: v for k, v in env.items() if shared.get(k) != v}  # LOCAL_RANK...: the spare's own
+            asked = tmpl.request(logs.stdout.get(lr), logs.stderr.get(lr), lock_fd, own)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # the template holds it now (or it failed: the lock goes)
-        spare = _Spare(None, -1 if wfd is None else wfd, cmd, env, target, tmpl, lock)
-        if wfd is None:
+        wfd, ticket = asked if asked is not None else (-1, -1)
+        spare = _Spare(None, wfd, cmd, env, target, tmpl, lock, ticket)
+        if asked is None:
             spare.drop_lock()
             return None
         if tmpl.ready() and not self._collect(spare, FORK_TIMEOUT):
-            self._retire(lr)
+            self._retire()
             return None
         return spare
 
-    def _retire(self, lr: int) -> None:
-        """End ``lr``'s template that cannot fork, with one warning; its spares start as interpreters from now on."""
-        log.warning("local rank %d: the warm template %d cannot fork spares (a module it imported starts a "
-                    "thread or initializes CUDA, or it failed); spares start as interpreters",
-                    lr, self._templates[lr].proc.pid)
-        self._end_template(lr)
-        self._no_template.add(lr)
+    def _retire(self) -> None:
+        """End the template that cannot fork, with one warning; spares start as interpreters from now on."""
+        if self._template is None:
+            return
+        log.warning("the warm template %d cannot fork spares (a module it imported starts a thread or "
+                    "initializes CUDA, or it failed); spares start as interpreters", self._template.proc.pid)
+        self._end_template()
+        self._no_template = True
 
     def _collect(self, spare: _Spare, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a spare asked of a template to be forked; False if it was not."""
         if spare.proc is None:
-            spare.proc = spare.template.collect(timeout)
+            spare.proc = spare.template.collect(spare.ticket, timeout)
             if spare.proc is None:
                 spare.close_pipe()
                 spare.drop_lock()
@@ -345,7 +359,7 @@ class WarmPool:
         if spare is None:
             return False
         if spare.proc is None:
-            return spare.template is not None and spare.template.answered()
+            return spare.template is not None and spare.template.answered(spare.ticket)
         return spare.proc.poll() is None
 
     def handoff(self, local_rank: int, cmd: list[str], env: Mapping[str, str],
@@ -418,8 +432,8 @@ class WarmPool:
         for them. Idempotent."""
         logs = self._logs if self._spares else None
         self.discard()
-        for lr in list(self._templates):
-            self._end_template(lr)
+        if self._template is not None:
+            self._end_template()
         if logs is not None and logs.dir != os.devnull:
             shutil.rmtree(logs.dir, ignore_errors=True)
 
@@ -430,15 +444,16 @@ class WarmPool:
     def private_fds(self) -> tuple[int, ...]:
         """Descriptors a worker forked from the agent must close: the spares' handoff pipes, the templates' channels."""
         fds = [s.wfd for s in self._spares.values() if s.wfd >= 0]
-        fds.extend(fd for t in self._templates.values() for fd in t.private_fds())
+        if self._template is not None:
+            fds.extend(self._template.private_fds())
         return tuple(fds)
 
     def pids(self) -> list[int]:
         """Return the pids of the spares waiting for a worker (not those a template has yet to fork)."""
         return [s.proc.pid for s in self._spares.values() if s.proc is not None]
 
-    def _end_template(self, lr: int) -> None:
-        tmpl = self._templates.pop(lr)
+    def _end_template(self) -> None:
+        tmpl, self._template = self._template, None
         tmpl.close()
         if self._reaper is not None:
             self._reaper.forget([tmpl.proc.pid])
@@ -447,7 +462,7 @@ class WarmPool:
         spare.close_pipe()
         spare.drop_lock()
         if spare.proc is None:  # not forked yet: its template reaps it once it is (or goes first)
-            spare.template.drop()
+            spare.template.drop(spare.ticket)
             return
         end(spare.proc)  # SIGKILL to its group, reaped
         if self._reaper is not None:

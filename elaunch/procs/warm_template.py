@@ -1,4 +1,4 @@
-"""A warm template (``--warm-start``): one interpreter per local rank that forks the spares.
+"""A warm template (``--warm-start``): one interpreter per node that forks the spares of every local rank.
 
 An exec'd spare imports torch afresh for every attempt: seconds of CPU each time,
 which on a busy node slowed the training steps of the group it waits beside (the
@@ -7,8 +7,11 @@ goodput run: about 4 % slower steps for 17 s after every restart). A
 forks one spare per request (``_warm_child.py --template``): the fork takes
 milliseconds, and the spares share the template's pages until they write them.
 A request sent while the template still imports is answered once it is done
-(:meth:`Template.collect` waits); the agent asks for the second attempt's spares
-as it starts the template.
+(:meth:`Template.collect` waits for its ticket's answer; answers come in the order of
+the requests); the agent asks for the first attempt's spares as it starts the template,
+before its first round. One template serves every local rank (it imports with the
+environment they share; each request brings the spare's own variables): the modules
+are imported once per node, not once per worker.
 
 Each spare is forked through an intermediate child that exits at once, so the spare
 is re-parented to the agent (``PR_SET_CHILD_SUBREAPER``, see ``spawn.become_subreaper``):
@@ -66,24 +69,28 @@ def _stream(path: str | None, fd: int) -> int:
 
 
 class Template:
-    """One local rank's template process. Use from the agent's main thread.
+    """The node's template process: it forks the spares of every local rank. Use from the agent's main thread.
 
     Attributes:
         proc: the template process (a direct child of the agent, its own session).
-        cmd, env: the worker argv and pre-round environment (``warm.spawn_env``) it serves.
+        cmd, env: the worker argv and the pre-round environment every local rank shares
+            (``warm._shared_env``) it serves; it imports with that environment.
     """
 
     def __init__(self, proc, chan: socket.socket, cmd: list[str], env: dict[str, str]) -> None:
         self.proc, self._chan, self.cmd, self.env = proc, chan, cmd, env
         self._state: bool | None = None  # None: importing; True: forks; False: unusable
-        self._asked: list[bool] = []  # requests not collected yet, oldest first (False: given up)
+        self._next = 0  # the next request's ticket
+        self._waiting: list[int] = []  # tickets of the requests not answered yet, oldest first (answers come in order)
+        self._pids: dict[int, int] = {}  # answered tickets not collected yet: the spare's pid (0: not forked)
+        self._dropped: set[int] = set()  # tickets given up: their spares are reaped once answered
 
     @classmethod
     def start(cls, argv_head: list[str], path0: str, modules: tuple[str, ...], cmd: list[str],
               env: Mapping[str, str], nice: int, extra_env: Mapping[str, str] | None = None) -> "Template":
         """Start a template: ``argv_head`` is the interpreter and its options (``python -u``).
 
-        ``env`` is the pre-round environment it serves (compared at each request);
+        ``env`` is the pre-round environment every local rank shares (compared at each prepare);
         ``extra_env`` is added to its process's environment only (the spares' hook).
 
         Raises:
@@ -112,11 +119,15 @@ class Template:
         """False once the template refused to fork, failed, or exited."""
         return self._state is not False and self.proc.poll() is None
 
-    def request(self, stdout_path: str | None, stderr_path: str | None, lock_fd: int | None = None) -> int | None:
-        """Ask for a spare writing to these files (None: the agent's streams); return its handoff fd.
+    def request(self, stdout_path: str | None, stderr_path: str | None, lock_fd: int | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+        """Ask for a spare writing to these files (None: the agent's streams); return its handoff fd and
+        the request's ticket (for :meth:`collect`, :meth:`answered` and :meth:`drop`).
 
         ``lock_fd``: a barrier lock the spare is to hold (``return_barrier.spare_lock``),
-        sent with the request; the caller still closes its own copy.
+        sent with the request; the caller still closes its own copy. ``env``: variables the
+        spare sets in its own environment once forked (its local rank's ``LOCAL_RANK``...:
+        what its hook reads while it waits; the handoff replaces the whole environment).
 
         The template forks it once its imports are done (:meth:`collect` returns it).
         The spare reads its handoff (``warm.encode_handoff``) from the returned pipe
@@ -132,7 +143,8 @@ class Template:
             fds.append(_stream(stderr_path, 2))
             if lock_fd is not None:
                 fds.append(os.dup(lock_fd))
-            socket.send_fds(self._chan, [b"F"], fds)
+            pairs = [os.fsencode(f) for k, v in (env or {}).items() for f in (k, v)]
+            socket.send_fds(self._chan, [b"\0".join([b"F", *pairs])], fds)
         except OSError:
             self._state = False
             if wfd is not None:
@@ -141,40 +153,62 @@ class Template:
         finally:
             for fd in fds:
                 os.close(fd)
-        self._asked.append(True)
-        return wfd
+        ticket, self._next = self._next, self._next + 1
+        self._waiting.append(ticket)
+        return wfd, ticket
 
-    def collect(self, timeout: float = FORK_TIMEOUT) -> ForkedProcess | None:
-        """The spare of the oldest request not collected: wait up to ``timeout`` seconds for it.
+    def collect(self, ticket: int, timeout: float = FORK_TIMEOUT) -> ForkedProcess | None:
+        """The spare of request ``ticket``: wait up to ``timeout`` seconds for it (and the answers before it).
 
         None when the template refused or failed, or did not answer in time (it is then
         stopped: an answer after that would fork a spare that nothing waits for).
         """
-        while self._asked:
-            pid = self._answer(timeout)
-            wanted = self._asked.pop(0)
-            if not pid:
+        while ticket not in self._pids and self._waiting and self._state is not False:
+            if not self._take(self._answer(timeout)):
                 self._fail()
-                return None
-            if wanted:
-                return ForkedProcess(pid)
-            end(ForkedProcess(pid))  # a request given up (:meth:`drop`): its spare goes
-        return None
+        pid = self._pids.pop(ticket, 0)
+        return ForkedProcess(pid) if pid else None
 
-    def answered(self) -> bool:
-        """True when the template's answer to the oldest request is waiting to be read (:meth:`collect`
-        then returns at once); never blocks."""
-        if not self._asked or self._chan.fileno() < 0:
+    def answered(self, ticket: int) -> bool:
+        """True when the template's answer to request ``ticket`` is in (:meth:`collect` then returns at once);
+        never blocks."""
+        while ticket not in self._pids and self._waiting and self._chan.fileno() >= 0 \
+                and select.select([self._chan], [], [], 0)[0]:
+            pid = self._answer(0.0, wait=False)
+            if pid is None:  # the template said it is ready; no fork answered yet
+                break
+            if not self._take(pid):
+                self._fail()
+        return ticket in self._pids
+
+    def drop(self, ticket: int) -> None:
+        """Give up request ``ticket`` (its handoff fd is closed): its spare is reaped once forked."""
+        pid = self._pids.pop(ticket, 0)
+        if pid:
+            end(ForkedProcess(pid))
+        elif ticket in self._waiting:
+            self._dropped.add(ticket)
+
+    def _take(self, pid: int) -> bool:
+        """Give the oldest waiting request the answer ``pid`` (0: refused or failed: every waiting request gets
+        none); False for 0. A dropped request's spare is reaped."""
+        if not pid:
+            for ticket in self._waiting:
+                self._dropped.discard(ticket)
+                self._pids[ticket] = 0
+            self._waiting.clear()
             return False
-        return bool(select.select([self._chan], [], [], 0)[0])
+        ticket = self._waiting.pop(0)
+        if ticket in self._dropped:
+            self._dropped.discard(ticket)
+            end(ForkedProcess(pid))
+        else:
+            self._pids[ticket] = pid
+        return True
 
-    def drop(self) -> None:
-        """Give up the oldest request not collected (its handoff fd is closed): its spare is reaped once forked."""
-        if self._asked:
-            self._asked[self._asked.index(True)] = False
-
-    def _answer(self, timeout: float) -> int:
-        """The next fork's pid (0: refused, failed or timed out); reads the ``R``/``N`` first if not read yet."""
+    def _answer(self, timeout: float, wait: bool = True) -> int | None:
+        """The next fork's pid (0: refused, failed or timed out); reads the ``R``/``N`` first if not read yet.
+        ``wait=False``: None when only the ``R`` was there to read (no answer yet)."""
         try:
             self._chan.settimeout(timeout)
             while True:
@@ -183,6 +217,8 @@ class Template:
                     self._state = msg == b"R"
                     if msg == b"N":
                         return 0
+                    if not wait and not select.select([self._chan], [], [], 0)[0]:
+                        return None
                     continue
                 return int(msg or b"0")
         except (OSError, ValueError):
@@ -201,9 +237,16 @@ class Template:
     def close(self) -> None:
         """Stop the template; reap the spares it forked that nothing collected. Idempotent."""
         end(self.proc)
-        while self._asked:  # answers already sent: those spares are this agent's children now
-            pid = self._answer(0.0)
-            self._asked.pop(0)
+        while self._waiting and self._chan.fileno() >= 0:  # answers already sent: this agent's children now
+            pid = self._answer(0.0, wait=False)
+            self._waiting.pop(0)
             if pid:
                 end(ForkedProcess(pid))
+            else:
+                break
+        self._waiting.clear()
+        for pid in self._pids.values():
+            if pid:
+                end(ForkedProcess(pid))
+        self._pids.clear()
         self._chan.close()

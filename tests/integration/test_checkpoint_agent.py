@@ -281,31 +281,37 @@ def _slot_rss(pid: int) -> tuple[int, int]:
 
 def test_a_warm_spare_maps_the_slots_before_its_worker_saves(tmp_path):
     """A restarted worker's first two saves faulted every page of both slot files into its new
-    mapping (0.3 s each for 256 MiB, against 0.05 s later on): the next attempt's spare, forked
-    from the warm template, maps them while it waits."""
+    mapping (0.3 s each for 256 MiB, against 0.05 s later on): the next attempt's spare of each local
+    rank, forked from the node's warm template, maps that rank's slots while it waits (the template
+    imports with what the ranks share; each spare is given its own ``LOCAL_RANK`` as it is forked)."""
     import psutil
 
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
-    agent = start("elaunch", "--nproc-per-node=1", "--max-restarts=1", "--warm-start", "--warm-start-modules=torch",
+    agent = start("elaunch", "--nproc-per-node=2", "--max-restarts=1", "--warm-start", "--warm-start-modules=torch",
                   WORKER, str(out), "2", "--wait-for", str(stop), env=launcher_env())
     try:
-        wait_for(lambda: (out / "saved_0_1").exists(), 120, what="both slots saved into")
+        wait_for(lambda: all((out / f"saved_{r}_1").exists() for r in (0, 1)), 120, what="both slots saved into")
+        workers = {json.loads((out / f"{r}_0.json").read_text())["pid"] for r in (0, 1)}  # forks of it too
 
-        def spare_with_slots():
+        def spares_with_slots():
+            found = {}
             for child in psutil.Process(agent.pid).children():
                 try:
                     forked = "--template" in child.cmdline()
                 except psutil.Error:
                     continue
-                if forked and len(_mapped_slots(child.pid)) == 2:
-                    return child.pid
-            return None
+                mapped = _mapped_slots(child.pid) if forked and child.pid not in workers else []
+                if len(mapped) == 2:
+                    found[child.pid] = {os.path.basename(p) for p in mapped}
+            return found if len(found) == 2 else None
 
-        pid = wait_for(spare_with_slots, 120, what="a spare with both slot files mapped")
-        assert {os.path.basename(p) for p in _mapped_slots(pid)} == {"0.0", "0.1"}
+        spares = wait_for(spares_with_slots, 120, what="each rank's spare with both its slot files mapped")
+        assert sorted(map(sorted, spares.values())) == [["0.0", "0.1"], ["1.0", "1.1"]], spares
         # and faulted in: every page of both mappings resident in the spare (it maps them, then populates)
-        wait_for(lambda: (lambda r: r[1] and r[0] == r[1])(_slot_rss(pid)), 60, what="both slot mappings faulted in")
+        for pid in spares:
+            wait_for(lambda: (lambda r: r[1] and r[0] == r[1])(_slot_rss(pid)), 60,
+                     what="both slot mappings faulted in")
         stop.touch()
         assert agent.wait(60) == 0
     finally:
@@ -335,10 +341,9 @@ def test_a_warm_spare_has_imported_what_a_restore_needs(tmp_path):
             "--warm-start-modules=torch,torch.distributed.checkpoint", str(script), str(out), timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("0_0", "1_0", "0_1", "1_1"):
-        # the restart's spares still forked from their templates (what the template imports starts no thread)
-        forked = name.endswith("_1")
+        # every spare forked from the node's template (what the template imports starts no thread)
         assert json.loads((out / f"{name}.json").read_text()) == {**dict.fromkeys(CHECKPOINT_MODULES, True),
-                                                                 "forked": forked}, name
+                                                                 "forked": True}, name
 
 
 def test_a_forwarded_notice_persists_at_once(tmp_path):

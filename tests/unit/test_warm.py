@@ -115,3 +115,89 @@ def test_a_template_forks_only_once_its_importing_thread_is_gone():
     assert child._importer_gone(0.2) is False  # still there: no fork
     leave.set()
     assert child._importer_gone(10.0) is True
+
+
+class _TemplatePeer:
+    """The template's end of a real channel, played by the test: it reads requests and sends answers."""
+
+    def __init__(self):
+        import socket
+        import subprocess
+
+        from elaunch.procs.warm_template import Template
+
+        self.agent_end, self.end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(["sleep", "60"])  # stands for the template process
+        self.spares = []  # stand for the forked spares: the agent's children
+        self.template = Template(self.proc, self.agent_end, ["python", "x.py"], {})
+
+    def read_request(self) -> dict:
+        import socket
+
+        msg, fds, _flags, _addr = socket.recv_fds(self.end, 1 << 20, 4)
+        for fd in fds:
+            os.close(fd)
+        fields = msg.split(b"\0")
+        assert fields[0] == b"F"
+        return dict(zip(fields[1::2], fields[2::2]))
+
+    def fork(self) -> int:
+        import subprocess
+
+        spare = subprocess.Popen(["sleep", "60"])
+        self.spares.append(spare)
+        self.end.send(b"%d" % spare.pid)
+        return spare.pid
+
+    def close(self):
+        for p in [self.proc, *self.spares]:
+            p.kill()
+            p.wait()
+        self.agent_end.close()
+        self.end.close()
+
+
+def test_a_node_template_answers_each_local_ranks_request_by_its_ticket():
+    """One template serves every local rank: its answers come in the order of the requests, and each spare
+    goes to the request it answers, whichever rank collects first. The template's "ready" alone is no
+    answer (``answered`` read it as a failed fork, and ended the template, before). Each request carries
+    the spare's own variables."""
+    peer = _TemplatePeer()
+    try:
+        tmpl = peer.template
+        wfd0, t0 = tmpl.request(None, None, env={"LOCAL_RANK": "0"})
+        wfd1, t1 = tmpl.request(None, None, env={"LOCAL_RANK": "1"})
+        os.close(wfd0)
+        os.close(wfd1)
+        assert [peer.read_request(), peer.read_request()] == [{b"LOCAL_RANK": b"0"}, {b"LOCAL_RANK": b"1"}]
+        peer.end.send(b"R")  # imported; no fork yet
+        assert not tmpl.answered(t1) and not tmpl.answered(t0)
+        assert tmpl.usable() and tmpl.ready()
+        pid0, pid1 = peer.fork(), peer.fork()
+        assert tmpl.collect(t1, 5.0).pid == pid1  # rank 1 first: rank 0's answer is kept for it
+        assert tmpl.answered(t0) and tmpl.collect(t0, 5.0).pid == pid0
+        assert tmpl.usable()
+    finally:
+        peer.close()
+
+
+def test_a_dropped_request_of_a_node_template_has_its_spare_reaped_and_a_refusal_answers_every_request():
+    peer = _TemplatePeer()
+    try:
+        tmpl = peer.template
+        tickets = []
+        for _ in range(3):
+            wfd, ticket = tmpl.request(None, None)
+            os.close(wfd)
+            tickets.append(ticket)
+        tmpl.drop(tickets[0])  # its handoff pipe is closed: its spare goes once forked
+        peer.end.send(b"R")
+        dropped = peer.fork()
+        kept = peer.fork()
+        assert tmpl.collect(tickets[1], 5.0).pid == kept
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.kill(dropped, 0)
+        peer.end.send(b"0")  # the last fork failed
+        assert tmpl.collect(tickets[2], 5.0) is None and not tmpl.usable()
+    finally:
+        peer.close()
