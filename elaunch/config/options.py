@@ -209,10 +209,12 @@ _ROWS = (
     Option("no_python", WORKERS, "Run the script directly, not with python (any executable, found on PATH).", False),
     Option("run_path", WORKERS, "Run the script with runpy.run_path in each worker; takes precedence over "
            "--no-python.", False),
-    Option("warm_start", WORKERS, "Keep a spare interpreter per worker with --warm-start-modules imported, so "
-           "restarted workers skip those imports (elaunch only; not with --no-python).", False, elaunch_only=True),
-    Option("warm_start_modules", WORKERS, "Modules each warm spare imports in advance (torch._dynamo: the first "
-           "torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES), "MOD,...",
+    Option("warm_start", WORKERS, "Keep a spare interpreter per worker with --warm-start-modules imported (forked "
+           "from one template per node), so workers skip those imports (elaunch only; not with --no-python).", False,
+           elaunch_only=True),
+    Option("warm_start_modules", WORKERS, "Modules the node's warm template imports in advance, once, for every "
+           "spare (torch._dynamo: the first torch.optim optimizer imports it).", ",".join(DEFAULT_WARM_MODULES),
+           "MOD,...",
            V.parse_comma_list, argtype=comma_list, elaunch_only=True),
     Option("shutdown_timeout", WORKERS, "Seconds between SIGTERM and SIGKILL when stopping workers [default: "
            f"${SHUTDOWN_TIMEOUT_ENV} or {DEFAULT_SHUTDOWN_TIMEOUT:g}].", None, "SECONDS", _seconds(True),
