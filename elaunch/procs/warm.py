@@ -218,14 +218,14 @@ class WarmPool:
 
     def prepare(
         self, attempt: int, logs: "AttemptLogs", cmds: Mapping[int, list[str]], envs: Mapping[int, Mapping[str, str]],
-        nice: int = IMPORT_NICE, templates: bool = True, lock_dir: str | None = None,
+        nice: int = IMPORT_NICE, lock_dir: str | None = None,
     ) -> int:
         """Start one spare per local rank for ``attempt``, replacing any earlier ones.
 
         Each spare is asked of the node's template (``warm_template``): forked at once where it is
-        ready, else once it imported. With ``templates``, a template starts where none serves (one
-        for every local rank: the modules are imported once per node, not once per rank); without,
-        or where a template could not fork, an interpreter is started that imports the modules.
+        ready, else once it imported. A template starts where none serves (one for every local rank:
+        the modules are imported once per node, not once per rank); where a template could not fork,
+        an interpreter is started that imports the modules.
 
         Args:
             attempt: the attempt number the spares will serve.
@@ -234,8 +234,6 @@ class WarmPool:
                 spares get ``spawn_env(env)``.
             nice: the nice value of the importing thread: :data:`IMPORT_NICE`
                 (idle CPU only) while a group runs, 0 before the first one.
-            templates: start a template where none serves (False: spares that no template
-                serves start as interpreters).
             lock_dir: the workers wait for their siblings (``return_barrier``): each
                 spare holds a locked file made here from its start. None: they do not.
 
@@ -244,7 +242,8 @@ class WarmPool:
         """
         self.discard()
         self._attempt, self._logs, self._handed = attempt, logs, 0
-        shared = _shared_env({lr: spawn_env(env) for lr, env in envs.items()})
+        spawned = {lr: spawn_env(env) for lr, env in envs.items()}
+        shared = _shared_env(spawned)
         for lr in sorted(cmds):
             target = parse_worker_cmd(cmds[lr])
             if target is None:
@@ -253,9 +252,9 @@ class WarmPool:
                     self._warned = True
                 self.enabled = False
                 break
-            env = spawn_env(envs[lr])
+            env = spawned[lr]
             try:
-                spare = self._fork(lr, cmds[lr], env, shared, target, logs, nice if templates else None, lock_dir)
+                spare = self._fork(lr, cmds[lr], env, shared, target, logs, nice, lock_dir)
                 if spare is None:
                     spare = self._spawn(lr, cmds[lr], env, target, logs, nice, lock_dir)
             except OSError as exc:
@@ -272,9 +271,9 @@ class WarmPool:
         return len(self._spares)
 
     def _fork(self, lr: int, cmd: list[str], env: dict[str, str], shared: dict[str, str], target: WarmTarget,
-              logs: "AttemptLogs", nice: int | None, lock_dir: str | None = None) -> _Spare | None:
-        """A spare of ``lr`` asked of the node's template (forked now if it is ready), or None; with ``nice``,
-        a template starts where none serves (the spare then forks once it imported). ``shared``: the
+              logs: "AttemptLogs", nice: int, lock_dir: str | None = None) -> _Spare | None:
+        """A spare of ``lr`` asked of the node's template (forked now if it is ready), or None; a template
+        starts where none serves, importing at ``nice`` (the spare then forks once it imported). ``shared``: the
         pre-round environment every local rank has (:func:`_shared_env`), the template's own."""
         tmpl = self._template
         if tmpl is not None and not tmpl.usable():  # it refused to fork, failed or died
@@ -284,7 +283,7 @@ class WarmPool:
             self._end_template()  # the workers changed: it serves no more
             tmpl = None
         if tmpl is None:
-            if nice is None or self._no_template or self._reaper is None or not become_subreaper():
+            if self._no_template or self._reaper is None or not become_subreaper():
                 return None
             tmpl = self._template = Template.start([target.python, *target.flags], target.path0,
                                                    self._modules, cmd, shared, nice, self._extra)
@@ -296,11 +295,11 @@ class WarmPool:
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # the template holds it now (or it failed: the lock goes)
-        wfd, ticket = asked if asked is not None else (-1, -1)
-        spare = _Spare(None, wfd, cmd, env, target, tmpl, lock, ticket)
         if asked is None:
-            spare.drop_lock()
+            _Spare(None, -1, cmd, env, target, lock=lock).drop_lock()
             return None
+        wfd, ticket = asked
+        spare = _Spare(None, wfd, cmd, env, target, tmpl, lock, ticket)
         if tmpl.ready() and not self._collect(spare, FORK_TIMEOUT):
             self._retire()
             return None

@@ -239,12 +239,11 @@ class Template:
         end(self.proc)
         while self._waiting and self._chan.fileno() >= 0:  # answers already sent: this agent's children now
             pid = self._answer(0.0, wait=False)
-            self._waiting.pop(0)
-            if pid:
-                end(ForkedProcess(pid))
-            else:
+            if not pid:
                 break
+            self._take(pid)  # a dropped request's spare is reaped here, the others below
         self._waiting.clear()
+        self._dropped.clear()
         for pid in self._pids.values():
             if pid:
                 end(ForkedProcess(pid))

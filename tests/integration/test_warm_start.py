@@ -267,7 +267,7 @@ def test_a_spare_handed_a_worker_before_its_attempt_keeps_its_log_files_and_is_n
         wait_for(lambda: procs.poll()[0] is not None, 30, what="attempt 0's worker")
         procs.close()
         assert launcher.prestart(0, cmds[0], {**envs[0], "RESTART": "9"}, {"MARK": "early"}) is None  # changed env
-        launcher.pool.prepare(1, launcher.attempt_logs(1, 1), cmds, envs, templates=False)
+        launcher.pool.prepare(1, launcher.attempt_logs(1, 1), cmds, envs)
         wait_for(lambda: launcher.pool.ready(0), 30, what="attempt 1's spare")
         proc = launcher.prestart(0, cmds[0], envs[0], {"MARK": "early"})
         assert proc is not None
@@ -337,8 +337,9 @@ def test_an_importing_template_or_spare_lowers_its_autogroup_then_raises_it_befo
         logs = launcher.attempt_logs(2, 1)
         assert pool.prepare(2, logs, cmds, envs) == 1
         spare = pool.pids()[0]
-        wait_for(lambda: (nice / str(spare)).exists(), 60, what="the spare's import")
-        assert (nice / str(spare)).read_text() == "19 19"
+        imported = wait_for(lambda: (nice / str(spare)).exists() and (nice / str(spare)).read_text(), 60,
+                            what="the spare's import")  # the probe opens the file, then writes it
+        assert imported == "19 19"
         proc = pool.handoff(0, cmds[0], envs[0])
         assert proc is not None and proc.pid == spare and proc.wait(30) == 0
         assert open(logs.stdout[0]).read() == "0\n"  # the worker it became runs raised back

@@ -127,7 +127,8 @@ class _TemplatePeer:
         from elaunch.procs.warm_template import Template
 
         self.agent_end, self.end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(["sleep", "60"])  # stands for the template process
+        # stands for the template process: a group leader, as popen_worker starts it (it is ended by group)
+        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
         self.spares = []  # stand for the forked spares: the agent's children
         self.template = Template(self.proc, self.agent_end, ["python", "x.py"], {})
 
@@ -144,7 +145,7 @@ class _TemplatePeer:
     def fork(self) -> int:
         import subprocess
 
-        spare = subprocess.Popen(["sleep", "60"])
+        spare = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a forked spare leads its session
         self.spares.append(spare)
         self.end.send(b"%d" % spare.pid)
         return spare.pid
