@@ -30,8 +30,10 @@ blocked until it, or waits for it at the next collective).
    host joining at once. Goodput = T0 / T_faulty, launch to the last agent's exit. Each fault
    twice: elaunch's full restart (every worker of the job restarted), and in-process restart
    (the example's ``--in-process``, ``@elaunch.restartable``; elaunch already runs with
-   ``--warm-start``): the survivors keep their processes, a dead rank gets a new one. The
-   same T0 runs for both.
+   ``--warm-start``): the survivors keep their processes, a dead rank gets a new one. T0 runs
+   before and after the faulty runs, and a faulty run's T0 is the mean of the uninterrupted
+   runs of its way beside it; ``--gp-interleave N`` runs the faults N times, each faulty run
+   followed by an uninterrupted one (the machine's speed drifts within minutes).
 
 The disk side writes to a directory on the working directory's disk (DCP's ``FileSystemWriter``
 fsyncs its files); its loads read files just written (page cache): the floor of a disk restore.
@@ -58,6 +60,7 @@ import psutil
 
 from benchmarks.common import REPO, DidNotComplete, emit, launcher_cmd, launcher_env, log_line
 from benchmarks.goodput_hosts import shm_paths
+from benchmarks.goodput_results import bracket_t0
 
 WORKER = str(REPO / "benchmarks" / "workers" / "fsdp2_dcp_bench.py")
 EXAMPLE = str(REPO / "examples" / "fsdp2_dcp.py")
@@ -343,10 +346,10 @@ _ALL_RUNS = {**GP_RUNS, **GP_EXTRA}
 
 
 def goodput_run(s: Sizes, root: Path, disk_root: Path, fault: str, t0: float | None, seed: int = 0,
-                in_process: bool = False) -> dict:
+                in_process: bool = False, tag: str = "") -> dict:
     from tests.multinode import netns
 
-    work = root / f"gp-{fault}{'-ip' if in_process else ''}"
+    work = root / f"gp-{fault}{'-ip' if in_process else ''}{tag}"
     work.mkdir(parents=True)
     args = ["--steps", str(s.gp_steps), "--dim", str(s.dim), "--layers", str(s.layers), "--heads", str(s.heads),
             "--final-params", str(work / "final.sha"), "--timings", str(work / "timings"),
@@ -528,20 +531,23 @@ def fault_costs(recs: list[dict], rounds: dict[int, dict], t_start: float, event
 
 
 def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple(GP_RUNS),
-            reference: list[dict] | None = None) -> list[dict]:
-    """T0 before and after the faulty runs (the machine's load drifts: T0 is their median), then ``runs``
-    (``GP_RUNS``' keys: kill and node with elaunch's full restart, kill-ip and node-ip in process).
+            reference: list[dict] | None = None, interleave: int = 0) -> list[dict]:
+    """T0 before and after the faulty runs (the machine's load drifts), then ``runs`` (``GP_RUNS``' keys: kill
+    and node with elaunch's full restart, kill-ip and node-ip in process); a faulty run's T0 is the mean of
+    the uninterrupted runs of its way nearest before and after it (``goodput_results.bracket_t0``).
 
     Each way has T0 runs of its own (the in-process ones with ``--in-process`` and no fault: the decorator's
     ``gc.freeze`` alone may change the step time). ``reference``: an earlier result's uninterrupted rows,
-    taken instead of running them (same sizes).
+    taken instead of running them (same sizes). ``interleave``: ``runs`` that many times, each faulty run
+    followed by an uninterrupted run of its way (0: one uninterrupted run of each way before all the faulty
+    runs and one after).
     """
     ways = list(dict.fromkeys(_ALL_RUNS[name][1] for name in runs)) or [False]
     base: dict[bool, list[dict]] = {w: [] for w in ways}
     rows: list[dict] = []
 
-    def uninterrupted(when: str) -> None:
-        for w in ways:
+    def uninterrupted(when: str, only=None) -> None:
+        for w in ways if only is None else [only]:
             log_line(f"goodput: uninterrupted{' in process' if w else ''} ({when})")
             r = goodput_run(s, root / when, disk_root, "none", None, in_process=w)
             r["when"] = when
@@ -557,20 +563,25 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
         uninterrupted("before")
     if not all(any(r["T_s"] is not None for r in base[w]) for w in ways):
         return rows
-    for name in runs:
-        fault, in_process = _ALL_RUNS[name]
-        t0_first = next(r["T_s"] for r in base[in_process] if r["T_s"] is not None)
-        log_line(f"goodput: {name} (T0 {t0_first:.1f} s)")
-        rows.append(goodput_run(s, root, disk_root, fault, t0_first, in_process=in_process))
-    if not reference:
+    for rep in range(max(1, interleave)):
+        for name in runs:
+            fault, in_process = _ALL_RUNS[name]
+            t0_last = next(r["T_s"] for r in reversed(base[in_process]) if r["T_s"] is not None)
+            log_line(f"goodput: {name} (T0 {t0_last:.1f} s)")
+            tag = f"-{rep + 1}" if interleave else ""
+            rows.append(goodput_run(s, root, disk_root, fault, t0_last, in_process=in_process, tag=tag))
+            if interleave:
+                uninterrupted(f"after-{name}{tag}", in_process)
+    if not reference and not interleave:
         uninterrupted("after")
-    t0 = {w: statistics.median([r["T_s"] for r in base[w] if r["T_s"] is not None]) for w in ways}
+    bracket_t0(rows, lambda r: r.get("in_process", False))
     sha = next((r["final_sha256"] for w in ways for r in base[w] if r["final_sha256"]), None)
     for row in rows:
         if row["fault"] == "none":
             continue
-        row["T0_s"] = t0[row["in_process"]]
-        row["goodput"] = row["T0_s"] / row["T_s"] if row["T_s"] else None
+        if reference and not interleave:  # another time's runs: none is nearer than another
+            row["T0_s"] = statistics.median(r["T_s"] for r in base[row["in_process"]] if r["T_s"] is not None)
+            row["goodput"] = row["T0_s"] / row["T_s"] if row["T_s"] else None
         row["bit_identical"] = row["final_sha256"] == sha if row["final_sha256"] and sha else None
     return rows
 
@@ -661,36 +672,45 @@ def rows_of(res: dict) -> list[dict]:
                          f"after the faults; the uninterrupted runs' digests: {len(shas)})",
                          "unit": "s", "values": t0s, "median": _med([t for t in t0s if t is not None]), "vs": None,
                          "target": None, "ratio": None, "met": None})
+    faulty: dict[str, list[dict]] = {}  # a fault's runs (several with --gp-interleave), in run order
     for g in res.get("goodput", []):
-        if g["fault"] == "none":
-            continue
-        pct = g["goodput"] * 100 if g.get("goodput") else None
-        label = {"kill": "goodput: a worker SIGKILL every 20 s", "node": "goodput: a node killed, a fresh one joins",
-                 "standby": "goodput: a node killed, a standby node (waiting since the job trains) takes its place"}
-        how = "in-process restart" if g.get("in_process") else "full restart"
-        rec = [e["recovered_s"] for e in g["events"] if e.get("recovered_s") is not None]
+        if g["fault"] != "none":
+            faulty.setdefault(f"{g['fault']}{'_inprocess' if g.get('in_process') else ''}", []).append(g)
+    label = {"kill": "goodput: a worker SIGKILL every 20 s", "node": "goodput: a node killed, a fresh one joins",
+             "standby": "goodput: a node killed, a standby node (waiting since the job trains) takes its place"}
+    for suffix, gs in faulty.items():
+        g0 = gs[0]
+        pcts = [g["goodput"] * 100 if g.get("goodput") else None for g in gs]
+        read = [p for p in pcts if p is not None]
+        how = "in-process restart" if g0.get("in_process") else "full restart"
+        rec = [e["recovered_s"] for g in gs for e in g["events"] if e.get("recovered_s") is not None]
         recovery = f"fault to training again: median {_med(rec):.1f} s" if rec else "recovery not read"
-        rounds = g.get("rounds", [])[1:]
+        rounds = [r for g in gs for r in g.get("rounds", [])[1:]]
         kept = f"; processes kept: {sum(r['kept'] for r in rounds)} of {sum(r['ranks'] for r in rounds)}" \
             if rounds else ""
-        note = f"; {g['note']}" if g.get("note") else ""
-        rows.append({"key": f"goodput.{g['fault']}{'_inprocess' if g.get('in_process') else ''}",
-                     "label": f"{label[g['fault']]}, {how} ({len(g['events'])} faults; "
-                     f"{recovery}{kept}; bit-identical: {g.get('bit_identical')}{note})", "unit": "%", "values": [pct],
-                     "median": pct, "vs": None, "ratio": None,
+        notes = "".join(f"; {g['note']}" for g in gs if g.get("note"))
+        faults = "/".join(str(len(g["events"])) for g in gs)
+        t0 = "each against the uninterrupted runs beside it" if any(len(g.get("T0_runs_s", [])) == 2 for g in gs) \
+            else "against the uninterrupted runs"
+        same = [g.get("bit_identical") for g in gs]
+        rows.append({"key": f"goodput.{suffix}",
+                     "label": f"{label[g0['fault']]}, {how} ({faults} faults; {t0}; {recovery}{kept}; "
+                     f"bit-identical: {same[0] if len(set(same)) == 1 else same}{notes})", "unit": "%",
+                     "values": pcts, "median": _med(read), "vs": None, "ratio": None,
                      "target": {"kind": "abs_ge", "value": 95, "text": ">= 95 %"},
-                     "met": pct is not None and pct >= 95})
-        suffix = f"{g['fault']}{'_inprocess' if g.get('in_process') else ''}"
+                     "met": bool(read) and _med(read) >= 95})
         for key, costs_key, how_read in (
-                ("goodput_in_run", "fault_costs_s", f"1 - the faults' cost / its length (step {g.get('step_s') or 0:.2f} s"),
+                ("goodput_in_run", "fault_costs_s", "1 - the faults' cost / its length (step "
+                 + "/".join(f"{g.get('step_s') or 0:.2f}" for g in gs) + " s"),
                 ("goodput_in_run_window", "fault_costs_window_s", "40 steps after each fault (goodput_results.in_run")):
-            if g.get(key) is None:  # a fault's cost not read
+            own = [g[key] * 100 for g in gs if g.get(key) is not None]
+            if not own:  # no fault's cost read
                 continue
-            costs, own = g[costs_key], g[key] * 100
+            costs = [c for g in gs if g.get(key) is not None for c in g[costs_key]]
             rows.append({"key": f"{key}.{suffix}",
-                         "label": f"{label[g['fault']]}, {how}: from the run's own steps, {how_read}; cost of a fault: "
+                         "label": f"{label[g0['fault']]}, {how}: from the run's own steps, {how_read}; cost of a fault: "
                          f"median {_med(costs):.2f} s, range {min(costs):.2f}-{max(costs):.2f} s; an estimate "
-                         "without T0, not the target's measure)", "unit": "%", "values": [own], "median": own,
+                         "without T0, not the target's measure)", "unit": "%", "values": own, "median": _med(own),
                          "vs": None, "ratio": None, "target": None, "met": None})
     return rows
 
@@ -725,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gp-reference", type=Path, default=None, metavar="JSON",
                    help="take the goodput part's uninterrupted runs (T0, digest) from this earlier --json result "
                         "instead of running them (same sizes)")
+    p.add_argument("--gp-interleave", type=int, default=0, metavar="N",
+                   help="the goodput part's faulty runs N times, each followed by an uninterrupted run of its way; "
+                        "a faulty run's T0 is the mean of the uninterrupted runs beside it (default 0: one "
+                        "uninterrupted run of each way before all the faulty runs and one after)")
     p.add_argument("--gp-runs", default=",".join(GP_RUNS),
                    help="the goodput part's faulty runs, in order (default kill,node,kill-ip,node-ip: each fault "
                         "with elaunch's full restart, then in process (-ip, the example's --in-process)); also "
@@ -733,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     runs = tuple(x for x in a.gp_runs.split(",") if x)
     bad = [x for x in runs if x not in _ALL_RUNS]
+    if a.gp_interleave < 0:
+        p.error(f"--gp-interleave: {a.gp_interleave} is negative")
     if bad:
         p.error(f"--gp-runs: unknown {bad} (known: {', '.join(_ALL_RUNS)})")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -779,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
                 if {k: v for k, v in earlier["meta"]["sizes"].items() if k != "state_mib"} != asdict(s):
                     p.error(f"--gp-reference {a.gp_reference}: other sizes ({earlier['meta']['sizes']})")
                 reference = earlier["raw"].get("goodput", [])
-            res["goodput"] = goodput(s, root, Path(disk_root), runs, reference)
+            res["goodput"] = goodput(s, root, Path(disk_root), runs, reference, a.gp_interleave)
         else:
             res["notes"].append("goodput: not run (--smoke, or --only without it)")
     rows = rows_of(res)

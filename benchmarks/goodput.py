@@ -24,7 +24,10 @@ turns it off). Each configuration runs once uninterrupted (T0), then under each 
   fourth agent, started once the group trains, waiting on the rendezvous' redundancy list
   (the world is at ``--nnodes``' maximum) with its warm spare, as a cluster's hot spare would.
 
-Goodput = T0 / T_faulty (launch to the last agent's exit). Beside it, the in-run estimate
+Goodput = T0 / T_faulty (launch to the last agent's exit). ``--interleave N`` runs each
+fault N times, each faulty run followed by an uninterrupted one, and a faulty run's T0 is
+then the mean of the uninterrupted runs beside it (``goodput_results.bracket_t0``): the
+machine's speed drifts by several percent within minutes. Beside it, the in-run estimate
 (``goodput_results.in_run``): each fault's cost read from the faulty run's own step times
 (``fault_costs_s``), and ``1 - their sum / T_faulty``; two runs on this shared machine differ
 by seconds in their start-up and by percents in their step time, which T0 / T counts as the
@@ -71,7 +74,8 @@ from pathlib import Path
 
 from benchmarks.common import DidNotComplete, log_line
 from benchmarks.goodput_hosts import Cluster
-from benchmarks.goodput_results import attempts, fmt_s, in_run, markdown, read_steps, report_scenario, summarize
+from benchmarks.goodput_results import (attempts, bracket_t0, fmt_s, in_run, markdown, read_steps, report_scenario,
+                                        summarize)
 
 
 
@@ -290,11 +294,12 @@ FAULT_DRIVERS = {"kill": fault_kill, "node": fault_node, "standby": fault_standb
 
 
 def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm: bool,
-             t0: float | None = None, ref: dict | None = None) -> dict:
-    """One run of configuration ``cfg`` under ``fault`` (``none``: the T0 run); return its row."""
+             t0: float | None = None, ref: dict | None = None, tag: str = "") -> dict:
+    """One run of configuration ``cfg`` under ``fault`` (``none``: the T0 run), in ``root``'s
+    ``{cfg}-{fault}{tag}`` (``tag`` tells an interleaved run's repeats apart); return its row."""
     from tests.multinode import netns
 
-    workdir = root / f"{cfg.name}-{fault}"
+    workdir = root / f"{cfg.name}-{fault}{tag}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     warm = warm or cfg.name in IN_PROCESS  # d is measured with warm spares only
@@ -443,6 +448,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", type=Path, default=None, metavar="JSON",
                    help="take the uninterrupted runs (T0, final digest) from this earlier --json result "
                         "instead of running them (same sizes and seed)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="run each fault N times, each faulty run followed by an uninterrupted one; a faulty "
+                        "run's T0 is then the mean of the uninterrupted runs on either side (the machine's "
+                        "speed drifts within minutes). Default 0: one uninterrupted run, before the faults")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=None)
     p.add_argument("--state-mib", type=int, default=None)
@@ -451,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.faults = [f for f in a.faults.split(",") if f]
     bad = [c for c in a.configs + ([a.lost] if a.lost else []) if c not in CONFIGS]
     bad += [f for f in a.faults if f not in FAULTS]
+    if a.interleave < 0:
+        p.error(f"--interleave: {a.interleave} is negative")
     if bad:
         p.error(f"unknown configuration(s) or fault(s): {', '.join(bad)} (configs a,b,c,d; faults kill,node,standby)")
     return a
@@ -491,12 +502,24 @@ def run(a: argparse.Namespace) -> dict:
                 log_line(f"goodput {name} ({cfg.label}): uninterrupted")
                 base_row = run_once(cfg, "none", sizes, a.seed, root, warm)
             rows.append(base_row)
-            faults = (a.faults if name in a.configs else []) + (["lost"] if name == a.lost else [])
-            for fault in faults:
-                if a.json:  # what is measured so far survives an interrupted run
-                    a.json.write_text(json.dumps({**result(), "partial": True}, indent=1) + "\n")
-                log_line(f"goodput {name}: {fault} (T0 {fmt_s(base_row['T_s'])})")
-                rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, base_row["T_s"], base_row))
+            faults = a.faults if name in a.configs else []
+            plan = [faults] * a.interleave if a.interleave else [faults]
+            plan += [["lost"]] if name == a.lost else []
+            last = base_row  # the uninterrupted run just before: its T0 times the faults (node_at) and bounds
+            for i, group in enumerate(plan):
+                for fault in group:
+                    if a.json:  # what is measured so far survives an interrupted run
+                        a.json.write_text(json.dumps({**result(), "partial": True}, indent=1) + "\n")
+                    log_line(f"goodput {name}: {fault} (T0 {fmt_s(last['T_s'])})")
+                    tag = f"-{i + 1}" if a.interleave and i < a.interleave else ""
+                    rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, last["T_s"], base_row, tag))
+                    if tag and last["T_s"] is not None:
+                        log_line(f"goodput {name} ({cfg.label}): uninterrupted, after {fault}")
+                        last = run_once(cfg, "none", sizes, a.seed, root, warm, tag=f"-after-{fault}{tag}")
+                        rows.append(last)
+                if last["T_s"] is None:
+                    last = base_row
+    bracket_t0(rows, lambda r: r["config"])
     return result()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.goodput_hosts import Worker
@@ -183,6 +183,32 @@ def in_run(records: Sequence[tuple[float, int, int]], fault_times: Sequence[floa
             "goodput_in_run": (1 - sum(costs) / T_s) if whole else None}
 
 
+def bracket_t0(rows: Sequence[dict], way: Callable[[dict], object]) -> None:
+    """Give each faulty row the T0 of the uninterrupted runs beside it, in place: ``T0_s``, the mean of the
+    nearest uninterrupted run of the same way (``way(row)``: a configuration, or in process or not) before
+    it and the nearest after it in ``rows``' order (the run order), or of the one that exists;
+    ``T0_runs_s``, those runs' lengths; ``goodput``, ``T0_s / T_s`` (None where either is None).
+
+    The machine's speed drifts by several percent within minutes here (an uninterrupted FSDP2 run took
+    131.7 s and, 12 minutes later, 102.8 s), and T0 / T counts that drift as the faults'; a faulty run
+    between two uninterrupted runs (``--interleave``) is compared with the machine of its own minutes.
+    An uninterrupted row whose ``T_s`` is None (it did not complete) is skipped; a faulty row with no
+    uninterrupted run of its way keeps its fields.
+    """
+    for i, row in enumerate(rows):
+        if row["fault"] == "none":
+            continue
+        same = [j for j, r in enumerate(rows) if r["fault"] == "none" and r.get("T_s") is not None
+                and way(r) == way(row)]
+        near = [j for j in (max((j for j in same if j < i), default=None),
+                            min((j for j in same if j > i), default=None)) if j is not None]
+        if not near:
+            continue
+        row["T0_runs_s"] = [rows[j]["T_s"] for j in near]
+        row["T0_s"] = statistics.fmean(row["T0_runs_s"])
+        row["goodput"] = row["T0_s"] / row["T_s"] if row.get("T_s") else None
+
+
 def markdown(rows: Sequence[dict]) -> str:
     """The rows as a markdown table (one per configuration and fault)."""
     lines = ["| config | fault | T0 | T faulty | goodput | in-run estimate | restarts | steps lost | restored from | "
@@ -200,16 +226,19 @@ def markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _metric(key: str, label: str, unit: str, e: dict | None, t: dict | None, field: str,
+def _metric(key: str, label: str, unit: str, e: Sequence[dict], t: Sequence[dict], field: str,
             target: dict | None = None) -> dict:
-    """A benchmarks.report metric: elaunch's row ``e`` against torchrun's ``t`` (``field`` of each)."""
+    """A benchmarks.report metric: elaunch's rows ``e`` against torchrun's ``t`` (``field`` of each; the median
+    of the runs that read it; ``--interleave`` gives a fault several runs)."""
     values, notes, median = {}, {}, {}
-    for which, row in (("elaunch", e), ("torchrun", t)):
-        v = None if row is None else row.get(field)
-        if v is not None:
-            v = 100.0 * v if unit == "%" else float(v)
-        values[which], median[which] = [v], v
-        notes[which] = [] if v is not None else [(row["note"] or "did not complete") if row else "not run"]
+    for which, runs in (("elaunch", e), ("torchrun", t)):
+        vals = [row.get(field) for row in runs]
+        vals = [None if v is None else 100.0 * v if unit == "%" else float(v) for v in vals]
+        read = [v for v in vals if v is not None]
+        values[which] = vals or [None]
+        median[which] = statistics.median(read) if read else None
+        notes[which] = [(row["note"] or "did not complete") for row, v in zip(runs, vals) if v is None] \
+            if runs else ["not run"]
     ratio = median["elaunch"] / median["torchrun"] if median["elaunch"] is not None and median["torchrun"] else None
     return {"key": key, "label": label, "unit": unit, "values": values, "notes": notes, "target": target,
             "median": median, "ratio": ratio}
@@ -217,7 +246,9 @@ def _metric(key: str, label: str, unit: str, e: dict | None, t: dict | None, fie
 
 def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
     """The ``goodput`` scenario for benchmarks/report.py: elaunch a and b each against torchrun c."""
-    by = {(r["config"], r["fault"]): r for r in rows}
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["config"], r["fault"]), []).append(r)
     what = f"3 hosts, {state_mib} MiB state"
     metrics = []
     for fault in dict.fromkeys(r["fault"] for r in rows if r["fault"] in ("kill", "node")):
@@ -227,9 +258,9 @@ def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
             if (cfg, fault) in by:
                 vs = f"({what}): elaunch {how} vs torchrun per-epoch torch.save"
                 metrics.append(_metric(f"goodput.{fault}_{cfg}", f"goodput, {label} {vs}", "%", by[(cfg, fault)],
-                                       by.get(("c", fault)), "goodput", target))
+                                       by.get(("c", fault), []), "goodput", target))
                 metrics.append(_metric(f"goodput.{fault}_{cfg}_lost", f"steps lost, {label} {vs}", "steps",
-                                       by[(cfg, fault)], by.get(("c", fault)), "steps_lost"))
+                                       by[(cfg, fault)], by.get(("c", fault), []), "steps_lost"))
     lost = next((r for r in rows if r["fault"] == "lost"), None)
     if lost:
         kills = [e for e in lost["events"] if e["fault"] == "worker SIGKILL"]
@@ -238,7 +269,7 @@ def report_scenario(rows: Sequence[dict], state_mib: int) -> dict:
         also = f", {raises} rank(s) raising" if raises else ""
         m = _metric("goodput.nothing_lost", f"nothing lost: {len(kills)} worker SIGKILLs ({torn} during a save), "
                     f"a node replaced{also}, final parameters bit-identical ({what}, {lost['label']})", "bool",
-                    lost, None, "bit_identical")
+                    [lost], [], "bit_identical")
         m["notes"]["torchrun"] = ["not run (a check of elaunch's ckpt.save)"]
         metrics.append(m)
     return {"name": "goodput", "metrics": metrics}

@@ -150,6 +150,36 @@ def test_report_scenario_pairs_elaunch_rows_with_torchrun_and_judges_the_target(
     assert target_status(low, {}) == "not met" and low["notes"]["torchrun"] == ["not run"]
 
 
+def test_report_scenario_gives_the_median_of_a_faults_interleaved_runs():
+    """--interleave gives a fault several rows: the metric lists each run's value and its median, and a run
+    that did not complete is a None value with its note, not a dropped one."""
+    rows = [{"config": "d", "fault": "node", "fault_label": "node", "goodput": g, "note": n, "label": "d",
+             "steps_lost": 1} for g, n in ((0.96, ""), (0.99, ""), (None, "did not complete in 240 s"), (0.97, ""))]
+    metric = report_scenario(rows, 256)["metrics"][0]
+    assert metric["values"]["elaunch"] == [96.0, 99.0, None, 97.0]
+    assert metric["median"]["elaunch"] == 97.0
+    assert metric["notes"]["elaunch"] == ["did not complete in 240 s"]
+
+
+def test_bracket_t0_compares_each_faulty_run_with_the_uninterrupted_runs_beside_it():
+    """A faulty run's T0 is the mean of the nearest uninterrupted runs of its own way before and after it in
+    run order (the machine drifts: 131.7 s, then 102.8 s 12 minutes later), one where only one exists; an
+    uninterrupted run that did not complete, or one of another way, is not a neighbour."""
+    from benchmarks.goodput_results import bracket_t0
+
+    def r(cfg, fault, T):
+        return {"config": cfg, "fault": fault, "T_s": T, "goodput": None}
+
+    rows = [r("d", "none", 100.0), r("d", "node", 110.0), r("a", "none", 50.0), r("d", "none", 120.0),
+            r("d", "kill", 121.0), r("d", "none", None), r("d", "node", None), r("a", "kill", 55.0)]
+    bracket_t0(rows, lambda row: row["config"])
+    assert rows[1]["T0_runs_s"] == [100.0, 120.0] and rows[1]["T0_s"] == 110.0 and rows[1]["goodput"] == 1.0
+    assert rows[4]["T0_runs_s"] == [120.0] and rows[4]["goodput"] == 120.0 / 121.0  # the later one did not complete
+    assert rows[6]["T0_s"] == 120.0 and rows[6]["goodput"] is None  # the faulty run did not complete
+    assert rows[7]["T0_runs_s"] == [50.0] and rows[7]["goodput"] == 50.0 / 55.0  # its own configuration's only
+    assert "T0_s" not in rows[0] and rows[0]["goodput"] is None  # uninterrupted rows are left as they are
+
+
 def _our_namespaces(pid: int) -> list[str]:
     res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     return [line.split()[0] for line in res.stdout.splitlines() if line.startswith(f"elt-{pid}-")]
