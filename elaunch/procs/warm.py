@@ -163,12 +163,17 @@ class _Spare:
 
     def drop_lock(self) -> None:
         """Remove the file of a spare that will not run a worker (its lock goes with the process)."""
-        if self.lock is not None:
-            try:
-                os.unlink(self.lock)
-            except OSError:
-                pass
-            self.lock = None
+        _remove_lock(self.lock)
+        self.lock = None
+
+
+def _remove_lock(path: str | None) -> None:
+    """Remove a spare's barrier file (``_new_lock``'s path; None: there is none)."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _new_lock(lock_dir: str | None) -> tuple[int | None, str | None]:
@@ -296,7 +301,7 @@ class WarmPool:
             if lock_fd is not None:
                 os.close(lock_fd)  # the template holds it now (or it failed: the lock goes)
         if asked is None:
-            _Spare(None, -1, cmd, env, target, lock=lock).drop_lock()
+            _remove_lock(lock)
             return None
         wfd, ticket = asked
         spare = _Spare(None, wfd, cmd, env, target, tmpl, lock, ticket)
@@ -343,7 +348,7 @@ class WarmPool:
                                 logs.stderr.get(lr), pass_fds=fds)
         except OSError:
             os.close(wfd)
-            _Spare(None, -1, cmd, env, target, lock=lock).drop_lock()
+            _remove_lock(lock)
             raise
         finally:
             os.close(rfd)
