@@ -574,7 +574,8 @@ def goodput(s: Sizes, root: Path, disk_root: Path, runs: tuple[str, ...] = tuple
                 uninterrupted(f"after-{name}{tag}", in_process)
     if not reference and not interleave:
         uninterrupted("after")
-    bracket_t0(rows, lambda r: r.get("in_process", False))
+    if not reference or interleave:
+        bracket_t0(rows, lambda r: r.get("in_process", False))
     sha = next((r["final_sha256"] for w in ways for r in base[w] if r["final_sha256"]), None)
     for row in rows:
         if row["fault"] == "none":
@@ -668,8 +669,8 @@ def rows_of(res: dict) -> list[dict]:
         shas = {g["final_sha256"] for g in res.get("goodput", []) if g["fault"] == "none"}
         if t0s:
             rows.append({"key": "goodput.T0" + ("_inprocess" if ip else ""),
-                         "label": f"goodput: uninterrupted run{', --in-process' if ip else ''} (T0; before and "
-                         f"after the faults; the uninterrupted runs' digests: {len(shas)})",
+                         "label": f"goodput: uninterrupted run{', --in-process' if ip else ''} (T0; before, "
+                         f"between and after the faulty runs; the uninterrupted runs' digests: {len(shas)})",
                          "unit": "s", "values": t0s, "median": _med([t for t in t0s if t is not None]), "vs": None,
                          "target": None, "ratio": None, "met": None})
     faulty: dict[str, list[dict]] = {}  # a fault's runs (several with --gp-interleave), in run order

@@ -327,8 +327,8 @@ def run_once(cfg: Config, fault: str, sizes: Sizes, seed: int, root: Path, warm:
     if not done and not row["note"]:
         row["note"] = f"the job failed (agents' exit codes {row['exit_codes']}, None: killed by the fault)"
     row["T_s"] = elapsed if done else None
-    row["T0_s"] = row["T_s"] if fault == "none" else t0
-    row["goodput"] = (t0 / row["T_s"]) if (t0 and row["T_s"]) else None
+    row["T0_s"] = row["T_s"] if fault == "none" else None  # a faulty run's: goodput_results.bracket_t0
+    row["goodput"] = None
     row.update(in_run(read_steps(workdir / "counters"), fault_times, row["T_s"]))
     final = workdir / "final.json"
     if cfg.launcher == "elaunch":
@@ -505,21 +505,18 @@ def run(a: argparse.Namespace) -> dict:
             faults = a.faults if name in a.configs else []
             plan = [faults] * a.interleave if a.interleave else [faults]
             plan += [["lost"]] if name == a.lost else []
-            last = base_row  # the uninterrupted run just before: its T0 times the faults (node_at) and bounds
+            t0 = base_row["T_s"]  # the latest uninterrupted run that completed: it times the faults and bounds
             for i, group in enumerate(plan):
+                tag = f"-{i + 1}" if i < a.interleave else ""  # "": not interleaved (the nothing-lost run)
                 for fault in group:
                     if a.json:  # what is measured so far survives an interrupted run
                         a.json.write_text(json.dumps({**result(), "partial": True}, indent=1) + "\n")
-                    log_line(f"goodput {name}: {fault} (T0 {fmt_s(last['T_s'])})")
-                    tag = f"-{i + 1}" if a.interleave and i < a.interleave else ""
-                    rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, last["T_s"], base_row, tag))
-                    if tag and last["T_s"] is not None:
+                    log_line(f"goodput {name}: {fault} (T0 {fmt_s(t0)})")
+                    rows.append(run_once(cfg, fault, sizes, a.seed, root, warm, t0, base_row, tag))
+                    if tag:
                         log_line(f"goodput {name} ({cfg.label}): uninterrupted, after {fault}")
-                        last = run_once(cfg, "none", sizes, a.seed, root, warm, tag=f"-after-{fault}{tag}")
-                        rows.append(last)
-                if last["T_s"] is None:
-                    last = base_row
-    bracket_t0(rows, lambda r: r["config"])
+                        rows.append(run_once(cfg, "none", sizes, a.seed, root, warm, tag=f"-after-{fault}{tag}"))
+                        t0 = rows[-1]["T_s"] or t0
     return result()
 
 
@@ -528,6 +525,7 @@ def _result(rows: list[dict], sizes: Sizes, a: argparse.Namespace, warm: bool, d
     """The JSON-able result: run facts (benchmarks.run's meta), the rows, the report scenario."""
     from benchmarks import run as suite
 
+    bracket_t0(rows, lambda r: r["config"])
     for r in rows:
         r["fault_label"] = {"none": "uninterrupted", "lost": "nothing lost (--nnodes=3)"}.get(
             r["fault"], FAULTS.get(r["fault"], "").format(every=sizes.kill_every))

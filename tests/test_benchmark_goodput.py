@@ -385,3 +385,80 @@ def test_a_standby_takes_the_killed_nodes_place_and_is_never_the_victim(monkeypa
         event = goodput._replace_node(Cluster(), random.Random(seed), standby=standby)
         assert calls == [("kill", 2)], calls
         assert event["joined"] == 4 and event["standby_waited_s"] == 60.0 and "agent_started_s" not in event
+
+
+def _fake_runs(lengths):
+    """A stand-in for one benchmark run (the scheduling is what is tested): each call takes the next length
+    (None: the run did not complete) and records what it was given."""
+    calls, it = [], iter(lengths)
+
+    def one(fault, t0, tag):
+        calls.append((fault, t0, tag))
+        return next(it)
+    return calls, one
+
+
+def test_goodput_interleave_runs_an_uninterrupted_run_after_each_faulty_one(monkeypatch, tmp_path):
+    """--interleave 2: T0, kill, T0, node, T0, kill, T0, node, T0, then the nothing-lost run (not interleaved);
+    each run in a directory of its own; a fault is timed by the latest uninterrupted run that completed; each
+    faulty run's goodput is against the runs beside it, in the result and in the partial JSON before it."""
+    import benchmarks.goodput as goodput
+    from tests.multinode import netns
+
+    calls, one = _fake_runs([100.0, 110.0, 120.0, 121.0, None, 130.0, 99.0, 140.0, 100.0, 150.0])
+
+    def run_once(cfg, fault, sizes, seed, root, warm, t0=None, ref=None, tag=""):
+        T = one(fault, t0, tag)
+        return {"config": cfg.name, "label": cfg.label, "fault": fault, "seed": seed, "T_s": T, "goodput": None,
+                "T0_s": T if fault == "none" else None, "note": "" if T else "did not complete", "events": [],
+                "final": None, "steps_lost": 0, "workdir": f"{cfg.name}-{fault}{tag}"}
+
+    monkeypatch.setattr(goodput, "run_once", run_once)
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(netns, "cleanup_stale", lambda: None)
+    a = goodput.parse_args(["--configs", "d", "--faults", "kill,node", "--lost", "d", "--interleave", "2",
+                            "--json", str(tmp_path / "r.json")])
+    rows = goodput.run(a)["rows"]
+    assert [(f, t) for f, _t0, t in calls] == [
+        ("none", ""), ("kill", "-1"), ("none", "-after-kill-1"), ("node", "-1"), ("none", "-after-node-1"),
+        ("kill", "-2"), ("none", "-after-kill-2"), ("node", "-2"), ("none", "-after-node-2"), ("lost", "")]
+    assert [t0 for f, t0, _t in calls if f != "none"] == [100.0, 120.0, 120.0, 99.0, 100.0]  # one T0 failed
+    assert len({r["workdir"] for r in rows}) == len(rows)
+    gp = {(r["fault"], r["workdir"]): r["goodput"] for r in rows if r["fault"] != "none"}
+    assert gp[("kill", "d-kill-1")] == 110.0 / 110.0  # (100 + 120) / 2
+    assert gp[("node", "d-node-1")] == (120.0 + 99.0) / 2 / 121.0  # the run after it failed: the next one
+    assert gp[("kill", "d-kill-2")] == (120.0 + 99.0) / 2 / 130.0
+    assert gp[("lost", "d-lost")] == 100.0 / 150.0
+    partial = json.loads((tmp_path / "r.json").read_text())  # written before the last (nothing-lost) run
+    assert partial["partial"] and [r["goodput"] for r in partial["rows"] if r["fault"] == "node"][-1] == 99.5 / 140
+
+
+def test_fsdp2_goodput_interleave_brackets_each_faulty_run(monkeypatch, tmp_path):
+    """benchmarks.fsdp2_dcp --gp-interleave 2: each faulty run is followed by an uninterrupted run of its own
+    way (in process or not) and compared with the two beside it; without it, T0 runs before and after all."""
+    import benchmarks.fsdp2_dcp as fsdp2
+
+    def fake(lengths):
+        calls, one = _fake_runs(lengths)
+
+        def goodput_run(s, root, disk_root, fault, t0, seed=0, in_process=False, tag=""):
+            T = one(fault, t0, tag)
+            return {"fault": fault, "in_process": in_process, "T_s": T, "final_sha256": "aa", "events": [],
+                    "dir": str(root / f"{fault}{tag}")}
+        monkeypatch.setattr(fsdp2, "goodput_run", goodput_run)
+        return calls
+
+    calls = fake([100.0, 105.0, 110.0, 99.0, 90.0])
+    rows = fsdp2.goodput(fsdp2.SMOKE, tmp_path, tmp_path, ("node-ip",), interleave=2)
+    assert [(f, t) for f, _t0, t in calls] == [("none", ""), ("node", "-1"), ("none", ""), ("node", "-2"),
+                                               ("none", "")]
+    assert [t0 for f, t0, _t in calls if f != "none"] == [100.0, 110.0]
+    faulty = [r for r in rows if r["fault"] != "none"]
+    assert [r["T0_runs_s"] for r in faulty] == [[100.0, 110.0], [110.0, 90.0]]
+    assert [r["goodput"] for r in faulty] == [1.0, 100.0 / 99.0] and all(r["bit_identical"] for r in faulty)
+    assert len({r["dir"] for r in rows}) == len(rows)
+
+    calls = fake([100.0, 105.0, 108.0, 120.0])
+    rows = fsdp2.goodput(fsdp2.SMOKE, tmp_path / "b", tmp_path, ("node-ip", "kill-ip"))
+    assert [f for f, _t0, _t in calls] == ["none", "node", "kill", "none"]
+    assert [r["T0_s"] for r in rows if r["fault"] != "none"] == [110.0, 110.0]
