@@ -143,7 +143,7 @@ AUTOGROUP = "/proc/self/autogroup"
 AUTOGROUP_LOWER_WAIT = 2.0
 #: Seconds it tries to raise it back to 0 before it releases the spare or the template (then the handoff tries again).
 AUTOGROUP_RAISE_WAIT = 10.0
-_LOWERED = []  # [True] while this process's autogroup is lowered
+_lowered = False  # True while this process's autogroup is lowered
 
 
 def _autogroup_nice(value, wait=0.0):
@@ -178,9 +178,10 @@ def _autogroup_nice(value, wait=0.0):
 
 def _raise_autogroup(wait):
     """Raise this process's autogroup back to nice 0 if :func:`_import_all` lowered it; True once it is not lowered."""
-    if _LOWERED and _autogroup_nice(0, wait):
-        _LOWERED.clear()
-    return not _LOWERED
+    global _lowered
+    if _lowered and _autogroup_nice(0, wait):
+        _lowered = False
+    return not _lowered
 
 
 def _import_all(names, done, nice=IMPORT_NICE, premap=True):
@@ -189,6 +190,7 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
     (:func:`_hook`; a template's spares inherit it, and what it imports, instead of each importing it
     as the group it serves next starts) and run the hook (``premap``: a spare, not a template), then
     raise the autogroup back and release ``done``."""
+    global _lowered
     _IMPORTER.append((_thread.get_ident(), _thread.get_native_id()))
     try:
         try:
@@ -197,7 +199,7 @@ def _import_all(names, done, nice=IMPORT_NICE, premap=True):
         except OSError:
             pass
         if nice > 0 and _autogroup_nice(nice, AUTOGROUP_LOWER_WAIT):
-            _LOWERED.append(True)
+            _lowered = True
         for name in names:
             try:
                 __import__(name)

@@ -110,9 +110,8 @@ class Template:
 
     def ready(self) -> bool:
         """True once the imports are done and the template forks (never blocks)."""
-        if self._state is None and self.proc.poll() is None:
-            if select.select([self._chan], [], [], 0)[0]:
-                self._state = self._chan.recv(16) == b"R"
+        if self._state is None and self.proc.poll() is None and self._readable():
+            self._act(self._read(0.0))  # the first message: R, or N (every request is answered: no spare)
         return bool(self._state) and self.proc.poll() is None
 
     def usable(self) -> bool:
@@ -164,21 +163,15 @@ class Template:
         stopped: an answer after that would fork a spare that nothing waits for).
         """
         while ticket not in self._pids and self._waiting and self._state is not False:
-            if not self._take(self._answer(timeout)):
-                self._fail()
+            self._act(self._read(timeout))
         pid = self._pids.pop(ticket, 0)
         return ForkedProcess(pid) if pid else None
 
     def answered(self, ticket: int) -> bool:
         """True when the template's answer to request ``ticket`` is in (:meth:`collect` then returns at once);
         never blocks."""
-        while ticket not in self._pids and self._waiting and self._chan.fileno() >= 0 \
-                and select.select([self._chan], [], [], 0)[0]:
-            pid = self._answer(0.0, wait=False)
-            if pid is None:  # the template said it is ready; no fork answered yet
-                break
-            if not self._take(pid):
-                self._fail()
+        while ticket not in self._pids and self._waiting and self._readable():
+            self._act(self._read(0.0))
         return ticket in self._pids
 
     def drop(self, ticket: int) -> None:
@@ -206,25 +199,35 @@ class Template:
             self._pids[ticket] = pid
         return True
 
-    def _answer(self, timeout: float, wait: bool = True) -> int | None:
-        """The next fork's pid (0: refused, failed or timed out); reads the ``R``/``N`` first if not read yet.
-        ``wait=False``: None when only the ``R`` was there to read (no answer yet)."""
+    def _readable(self) -> bool:
+        """True when a message (or the end of the channel) waits to be read; never blocks."""
+        return self._chan.fileno() >= 0 and bool(select.select([self._chan], [], [], 0)[0])
+
+    def _read(self, timeout: float) -> int | None:
+        """Read the template's next message, waiting up to ``timeout`` seconds, and return what it answers:
+        a fork's pid, 0 when the fork failed, the template refuses (``N``), the channel ended or nothing came
+        in time, and None for the ``R`` (ready: no fork answered yet). ``R``, ``N`` and the channel's end set
+        the state."""
         try:
             self._chan.settimeout(timeout)
-            while True:
-                msg = self._chan.recv(32)
-                if msg in (b"R", b"N"):
-                    self._state = msg == b"R"
-                    if msg == b"N":
-                        return 0
-                    if not wait and not select.select([self._chan], [], [], 0)[0]:
-                        return None
-                    continue
-                return int(msg or b"0")
-        except (OSError, ValueError):
+            msg = self._chan.recv(32)
+        except OSError:  # timed out, or the channel failed
             return 0
         finally:
             self._chan.settimeout(None)
+        if msg in (b"R", b"N", b""):
+            self._state = msg == b"R"
+            return None if self._state else 0
+        try:
+            return int(msg)
+        except ValueError:
+            return 0
+
+    def _act(self, pid: int | None) -> None:
+        """Act on an answer of :meth:`_read`: a pid goes to the oldest waiting request; 0 fails every waiting
+        request and stops the template."""
+        if pid is not None and not self._take(pid):
+            self._fail()
 
     def _fail(self) -> None:
         self._state = False
@@ -237,11 +240,12 @@ class Template:
     def close(self) -> None:
         """Stop the template; reap the spares it forked that nothing collected. Idempotent."""
         end(self.proc)
-        while self._waiting and self._chan.fileno() >= 0:  # answers already sent: this agent's children now
-            pid = self._answer(0.0, wait=False)
-            if not pid:
+        while self._waiting and self._readable():  # answers already sent: this agent's children now
+            pid = self._read(0.0)
+            if pid == 0:
                 break
-            self._take(pid)  # a dropped request's spare is reaped here, the others below
+            if pid:
+                self._take(pid)  # a dropped request's spare is reaped here, the others below
         self._waiting.clear()
         self._dropped.clear()
         for pid in self._pids.values():

@@ -202,3 +202,26 @@ def test_a_dropped_request_of_a_node_template_has_its_spare_reaped_and_a_refusal
         assert tmpl.collect(tickets[2], 5.0) is None and not tmpl.usable()
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("end", ["refuses", "dies"])
+def test_a_template_that_refuses_or_whose_channel_ends_answers_every_request_with_none(end):
+    """``N`` (the template will not fork) or the channel's end (the template died) answers every waiting
+    request at once with no spare, and the template is not used again; a ready check reads the same."""
+    peer = _TemplatePeer()
+    try:
+        tmpl = peer.template
+        tickets = []
+        for _ in range(2):
+            wfd, ticket = tmpl.request(None, None)
+            os.close(wfd)
+            tickets.append(ticket)
+        if end == "refuses":
+            peer.end.send(b"N")
+        else:
+            peer.end.close()
+        assert not tmpl.ready() and not tmpl.usable()
+        assert tmpl.answered(tickets[1])  # answered: with no spare, at once
+        assert tmpl.collect(tickets[0], 5.0) is None and tmpl.collect(tickets[1], 5.0) is None
+    finally:
+        peer.close()
