@@ -135,7 +135,8 @@ class NodePersister:
             a whole save leave a region out.
         """
         from elaunch.checkpoint import CheckpointError, persisted
-        from elaunch.checkpoint.dcp import persisted_dir, read_part
+        from elaunch.checkpoint.dcp import read_part
+        from elaunch.checkpoint.persisted import persisted_dir
 
         d = persisted_dir(self.ckpt_dir, step)
         if os.path.exists(os.path.join(d, persisted.DCP_METADATA)):

@@ -74,14 +74,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
                                                   WriteItemType)
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
@@ -89,7 +82,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from elaunch.checkpoint import slotfile
+from elaunch.checkpoint import persisted, slotfile
+from elaunch.checkpoint.dcp_layout import decode_layout, encode_layout, gaps, union_layouts
+from elaunch.checkpoint.persisted import persisted_dir
 
 __all__ = ["SnapshotWriter", "SnapshotReader", "step_of", "persisted_dir", "FORMAT"]
 
@@ -115,11 +110,6 @@ def step_of(checkpoint_id: str | os.PathLike | int | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def persisted_dir(directory: str, step: int) -> str:
-    """The DCP directory of ``step`` under a checkpoint directory: ``directory/dcp/step_<step:012d>``."""
-    return os.path.join(directory, "dcp", f"step_{step:012d}")
-
-
 def _is_path(checkpoint_id) -> bool:
     return checkpoint_id is not None and not isinstance(checkpoint_id, int) and (
         os.sep in os.fspath(checkpoint_id) or os.path.isdir(os.fspath(checkpoint_id)))
@@ -133,150 +123,6 @@ def _local_dir() -> str:
     from elaunch.checkpoint import _local
 
     return _local.directory()
-
-
-# -- the layout: DCP's Metadata as primitives (the weights-only unpickler takes no DCP class) -------------------
-
-_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
-                   "preserve_format": torch.preserve_format}
-
-
-def _properties(p: TensorProperties) -> list:
-    fmt = next((name for name, f in _MEMORY_FORMATS.items() if f == p.memory_format), "contiguous_format")
-    return [str(p.dtype).removeprefix("torch."), bool(p.requires_grad), fmt, bool(p.pin_memory)]
-
-
-def encode_layout(items_by_rank: list[list], planner_data: dict) -> dict:
-    """The job's layout from every rank's write items (``WriteItem``), as primitives.
-
-    Returns:
-        ``{"fqns": {fqn: ["bytes"] or ["tensor", properties, size, [[offsets, sizes], ...]]},
-        "planner_data": {fqn: [key, ...]}}``; a chunk written by several ranks is listed once.
-    """
-    fqns: dict[str, list] = {}
-    for items in items_by_rank:
-        for item in items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                fqns[fqn] = ["bytes"]
-                continue
-            td = item.tensor_data
-            entry = fqns.setdefault(fqn, ["tensor", _properties(td.properties), list(td.size), []])
-            chunk = [list(td.chunk.offsets), list(td.chunk.sizes)]
-            if chunk not in entry[3]:
-                entry[3].append(chunk)
-    data = {str(k): [v if isinstance(v, (str, int)) else str(v) for v in path]
-            for k, path in (planner_data or {}).items() if isinstance(path, (tuple, list))}
-    return {"fqns": fqns, "planner_data": data}
-
-
-def decode_layout(layout: Any) -> Metadata:
-    """DCP's ``Metadata`` (``storage_data`` empty) of a layout :func:`encode_layout` made.
-
-    Raises:
-        CheckpointError: the layout is malformed.
-    """
-    from elaunch.checkpoint import CheckpointError
-    from elaunch.checkpoint._tree import _DTYPES
-
-    try:
-        md: dict[str, Any] = {}
-        for fqn, entry in layout["fqns"].items():
-            if entry[0] == "bytes":
-                md[fqn] = BytesStorageMetadata()
-                continue
-            _, (dtype, grad, fmt, pin), size, chunks = entry
-            props = TensorProperties(dtype=_DTYPES[dtype], layout=torch.strided, requires_grad=bool(grad),
-                                     memory_format=_MEMORY_FORMATS[fmt], pin_memory=bool(pin))
-            md[str(fqn)] = TensorStorageMetadata(props, torch.Size(size), [
-                ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
-        planner_data = {str(k): tuple(v) for k, v in layout.get("planner_data", {}).items()}
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"a DCP snapshot's layout is malformed ({type(exc).__name__}: {exc})") from exc
-    return Metadata(state_dict_metadata=md, planner_data=planner_data)
-
-
-def union_layouts(layouts: list[dict]) -> dict:
-    """One layout of several parts' own layouts (each the chunks one rank saved): every fqn, each chunk once.
-
-    Args:
-        layouts: layouts :func:`encode_layout` made (primitives), e.g. read from parts.
-
-    Returns:
-        A layout as :func:`encode_layout`'s, whose chunks may leave parts of a tensor
-        uncovered (see :func:`gaps`) when not every rank's part is among ``layouts``.
-
-    Raises:
-        CheckpointError: two layouts disagree on an fqn (its kind, properties or global size:
-            parts of different saves), or one is malformed.
-    """
-    from elaunch.checkpoint import CheckpointError
-
-    fqns: dict[str, list] = {}
-    seen: dict[str, set] = {}  # fqn -> its chunks so far, as tuples (a replicated chunk is in every rank's part)
-    data: dict = {}
-    try:
-        for layout in layouts:
-            data.update(layout.get("planner_data", {}))
-            for fqn, entry in layout["fqns"].items():
-                got = fqns.get(fqn)
-                if got is None:
-                    got = fqns[fqn] = list(entry[:3]) + [[]] if entry[0] == "tensor" else list(entry)
-                    seen[fqn] = set()
-                elif got[0] != entry[0] or got[0] == "tensor" and (got[1][0], got[2]) != (entry[1][0], list(entry[2])):
-                    # (requires_grad and pinning may differ by rank; as in DCP's own metadata, the first one is kept)
-                    raise CheckpointError(f"the parts of one step disagree on {fqn!r} ({got[:3]} and "
-                                          f"{list(entry[:3])}): they are parts of different saves")
-                if entry[0] == "tensor":
-                    for offsets, sizes in entry[3]:
-                        key = (tuple(offsets), tuple(sizes))
-                        if key not in seen[fqn]:
-                            seen[fqn].add(key)
-                            got[3].append([list(offsets), list(sizes)])
-    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"a DCP part's layout is malformed ({type(exc).__name__}: {exc})") from exc
-    return {"fqns": fqns, "planner_data": data}
-
-
-def gaps(size: list[int], chunks: list) -> list[list]:
-    """The boxes ``[offsets, sizes]`` of a tensor of global ``size`` that none of ``chunks`` covers.
-
-    Args:
-        size: the tensor's global size. chunks: ``[[offsets, sizes], ...]``, global coordinates.
-
-    Returns:
-        Disjoint boxes whose union is the tensor less the chunks' union; ``[]``: covered.
-    """
-    if any(s == 0 for s in size):
-        return []
-    left = [(tuple(0 for _ in size), tuple(size))]
-    for offsets, sizes in chunks:
-        lo_c = tuple(offsets)
-        hi_c = tuple(o + s for o, s in zip(offsets, sizes))
-        left = [box for lo, hi in left for box in _cut(lo, hi, lo_c, hi_c)]
-        if not left:
-            break
-    return [[list(lo), [h - l for l, h in zip(lo, hi)]] for lo, hi in left]
-
-
-def _cut(lo: tuple, hi: tuple, lo_c: tuple, hi_c: tuple) -> list[tuple]:
-    """The box ``[lo, hi)`` less the box ``[lo_c, hi_c)``, as disjoint boxes (at most two per dimension)."""
-    if any(max(a, c) >= min(b, d) for a, b, c, d in zip(lo, hi, lo_c, hi_c)):
-        return [(lo, hi)]  # apart (a 0-d box always meets: a scalar's one chunk covers it)
-    out = []
-    lo, hi = list(lo), list(hi)
-    for d in range(len(lo)):
-        if lo[d] < lo_c[d]:
-            top = hi.copy()
-            top[d] = lo_c[d]
-            out.append((tuple(lo), tuple(top)))
-            lo[d] = lo_c[d]
-        if hi[d] > hi_c[d]:
-            bottom = lo.copy()
-            bottom[d] = hi_c[d]
-            out.append((tuple(bottom), tuple(hi)))
-            hi[d] = hi_c[d]
-    return out
 
 
 #: planner class -> (items, planner data) of the last usable local plan this process saved with it
@@ -442,8 +288,6 @@ class SnapshotWriter(StorageWriter, AsyncStager):
             return
         self._fs.finish(metadata, results)
         if not _is_path(self._checkpoint_id):  # the default directory: keep this step and the complete one before
-            from elaunch.checkpoint import persisted
-
             before = persisted.newest_dcp(_local_dir(), self.step - 1)
             if before is not None:
                 persisted.prune_dcp(_local_dir(), before[0])
@@ -986,8 +830,6 @@ class _WeightsOnlyBytes:
 
 def _newest_dir(directory: str) -> str:
     """The newest complete DCP directory (``.metadata`` present) under ``directory/dcp``, or ""."""
-    from elaunch.checkpoint import persisted
-
     found = persisted.newest_dcp(directory)
     return found[1] if found else ""
 

@@ -37,6 +37,8 @@ import shutil
 import zipfile
 from typing import Any
 
+from elaunch.checkpoint.dcp_layout import decode_layout, gaps, union_layouts
+
 _STEP_DIR = re.compile(r"^step_(\d{12,})$")
 _RANK_FILE = re.compile(r"^rank_(\d+)_of_(\d+)\.pt$")
 #: (path, mtime_ns, size) -> the file's "replicated" flag: it is read once per file
@@ -226,7 +228,7 @@ def steps_on_disk(directory: str) -> list[int]:
 
 # -- the persisted DCP directory (``torch.distributed.checkpoint`` saves through ``SnapshotWriter``) ---------------
 #
-#     DIR/dcp/step_<step:012d>/                    (``elaunch.checkpoint.dcp.persisted_dir``)
+#     DIR/dcp/step_<step:012d>/                    (:func:`persisted_dir`)
 #         __<rank>_0.distcp                        one per saved rank, as DCP's FileSystemWriter writes it
 #         .metadata                                DCP's Metadata (pickle), written last: the step is complete
 #         .__<rank>_0.index.json                   sidecar: where each of the rank's items lies in its file, and
@@ -350,7 +352,6 @@ def dcp_layout(sidecars: dict[int, dict]) -> dict:
         ValueError: it leaves a region of a tensor uncovered (named), or the layouts disagree or are malformed.
     """
     from elaunch.checkpoint import CheckpointError
-    from elaunch.checkpoint.dcp import gaps, union_layouts
 
     try:
         layout = union_layouts([sidecars[r]["layout"] for r in sorted(sidecars)])
@@ -413,8 +414,6 @@ def write_dcp_part(directory: str, step: int, rank: int, world_size: int, layout
 
     import torch
 
-    from elaunch.checkpoint.dcp import persisted_dir
-
     d = persisted_dir(directory, step)
     _make_dirs(d)
     todo = [it for it in items if _key(it[0], it[1]) not in skip]
@@ -454,8 +453,6 @@ def finish_dcp_step(directory: str, step: int) -> bool:
     """
     import pickle as pickle_mod
 
-    from elaunch.checkpoint.dcp import persisted_dir
-
     d = persisted_dir(directory, step)
     if os.path.exists(os.path.join(d, DCP_METADATA)):
         return True
@@ -485,14 +482,17 @@ def dcp_metadata(layout: dict, sidecars: dict[int, dict]):
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
-    from elaunch.checkpoint.dcp import decode_layout
-
     metadata = decode_layout(layout)
     metadata.storage_data = {MetadataIndex(fqn, offsets): filesystem._StorageInfo(name, at, length)
                              for (fqn, offsets), (name, at, length) in dcp_storage(layout, sidecars).items()}
     metadata.version = filesystem.CURRENT_DCP_VERSION
     metadata.storage_meta = StorageMeta(save_id=layout_digest(layout)[:32])
     return metadata
+
+
+def persisted_dir(directory: str, step: int) -> str:
+    """The DCP directory of ``step`` under a checkpoint directory: ``directory/dcp/step_<step:012d>``."""
+    return os.path.join(directory, "dcp", f"step_{step:012d}")
 
 
 def dcp_steps(directory: str) -> dict[int, bool]:
@@ -517,7 +517,7 @@ def newest_dcp(directory: str, at_most: int | None = None) -> tuple[int, str] | 
     if not done:
         return None
     step = max(done)
-    return step, os.path.join(directory, "dcp", f"step_{step:012d}")
+    return step, persisted_dir(directory, step)
 
 
 def prune_dcp(directory: str, keep_from_step: int) -> list[int]:
@@ -529,6 +529,6 @@ def prune_dcp(directory: str, keep_from_step: int) -> list[int]:
     removed = []
     for step in sorted(dcp_steps(directory)):
         if step < keep_from_step:
-            shutil.rmtree(os.path.join(directory, "dcp", f"step_{step:012d}"), ignore_errors=True)
+            shutil.rmtree(persisted_dir(directory, step), ignore_errors=True)
             removed.append(step)
     return removed

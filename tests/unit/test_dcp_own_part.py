@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from elaunch.checkpoint import CheckpointError, slotfile  # noqa: E402
 from elaunch.checkpoint import dcp as edcp  # noqa: E402
+from elaunch.checkpoint import dcp_layout  # noqa: E402
 
 FULL = torch.arange(12.0).reshape(6, 2)
 
@@ -41,7 +42,7 @@ def _save_parts(shm, monkeypatch, step=3):
     for rank in range(3):
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         t = FULL[2 * rank:2 * rank + 2].clone()
-        layout = edcp.encode_layout([[_item("a", t, [2 * rank, 0], [6, 2])]], {"a": ["a"]})
+        layout = dcp_layout.encode_layout([[_item("a", t, [2 * rank, 0], [6, 2])]], {"a": ["a"]})
         paths[rank] = edcp._write_part([("a", [2 * rank, 0], t, None)], layout, step, rank=rank, world_size=3)
         assert slotfile.read_info(paths[rank]).reshardable
     monkeypatch.setenv("ELAUNCH_CHECKPOINT_STEP", str(step))
@@ -97,7 +98,7 @@ def test_a_forged_part_is_refused_and_nothing_is_unpickled(tmp_path, monkeypatch
     ([0, 3], [], []),
 ])
 def test_gaps_are_the_regions_no_chunk_covers(size, chunks, expect):
-    assert edcp.gaps(size, chunks) == expect
+    assert dcp_layout.gaps(size, chunks) == expect
 
 
 def test_ckpt_load_refuses_a_dcp_part_naming_snapshot_reader(tmp_path, monkeypatch):
