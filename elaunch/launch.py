@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from elaunch.agent import ElasticAgent, EnvOptions, SignalException
@@ -70,6 +71,11 @@ class _SignalHandlers:
         raise_or_defer(SignalException(signum))
 
     def __enter__(self) -> "_SignalHandlers":
+        if threading.current_thread() is not threading.main_thread():
+            # Python lets only the main thread set handlers; torch's agent then installs none either
+            # (a launch from a notebook's, a server's or a test harness's thread runs without them)
+            log.debug("launched from thread %s, not the main one: no signal handlers", threading.current_thread().name)
+            return self
         for name in self._names:
             sig = signal.Signals[name]
             self._previous[sig] = signal.signal(sig, self._handle)

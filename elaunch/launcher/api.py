@@ -39,6 +39,7 @@ redirects, tee and rank filter (its ``reify`` is not called).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -177,7 +178,7 @@ class elastic_launch:  # noqa: N801 - torch's name
     Calling it returns and raises what :func:`launch_agent` does.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: Callable | str | None,
+    def __init__(self, config: "LaunchConfig | _RunConfig", entrypoint: Callable | str | None,
                  health_check_server: Any = None) -> None:
         self._config = config
         self._entrypoint = entrypoint
@@ -210,12 +211,9 @@ def _std(value: Any) -> Any:
 
 
 def _program_cmd(entrypoint: str, args: list[Any]) -> tuple[str, ...]:
-    cmd = [entrypoint]
-    for arg in args:
-        if not isinstance(arg, (str, os.PathLike)):
-            raise TypeError(f"argument {arg!r} of program {entrypoint}: expected a str (an argv entry)")
-        cmd.append(os.fspath(arg))
-    return tuple(cmd)
+    """A program's argv: every argument as ``str()`` makes it (a path as ``os.fspath``), as torch's
+    ``SubprocessHandler`` does (``elastic_launch(config, "/bin/echo")(1, 2.5)`` runs ``echo 1 2.5``)."""
+    return (entrypoint, *(os.fspath(arg) if isinstance(arg, os.PathLike) else str(arg) for arg in args))
 
 
 def _check(config: LaunchConfig) -> None:
@@ -226,8 +224,11 @@ def _check(config: LaunchConfig) -> None:
         OPTIONS[name].parse(getattr(config, name), name)
 
 
-def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
-    """elaunch's own launch configuration for ``config`` running ``cmd``."""
+def _run_config(config: LaunchConfig | _RunConfig, cmd: tuple[str, ...]) -> _RunConfig:
+    """elaunch's own launch configuration for ``config`` running ``cmd``: ``config``'s own, with ``cmd``,
+    when it is one already (what ``elaunch.run.config_from_args`` returns, validated when it was built)."""
+    if isinstance(config, _RunConfig):
+        return dataclasses.replace(config, cmd=cmd)
     _check(config)
     specs = config.logs_specs
     if config.metrics_cfg:
@@ -267,19 +268,20 @@ def _run_config(config: LaunchConfig, cmd: tuple[str, ...]) -> _RunConfig:
     )
 
 
-def _accept(config: LaunchConfig, entrypoint: Callable | str | None, health_check_server: Any) -> None:
+def _accept(config: "LaunchConfig | _RunConfig", entrypoint: Callable | str | None, health_check_server: Any) -> None:
     """What :func:`launch_agent` checks and sets before it starts, as torch's (its TypeError, run_id, env)."""
     if not (callable(entrypoint) or isinstance(entrypoint, str)):
         raise TypeError(f"entrypoint={entrypoint!r}: expected a function or a program (str)")
-    if not config.run_id:
+    if not config.run_id and not isinstance(config, _RunConfig):  # config_from_args gives every config one
         config.run_id = str(uuid.uuid4().int)
         log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     if health_check_server is not None:
         log.warning("health_check_server: accepted for torch compatibility; no effect under elaunch")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    signals = config.signals_to_handle
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals if isinstance(signals, str) else ",".join(signals)
 
 
-def _worker_command(config: LaunchConfig, entrypoint: Callable | str, args: list[Any], name: str,
+def _worker_command(config: "LaunchConfig | _RunConfig", entrypoint: Callable | str, args: list[Any], name: str,
                     results: str) -> tuple[tuple[str, ...], Callable[[int], int] | None]:
     """The workers' argv and, for ``fork``, what each forked worker of local rank ``lr`` runs
     instead: ``entrypoint(*args)``, its value to its result file in ``results``. ``spawn`` and
@@ -317,7 +319,7 @@ def _outputs(entrypoint: Callable | str, result: Any, results: str) -> dict[int,
     return outputs
 
 
-def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: list[Any],
+def launch_agent(config: "LaunchConfig | _RunConfig", entrypoint: Callable | str | None, args: list[Any],
                  health_check_server: Any = None) -> dict[int, Any]:
     """Run this node's workers of ``entrypoint(*args)`` to completion under elaunch's agent.
 
@@ -326,11 +328,13 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
     ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is set in ``os.environ`` as torch does.
 
     Args:
-        config: the :class:`LaunchConfig`.
+        config: the :class:`LaunchConfig`, or what ``elaunch.run.config_from_args`` returns (an
+            ``elaunch.config.LaunchConfig``, elaunch's own options included), as torch's ``run``
+            hands its ``config_from_args`` result to ``elastic_launch``.
         entrypoint: a function, or a program (``str``) run as ``[entrypoint, *args]``.
         args: the function's positional arguments (picklable for ``spawn`` and
-            ``forkserver``), or the program's argv (``str``; ``${local_rank}``
-            is replaced by each worker's local rank, as torch's macro).
+            ``forkserver``), or the program's argv (each made a ``str`` as torch does;
+            ``${local_rank}`` is replaced by each worker's local rank, as torch's macro).
         health_check_server: accepted for torch's signature; not used.
 
     Returns:
@@ -341,8 +345,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable | str | None, args: 
     Raises:
         ValueError: a bad configuration (names the value), also from a rendezvous
             backend (``elaunch.rendezvous.contract.RendezvousConfigError``).
-        TypeError: ``entrypoint`` is neither a function nor a str, or a program's
-            argument is not a str.
+        TypeError: ``entrypoint`` is neither a function nor a str.
         pickle.PicklingError, AttributeError: ``spawn``/``forkserver`` with a
             function or args that cannot be pickled (use ``start_method="fork"``).
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: the

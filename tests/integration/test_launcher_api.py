@@ -382,3 +382,53 @@ def test_the_caller_adopts_no_orphan_after_the_launch_returns(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     before, after, adopted = r.stdout.split()[-3:]
     assert (before, after, adopted) == ("0", "0", "False"), r.stdout
+
+
+def test_a_launch_from_a_thread_other_than_the_main_one_runs_as_torchs():
+    """Python sets signal handlers from the main thread only: torch's agent then installs none, and a launch
+    from a notebook's, a server's or a test harness's thread runs (elaunch raised "signal only works in main
+    thread" before)."""
+    import threading
+
+    results = {}
+    for module in BOTH:
+        def go(module=module):
+            try:
+                results[module] = launch(module, launcher_fns.rank_scaled, 3, "t")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                results[module] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=go, name=f"launch-{module}")
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive()
+    assert results[TORCH] == {0: (0, "t", 0), 1: (3, "t", 1)}
+    assert results[ELAUNCH] == results[TORCH]
+
+
+def test_a_programs_arguments_are_made_strings_as_torchs(tmp_path):
+    """torch's SubprocessHandler runs ``[entrypoint, *map(str, args)]``: ``elastic_launch(config, python)
+    ("train.py", "--epochs", 10)`` works (elaunch raised TypeError for the 10 before)."""
+    for module in BOTH:
+        out = tmp_path / module
+        code = "import sys; open(sys.argv[1] + '_${local_rank}', 'w').write(' '.join(sys.argv[2:]))"
+        assert launch(module, sys.executable, "-c", code, out, 10, 2.5, None) == {0: None, 1: None}
+    assert (tmp_path / f"{ELAUNCH}_1").read_text() == (tmp_path / f"{TORCH}_1").read_text() == "10 2.5 None"
+
+
+def test_config_from_args_hands_its_config_to_elastic_launch_as_torchs_run_does(tmp_path):
+    """torch's ``run(args)`` is ``config, cmd, cmd_args = config_from_args(args); elastic_launch(config,
+    cmd)(*cmd_args)``: a program that does the same with elaunch's modules runs its job (the config,
+    elaunch's own frozen LaunchConfig, failed in elastic_launch before: TypeError)."""
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nopen(sys.argv[1] + '_' + os.environ['RANK'], 'w').write(sys.argv[2])\n")
+    results = {}
+    for run_module, api_module in (("torch.distributed.run", TORCH), ("elaunch.run", ELAUNCH)):
+        run, api = importlib.import_module(run_module), importlib.import_module(api_module)
+        args = run.parse_args(["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "--monitor-interval=0.1",
+                               str(script), str(tmp_path / run_module), run_module])
+        config, cmd, cmd_args = run.config_from_args(args)
+        results[run_module] = api.elastic_launch(config, cmd)(*cmd_args)
+        assert (tmp_path / f"{run_module}_1").read_text() == run_module
+    assert results["elaunch.run"] == results["torch.distributed.run"] == {0: None, 1: None}
