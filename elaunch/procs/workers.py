@@ -292,11 +292,9 @@ class WorkerProcesses:
         return [self.pids[lr] for lr, c in self._codes.items() if c is None]
 
     def signal(self, sig: int) -> None:
-        """Deliver ``sig`` to every process of every worker's tree (group, session, descendants)."""
+        """Deliver ``sig`` once to every process of every worker's tree (group, session, descendants)."""
         self._refresh()
-        fam = self._family()
-        _proctree.killpg(self._unreaped_groups(), sig)
-        _proctree.kill(fam.values(), sig)
+        self._send(self._family(), sig)
 
     def notify(self, sig: int, local_ranks: "list[int] | None" = None) -> None:
         """Send ``sig`` to the process group of each running worker (all, or ``local_ranks``).
@@ -339,9 +337,17 @@ class WorkerProcesses:
         self._trees.release()
         self._stopped = True
 
-    def _send(self, fam: dict[int, _proctree.Proc], sig: int) -> None:
-        _proctree.killpg(self._unreaped_groups(), sig)
-        _proctree.kill(fam.values(), sig)
+    def _send(self, fam: dict[int, _proctree.Proc], sig: int, groups: bool = True) -> None:
+        """Deliver ``sig`` once to each process of ``fam``: one ``killpg`` per running worker's group
+        (``groups``), and ``kill`` to each member outside those groups (a descendant that left with
+        ``setsid``). A member of a worker's group is not sent it again: a script that saves on the first
+        SIGTERM and quits at once on a second one, or cleans up under ``except KeyboardInterrupt``, must
+        get one, as under torchrun (one ``killpg`` per worker). Only a SIGKILL goes to every member too.
+        ``groups=False``: members found after the groups were signalled (those of the groups have it)."""
+        worker_groups = set(self._unreaped_groups())
+        if groups:
+            _proctree.killpg(worker_groups, sig)
+        _proctree.kill([p for p in fam.values() if sig == _SIGKILL or p.pgid not in worker_groups], sig)
 
     def _await_gone(self, fam: dict, deadline: float, sig: int, first: bool = False) -> dict:
         """Wait until ``fam`` and newly found tree members are gone; signal newcomers with ``sig``."""
@@ -358,7 +364,7 @@ class WorkerProcesses:
                 last_scan = now
                 new = {pid: p for pid, p in fam.items() if p.key not in signalled}
                 if new:
-                    self._send(new, sig)
+                    self._send(new, sig, groups=False)
                     signalled.update(p.key for p in new.values())
                 alive = _proctree.live(fam.values())
                 if not alive:

@@ -484,3 +484,26 @@ def test_a_released_worker_outlives_its_attempts_stop(launch):
     finally:
         kept[1].kill()
         kept[1].wait()
+
+
+def test_a_stop_delivers_its_signal_once_to_each_process_of_a_tree(tmp_path):
+    """One SIGTERM for the worker, its child in its group and a child that left with setsid, as under torchrun
+    (one ``killpg`` per worker): a script that saves on the first SIGTERM and quits at once on a second one,
+    or cleans up under ``except KeyboardInterrupt``, was cut short by the second that each process of a
+    worker's group got (``killpg``, then ``kill`` of every member)."""
+    count = str(SCRIPTS / "count_signals.py")
+    files = {lr: tmp_path / f"rank{lr}" for lr in (0, 1)}
+    spec = LogsSpec(log_dir=str(tmp_path / "logs"))
+    logs = RunLogDir(spec, "test").attempt(0, 2)
+    cmds = {0: [sys.executable, count, str(files[0]), "plain", "setsid"], 1: [sys.executable, count, str(files[1])]}
+    envs = {lr: dict(os.environ, LOCAL_RANK=str(lr)) for lr in cmds}
+    procs = WorkerProcesses.start(cmds, envs, logs, spec, {})
+    try:
+        for f in files.values():
+            _pids(f"{f}.pids")
+        procs.stop(signal.SIGTERM, grace=10.0)
+        assert procs.poll() == {0: 0, 1: 0}  # each exited by itself, a second after its SIGTERM
+    finally:
+        procs.close()
+    received = {name: open(tmp_path / name).read().split() for name in ("rank0", "rank0.0", "rank0.1", "rank1")}
+    assert received == dict.fromkeys(received, ["TERM"])
