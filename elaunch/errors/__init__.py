@@ -13,7 +13,7 @@ from elaunch.errors.errorfile import (
     read_error_file,
     tail_file,
 )
-from elaunch.errors.record import ERROR_FILE_ENV, ErrorHandler, exception_error_data, record
+from elaunch.errors.record import ERROR_FILE_ENV, ErrorHandler, exception_error_data, get_error_handler, record
 from elaunch.errors.summary import (
     ChildFailedError,
     failure_text,
@@ -22,11 +22,13 @@ from elaunch.errors.summary import (
     format_failure_summary,
     root_cause,
 )
+from elaunch.spec import ProcessFailure
 
 __all__ = [
     "ERROR_FILE_ENV",
     "ChildFailedError",
     "ErrorHandler",
+    "ProcessFailure",
     "error_message",
     "error_timestamp",
     "error_traceback",
@@ -35,6 +37,7 @@ __all__ = [
     "failure_time",
     "format_failure",
     "format_failure_summary",
+    "get_error_handler",
     "read_error_file",
     "record",
     "root_cause",

@@ -6,6 +6,7 @@ signalled, so importing the API stays light.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from typing import Any
@@ -31,34 +32,59 @@ def _torch_process_failure(failure: Any) -> Any:
     return out
 
 
-def child_failed_error(name: str, result: Any) -> Exception:
-    """Return torch's ``ChildFailedError`` (a subclass) for a failed RunResult.
+@functools.cache
+def child_failed_error_class() -> type:
+    """The class elaunch's Python API raises when workers failed: torch's ``ChildFailedError`` and
+    :class:`elaunch.errors.ChildFailedError` both, so ``except`` of either catches it. Made once (torch is
+    imported then); reachable as ``elaunch.errors.as_torch.ChildFailedError``, so an instance pickles.
 
-    ``failures`` holds torch ``ProcessFailure`` objects keyed by global rank;
-    ``get_first_failure()`` returns elaunch's root cause (the rendezvous' job-wide
-    one when known, not only the earliest local timestamp) and ``format_msg()``
-    elaunch's failure summary, the table the ``elaunch`` command prints.
+    ``ChildFailedError(name, failures, elaunch_failures=None, root_rank=None)``: ``failures`` holds torch
+    ``ProcessFailure`` objects keyed by global rank, as torch's; ``elaunch_failures`` elaunch's, which
+    ``format_msg()`` formats as elaunch's failure summary (the table the ``elaunch`` command prints; without
+    them torch's table); ``get_first_failure()`` returns ``root_rank``'s failure (the rendezvous' job-wide
+    root cause, not only the earliest local timestamp) when it is among ``failures``.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError as TorchChildFailedError
 
-    from elaunch.errors import format_failure_summary
+    from elaunch.errors.summary import ChildFailedError as ElaunchChildFailedError
+    from elaunch.errors.summary import format_failure_summary
 
-    class ChildFailedError(TorchChildFailedError):
-        def __init__(self) -> None:
-            self.elaunch_failures = dict(result.failures)
-            self.root_rank = result.root_rank
-            super().__init__(name, {rank: _torch_process_failure(f) for rank, f in result.failures.items()})
+    class ChildFailedError(TorchChildFailedError, ElaunchChildFailedError):
+        def __init__(self, name: str, failures: dict, elaunch_failures: dict | None = None,
+                     root_rank: int | None = None) -> None:
+            self.name, self.failures = name, failures
+            self.elaunch_failures = dict(elaunch_failures or {})
+            self.root_rank = root_rank
+            Exception.__init__(self, self.format_msg())  # str(exc): the table, as torch's
+
+        def __reduce__(self):
+            return type(self), (self.name, self.failures, self.elaunch_failures, self.root_rank)
 
         def get_first_failure(self):
             if self.root_rank in self.failures:
                 return self.root_rank, self.failures[self.root_rank]
-            return super().get_first_failure()
+            return TorchChildFailedError.get_first_failure(self)
 
         def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+            if not self.elaunch_failures:
+                return TorchChildFailedError.format_msg(self, boarder_delim, section_delim)
             return format_failure_summary(self.elaunch_failures, title=f"{self.name} FAILED", first=self.root_rank)
 
     ChildFailedError.__module__ = __name__
-    return ChildFailedError()
+    ChildFailedError.__qualname__ = "ChildFailedError"
+    return ChildFailedError
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ChildFailedError":  # made on first use: importing this module does not import torch
+        return child_failed_error_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def child_failed_error(name: str, result: Any) -> Exception:
+    """The :func:`child_failed_error_class` exception for a failed RunResult (torch's ``ChildFailedError``, a subclass)."""
+    return child_failed_error_class()(name, {rank: _torch_process_failure(f) for rank, f in result.failures.items()},
+                                      result.failures, result.root_rank)
 
 
 def signal_exception(exc: Any) -> Exception:

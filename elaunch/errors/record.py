@@ -17,6 +17,7 @@ import faulthandler
 import functools
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -133,7 +134,19 @@ class ErrorHandler:
             warnings.warn(f"Unable to write error to file {path}. {type(err).__name__}: {err}", stacklevel=2)
 
 
-def record(fn: _F | None = None, *, error_handler: Any = None):
+def get_error_handler() -> ErrorHandler:
+    """A new :class:`ErrorHandler` (torch's ``get_error_handler``: the handler ``record`` uses by default)."""
+    return ErrorHandler()
+
+
+def _child_failed_classes() -> tuple[type, ...]:
+    """elaunch's ``ChildFailedError`` and, when torch's launcher is loaded (else none of its can exist), torch's."""
+    torch_errors = sys.modules.get("torch.distributed.elastic.multiprocessing.errors")
+    theirs = getattr(torch_errors, "ChildFailedError", None)
+    return (ChildFailedError,) if theirs is None else (ChildFailedError, theirs)
+
+
+def record(fn: _F | None = None, error_handler: Any = None):
     """Decorate a worker's entrypoint so an uncaught exception is recorded, then re-raised.
 
     Mirrors torch's ``@record``: usable as ``@record`` or
@@ -143,8 +156,9 @@ def record(fn: _F | None = None, *, error_handler: Any = None):
       (``sys.exit(0)`` is success; torch does the same).
     * Any other ``SystemExit`` and ``KeyboardInterrupt`` propagate unrecorded, as in
       torch: the exit code (and, under elaunch, the stderr tail) tells the story.
-    * :class:`~elaunch.errors.ChildFailedError` (a nested launcher failed): the root
-      cause's error file is copied to this process's error file, then re-raised.
+    * A ``ChildFailedError`` (a nested launcher failed: elaunch's, or torch's own when
+      torch's launcher is loaded): the root cause's error file is copied to this process's
+      error file, then re-raised.
     * Any other ``Exception``: written to ``TORCHELASTIC_ERROR_FILE`` in torch's
       JSON shape (nothing written when the variable is unset), then re-raised.
 
@@ -169,13 +183,13 @@ def record(fn: _F | None = None, *, error_handler: Any = None):
                 if exc.code == 0:
                     return None
                 raise
-            except ChildFailedError as exc:
+            except Exception as exc:
+                if not isinstance(exc, _child_failed_classes()):
+                    handler.record_exception(exc)
+                    raise
                 _, root = exc.get_first_failure()
                 if root.error_file and os.path.isfile(root.error_file):
                     handler.dump_error_file(root.error_file, root.exitcode)
-                raise
-            except Exception as exc:
-                handler.record_exception(exc)
                 raise
 
         return wrapper  # type: ignore[return-value]

@@ -202,6 +202,9 @@ class ChildFailedError(Exception):
 
     Mirrors torch's ``ChildFailedError(name, failures)``; ``str(exc)`` starts with
     a newline so that ``ChildFailedError: `` is followed by the table's first rule.
+    What elaunch's Python API raises (``elastic_launch``, ``elaunch.run.run``) is a
+    subclass of this class and of torch's (``elaunch.errors.as_torch.child_failed_error_class``),
+    so ``except`` of either catches it.
 
     Args:
         name: what failed, e.g. the entrypoint ``"train.py"``; the title is

@@ -432,3 +432,29 @@ def test_config_from_args_hands_its_config_to_elastic_launch_as_torchs_run_does(
         results[run_module] = api.elastic_launch(config, cmd)(*cmd_args)
         assert (tmp_path / f"{run_module}_1").read_text() == run_module
     assert results["elaunch.run"] == results["torch.distributed.run"] == {0: None, 1: None}
+
+
+def test_the_raised_child_failed_error_is_elaunchs_and_torchs_class_and_pickles(tmp_path, monkeypatch):
+    """``except elaunch.errors.ChildFailedError`` catches what elaunch raises (it missed it: a separate class
+    with the same name), so does torch's class; the exception pickles and copies (a new local class was made
+    at each raise, which nothing could find), and elaunch's ``@record`` around a launch copies the root cause's
+    error file into its own, as torch's ``@record`` does (it recorded the ChildFailedError's traceback)."""
+    import copy
+
+    import elaunch.errors
+
+    outer = tmp_path / "outer.json"
+
+    @elaunch.errors.record
+    def nested():
+        launch(ELAUNCH, launcher_fns.fail_on_rank, 1, "bad value 42")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(outer))
+    with pytest.raises(elaunch.errors.ChildFailedError) as info:
+        nested()
+    exc = info.value
+    assert isinstance(exc, ChildFailedError)
+    assert json.loads(outer.read_text())["message"]["message"] == "ValueError: bad value 42"
+    for again in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
+        assert type(again) is type(exc) and str(again) == str(exc)
+        assert again.get_first_failure()[0] == 1 and again.name == "fail_on_rank"

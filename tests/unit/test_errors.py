@@ -398,3 +398,26 @@ def test_record_child_failed_copies_root_cause_file_with_exit_code(tmp_path, mon
     data = json.loads(mine.read_text())
     assert data["message"]["errorCode"] == -11
     assert data["message"]["message"] == "ValueError: bad"
+
+
+def test_record_copies_the_root_cause_of_torchs_own_child_failed_error_and_takes_its_handler_by_position(
+        tmp_path, monkeypatch):
+    """torch's launcher called inside elaunch's ``@record`` (torch's ChildFailedError): the root cause's error
+    file is copied, as torch's ``@record`` does, not the exception's traceback recorded; and ``record(fn,
+    handler)`` takes the handler by position, as torch's ``record(fn, error_handler=None)``."""
+    pytest.importorskip("torch")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError as TorchChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchProcessFailure
+
+    child = tmp_path / "child.json"
+    child.write_text(json.dumps(torch_data(msg="RuntimeError: in the child", ts=T0)))
+    mine = tmp_path / "mine.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
+
+    def launcher():
+        raise TorchChildFailedError("train.py", {3: TorchProcessFailure(0, 123, 7, str(child))})
+
+    with pytest.raises(TorchChildFailedError):
+        record(launcher, QuietHandler())()
+    data = json.loads(mine.read_text())
+    assert data["message"]["message"] == "RuntimeError: in the child" and data["message"]["errorCode"] == 7
