@@ -7,13 +7,15 @@ Besides the built-in backends, a name registered in the ``torchrun.handlers``
 entry-point group (torch's out-of-tree rendezvous plugins) is a backend too: it is
 looked up only when a name is not built in (start-up never scans entry points for
 ``c10d`` or ``static``), and its torch handler runs behind an adapter
-(:mod:`elaunch.rendezvous.torch_handlers`).
+(:mod:`elaunch.rendezvous.torch_handlers`). So is a creator a program registered in torch's
+``rendezvous_handler_registry`` before it called elaunch's Python API, as torch's launcher would use it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any, Callable
 
 from elaunch.rendezvous.contract import RendezvousConfigError, RendezvousHandler, RendezvousParameters
@@ -78,13 +80,24 @@ def is_builtin(name: str) -> bool:
 def is_user_backend(name: str) -> bool:
     """Return True when ``--rdzv-backend`` accepts ``name``.
 
-    A registered backend other than the internal :data:`STANDALONE_BACKEND`, or a
+    A registered backend other than the internal :data:`STANDALONE_BACKEND`, a
     name of the ``torchrun.handlers`` entry-point group (looked up only for a name
-    not registered, as torchrun's out-of-tree handlers).
+    not registered, as torchrun's out-of-tree handlers), or a name a program
+    registered in torch's ``rendezvous_handler_registry``.
     """
     if name == STANDALONE_BACKEND:
         return False
-    return name in _FACTORIES or _entry_point(name) is not None
+    return name in _FACTORIES or _entry_point(name) is not None or _torch_registered(name)
+
+
+def _torch_registered(name: str) -> bool:
+    """True when a program registered ``name`` in torch's ``rendezvous_handler_registry`` (looked at only
+    when torch's rendezvous package is imported: a program that registered one has imported it)."""
+    if "torch.distributed.elastic.rendezvous" not in sys.modules:
+        return False
+    from elaunch.rendezvous.torch_handlers import registered_creator
+
+    return registered_creator(name) is not None
 
 
 def backend_names() -> tuple[str, ...]:
@@ -106,6 +119,25 @@ def register(name: str, factory: Factory) -> None:
     _FACTORIES[name] = factory
 
 
+def _torch_factory(name: str) -> Factory | None:
+    """The factory of a torch handler registered as ``name`` outside elaunch: a ``torchrun.handlers`` entry
+    point, else (when the caller has imported torch's rendezvous package, as a program that registered one
+    has) a creator in torch's ``rendezvous_handler_registry``; registered here once found. None: neither."""
+    entry_point = _entry_point(name)
+    if entry_point is not None:
+        from elaunch.rendezvous.torch_handlers import plugin_factory
+
+        factory = plugin_factory(name, entry_point)
+    elif _torch_registered(name):
+        from elaunch.rendezvous.torch_handlers import registered_creator, registered_factory
+
+        factory = registered_factory(name, registered_creator(name))
+    else:
+        return None
+    register(name, factory)
+    return factory
+
+
 def create_handler(params: RendezvousParameters, store_in_background: bool = False,
                    supervisor=None) -> RendezvousHandler:
     """Build the handler of ``params.backend`` (torch: ``rendezvous_handler_registry.create_handler``).
@@ -123,8 +155,9 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
     ignore them, and named in one warning line (``--rdzv-conf: the c10d rendezvous
     does not use timeout; ignored``); the keys it reads keep their strict checks.
 
-    A name not built in is looked up in the ``torchrun.handlers`` entry-point group;
-    its torch handler is wrapped (:func:`elaunch.rendezvous.torch_handlers.plugin_factory`).
+    A name not built in is looked up in the ``torchrun.handlers`` entry-point group, then
+    in torch's ``rendezvous_handler_registry`` (a creator a program registered at run time);
+    its torch handler is wrapped (:mod:`elaunch.rendezvous.torch_handlers`).
 
     Raises:
         RendezvousConfigError: unknown backend name (the message lists the known
@@ -134,12 +167,7 @@ def create_handler(params: RendezvousParameters, store_in_background: bool = Fal
     """
     factory = _FACTORIES.get(params.backend)
     if factory is None and params.backend != STANDALONE_BACKEND:
-        entry_point = _entry_point(params.backend)
-        if entry_point is not None:
-            from elaunch.rendezvous.torch_handlers import plugin_factory
-
-            factory = plugin_factory(params.backend, entry_point)
-            register(params.backend, factory)
+        factory = _torch_factory(params.backend)
     if factory is None:
         known = (*user_backend_names(), *plugin_backend_names())
         raise RendezvousConfigError(

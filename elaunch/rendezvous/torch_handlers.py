@@ -204,16 +204,37 @@ def plugin_factory(name: str, entry_point: Any) -> Callable[[RendezvousParameter
             the creator rejects the parameters (ValueError), or its handler's
             ``get_backend()`` is not ``name`` (torch raises RuntimeError there).
     """
+    return _factory(name, lambda: entry_point.load()(), f"the {entry_point.group} entry point {entry_point.value}")
+
+
+def registered_creator(name: str) -> Callable[[Any], Any] | None:
+    """The creator a program registered as ``name`` in torch's ``rendezvous_handler_registry`` at run time
+    (``rendezvous_handler_registry.register(name, creator)``, as torch's docs show), or None."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    return getattr(rendezvous_handler_registry, "_registry", {}).get(name)
+
+
+def registered_factory(name: str, creator: Callable[[Any], Any]) -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Return the registry factory of a creator registered in torch's registry (:func:`registered_creator`).
+
+    Raises (from the returned factory): as :func:`plugin_factory`'s, but for loading.
+    """
+    return _factory(name, lambda: creator, "torch's rendezvous_handler_registry")
+
+
+def _factory(name: str, load: Callable[[], Callable[[Any], Any]], origin: str
+             ) -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The registry factory of torch handler creator ``load()`` (loaded once, on the first handler built)."""
     creators: list[Callable[[Any], Any]] = []
 
     def factory(params: RendezvousParameters) -> RendezvousHandler:
         if not creators:
             try:
-                creators.append(entry_point.load()())
+                creators.append(load())
             except Exception as exc:  # a broken plugin: one line naming it, as a config error
                 raise RendezvousConfigError(
-                    f"--rdzv-backend={name}: the {entry_point.group} entry point {entry_point.value} "
-                    f"failed to load: {type(exc).__name__}: {exc}") from exc
+                    f"--rdzv-backend={name}: {origin} failed to load: {type(exc).__name__}: {exc}") from exc
         tparams = torch_parameters(params)
         with _translated(name, "creating the handler"):
             try:

@@ -57,11 +57,12 @@ def restored_environ():
     os.environ.update(saved)
 
 
-def launch(module: str, entrypoint, *args, start_method: str = "fork", max_restarts: int = 0, **kw):
+def launch(module: str, entrypoint, *args, start_method: str = "fork", max_restarts: int = 0,
+           rdzv_backend: str = "c10d", **kw):
     """``elastic_launch`` of ``module`` on one node with two workers; return its result."""
     api = importlib.import_module(module)
     config = api.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="launcher-api-test",
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              rdzv_backend=rdzv_backend, rdzv_endpoint=f"127.0.0.1:{free_port()}",
                               start_method=start_method, max_restarts=max_restarts, monitor_interval=0.1, **kw)
     return api.elastic_launch(config, entrypoint)(*args)
 
@@ -458,3 +459,18 @@ def test_the_raised_child_failed_error_is_elaunchs_and_torchs_class_and_pickles(
     for again in (pickle.loads(pickle.dumps(exc)), copy.copy(exc)):
         assert type(again) is type(exc) and str(again) == str(exc)
         assert again.get_first_failure()[0] == 1 and again.name == "fail_on_rank"
+
+
+def test_a_backend_a_program_registered_in_torchs_registry_runs_as_under_torch():
+    """``rendezvous_handler_registry.register(name, creator)`` (torch's docs show it) and then
+    ``LaunchConfig(rdzv_backend=name)``: torch's launcher uses the creator, and elaunch's now too
+    (it said "unknown rendezvous backend" before). The creator: torch's c10d handler under that name."""
+    pytest.importorskip("elaunch_test_plugin")
+    from elaunch_test_plugin.rdzv import Renamed, _c10d
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register("launcher-api-test-c10d", lambda p: Renamed(_c10d(p), "launcher-api-test-c10d"))
+    results = {module: launch(module, launcher_fns.rank_scaled, 5, "r", rdzv_backend="launcher-api-test-c10d")
+               for module in BOTH}
+    assert results[TORCH] == {0: (0, "r", 0), 1: (5, "r", 1)}
+    assert results[ELAUNCH] == results[TORCH]
