@@ -164,8 +164,10 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
         rendezvous said this node is not needed (torch's graceful exit).
 
     Raises:
-        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError), or
-            ``--metrics-port`` cannot be bound (checked before the rendezvous or any process starts).
+        ConfigError: ``--logs-specs`` names an entry point that fails to load (a ValueError),
+            ``--log-dir`` is unusable (a file, or a directory that cannot be created or written
+            in), or ``--metrics-port`` cannot be bound (checked before the rendezvous or any
+            process starts).
         RendezvousConfigError: a backend rejected its configuration (a ValueError).
         RendezvousError: the rendezvous failed.
         SignalException: a handled signal (``--signals-to-handle``) stopped the job;
@@ -279,6 +281,7 @@ def launch(config: LaunchConfig) -> int:
     try:
         result = run_job(config, own_process=True)
     except SignalException as exc:
+        record_launcher_error(exc)
         return 128 + exc.sigval
     except RendezvousConfigError as exc:
         print(f"elaunch: error: {exc}", file=sys.stderr)
@@ -304,11 +307,13 @@ def record_launcher_error(failed: RunResult | BaseException) -> None:
     as another agent's worker (its environment has the variable) hands the root
     cause up. For failed workers, the root cause's error file is copied, with its
     exit code as ``errorCode`` (nothing is written when that worker wrote no file,
-    as torch's); for any other failure, the exception is written. Nothing happens
-    without the variable. Never raises (a write error is a warning).
+    as torch's); for any other failure (a handled signal too: ``SignalException:
+    Process <pid> got signal: <signum>``, torch's message), the exception is written. Nothing happens without the
+    variable. Never raises (a write error is a warning).
 
     Args:
-        failed: the failed job's RunResult, or the exception that ended the launch.
+        failed: the failed job's RunResult, or the exception that ended the launch
+            (``SignalException`` for a handled signal).
     """
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return

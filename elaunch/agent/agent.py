@@ -65,12 +65,15 @@ class SignalException(BaseException):
     The torch-compatible entry points (``elaunch.launcher``, ``elaunch.run``) raise torch's
     ``SignalException`` in its place, as torch's agent does.
 
+    Its message is torch's (``"Process <pid> got signal: <signum>"``), so the launcher's error file
+    reads as torchrun's (``SignalException: Process 7 got signal: 15``).
+
     Attributes:
         sigval: the signal number received.
     """
 
     def __init__(self, sigval: int) -> None:
-        super().__init__(f"agent received {signal.Signals(sigval).name}")
+        super().__init__(f"Process {os.getpid()} got signal: {int(sigval)}")
         self.sigval = sigval
 
 

@@ -146,6 +146,19 @@ def _child_failed_classes() -> tuple[type, ...]:
     return (ChildFailedError,) if theirs is None else (ChildFailedError, theirs)
 
 
+def record_failure(exc: Exception, handler: Any) -> None:
+    """What :func:`record` does with an ``Exception`` ``exc``: a ``ChildFailedError`` (a nested launch failed:
+    elaunch's, or torch's when torch's launcher is loaded) has its root cause's error file copied with
+    ``handler.dump_error_file`` (nothing when that worker wrote none); anything else is written with
+    ``handler.record_exception``. ``handler``: an :class:`ErrorHandler` (torch's fits)."""
+    if not isinstance(exc, _child_failed_classes()):
+        handler.record_exception(exc)
+        return
+    _, root = exc.get_first_failure()
+    if root.error_file and os.path.isfile(root.error_file):
+        handler.dump_error_file(root.error_file, root.exitcode)
+
+
 def record(fn: _F | None = None, error_handler: Any = None):
     """Decorate a worker's entrypoint so an uncaught exception is recorded, then re-raised.
 
@@ -184,12 +197,7 @@ def record(fn: _F | None = None, error_handler: Any = None):
                     return None
                 raise
             except Exception as exc:
-                if not isinstance(exc, _child_failed_classes()):
-                    handler.record_exception(exc)
-                    raise
-                _, root = exc.get_first_failure()
-                if root.error_file and os.path.isfile(root.error_file):
-                    handler.dump_error_file(root.error_file, root.exitcode)
+                record_failure(exc, handler)
                 raise
 
         return wrapper  # type: ignore[return-value]

@@ -6,11 +6,13 @@ The full list, with the ones that do not apply, is in docs/migrating-from-torchr
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 
 import pytest
 
-from tests.helpers import SCRIPTS, kill_tree, launcher_env, load_envs, run, start
+from tests.conftest import wait_for
+from tests.helpers import SCRIPTS, alive, kill_tree, launcher_env, load_envs, read_pids, run, start
 
 
 @pytest.mark.slow
@@ -62,6 +64,68 @@ def test_a_launcher_with_an_error_file_hands_the_root_cause_up_as_torchrun(tmp_p
     assert got["elaunch"]["message"] == got["torchrun"]["message"] == "ValueError: boom 42"
     assert got["elaunch"]["errorCode"] == got["torchrun"]["errorCode"] == 1
     assert got["elaunch"]["extraInfo"]["py_callstack"] == got["torchrun"]["extraInfo"]["py_callstack"]
+
+
+RAISE_ON_RANK_1 = """\
+import os
+if os.environ["RANK"] == "1":
+    raise RuntimeError("boom from rank 1")
+"""
+
+
+@pytest.mark.slow
+def test_a_run_path_worker_records_its_exception_in_its_error_file_as_under_torchrun(tmp_path):
+    # torchrun runs run_script_path under torch's @record: the worker's error file holds the
+    # exception, the summary shows it, and the launcher (@record'd main) copies it up
+    script = tmp_path / "raise_on_1.py"
+    script.write_text(RAISE_ON_RANK_1)
+    got = {}
+    for which in ("torchrun", "elaunch"):
+        mine = tmp_path / f"{which}_error.json"
+        r = run(which, "--standalone", "--nproc-per-node=2", "--run-path", str(script),
+                env=launcher_env(TORCHELASTIC_ERROR_FILE=str(mine)))
+        assert r.returncode == 1, r.stderr
+        assert "error_file: <N/A>" not in r.stderr and "@record" not in r.stderr, r.stderr
+        assert re.search(r"traceback : Traceback \(most recent call last\):", r.stderr), r.stderr
+        assert mine.exists(), f"{which} wrote no error file of its own:\n{r.stderr}"
+        got[which] = _message(mine)
+    for message in got.values():
+        assert message["message"] == "RuntimeError: boom from rank 1"
+        assert message["errorCode"] == 1
+        stack = message["extraInfo"]["py_callstack"]
+        assert "raise_on_1.py" in stack and stack.rstrip().endswith("RuntimeError: boom from rank 1")
+
+
+@pytest.mark.slow
+def test_a_launcher_stopped_by_a_signal_records_it_in_its_error_file_as_torchrun(tmp_path):
+    # torchrun's @record'd main writes the SignalException its handler raised to its own error file
+    got = {}
+    for which in ("torchrun", "elaunch"):
+        out = tmp_path / which
+        out.mkdir()
+        mine = tmp_path / f"{which}_error.json"
+        launcher = start(which, "--standalone", "--nproc-per-node=2", str(SCRIPTS / "sleeper.py"), str(out),
+                         env=launcher_env(TORCHELASTIC_ERROR_FILE=str(mine)), stdout=subprocess.DEVNULL)
+        try:
+            files = [out / "pids_0", out / "pids_1"]
+            wait_for(lambda: all(f.exists() for f in files), 60, what=f"{which}'s workers to start")
+            pids = [pid for f in files for pid in read_pids(f)]
+            launcher.send_signal(signal.SIGTERM)
+            _, err = launcher.communicate(timeout=60)
+            wait_for(lambda: not any(alive(p) for p in pids), 30, what=f"{which}'s workers to exit")
+        finally:
+            kill_tree(launcher.pid)
+        # the status is elaunch's own (128 + signum); torchrun exits 1
+        assert launcher.returncode == {"torchrun": 1, "elaunch": 128 + signal.SIGTERM}[which], err
+        assert mine.exists(), f"{which} wrote no error file:\n{err}"
+        got[which] = (launcher.pid, _message(mine))
+    for pid, message in got.values():
+        assert message["message"] == f"SignalException: Process {pid} got signal: 15"
+        assert "errorCode" not in message
+        stack = message["extraInfo"]["py_callstack"]
+        assert stack.startswith("Traceback (most recent call last):")
+        assert stack.rstrip().endswith(f"SignalException: Process {pid} got signal: 15")
+        assert message["extraInfo"]["timestamp"].isdigit()
 
 
 @pytest.mark.parametrize("api", ["torch.distributed.run", "elaunch.run"])
