@@ -23,6 +23,7 @@ from elaunch.config import LaunchConfig
 from elaunch.config.logs_specs import make_logs_specs
 from elaunch.log import setup_logging
 from elaunch.procs import LogsSpec
+from elaunch.procs.logs import log_dir_problem
 from elaunch.procs.deferral import raise_or_defer
 from elaunch.rendezvous.contract import (
     RendezvousConfigError,
@@ -174,13 +175,17 @@ def run_job(config: LaunchConfig, fork_target: Callable[[int], int] | None = Non
             the workers are stopped and this node left the rendezvous.
     """
     setup_logging(os.environ)
-    _warn_about(config)
     # the workers' environment: snapshot it before a backend adjusts the agent's own
     # (torchrun exports TORCHELASTIC_SIGNALS_TO_HANDLE to every worker too)
     base_env = dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle))
     # torchrun instantiates its LogsSpecs before the rendezvous too
     specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
                             config.local_ranks_filter)
+    if specs is None:  # elaunch's layout: an unusable --log-dir is bad input, found before any process starts
+        problem = log_dir_problem(config.log_dir)
+        if problem is not None:
+            raise ConfigError(f"--log-dir={config.log_dir}: {problem}")
+    _warn_about(config)  # after the checks above: bad input is one line
     # the launch's one supervisor: the metrics server and the rendezvous' threads from now on, the
     # run's helpers and reaper once the agent runs (elaunch.supervision); closed last
     supervisor = Supervisor()

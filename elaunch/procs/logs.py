@@ -4,7 +4,9 @@ Mirrors torch's ``DefaultLogsSpecs``: the run directory is
 ``<log_dir>/<run_id>_<random>/``, one ``attempt_<n>/`` per started group and in it
 one ``<local_rank>/`` per worker holding ``stdout.log``, ``stderr.log`` (when
 redirected or tee'd) and ``error.json`` (the worker's ``TORCHELASTIC_ERROR_FILE``).
-``log_dir=os.devnull`` discards every redirected stream, as torch does.
+``log_dir=os.devnull`` makes no files at all, as torch's ``DefaultLogsSpecs.reify``:
+every stream goes to the console unprefixed, whatever ``--redirects``, ``--tee`` and
+``--local-ranks-filter`` say, and the workers' ``TORCHELASTIC_ERROR_FILE`` is empty.
 
 With ``--logs-specs NAME`` naming a ``torchrun.logs_specs`` entry point other than
 torch's ``DefaultLogsSpecs``, :class:`SpecsLogDir` lets that torch ``LogsSpecs``
@@ -13,6 +15,7 @@ decide the files instead, from its ``reify(envs)`` as torch's agent does.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +25,8 @@ from typing import Any
 
 from .std import Std, std_for
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class LogsSpec:
@@ -29,7 +34,9 @@ class LogsSpec:
 
     Attributes:
         log_dir: base directory (``--log-dir``); None -> a fresh
-            ``tempfile.mkdtemp(prefix="torchelastic_")`` as torch does.
+            ``tempfile.mkdtemp(prefix="torchelastic_")`` as torch does; ``os.devnull``
+            -> no files, every stream on the console (``redirects``, ``tee`` and
+            ``local_ranks_filter`` have no effect then, as in torch).
         redirects: streams written to the rank's log file instead of the console.
         tee: streams written to the log file AND to the console, each line prefixed.
         local_ranks_filter: ``--local-ranks-filter``: only these local ranks reach
@@ -74,9 +81,9 @@ class AttemptLogs:
     """Destinations of one started group (one attempt), per local rank.
 
     Attributes:
-        dir: the ``attempt_<n>`` directory (``os.devnull`` when logs are discarded).
+        dir: the ``attempt_<n>`` directory (``os.devnull`` when ``log_dir`` is ``os.devnull``).
         stdout, stderr: file the stream is written to; None = the agent's own console
-            (inherited); ``os.devnull`` when hidden by the filter or discarded.
+            (inherited); ``os.devnull`` when hidden by ``--local-ranks-filter``.
         tee_stdout, tee_stderr: for ranks whose file is also copied to the console:
             the file to follow (subset of ``stdout``/``stderr`` values).
         unprefixed: local ranks whose stderr is copied to the console without a
@@ -93,11 +100,48 @@ class AttemptLogs:
     error_file: dict[int, str] = field(default_factory=dict)
 
 
+def log_dir_problem(log_dir: str | None) -> str | None:
+    """Say why ``--log-dir`` cannot hold a run's log directory, or None when it can.
+
+    Creates ``log_dir`` (and its parents) when missing, as torch's ``DefaultLogsSpecs``
+    constructor does, then makes and removes an empty directory in it, as the run's
+    own will be made. Called before the rendezvous, so a bad ``--log-dir`` is
+    reported before any worker or helper starts.
+
+    Args:
+        log_dir: the base directory; None (a temporary one) or ``os.devnull`` (no
+            files): nothing to check.
+
+    Returns:
+        None, or the reason as a short phrase without the path, e.g.
+        ``"exists and is not a directory"`` or ``"cannot create a directory in it
+        (Permission denied)"``. Never raises for an unusable directory.
+    """
+    if not log_dir or log_dir == os.devnull:
+        return None
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        return "exists and is not a directory"
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create it ({exc.strerror or exc})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=log_dir))
+    except OSError as exc:
+        return f"cannot create a directory in it ({exc.strerror or exc})"
+    return None
+
+
 class RunLogDir:
     """The job-level log directory of one agent run, created once.
 
+    Without a ``--log-dir`` it lives in a new temporary directory, which
+    :meth:`remove_if_temporary` deletes after a successful run unless a stream was
+    redirected or tee'd into it (then it holds the workers' only copy of that output).
+
     Attributes:
-        root: ``<log_dir>/<run_id>_<random>`` (a new directory; ``os.devnull`` if discarding).
+        root: ``<log_dir>/<run_id>_<random>`` (a new directory; ``os.devnull`` when
+            ``log_dir`` is ``os.devnull``: no files).
         spec: the LogsSpec it was made from.
 
     Raises (constructor):
@@ -109,6 +153,7 @@ class RunLogDir:
         self.spec = spec
         self._made: set[str] = set()
         self._temporary: str | None = None
+        self._redirected = False  # some attempt sent a stream to a file on the user's behalf (-r / -t)
         base = spec.log_dir
         if base == os.devnull:
             self.root = os.devnull
@@ -121,6 +166,7 @@ class RunLogDir:
         safe_id = str(run_id).replace(os.sep, "_") or "run"
         # mkdtemp: a new, uniquely named directory; nothing the user had is touched.
         self.root = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        log.info("log directory set to: %s", self.root)  # torch's DefaultLogsSpecs' line
 
     def attempt(self, attempt: int, local_world_size: int) -> AttemptLogs:
         """Create ``attempt_<attempt>/<local_rank>/`` and return the destinations.
@@ -140,7 +186,7 @@ class RunLogDir:
             raise ValueError(f"attempt={attempt}, local_world_size={local_world_size}: must be >= 0 and >= 1")
         spec = self.spec
         if self.root == os.devnull:
-            return self._discarding(local_world_size)
+            return self._no_files(local_world_size)
         adir = os.path.join(self.root, f"attempt_{attempt}")
         if adir in self._made:
             shutil.rmtree(adir, ignore_errors=True)
@@ -159,6 +205,7 @@ class RunLogDir:
             ):
                 if redirect & std:
                     dest[lr] = os.path.join(rdir, name)
+                    self._redirected = True
                     if tee & std and shown:
                         tee_dest[lr] = dest[lr]
                 elif std is Std.ERR and spec.capture_stderr:
@@ -175,23 +222,30 @@ class RunLogDir:
         """Nothing to do: :meth:`attempt` already decided every destination (see :class:`SpecsLogDir`)."""
 
     def remove_if_temporary(self) -> None:
-        """Delete the run directory when it lives in a temp dir this object created.
+        """Delete the temporary directory this object created, unless it holds redirected output.
 
-        Called after a successful run when no ``--log-dir`` was given, so captured
-        logs do not pile up in /tmp; a failed run keeps them for the user.
+        Called after a successful run when no ``--log-dir`` was given, so elaunch's
+        own stderr capture does not pile up in /tmp; a failed run keeps it for the
+        user. When some attempt redirected or tee'd a stream (``--redirects``,
+        ``--tee``) the directory is kept, as torchrun keeps its temporary one: those
+        files are the program's only copy of that output; an INFO line names it.
+        Never raises (a directory that cannot be removed is left).
         """
-        if self._temporary:
+        if self._temporary and self._redirected:
+            log.info("kept the log directory %s: it holds the workers' redirected output", self.root)
+            self._temporary = None
+        elif self._temporary:
             shutil.rmtree(self._temporary, ignore_errors=True)
             self._temporary = None
 
-    def _discarding(self, local_world_size: int) -> AttemptLogs:
-        spec = self.spec
+    def _no_files(self, local_world_size: int) -> AttemptLogs:
+        """Destinations for ``log_dir=os.devnull``, as torch's ``DefaultLogsSpecs.reify``: every
+        stream on the console, unprefixed (torch tees the empty /dev/null), for every local
+        rank (torch applies ``local_ranks_filter`` only with a real directory), no error file."""
         logs = AttemptLogs(dir=os.devnull)
         for lr in range(local_world_size):
-            redirect = std_for(spec.redirects, lr) | std_for(spec.tee, lr)
-            shown = spec.shows_on_console(lr)
-            logs.stdout[lr] = os.devnull if (redirect & Std.OUT or not shown) else None
-            logs.stderr[lr] = os.devnull if (redirect & Std.ERR or not shown) else None
+            logs.stdout[lr] = None
+            logs.stderr[lr] = None
             logs.error_file[lr] = ""
         return logs
 

@@ -2,7 +2,11 @@
 
 Mirrors torch's ``TailLog`` (tee = redirect to the file + follow the file), with
 one thread for all files instead of one per file, and partial lines held back
-until their newline (or the end) so prefixes never land mid-line.
+until their newline (or the end) so prefixes never land mid-line. A file followed
+without a prefix (a worker's stderr that elaunch captures for the failure summary,
+shown as if inherited) is copied as its bytes are read instead, partial lines
+included, so a progress bar redrawn with ``\r`` (tqdm) moves on the console as it
+would on an inherited stream.
 
 torch's ``TailLog`` looks at each file every 0.1 s. Here the thread sleeps until
 the kernel says a followed file's directory changed (inotify, through the
@@ -26,6 +30,7 @@ comes first (the traceback at DEBUG); the job goes on without it.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import math
 import os
@@ -70,10 +75,15 @@ def inotify_lib():
 
 
 class _Follow:
+    """One followed file. With a prefix: whole lines, each prefixed (a last unterminated one
+    at the end, given a newline). Without: the bytes as read, decoded incrementally (a UTF-8
+    character split across reads is held back until complete), nothing added."""
+
     def __init__(self, path: str, dst: TextIO, prefix: str) -> None:
         self.path, self.dst, self.prefix = path, dst, prefix
         self.fh = None
         self.partial = b""
+        self._decoder = None if prefix else codecs.getincrementaldecoder("utf-8")("replace")
 
     def pump(self, final: bool) -> None:
         if self.fh is None:
@@ -82,21 +92,27 @@ class _Follow:
             except FileNotFoundError:
                 return
         data = self.fh.read()
-        if not data and not (final and self.partial):
-            return
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
-        if final and self.partial:
-            lines.append(self.partial)
-            self.partial = b""
-        if lines:
-            text = "".join(f"{self.prefix}{line.decode('utf-8', 'replace')}\n" for line in lines)
+        if self._decoder is not None:
+            text = self._decoder.decode(data, final=final)
+        else:
+            text = self._lines(data, final)
+        if text:
             try:
                 self.dst.write(text)
                 self.dst.flush()
             except (OSError, ValueError):  # console closed: keep the files, drop the copy
                 pass
+
+    def _lines(self, data: bytes, final: bool) -> str:
+        """The complete lines of what was held back plus ``data``, prefixed ("" if none)."""
+        if not data and not (final and self.partial):
+            return ""
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return "".join(f"{self.prefix}{line.decode('utf-8', 'replace')}\n" for line in lines)
 
     def close(self) -> None:
         if self.fh is not None:
@@ -135,7 +151,9 @@ class Tee:
 
     Args:
         follows: ``(path, destination stream, prefix)`` triples; files need not exist yet
-            (their directories should: a missing one makes the copy poll).
+            (their directories should: a missing one makes the copy poll). An empty
+            prefix copies the bytes as they are read, partial lines included (nothing
+            added at the end); a non-empty one copies whole lines only, each prefixed.
         interval: seconds between looks at the files while polling (before the inotify
             watch is made, and where inotify is unavailable).
         use_inotify: False: always poll every ``interval`` seconds.
@@ -270,7 +288,7 @@ def follows_for(
     """Build Tee triples for ``files`` (local rank -> path).
 
     The prefix is ``prefixes[local_rank]`` (default ``[<local_rank>]:``), or "" for the
-    local ranks in ``unprefixed``.
+    local ranks in ``unprefixed`` (their bytes are then copied as read, see :class:`Tee`).
     """
     return [
         (path, dst, "" if lr in unprefixed else prefixes.get(lr, f"[{lr}]:"))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 
 import pytest
 
 from elaunch.procs import LogsSpec, RunLogDir, Std, line_prefix, std_for, to_map
 from elaunch.procs import _proctree
+from elaunch.procs.logs import log_dir_problem
 from elaunch.procs import tee as tee_module
 from elaunch.procs.tee import Tee
 from tests.conftest import wait_for
@@ -126,12 +128,42 @@ def test_default_log_dir_is_temp(tmp_path, monkeypatch):
     assert os.path.basename(os.path.dirname(run.root)).startswith("torchelastic_")
 
 
-def test_devnull_discards():
-    run = RunLogDir(LogsSpec(log_dir=os.devnull, redirects=Std.OUT), "j")
+@pytest.mark.parametrize("kw", [{"redirects": Std.ALL}, {"tee": Std.ALL}, {"redirects": {0: Std.OUT}, "tee": {1: Std.ERR}},
+                                {"redirects": Std.ALL, "local_ranks_filter": frozenset({0})}])
+def test_devnull_log_dir_keeps_every_stream_on_the_console_as_torch(kw):
+    # torch's DefaultLogsSpecs.reify with a /dev/null log dir: stdouts/stderrs all "" (the
+    # console), tee of /dev/null (nothing, so no prefix), local_ranks_filter not applied
+    run = RunLogDir(LogsSpec(log_dir=os.devnull, **kw), "j")
     logs = run.attempt(0, 2)
-    assert logs.stdout == {0: os.devnull, 1: os.devnull}
+    assert run.root == logs.dir == os.devnull
+    assert logs.stdout == {0: None, 1: None}
     assert logs.stderr == {0: None, 1: None}
+    assert logs.tee_stdout == logs.tee_stderr == {} and logs.unprefixed == set()
     assert logs.error_file == {0: "", 1: ""}
+
+
+@pytest.mark.parametrize("kw", [{"redirects": Std.OUT}, {"tee": Std.ERR}, {"redirects": {1: Std.ERR}}])
+def test_temporary_log_dir_holding_redirected_output_is_kept(kw):
+    run = RunLogDir(LogsSpec(**kw), "j")
+    try:
+        run.attempt(0, 2)
+        run.remove_if_temporary()
+        assert os.path.isdir(run.root)  # the redirected files are the program's only copy, as torchrun keeps them
+    finally:
+        shutil.rmtree(os.path.dirname(run.root), ignore_errors=True)
+
+
+def test_log_dir_problem(tmp_path):
+    assert log_dir_problem(None) is None and log_dir_problem(os.devnull) is None
+    made = tmp_path / "a" / "b"
+    assert log_dir_problem(str(made)) is None
+    assert made.is_dir() and list(made.iterdir()) == []  # created as torch does; the probe is gone
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert log_dir_problem(str(f)) == "exists and is not a directory"
+    assert log_dir_problem(str(f / "sub")) == "cannot create it (Not a directory)"
+    assert log_dir_problem("/proc/elaunch_no_such_dir").startswith("cannot create it (")
+    assert log_dir_problem("/proc").startswith("cannot create a directory in it (")
 
 
 def test_bad_attempt_args(tmp_path):
@@ -176,6 +208,27 @@ def test_tee_copies_lines_while_running_and_a_late_file(tmp_path, use_inotify):
     finally:
         tee.stop()
     assert dst.getvalue() == "a:before\na:one\na:two\nb:new\n"
+
+
+@pytest.mark.parametrize("use_inotify", [True, False], ids=["inotify", "poll"])
+def test_tee_without_prefix_copies_partial_lines_as_read(tmp_path, use_inotify):
+    """The unprefixed copy (captured stderr) forwards bytes as they come: a ``\\r`` progress bar moves,
+    a UTF-8 character split across writes comes out whole, nothing is added at the end."""
+    path = tmp_path / "stderr.log"
+    dst = io.StringIO()
+    tee = Tee([(str(path), dst, "")], interval=0.01, use_inotify=use_inotify, inotify_after=0).start()
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for i in range(3):
+                f.write(f"\r{i}/3".encode())
+                wait_for(lambda: dst.getvalue().endswith(f"\r{i}/3"), 10, what=f"progress update {i}")
+            f.write("\r\u00e9".encode()[:2])  # "\r" and the first byte of a 2-byte character
+            wait_for(lambda: dst.getvalue().endswith("\r2/3\r"), 10, what="the bytes before a split character")
+            f.write("\u00e9".encode()[1:] + b"!")
+            wait_for(lambda: dst.getvalue().endswith("\r\u00e9!"), 10, what="the completed character")
+    finally:
+        tee.stop()
+    assert dst.getvalue() == "\r0/3\r1/3\r2/3\r\u00e9!"
 
 
 def test_tee_watches_with_inotify_only_once_it_has_run_a_while(tmp_path):
