@@ -135,10 +135,12 @@ def save(state: Any, step: int, *, replicated: bool = True) -> None:
             written; both slots keep what they held.
         CheckpointError: the agent's directory (``ELAUNCH_CHECKPOINT_SHM``) is gone.
         OSError: the checkpoint directory cannot be written (without elaunch).
-        ValueError: ``step`` is not an integer >= 0.
+        ValueError: ``step`` is not an integer from 0 to 2**63 - 1 (a snapshot's step is a signed 64-bit field).
     """
-    if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
-        raise ValueError(f"step must be an int >= 0, not {step!r}")
+    from elaunch.checkpoint.slotfile import MAX_STEP
+
+    if isinstance(step, bool) or not hasattr(step, "__index__") or not 0 <= operator.index(step) <= MAX_STEP:
+        raise ValueError(f"step must be an int from 0 to 2**63 - 1, not {step!r}")
     step = operator.index(step)  # a numpy or 0-dim torch integer too
     shm = os.environ.get("ELAUNCH_CHECKPOINT_SHM")
     local_rank = _env_int("LOCAL_RANK", 0)

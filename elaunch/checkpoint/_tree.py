@@ -192,8 +192,19 @@ def _distributed_kind(t: torch.Tensor) -> str | None:
     return None
 
 
+#: torch's sub-byte "shell" dtypes (uint1..uint7, int1..int7): no operation copies them
+_SHELL_DTYPES = frozenset(f"{sign}int{bits}" for sign in ("u", "") for bits in range(1, 8))
+
+
 def _check_tensor(t: torch.Tensor, replicated: bool) -> None:
     kind = _distributed_kind(t)
+    if kind is None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        cls = type(t)
+        raise _Unsupported(
+            f"a tensor subclass ({cls.__module__}.{cls.__qualname__}) would not come back as one (a snapshot "
+            f"restores plain tensors, and a torch.save file may not load weights-only): save its plain data "
+            f"(t.as_subclass(torch.Tensor), or the subclass's own tensors), or save it with "
+            f"torch.distributed.checkpoint")
     if kind is not None and replicated:
         raise _Unsupported(
             f"a {kind} is one rank's part of a tensor spread over ranks (FSDP2, tensor parallelism), not the same "
@@ -208,6 +219,9 @@ def _check_tensor(t: torch.Tensor, replicated: bool) -> None:
             "DTensors (FSDP2, tensor parallelism) with replicated=False, or save it with "
             "torch.distributed.checkpoint (dcp.save)")
     local = t._local_tensor if kind == "DTensor" else t
+    if str(local.dtype).removeprefix("torch.") in _SHELL_DTYPES:
+        raise _Unsupported(f"dtype {local.dtype} is one of torch's shell dtypes, which no torch operation copies: save "
+                           f"the packed bytes (t.view(torch.uint8)) or the tensor subclass's own data")
     if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
         raise _Unsupported(f"only dense tensors with storage can be saved, not layout={local.layout}, "
                            f"quantized={local.is_quantized}, device={local.device}"

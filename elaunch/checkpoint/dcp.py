@@ -160,8 +160,9 @@ class SnapshotWriter(StorageWriter, AsyncStager):
 
     def __init__(self, step: int | None = None) -> None:
         super().__init__()
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ValueError(f"step must be an int >= 0, not {step!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or not 0 <= step <= slotfile.MAX_STEP):
+            raise ValueError(f"step must be an int from 0 to 2**63 - 1, not {step!r}")
         self._given = step
         self.step: int | None = step
         self._rank = int(os.environ.get("RANK", "0") or 0)
@@ -225,6 +226,8 @@ class SnapshotWriter(StorageWriter, AsyncStager):
         if self.step is None:
             raise ValueError(f"SnapshotWriter needs the step: SnapshotWriter(step=...) or a checkpoint_id ending in it "
                              f"(like 'step-120'), not {self._checkpoint_id!r}")
+        if self.step > slotfile.MAX_STEP:
+            raise ValueError(f"checkpoint_id={self._checkpoint_id!r}: its step must be at most 2**63 - 1")
         self._local_plan = None
         self._fs = None
         if not _shm():

@@ -65,6 +65,8 @@ ALIGN = 4096  #: the data starts on a page
 _SEQ = struct.Struct("<Q")
 _SEQ_AT = 8
 _FIELDS = struct.Struct("<qiiIQQ")  # step .. data_len, at offset 16
+#: The largest step a snapshot records (a signed 64-bit field), and ``ckpt.save``/``SnapshotWriter`` take.
+MAX_STEP = 2**63 - 1
 _FIELDS_AT = 16
 _CRC = struct.Struct("<Id")  # crc, time at offset 56
 _CRC_AT = 16 + _FIELDS.size

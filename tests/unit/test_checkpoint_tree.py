@@ -115,3 +115,21 @@ def test_map_location_reads_like_torch_load(saved, map_location, want):
 def test_map_location_of_another_kind_is_refused():
     with pytest.raises(TypeError, match="map_location"):
         target_device("cpu", 3)
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("tensor, why", [
+    (torch.ones(3).as_subclass(_MyTensor), "a tensor subclass (tests.unit.test_checkpoint_tree._MyTensor)"),
+    (torch.zeros(4, dtype=torch.uint4), "dtype torch.uint4 is one of torch's shell dtypes"),
+])
+def test_a_tensor_that_would_not_come_back_is_refused_at_the_save_by_its_key_path(tensor, why):
+    """A tensor subclass passed the save and came back a plain tensor from memory, or failed every load of a
+    torch.save file (UnsafeStateError): it is a TypeError at the first save now, as the docs promise for what
+    would not load. A shell dtype (uint4) raised NotImplementedError from the copy into the slot."""
+    with pytest.raises(TypeError) as err:
+        _tree.pack({"w": tensor})
+    assert "cannot save state['w'] (" in str(err.value) and why in str(err.value)
+    _tree.pack({"w": torch.nn.Parameter(torch.ones(2)), "v": torch.zeros(4, dtype=torch.uint4).view(torch.uint8)})

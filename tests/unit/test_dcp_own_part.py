@@ -107,3 +107,11 @@ def test_ckpt_load_refuses_a_dcp_part_naming_snapshot_reader(tmp_path, monkeypat
     paths = _save_parts(tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match=r"rank 0's part of a torch.distributed.checkpoint save .*SnapshotReader"):
         _read.read(paths[0])
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3", 2**63])
+def test_a_snapshot_writers_step_is_an_int_a_snapshot_can_hold(bad):
+    """2**63 passed and failed inside DCP's save with struct.error (a snapshot's step is a signed 64-bit field)."""
+    with pytest.raises(ValueError, match=r"step must be an int from 0 to 2\*\*63 - 1"):
+        edcp.SnapshotWriter(step=bad)
+    edcp.SnapshotWriter(step=2**63 - 1)
