@@ -74,5 +74,7 @@ def expand_abbreviations(
                 i += 1  # its value, even one that starts with "-"
         elif token in takes_value:
             i += 1  # "-r 3"; "-r3" carries its value
+        elif token[:2] in takes_value and token[2:3] == "=":
+            out[i] = token[:2] + token[3:]  # "-r=3": argparse splits a short option at "=" too; "-r3" for click
         i += 1
     return out

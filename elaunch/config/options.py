@@ -283,11 +283,11 @@ _ROWS = (
     Option("node_rank", STATIC, "Rank of this node (static rendezvous only), 0 .. nnodes-1.", "0", "N",
            partial(V.parse_int, minimum=0), argtype=int, torch="rdzv_configs"),
     Option("master_addr", STATIC, "Address of the rank-0 node (static rendezvous without --rdzv-endpoint).",
-           "127.0.0.1", "HOST", torch="rdzv_endpoint"),
+           "127.0.0.1", "HOST", V.parse_host, torch="rdzv_endpoint"),
     Option("master_port", STATIC, f"Port on the rank-0 node (static rendezvous) [default: {DEFAULT_MASTER_PORT}].",
            None, "PORT", partial(V.parse_int, minimum=1, maximum=65535), argtype=int, torch="rdzv_endpoint"),
     Option("local_addr", STATIC, "This node's address as the others reach it [default: its FQDN].", None, "HOST",
-           torch="local_addr"),
+           V.parse_host, torch="local_addr"),
 )
 #: The rows by ``dest``, in ``--help`` order.
 OPTIONS: dict[str, Option] = {o.dest: o for o in _ROWS}

@@ -12,6 +12,8 @@ parsing twice is harmless. Each row of the option table
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import signal
 from typing import Any
 
@@ -20,10 +22,38 @@ from elaunch.rendezvous import registry
 
 NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
 _UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
+#: Signals the agent receives in the normal course of a job: SIGCHLD at each child's exit
+_AGENTS_OWN = frozenset({"SIGCHLD"})
 
 
 def _bad(label: str, value: Any, reason: str) -> ConfigError:
     return ConfigError(f"{label}={value}: {reason}")
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
+def parse_host(text: str, label: str) -> str:
+    """Check a host name or address (``--local-addr``, ``--master-addr``): a name of letters, digits, ``.``,
+    ``-`` and ``_``, or an IPv4 or IPv6 address (brackets dropped). Not resolved here: a name that does not
+    resolve fails where it is used, as under torchrun.
+
+    Raises:
+        ConfigError: anything else (``bad!host``, spaces), which torch's C++ store would
+            otherwise try to reach for minutes, deaf to SIGINT and SIGTERM.
+    """
+    host = str(text)
+    if not host:
+        return host  # as before, and as torch takes it: the option's default applies where it is read
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare.split("%", 1)[0])
+        return bare
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(host):
+        raise _bad(label, text, "expected a host name or an IP address")
+    return host
 
 
 def parse_nnodes(text: str | tuple[int, int], label: str = "--nnodes") -> tuple[int, int]:
@@ -215,8 +245,8 @@ def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bo
         allow_empty: accept ``""`` or ``none`` as the empty tuple (``--forward-signals``).
 
     Raises:
-        ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), or an
-            empty list when ``allow_empty`` is false.
+        ConfigError: an unknown name, SIGKILL/SIGSTOP (cannot be handled), SIGCHLD (each
+            worker's exit sends it), or an empty list when ``allow_empty`` is false.
     """
     if isinstance(text, (tuple, list)):
         text = ",".join(text)
@@ -233,6 +263,9 @@ def parse_signals(text: str, label: str = "--signals-to-handle", allow_empty: bo
             raise _bad(label, text, f"unknown signal {raw.strip()!r}")
         if name in _UNCATCHABLE:
             raise _bad(label, text, f"{name} cannot be handled")
+        if name in _AGENTS_OWN:
+            raise _bad(label, text, f"{name} is the agent's own (each worker's exit sends it): handling it would "
+                                    f"stop every job")
         if name not in names:
             names.append(name)
     if not names:

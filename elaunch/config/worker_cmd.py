@@ -37,9 +37,10 @@ def build_cmd(
       precedence over ``--no-python`` and ``-m``, as in torchrun.
 
     Raises:
-        ConfigError: ``--no-python`` with ``-m``; a script file that does not exist
-            (not checked with ``-m``); with ``--no-python``, a program that is neither
-            an existing path nor found on ``PATH``.
+        ConfigError: ``--no-python`` with ``-m``; a script that python cannot run (no such
+            file, a directory without ``__main__.py``, unreadable; not checked with ``-m``);
+            with ``--no-python``, a program that is neither an existing path nor found on
+            ``PATH``, or a path that is a directory or not executable.
     """
     env = os.environ if environ is None else environ
     python = env.get("PYTHON_EXEC") or sys.executable
@@ -54,6 +55,9 @@ def build_cmd(
             raise ConfigError(f"{script}: program not found on PATH")
         if os.sep in script and not os.path.exists(script):
             raise ConfigError(f"{script}: no such file")
+        if os.sep in script and (os.path.isdir(script) or not os.access(script, os.X_OK)):
+            raise ConfigError(f"{script}: {'a directory' if os.path.isdir(script) else 'not executable'} (--no-python "
+                              f"runs it as a program)")
         return (script, *args)
     if module:
         return (python, "-u", "-m", script, *args)
@@ -62,8 +66,25 @@ def build_cmd(
 
 
 def _require_file(script: str) -> None:
-    if not os.path.isfile(script):
+    """``script`` is what python runs as a script: a readable file (a zip file too), or a directory holding
+    ``__main__.py`` (``python dir``, as under torchrun).
+
+    Raises:
+        ConfigError: no such file, a directory without ``__main__.py``, or a file that cannot be read.
+    """
+    if os.path.isdir(script):
+        main = os.path.join(script, "__main__.py")
+        if not os.path.isfile(main):
+            raise ConfigError(f"{script}: a directory without __main__.py (training script)")
+    elif os.path.isfile(script):
+        main = script
+    else:
         raise ConfigError(f"{script}: no such file (training script)")
+    try:
+        with open(main, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{main}: cannot be read ({exc.strerror or exc}) (training script)") from None
 
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import subprocess
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -102,7 +103,8 @@ class WarmTarget:
 def parse_worker_cmd(cmd: list[str] | tuple[str, ...], cwd: str | None = None) -> WarmTarget | None:
     """Return the WarmTarget of a ``python [-u] script|-m module args`` argv, or None.
 
-    None means the argv cannot be warmed (``--no-python``, unknown interpreter options).
+    None means the argv cannot be warmed (``--no-python``, unknown interpreter options, a script that is a
+    directory or a zip file).
     """
     cmd = list(cmd)
     if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
@@ -120,6 +122,8 @@ def parse_worker_cmd(cmd: list[str] | tuple[str, ...], cwd: str | None = None) -
             if not os.path.islink(path):
                 break
             path = os.path.join(os.path.dirname(path), os.readlink(path))
+        if os.path.isdir(path) or (os.path.isfile(path) and zipfile.is_zipfile(path)):
+            return None  # a directory or zip file with __main__.py: a spare runs source files only
         return WarmTarget(cmd[0], flags, "script", cmd[i], tuple(cmd[i + 1 :]), os.path.dirname(path))
     return None
 

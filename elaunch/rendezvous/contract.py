@@ -127,6 +127,11 @@ class RendezvousInfo:
     restart_count: int | None = None
 
 
+#: The longest duration an ``--rdzv-conf`` key takes, in seconds (about 3 years): within the bounds of a
+#: store's timeout (milliseconds, 64-bit) and of ``threading``'s waits (``threading.TIMEOUT_MAX``).
+MAX_SECONDS = 1e8
+
+
 @dataclass
 class RendezvousParameters:
     """Everything needed to build a handler (torch: ``RendezvousParameters``).
@@ -199,10 +204,11 @@ class RendezvousParameters:
             raise RendezvousConfigError(f"--rdzv-conf {key}={value}: expected an integer") from None
 
     def get_as_seconds(self, key: str, default: float) -> float:
-        """Return ``key`` as a duration in seconds (float, > 0).
+        """Return ``key`` as a duration in seconds (float, > 0 and at most :data:`MAX_SECONDS`).
 
         Raises:
-            RendezvousConfigError: not a number, or not positive.
+            RendezvousConfigError: not a number, not positive, or larger than :data:`MAX_SECONDS` (``inf``
+                too: a store's timeout and a thread's wait have upper bounds, past which they fail mid-run).
         """
         value = self.get(key)
         if value is None:
@@ -213,6 +219,8 @@ class RendezvousParameters:
             raise RendezvousConfigError(f"--rdzv-conf {key}={value}: expected seconds (a number)") from None
         if not seconds > 0:
             raise RendezvousConfigError(f"--rdzv-conf {key}={value}: must be > 0 seconds")
+        if not seconds <= MAX_SECONDS:
+            raise RendezvousConfigError(f"--rdzv-conf {key}={value}: must be at most {MAX_SECONDS:.0e} seconds")
         return seconds
 
 

@@ -84,6 +84,17 @@ CASES = [
     ([SCRIPT], {"PET_NNODES": "3:2"}, "PET_NNODES=3:2"),
     ([SCRIPT], {"PET_STANDALONE": "yes"}, "PET_STANDALONE=yes"),
     ([SCRIPT], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=soon"),
+    # found by a CLI audit (session 42): each was a traceback, a crash mid-run, or a job that could not run
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29411", "--rdzv-conf=read_timeout=inf", SCRIPT], {},
+     "--rdzv-conf read_timeout=inf: must be at most 1e+08 seconds"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29411", "--rdzv-conf=read_timeout=1e12", SCRIPT], {},
+     "--rdzv-conf read_timeout=1e12: must be at most"),
+    (["--standalone", "--local-addr=bad!host", SCRIPT], {}, "--local-addr=bad!host: expected a host name or an IP"),
+    (["--nnodes=1", "--master-addr=a b", SCRIPT], {}, "--master-addr=a b: expected a host name or an IP address"),
+    (["--signals-to-handle=SIGTERM,SIGCHLD", SCRIPT], {}, "SIGCHLD is the agent's own"),
+    (["{tmp}"], {}, "a directory without __main__.py (training script)"),
+    (["--no-python", "{tmp}"], {}, "a directory (--no-python runs it as a program)"),
+    (["--no-python", "{script}"], {}, "not executable (--no-python runs it as a program)"),
 ]
 
 
@@ -98,7 +109,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, extra_env, needle):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must never run')\n")
-    argv = [str(script) if a == SCRIPT else a for a in argv]
+    argv = [str(script) if a == SCRIPT else str(tmp_path) if a == "{tmp}" else a for a in argv]
     proc = subprocess.run([sys.executable, "-m", "elaunch", *argv], capture_output=True, text=True,
                           env=_env(extra_env), cwd=tmp_path, timeout=60)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -108,3 +119,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, extra_env, needle):
     assert needle in lines[0]
     assert "Traceback" not in proc.stderr and "Usage:" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_directory_with_main_runs_as_the_script_and_short_options_take_an_equals_sign(tmp_path):
+    """``python dir`` runs ``dir/__main__.py``, and torchrun's workers do (elaunch said "no such file"); ``-t=3``
+    is ``-t 3`` to argparse (elaunch read the value as "=3")."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import os\nprint('main of app', os.environ['LOCAL_RANK'])\n")
+    proc = subprocess.run([sys.executable, "-m", "elaunch", "--standalone", "--nproc-per-node=2", "-t=3", str(app)],
+                          capture_output=True, text=True, env=_env({}), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if "main of app" in line) == [
+        "[default0]:main of app 0", "[default1]:main of app 1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -159,6 +160,9 @@ def test_no_python_program_must_exist(script):
         cfg("not-a-program-xyz", {"PATH": "/usr/bin:/bin"}, no_python=True)
     with pytest.raises(ConfigError, match="/no/such/prog"):
         cfg("/no/such/prog", {}, no_python=True)
+    with pytest.raises(ConfigError, match="not executable"):  # its Popen would fail on every worker
+        cfg(script, {}, no_python=True)
+    os.chmod(script, 0o755)
     assert cfg(script, {}, no_python=True).cmd == (script,)
 
 
