@@ -7,6 +7,7 @@ so each takes well under a second).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -132,3 +133,17 @@ def test_a_directory_with_main_runs_as_the_script_and_short_options_take_an_equa
     assert proc.returncode == 0, proc.stderr
     assert sorted(line for line in proc.stdout.splitlines() if "main of app" in line) == [
         "[default0]:main of app 0", "[default1]:main of app 1"]
+
+
+@pytest.mark.skipif(not shutil.which("setpriv") or os.geteuid() != 0, reason="needs root's setpriv to drop its file rights")
+def test_an_unreadable_script_is_one_line_and_exit_2(tmp_path):
+    """Every worker failed with 'Permission denied' (and restarted) before. Root reads any file, so the launcher
+    runs without the capabilities that let it (setpriv)."""
+    script = tmp_path / "unread.py"
+    script.write_text("raise SystemExit('must never run')\n")
+    script.chmod(0)
+    proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all",
+                           sys.executable, "-m", "elaunch", "--standalone", "--max-restarts=2", str(script)],
+                          capture_output=True, text=True, env=_env({}), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"elaunch: error: {script}: cannot be read (Permission denied) (training script)"
