@@ -9,8 +9,10 @@ self-contained file without any extra package; ``.png`` needs matplotlib
 (``pip install 'elaunch[bench]'``). No torchrun counterpart.
 
 Exit status: 0 written; 2 bad input (one line naming it: a missing path, no
-event file, an unknown output type); 1 when matplotlib is missing for a PNG or
-the output cannot be written.
+event file, an unknown output type, an output that cannot be written, e.g. in a
+directory that does not exist); 1 when matplotlib is missing for a PNG. Lines
+that are not an event (not JSON, no ``time`` or ``kind``, a field of the wrong
+type) are skipped.
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ def write(tl: Timeline, output: str, title: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``elaunch timeline`` with ``argv`` (without the program and subcommand names); return the exit status."""
+    """Run ``elaunch timeline`` with ``argv`` (without the program and subcommand names); return the exit status.
+
+    Returns:
+        0 written; 2 bad input or an output that cannot be written (one line on stderr);
+        1 matplotlib missing for a PNG. Never raises for bad input.
+    """
     if argv is not None and any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
         return 0
@@ -87,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print("elaunch timeline: a .png needs matplotlib: pip install 'elaunch[bench]' (or matplotlib), "
               "or write .svg or .html", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"elaunch timeline: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:  # the output's path (reading is a TimelineError): its directory is missing, ...
+        print(f"elaunch timeline: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"{args.output}: {len(tl.lanes)} node(s), {tl.end:.1f} s")
     return 0
 

@@ -7,7 +7,9 @@ draw it. Times are seconds since the earliest event of all files.
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elaunch.agent.ledger import CATEGORIES, ledger_end, ledgers
@@ -118,7 +120,14 @@ def find_event_files(paths: list[str]) -> list[str]:
 
 
 def read_events(files: list[str]) -> list[dict]:
-    """The events of ``files``; lines that are not a JSON event (a line cut by a killed agent) are skipped.
+    """The events of ``files``; lines that are not a JSON event are skipped (a line cut by a killed agent,
+    one whose fields have the wrong types: see :func:`well_formed`).
+
+    Args:
+        files: paths of ``events.jsonl`` files.
+
+    Returns:
+        The :func:`well_formed` events (dicts), file by file in the order written.
 
     Raises:
         TimelineError: a file cannot be read, or no file holds a single event.
@@ -132,7 +141,7 @@ def read_events(files: list[str]) -> list[dict]:
                         e = json.loads(line)
                     except ValueError:
                         continue
-                    if isinstance(e, dict) and isinstance(e.get("time"), (int, float)) and "kind" in e:
+                    if well_formed(e):
                         events.append(e)
         except OSError as exc:
             raise TimelineError(f"{path}: {exc.strerror or exc}") from None
@@ -141,8 +150,105 @@ def read_events(files: list[str]) -> list[dict]:
     return events
 
 
+#: The latest ``time`` drawn: 9999-12-30 UTC, the last day :mod:`datetime` shows in every time zone.
+MAX_TIME = 253402128000.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    """A finite int or float (JSON's ``NaN`` and ``Infinity`` are not; a bool is not)."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _is_time(v: object) -> bool:
+    return _is_number(v) and 0 <= v <= MAX_TIME  # type: ignore[operator]
+
+
+def _opt(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _is_str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_dict(v: object) -> bool:
+    return isinstance(v, dict)
+
+
+def _is_local_rank(v: object) -> bool:
+    return _is_int(v) and v >= 0  # type: ignore[operator]
+
+
+def _is_seconds(v: object) -> bool:
+    return _is_number(v) and v >= 0  # type: ignore[operator]
+
+
+_INT, _OPT_INT, _STR, _OPT_STR, _INTS = _is_int, _opt(_is_int), _is_str, _opt(_is_str), _list_of(_is_int)
+#: Fields every event may have (docs/events.md) -> the check of its value.
+_COMMON: dict[str, Callable[[object], bool]] = {"kind": _STR, "node": _STR, "host": _STR, "round": _INT}
+#: Kind -> the fields of it this module or the goodput ledger reads -> the check of its value.
+_FIELDS: dict[str, dict[str, Callable[[object], bool]]] = {
+    "workers_started": {"ranks": _INTS, "local_ranks": _list_of(_is_local_rank), "pids": _INTS},
+    "worker_exited": {"rank": _INT, "local_rank": _is_local_rank, "pid": _OPT_INT, "exitcode": _OPT_INT,
+                      "signal": _OPT_STR, "stopped": _is_bool, "step": _OPT_INT},
+    "restart": {"counted": _is_bool, "count": _OPT_INT, "budget": _INT, "cause": _STR,
+                "failure": _opt(_is_dict), "step": _OPT_INT},
+    "membership_change": {"came": _list_of(_STR), "left": _list_of(_STR)},
+    "node_check": {"seconds": _is_number, "faulty": _list_of(_STR), "sitting_out": _list_of(_STR),
+                   "nodes": lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values())},
+    "hang": {"ranks": _INTS, "stuck": _is_bool, "quiet_seconds": _opt(_is_seconds)},
+    "checkpoint_restore": {"step": _INT, "sources": lambda v: isinstance(v, dict)
+                           and all(isinstance(x, str) for x in v.values())},
+    "checkpoint_persisted": {"step": _INT, "path": _STR, "seconds": _is_number},
+    "inprocess_restart": {"kept": _INTS, "started": _INTS, "seconds": _is_number},
+    "training": {"step": _OPT_INT},
+    "caught_up": {"step": _OPT_INT},
+    "notice": {"signal": _OPT_STR},
+    "job_succeeded": {"restarts": _INT},
+    "job_failed": {"restarts": _INT, "failure": _opt(_is_dict), "signal": _OPT_STR, "error": _OPT_STR},
+}
+
+
+def well_formed(e: object) -> bool:
+    """Whether ``e`` (one parsed line of ``events.jsonl``) is an event the timeline draws.
+
+    It is a dict with a ``kind`` (a string) and a ``time`` (seconds since the epoch: a
+    finite number from 0 to :data:`MAX_TIME`, not a bool), and each field the timeline
+    reads has its type of docs/events.md where present (``round`` an int, ``ranks`` a
+    list of ints, ``failure`` an object or null, ...). A field that is absent is not
+    checked (its default is drawn); fields the timeline does not read are not checked.
+
+    Args:
+        e: any JSON value.
+
+    Returns:
+        True for an event to draw, False for a line to skip. Never raises.
+    """
+    if not isinstance(e, dict) or not _is_str(e.get("kind")) or not _is_time(e.get("time")):
+        return False
+    checks = {**_COMMON, **_FIELDS.get(e["kind"], {})}
+    return all(check(e[name]) for name, check in checks.items() if name in e)
+
+
 def build(events: list[dict]) -> Timeline:
-    """Lay ``events`` (of one or more nodes) out as a :class:`Timeline`."""
+    """Lay ``events`` (of one or more nodes, each :func:`well_formed`; at least one) out as a :class:`Timeline`.
+
+    Raises:
+        ValueError: ``events`` is empty (``min()`` of nothing).
+        TypeError, ValueError, AttributeError: an event that is not :func:`well_formed`.
+    """
     t0 = min(e["time"] for e in events)
     end = max(e["time"] for e in events) - t0
     by_node: dict[str, list[dict]] = {}
