@@ -139,6 +139,7 @@ class _Control:
         self._go: dict | None = None
         self._closed = False
         self._baseline: set[str] = set()  # socket inodes that existed before this round's main()
+        self._threads: set[int | None] = set()  # idents of the threads alive when this round's main() began
         self._env_keys = set(os.environ)  # the agent's variables: a new round replaces them
         # what the script set (or unset) itself before main()'s first call: a fresh worker's script would do it
         # again, so each round does (computed once: a value derived from the round's RANK is not derived again)
@@ -201,6 +202,7 @@ class _Control:
                 _abort_collectives(self._baseline)
             _destroy_process_group()
             _leave_if_out_of_descriptors()
+            _warn_of_threads(self._threads)
             groups = _ended_groups()
             nccl = any(has_nccl for _, has_nccl in groups)
             if nccl:
@@ -233,6 +235,7 @@ class _Control:
     def _round(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
         """Call ``fn`` once: ("returned", value), ("aborted", None), ("raised", exc) or ("exit", exc)."""
         self._baseline = _socket_inodes()
+        self._threads = {t.ident for t in threading.enumerate()}
         with self._lock:
             # LEFT -> RUNNING: an "abort" may interrupt main() from now on
             self._state = RUNNING
@@ -558,6 +561,21 @@ def _abort_nccl() -> None:
         print(f"elaunch.restartable: NCCL abort failed: {exc}", file=sys.stderr, flush=True)
 
 
+def _warn_of_threads(before: set[int | None]) -> None:
+    """One line on stderr naming the non-daemon threads the ended round started that still run.
+
+    They outlive the round (nothing stops a thread), and Python waits for every non-daemon thread
+    before a process exits: a kept process whose rounds each left one would never end, and its job
+    never finish. ``before``: the idents of the threads alive when the round began.
+    """
+    left = [t for t in threading.enumerate() if not t.daemon and t.ident not in before]
+    if left:
+        names = ", ".join(t.name for t in left[:5]) + (", ..." if len(left) > 5 else "")
+        print(f"elaunch.restartable: {len(left)} non-daemon thread(s) main() started still run after its round "
+              f"ended ({names}); this process cannot exit while they do: start them with daemon=True, or stop "
+              f"them in a finally", file=sys.stderr, flush=True)
+
+
 def _destroy_process_group() -> None:
     """Destroy what is left of this round's process groups, so the next round builds its own.
 
@@ -565,7 +583,8 @@ def _destroy_process_group() -> None:
     the fault fails its shutdown) leaves torch's registry of groups in place, and the next
     round's ``init_process_group`` would fail with "trying to initialize the default process
     group twice"; the groups are then aborted with torch's ``_abort_process_group``, which clears
-    that registry too.
+    that registry too. With no group left, torch's count of groups made is reset as a destroy of
+    the default group resets it: a round aborted inside ``init_process_group`` had counted one.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None:
@@ -574,13 +593,20 @@ def _destroy_process_group() -> None:
                       ("abort_process_group", dist.distributed_c10d._abort_process_group)):
         try:
             if not dist.is_initialized():
-                return
+                break
             end()
         except Exception as exc:  # noqa: BLE001 - the next way of ending them, or the message below
             print(f"elaunch.restartable: {name}: {exc}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         print("elaunch.restartable: the last round's process group could not be ended; the next "
               "init_process_group may fail", file=sys.stderr, flush=True)
+        return
+    # An init_process_group interrupted before its group formed has counted it all the same (torch names
+    # groups by that count): left so, this process's next default group would be named otherwise than a
+    # fresh replacement's, and the two would wait on different store keys until the timeout.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and getattr(world, "group_count", 0):
+        world.group_count = 0
 
 
 #: Share of the soft ``RLIMIT_NOFILE`` limit a process may hold open at a round's end and still be kept.

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import SCRIPTS, finish_agents, free_port, launcher_env, run, start_agent
+from tests.helpers import SCRIPTS, finish_agents, free_port, launcher_env, run, start, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -464,3 +464,32 @@ def test_a_signal_while_survivors_wait_for_the_next_round_is_forwarded_to_them(t
     err = nodes.err("a")
     assert f"local rank 0's kept worker {kept.pid}, waiting for the next round, ended (signal SIGTERM)" in err, \
         err[-3000:]
+
+
+@pytest.mark.parametrize("leave_thread", [False, True])
+def test_a_round_aborted_inside_init_process_group_lets_the_next_one_form(tmp_path, leave_thread):
+    """A survivor interrupted inside ``init_process_group`` had counted the group that never formed
+    (torch's ``_world.group_count``), so its next round's default group got another name than the
+    replacement's: both waited on different store keys until gloo's timeout (found by an audit). The
+    wrapper now resets the count when no group is left; the next round forms at once. A non-daemon thread
+    the aborted round left behind is named in one warning line (such threads kept a process from exiting)."""
+    from tests.conftest import wait_for
+    from tests.helpers import kill_tree
+
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = start("elaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                  str(SCRIPTS / "restartable_init_abort.py"), str(out), *(["--leave-thread"] if leave_thread else []))
+    try:
+        wait_for(lambda: (out / "entering_init").exists() and (out / "pid_1_0").exists(), 60,
+                 what="rank 0 entering init_process_group while rank 1 waits")
+        os.kill(int((out / "pid_1_0").read_text()), signal.SIGKILL)
+        _, err = agent.communicate(timeout=90)  # a deadline: the group's own timeout is 20 s
+    finally:
+        kill_tree(agent.pid)
+    assert agent.returncode == 0, err[-3000:]
+    done = {rank: (out / f"done_{rank}_1").read_text().split() for rank in (0, 1)}
+    assert [d[0] for d in done.values()] == ["2.0", "2.0"]
+    assert done[0][1] == (out / "pid_0_0").read_text()  # rank 0 kept its process: an in-process restart
+    warned = [line for line in err.splitlines() if "non-daemon thread(s) main() started" in line]
+    assert len(warned) == leave_thread and all("(left-by-round-0)" in line for line in warned), err[-3000:]
