@@ -30,13 +30,13 @@ def _bad(label: str, value: Any, reason: str) -> ConfigError:
     return ConfigError(f"{label}={value}: {reason}")
 
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")  # a fully qualified name may end in "."
 
 
 def parse_host(text: str, label: str) -> str:
     """Check a host name or address (``--local-addr``, ``--master-addr``): a name of letters, digits, ``.``,
-    ``-`` and ``_``, or an IPv4 or IPv6 address (brackets dropped). Not resolved here: a name that does not
-    resolve fails where it is used, as under torchrun.
+    ``-`` and ``_`` (a final ``.`` too), or an IPv4 or IPv6 address (bracketed or not); returned as given.
+    Not resolved here: a name that does not resolve fails where it is used, as under torchrun.
 
     Raises:
         ConfigError: anything else (``bad!host``, spaces), which torch's C++ store would
@@ -48,7 +48,7 @@ def parse_host(text: str, label: str) -> str:
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ipaddress.ip_address(bare.split("%", 1)[0])
-        return bare
+        return host  # as given: where it goes (MASTER_ADDR, the store's host) takes what torch takes
     except ValueError:
         pass
     if not _HOST_NAME.fullmatch(host):

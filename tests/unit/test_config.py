@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -328,3 +329,15 @@ def test_options_reject_values_naming_the_flag(options, message):
     with pytest.raises(ConfigError) as info:
         LaunchOptions(**options)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["localhost", "node-01.cluster.local", "host.example.", "n_1", "10.0.0.1", "::1",
+                                  "[::1]", "fe80::1%eth0", ""])
+def test_a_host_name_or_address_is_taken_as_given(host):
+    assert P.parse_host(host, "--local-addr") == host
+
+
+@pytest.mark.parametrize("host", ["bad!host", "a b", " ", "-x", ".", "host..", "[::1", "h:1", "a/b"])
+def test_anything_else_is_not_a_host(host):
+    with pytest.raises(ConfigError, match=re.escape(f"--master-addr={host}: expected a host name or an IP address")):
+        P.parse_host(host, "--master-addr")
