@@ -15,6 +15,7 @@ decide the files instead, from its ``reify(envs)`` as torch's agent does.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -103,9 +104,10 @@ class AttemptLogs:
 def log_dir_problem(log_dir: str | None) -> str | None:
     """Say why ``--log-dir`` cannot hold a run's log directory, or None when it can.
 
-    Creates ``log_dir`` (and its parents) when missing, as torch's ``DefaultLogsSpecs``
-    constructor does, then makes and removes an empty directory in it, as the run's
-    own will be made. Called before the rendezvous, so a bad ``--log-dir`` is
+    Makes and removes an empty directory in it, as the run's own will be made there; for
+    a missing ``log_dir``, in its nearest existing ancestor (``log_dir`` itself is made
+    only by the run, as torch's ``DefaultLogsSpecs`` makes it: a launch that fails another
+    check leaves nothing behind). Called before the rendezvous, so a bad ``--log-dir`` is
     reported before any worker or helper starts.
 
     Args:
@@ -121,14 +123,23 @@ def log_dir_problem(log_dir: str | None) -> str | None:
         return None
     if os.path.exists(log_dir) and not os.path.isdir(log_dir):
         return "exists and is not a directory"
+    if os.path.isdir(log_dir):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=log_dir))
+        except OSError as exc:
+            return f"cannot create a directory in it ({exc.strerror or exc})"
+        return None
+    # missing: nothing is made before the other checks pass (the run makes it); the nearest existing
+    # ancestor must hold a new directory
+    parent = os.path.dirname(os.path.abspath(log_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
     try:
-        os.makedirs(log_dir, exist_ok=True)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=parent))
     except OSError as exc:
         return f"cannot create it ({exc.strerror or exc})"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=log_dir))
-    except OSError as exc:
-        return f"cannot create a directory in it ({exc.strerror or exc})"
     return None
 
 

@@ -121,21 +121,20 @@ def register(name: str, factory: Factory) -> None:
 
 def _torch_factory(name: str) -> Factory | None:
     """The factory of a torch handler registered as ``name`` outside elaunch: a ``torchrun.handlers`` entry
-    point, else (when the caller has imported torch's rendezvous package, as a program that registered one
-    has) a creator in torch's ``rendezvous_handler_registry``; registered here once found. None: neither."""
+    point (registered here once found), else (when the caller has imported torch's rendezvous package, as a
+    program that registered one has) a creator in torch's ``rendezvous_handler_registry``. None: neither."""
     entry_point = _entry_point(name)
     if entry_point is not None:
         from elaunch.rendezvous.torch_handlers import plugin_factory
 
         factory = plugin_factory(name, entry_point)
-    elif _torch_registered(name):
+        register(name, factory)  # an installed package's: it stays
+        return factory
+    if _torch_registered(name):  # looked up again each time: the program may register another creator
         from elaunch.rendezvous.torch_handlers import registered_creator, registered_factory
 
-        factory = registered_factory(name, registered_creator(name))
-    else:
-        return None
-    register(name, factory)
-    return factory
+        return registered_factory(name, registered_creator(name))
+    return None
 
 
 def create_handler(params: RendezvousParameters, store_in_background: bool = False,

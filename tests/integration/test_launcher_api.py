@@ -469,8 +469,14 @@ def test_a_backend_a_program_registered_in_torchs_registry_runs_as_under_torch()
     from elaunch_test_plugin.rdzv import Renamed, _c10d
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register("launcher-api-test-c10d", lambda p: Renamed(_c10d(p), "launcher-api-test-c10d"))
-    results = {module: launch(module, launcher_fns.rank_scaled, 5, "r", rdzv_backend="launcher-api-test-c10d")
-               for module in BOTH}
+    name = "launcher-api-test-c10d"
+    rendezvous_handler_registry.register(name, lambda p: Renamed(_c10d(p), name))
+    try:
+        results = {module: launch(module, launcher_fns.rank_scaled, 5, "r", rdzv_backend=name) for module in BOTH}
+    finally:
+        rendezvous_handler_registry._registry.pop(name)  # torch's registry is this process's: leave it as it was
+    from elaunch.rendezvous import registry
+
+    assert name not in registry.backend_names()  # looked up in torch's registry each time, not kept in elaunch's
     assert results[TORCH] == {0: (0, "r", 0), 1: (5, "r", 1)}
     assert results[ELAUNCH] == results[TORCH]

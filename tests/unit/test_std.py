@@ -157,7 +157,8 @@ def test_log_dir_problem(tmp_path):
     assert log_dir_problem(None) is None and log_dir_problem(os.devnull) is None
     made = tmp_path / "a" / "b"
     assert log_dir_problem(str(made)) is None
-    assert made.is_dir() and list(made.iterdir()) == []  # created as torch does; the probe is gone
+    assert not (tmp_path / "a").exists()  # made by the run only: a launch failing another check leaves nothing
+    assert list(tmp_path.iterdir()) == []  # the probe is gone
     f = tmp_path / "file"
     f.write_text("x")
     assert log_dir_problem(str(f)) == "exists and is not a directory"
