@@ -217,7 +217,7 @@ def test_step_is_an_integer_of_any_kind(shm_dir, monkeypatch):
     ckpt.save({"x": torch.ones(1)}, torch.tensor(4))
     assert ckpt.read_slot(os.path.join(shm_dir, "slots", "0.0")).step == 4
     for bad in (-1, 1.5, True, "3", 2**63):  # 2**63: the slot's signed 64-bit step (struct.error before)
-        with pytest.raises(ValueError, match="step must be an int from 0 to 2\*\*63 - 1"):
+        with pytest.raises(ValueError, match=r"step must be an int from 0 to 2\*\*63 - 1"):
             ckpt.save({"x": torch.ones(1)}, bad)
 
 
