@@ -56,8 +56,8 @@ def build_cmd(
         if os.sep in script and not os.path.exists(script):
             raise ConfigError(f"{script}: no such file")
         if os.sep in script and (os.path.isdir(script) or not os.access(script, os.X_OK)):
-            raise ConfigError(f"{script}: {'a directory' if os.path.isdir(script) else 'not executable'} (--no-python "
-                              f"runs it as a program)")
+            why = "a directory" if os.path.isdir(script) else "not executable"
+            raise ConfigError(f"{script}: {why} (--no-python runs it as a program)")
         return (script, *args)
     if module:
         return (python, "-u", "-m", script, *args)

@@ -121,25 +121,20 @@ def log_dir_problem(log_dir: str | None) -> str | None:
     """
     if not log_dir or log_dir == os.devnull:
         return None
-    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+    exists = os.path.exists(log_dir)
+    if exists and not os.path.isdir(log_dir):
         return "exists and is not a directory"
-    if os.path.isdir(log_dir):
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=log_dir))
-        except OSError as exc:
-            return f"cannot create a directory in it ({exc.strerror or exc})"
-        return None
     # missing: nothing is made before the other checks pass (the run makes it); the nearest existing
     # ancestor must hold a new directory
-    parent = os.path.dirname(os.path.abspath(log_dir))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    probed = os.path.abspath(log_dir)
+    while not os.path.exists(probed):
+        probed = os.path.dirname(probed)
     try:
-        if not os.path.isdir(parent):
+        if not os.path.isdir(probed):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=parent))
+        os.rmdir(tempfile.mkdtemp(prefix=".elaunch_check_", dir=probed))
     except OSError as exc:
-        return f"cannot create it ({exc.strerror or exc})"
+        return f"{'cannot create a directory in it' if exists else 'cannot create it'} ({exc.strerror or exc})"
     return None
 
 

@@ -87,17 +87,17 @@ def is_user_backend(name: str) -> bool:
     """
     if name == STANDALONE_BACKEND:
         return False
-    return name in _FACTORIES or _entry_point(name) is not None or _torch_registered(name)
+    return name in _FACTORIES or _entry_point(name) is not None or _torch_creator(name) is not None
 
 
-def _torch_registered(name: str) -> bool:
-    """True when a program registered ``name`` in torch's ``rendezvous_handler_registry`` (looked at only
-    when torch's rendezvous package is imported: a program that registered one has imported it)."""
+def _torch_creator(name: str) -> Callable[[Any], Any] | None:
+    """The creator a program registered as ``name`` in torch's ``rendezvous_handler_registry``, or None (looked
+    at only when torch's rendezvous package is imported: a program that registered one has imported it)."""
     if "torch.distributed.elastic.rendezvous" not in sys.modules:
-        return False
+        return None
     from elaunch.rendezvous.torch_handlers import registered_creator
 
-    return registered_creator(name) is not None
+    return registered_creator(name)
 
 
 def backend_names() -> tuple[str, ...]:
@@ -130,11 +130,12 @@ def _torch_factory(name: str) -> Factory | None:
         factory = plugin_factory(name, entry_point)
         register(name, factory)  # an installed package's: it stays
         return factory
-    if _torch_registered(name):  # looked up again each time: the program may register another creator
-        from elaunch.rendezvous.torch_handlers import registered_creator, registered_factory
+    creator = _torch_creator(name)  # looked up again each time: the program may register another one
+    if creator is None:
+        return None
+    from elaunch.rendezvous.torch_handlers import registered_factory
 
-        return registered_factory(name, registered_creator(name))
-    return None
+    return registered_factory(name, creator)
 
 
 def create_handler(params: RendezvousParameters, store_in_background: bool = False,
