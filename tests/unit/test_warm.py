@@ -132,6 +132,15 @@ class _TemplatePeer:
         self.spares = []  # stand for the forked spares: the agent's children
         self.template = Template(self.proc, self.agent_end, ["python", "x.py"], {})
 
+    def requests(self, n: int) -> list[int]:
+        """Send ``n`` plain requests to the template; their tickets (the handoff pipes are closed)."""
+        tickets = []
+        for _ in range(n):
+            wfd, ticket = self.template.request(None, None)
+            os.close(wfd)
+            tickets.append(ticket)
+        return tickets
+
     def read_request(self) -> dict:
         import socket
 
@@ -186,11 +195,7 @@ def test_a_dropped_request_of_a_node_template_has_its_spare_reaped_and_a_refusal
     peer = _TemplatePeer()
     try:
         tmpl = peer.template
-        tickets = []
-        for _ in range(3):
-            wfd, ticket = tmpl.request(None, None)
-            os.close(wfd)
-            tickets.append(ticket)
+        tickets = peer.requests(3)
         tmpl.drop(tickets[0])  # its handoff pipe is closed: its spare goes once forked
         peer.end.send(b"R")
         dropped = peer.fork()
@@ -211,11 +216,7 @@ def test_a_template_that_refuses_or_whose_channel_ends_answers_every_request_wit
     peer = _TemplatePeer()
     try:
         tmpl = peer.template
-        tickets = []
-        for _ in range(2):
-            wfd, ticket = tmpl.request(None, None)
-            os.close(wfd)
-            tickets.append(ticket)
+        tickets = peer.requests(2)
         if end == "refuses":
             peer.end.send(b"N")
         else:
